@@ -1,4 +1,17 @@
 //! cleave-driver: everything that happens on a node, without a Kubernetes client or gRPC.
+//!
+//! - [`model`]: the discovered device model; [`backend`]: the hardware seam (`GpuBackend`);
+//!   [`nvml`]: the real backend over NVML.
+//! - [`pool`]: turns the model into published devices; [`inspect`]: human-readable views.
+//! - [`prepare`]: the prepare/unprepare state machine; [`cdi`]: CDI spec files;
+//!   [`checkpoint`]: the durable record of prepared claims; [`driver_root`]: driver files.
 
 pub mod backend;
+pub mod cdi;
+pub mod checkpoint;
+pub mod driver_root;
+pub mod inspect;
 pub mod model;
+pub mod nvml;
+pub mod pool;
+pub mod prepare;
