@@ -1,1 +1,455 @@
-//! placeholder
+//! cleave-apiserver-standin: an in-process Kubernetes API server stand-in for tests and the
+//! demo. It speaks real HTTP/1.1 (and h2c) and JSON on `127.0.0.1:<ephemeral port>`, so an
+//! unmodified `kube::Client` talks to it. It serves `resource.k8s.io/v1` ResourceSlices and
+//! ResourceClaims (plus DeviceClasses, ResourceClaimTemplates), core Nodes, Pods, Namespaces
+//! and Events, `events.k8s.io/v1` Events and Leases, with resourceVersion, conflict, watch
+//! (bookmarks, streaming lists, 410 on expired versions) and ResourceSlice validation
+//! semantics, plus test controls: request records, fault injection and direct store access.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use cleave_apiserver_standin::{StandIn, StandInOptions};
+//! let server = StandIn::start(StandInOptions::default()).await?;
+//! let slices: kube::Api<k8s_openapi::api::resource::v1::ResourceSlice> = kube::Api::all(server.client());
+//! let _ = slices.list(&Default::default()).await?;
+//! assert_eq!(server.count("list", "resourceslices"), 1);
+//! # Ok(()) }
+//! ```
+
+mod error;
+pub mod fixtures;
+mod rand;
+mod select;
+mod server;
+mod store;
+pub mod validate;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use error::{ApiError, StandInError};
+pub use store::{RESOURCES, ResourceDef};
+pub use validate::{
+    FieldError, FieldErrorKind, validate_resource_slice, validate_resource_slice_typed,
+};
+
+use server::{Fault, Shared, lock};
+use store::{Preconditions, Store, find_by_name, find_by_type, meta_str};
+
+/// Kubernetes version the stand-in pretends to be (major is always 1). It selects the
+/// ResourceSlice validation rules and what `GET /version` answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct KubeVersion {
+    /// Minor version (34 for 1.34).
+    pub minor: u32,
+    /// Patch version.
+    pub patch: u32,
+}
+
+impl KubeVersion {
+    /// Kubernetes 1.34.1.
+    pub const V1_34: KubeVersion = KubeVersion {
+        minor: 34,
+        patch: 1,
+    };
+    /// Kubernetes 1.35.0.
+    pub const V1_35: KubeVersion = KubeVersion {
+        minor: 35,
+        patch: 0,
+    };
+    /// Kubernetes 1.36.0.
+    pub const V1_36: KubeVersion = KubeVersion {
+        minor: 36,
+        patch: 0,
+    };
+
+    /// `1.<minor>.<patch>`.
+    pub const fn new(minor: u32, patch: u32) -> Self {
+        KubeVersion { minor, patch }
+    }
+
+    /// `v1.<minor>.<patch>`.
+    pub fn git_version(&self) -> String {
+        format!("v1.{}.{}", self.minor, self.patch)
+    }
+
+    /// The `version.Info` JSON served at `/version`.
+    pub fn info(&self) -> Value {
+        json!({
+            "major": "1",
+            "minor": self.minor.to_string(),
+            "emulationMajor": "1",
+            "emulationMinor": self.minor.to_string(),
+            "minCompatibilityMajor": "1",
+            "minCompatibilityMinor": self.minor.saturating_sub(1).to_string(),
+            "gitVersion": self.git_version(),
+            "gitCommit": "0000000000000000000000000000000000000000",
+            "gitTreeState": "clean",
+            "buildDate": "2025-09-09T00:00:00Z",
+            "goVersion": "go1.24.6",
+            "compiler": "gc",
+            "platform": "linux/amd64",
+        })
+    }
+}
+
+impl Default for KubeVersion {
+    fn default() -> Self {
+        KubeVersion::V1_34
+    }
+}
+
+impl std::fmt::Display for KubeVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "1.{}.{}", self.minor, self.patch)
+    }
+}
+
+/// How to start the stand-in.
+#[derive(Debug, Clone)]
+pub struct StandInOptions {
+    /// Version to report and validate for (default 1.34.1).
+    pub version: KubeVersion,
+    /// How often a watch with `allowWatchBookmarks=true` gets a BOOKMARK (default 1 s).
+    pub bookmark_interval: Duration,
+    /// Changes kept for watch resumption; older resourceVersions get 410 Gone (default 4096).
+    pub history_limit: usize,
+    /// Validate ResourceSlices on create/update (default true).
+    pub validate: bool,
+}
+
+impl Default for StandInOptions {
+    fn default() -> Self {
+        StandInOptions {
+            version: KubeVersion::default(),
+            bookmark_interval: Duration::from_secs(1),
+            history_limit: 4096,
+            validate: true,
+        }
+    }
+}
+
+impl StandInOptions {
+    /// Default options for `version`.
+    pub fn with_version(version: KubeVersion) -> Self {
+        StandInOptions {
+            version,
+            ..Default::default()
+        }
+    }
+}
+
+/// One served request, recorded when its response started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestRecord {
+    /// HTTP method (`GET`, `POST`, ...).
+    pub method: String,
+    /// URL path.
+    pub path: String,
+    /// Raw query string.
+    pub query: String,
+    /// Kubernetes verb: get, list, watch, create, update, patch, delete, deletecollection
+    /// (`unknown` for unrouted paths).
+    pub verb: String,
+    /// Plural resource (`resourceslices`, `nodes`, `version`, ...; empty if unrouted).
+    pub resource: String,
+    /// Response status code.
+    pub status: u16,
+    /// Request body bytes.
+    pub bytes_in: usize,
+    /// Response body bytes (for a watch: streamed so far).
+    pub bytes_out: usize,
+}
+
+/// A running stand-in. Dropping it stops the server and every connection and watch task.
+pub struct StandIn {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    client: kube::Client,
+    shutdown_tx: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for StandIn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StandIn")
+            .field("addr", &self.addr)
+            .field("version", &self.shared.version)
+            .finish()
+    }
+}
+
+fn resource(name: &str) -> Result<&'static ResourceDef, StandInError> {
+    find_by_name(name).ok_or_else(|| StandInError::UnknownResource(name.to_string()))
+}
+
+impl StandIn {
+    /// Binds `127.0.0.1:0` and serves in a task of the current tokio runtime.
+    pub async fn start(opts: StandInOptions) -> Result<StandIn, StandInError> {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+            .await
+            .map_err(StandInError::Bind)?;
+        let addr = listener.local_addr().map_err(StandInError::Bind)?;
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            store: Store::new(opts.history_limit),
+            version: opts.version,
+            bookmark_interval: opts.bookmark_interval,
+            validate: opts.validate,
+            records: Mutex::new(Vec::new()),
+            faults: Mutex::new(Vec::new()),
+            latency_ms: AtomicU64::new(0),
+            unavailable: AtomicBool::new(false),
+            shutdown: shutdown_rx.clone(),
+        });
+        let url = format!("http://{addr}");
+        let client =
+            kube::Client::try_from(config_for(&url)?).map_err(|source| StandInError::Client {
+                url: url.clone(),
+                source,
+            })?;
+        let task = tokio::spawn(server::serve(listener, shared.clone(), shutdown_rx));
+        tracing::debug!(%url, version = %opts.version, "API server stand-in started");
+        Ok(StandIn {
+            shared,
+            addr,
+            client,
+            shutdown_tx,
+            task: Some(task),
+        })
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The listening address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The version the server reports and validates for.
+    pub fn version(&self) -> KubeVersion {
+        self.shared.version
+    }
+
+    /// A `kube::Config` for this server (default namespace `default`, kube's default retry
+    /// policy on: 429/503/504 are retried up to 15 times with backoff).
+    pub fn config(&self) -> kube::Config {
+        // The URL is built from a SocketAddr and always parses.
+        config_for(&self.url())
+            .unwrap_or_else(|_| kube::Config::new(http::Uri::from_static("http://127.0.0.1")))
+    }
+
+    /// A `kube::Client` for this server (a clone of one built at start).
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
+    /// A `kube::Client` with kube's automatic retry of 429/503/504 turned off, to observe
+    /// injected failures directly.
+    pub fn client_without_retry(&self) -> Result<kube::Client, StandInError> {
+        let mut config = self.config();
+        config.default_retry = false;
+        kube::Client::try_from(config).map_err(|source| StandInError::Client {
+            url: self.url(),
+            source,
+        })
+    }
+
+    /// Every request served since start or the last [`StandIn::reset_counts`].
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        lock(&self.shared.records)
+            .iter()
+            .map(|r| {
+                let mut rec = r.rec.clone();
+                if let Some(n) = &r.stream_bytes {
+                    rec.bytes_out = n.load(Ordering::Relaxed);
+                }
+                rec
+            })
+            .collect()
+    }
+
+    /// Requests matching `method` and `resource`. `method` is an HTTP method or a verb
+    /// (`GET` counts get+list+watch, `list` only lists), case-insensitive; `resource` is a
+    /// plural (`resourceslices`) or `plural.group`; `""` or `"*"` match anything.
+    pub fn count(&self, method: &str, resource: &str) -> usize {
+        lock(&self.shared.records)
+            .iter()
+            .filter(|r| {
+                server::pattern_matches(
+                    method,
+                    resource,
+                    &r.rec.method,
+                    &r.rec.verb,
+                    &r.rec.resource,
+                )
+            })
+            .count()
+    }
+
+    /// Forgets recorded requests.
+    pub fn reset_counts(&self) {
+        lock(&self.shared.records).clear();
+    }
+
+    /// Makes the next `n` requests matching `method`/`resource` (patterns as in
+    /// [`StandIn::count`]) fail with `status` and a `Status` body, before they reach the store.
+    pub fn fail_next(&self, method: &str, resource: &str, n: usize, status: u16) {
+        if n > 0 {
+            lock(&self.shared.faults).push(Fault {
+                method: method.to_string(),
+                resource: resource.to_string(),
+                remaining: n,
+                status,
+            });
+        }
+    }
+
+    /// Drops pending injected failures.
+    pub fn clear_faults(&self) {
+        lock(&self.shared.faults).clear();
+    }
+
+    /// Delays every request by `latency` before it is handled.
+    pub fn set_latency(&self, latency: Duration) {
+        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+        self.shared.latency_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// While on, every request is answered 503 ServiceUnavailable.
+    pub fn set_unavailable(&self, unavailable: bool) {
+        self.shared
+            .unavailable
+            .store(unavailable, Ordering::Relaxed);
+    }
+
+    /// Stores `obj` unconditionally as a foreign writer would (create or overwrite; a new
+    /// resourceVersion; uid/creationTimestamp kept if set), emitting ADDED/MODIFIED to
+    /// watchers. The resource comes from `apiVersion`/`kind` (k8s-openapi types set them).
+    /// No validation. Returns the stored object.
+    pub fn put<T: Serialize>(&self, obj: &T) -> Result<Value, StandInError> {
+        let v = serde_json::to_value(obj).map_err(StandInError::Serialize)?;
+        let api_version = v
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let kind = v.get("kind").and_then(Value::as_str).unwrap_or_default();
+        let res = find_by_type(api_version, kind)
+            .ok_or_else(|| StandInError::UnknownResource(format!("{api_version}/{kind}")))?;
+        Ok(self.shared.store.put(res, v)?)
+    }
+
+    /// One stored object (`namespace` is ignored for cluster-scoped resources).
+    pub fn get(&self, resource: &str, namespace: &str, name: &str) -> Option<Value> {
+        let res = find_by_name(resource)?;
+        let ns = if res.namespaced { namespace } else { "" };
+        self.shared.store.get(res, ns, name)
+    }
+
+    /// One stored object, deserialized.
+    pub fn get_as<K: DeserializeOwned>(
+        &self,
+        resource: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Option<K> {
+        serde_json::from_value(self.get(resource, namespace, name)?).ok()
+    }
+
+    /// All stored objects of a resource (all namespaces), sorted by namespace and name.
+    pub fn list(&self, resource: &str) -> Vec<Value> {
+        let Some(res) = find_by_name(resource) else {
+            return Vec::new();
+        };
+        let everything = select::Selector::default();
+        let filter = store::Filter {
+            res,
+            namespace: None,
+            fields: &everything,
+            labels: &everything,
+        };
+        self.shared.store.list(&filter).0
+    }
+
+    /// All stored objects of a resource, deserialized (objects that do not parse are skipped).
+    pub fn list_as<K: DeserializeOwned>(&self, resource: &str) -> Vec<K> {
+        self.list(resource)
+            .into_iter()
+            .filter_map(|v| serde_json::from_value(v).ok())
+            .collect()
+    }
+
+    /// Deletes an object as a foreign writer would (emits DELETED). Returns it, if it existed.
+    pub fn delete(&self, resource: &str, namespace: &str, name: &str) -> Option<Value> {
+        let res = find_by_name(resource)?;
+        let ns = if res.namespaced { namespace } else { "" };
+        self.shared
+            .store
+            .delete(res, ns, name, &Preconditions::default())
+            .ok()
+    }
+
+    /// Creates an object through the same path as a POST (generateName, validation), without
+    /// HTTP and without a request record.
+    pub fn create<T: Serialize>(
+        &self,
+        resource_name: &str,
+        obj: &T,
+    ) -> Result<Value, StandInError> {
+        let res = resource(resource_name)?;
+        let v = serde_json::to_value(obj).map_err(StandInError::Serialize)?;
+        if self.shared.validate && res.kind == "ResourceSlice" {
+            let errs = validate::slice_errors(&v, self.shared.version);
+            if !errs.is_empty() {
+                let name = meta_str(&v, "name").unwrap_or_default().to_string();
+                return Err(ApiError::invalid(res, &name, errs).into());
+            }
+        }
+        let ns = if res.namespaced {
+            meta_str(&v, "namespace").unwrap_or("default").to_string()
+        } else {
+            String::new()
+        };
+        Ok(self.shared.store.create(res, &ns, v)?)
+    }
+
+    /// The current (latest) resourceVersion.
+    pub fn resource_version(&self) -> u64 {
+        self.shared.store.current_rv()
+    }
+
+    /// Stops the server and waits for the accept loop and connections to end.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown_tx.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        let _ = self.shutdown_tx.send(true);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+fn config_for(url: &str) -> Result<kube::Config, StandInError> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|_| StandInError::Url(url.to_string()))?;
+    Ok(kube::Config::new(uri))
+}
