@@ -1,1 +1,526 @@
-//! (in progress)
+//! CDI spec files: one per prepared claim, in the CDI root the container runtime scans.
+//!
+//! File `<root>/k8s.gpu.cleave.dev-claim_<claim UID>.json`, kind `k8s.gpu.cleave.dev/claim`,
+//! one CDI device per claim device named `<claim UID>-<device name>` (the claim UID makes the
+//! name unique over time, so a runtime's spec cache never serves a stale device). The IDs the
+//! kubelet receives are `k8s.gpu.cleave.dev/claim=<claim UID>-<device name>`.
+//!
+//! Environment, and why it looks the way it does: a container may get devices of several
+//! claims, and CDI env entries are set, not appended, so the same variable coming from two
+//! specs silently keeps only one value. Therefore:
+//! - every variable a device sets is named after the device (`CLEAVE_DEVICE_GPU_0_UUID`,
+//!   `CLEAVE_DEVICE_GPU_0_MIG_1G10GB_3_UUID`), and a device is prepared for one claim at a
+//!   time, so these never clash;
+//! - `NVIDIA_VISIBLE_DEVICES=void` (the same value in every spec, so no clash) tells an NVIDIA
+//!   runtime hook, where one is configured, to inject nothing: CDI alone decides what the
+//!   container sees;
+//! - `CUDA_VISIBLE_DEVICES` is not set: a container with devices from two claims would see
+//!   only one claim's list. CUDA enumerates the device nodes the container was given.
+//!
+//! Spec-level `containerEdits` (applied when any device of the claim is injected) hold the
+//! common driver edits of [`crate::driver_root`] plus claim-level edits from the sharing
+//! strategy. Files are written atomically and validated with the `container-device-interface`
+//! crate before they are written.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use cleave_api::names::{CDI_CLASS, CDI_KIND, CDI_VENDOR, DNS_LABEL_MAX};
+use serde::Serialize;
+
+use crate::checkpoint::write_file_atomic;
+use crate::driver_root::DriverFiles;
+
+/// Default CDI root for generated specs (the runtime's dynamic, highest-priority directory).
+pub const DEFAULT_CDI_ROOT: &str = "/var/run/cdi";
+
+/// A CDI failure, naming the claim or file.
+#[derive(Debug, thiserror::Error)]
+pub enum CdiError {
+    /// A claim UID that cannot be used in a file or device name.
+    #[error(
+        "invalid claim UID {uid:?}: only a-z, 0-9 and '-', starting and ending with a letter or digit, at most 63 characters"
+    )]
+    InvalidClaimUid {
+        /// The UID.
+        uid: String,
+    },
+    /// A device name that is not a DNS label.
+    #[error("invalid device name {name:?}: not a DNS label")]
+    InvalidDeviceName {
+        /// The name.
+        name: String,
+    },
+    /// The generated spec failed CDI validation (a bug, or a driver file with an odd name).
+    #[error("CDI spec {path} is invalid: {message}")]
+    Validate {
+        /// Target file.
+        path: PathBuf,
+        /// The validator's message chain.
+        message: String,
+    },
+    /// Writing the spec file failed.
+    #[error("writing CDI spec {path}: {source}")]
+    Write {
+        /// Target file.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// Removing the spec file failed.
+    #[error("removing CDI spec {path}: {source}")]
+    Remove {
+        /// Target file.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+}
+
+/// CDI container edits (the subset cleave emits), serialised with the CDI field names.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerEdits {
+    /// `NAME=VALUE` entries.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    /// Device nodes.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub device_nodes: Vec<DeviceNode>,
+    /// Bind mounts.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<Mount>,
+}
+
+impl ContainerEdits {
+    /// True if the edits change nothing.
+    pub fn is_empty(&self) -> bool {
+        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty()
+    }
+
+    /// Appends `other`'s edits.
+    pub fn extend(&mut self, other: &ContainerEdits) {
+        self.env.extend(other.env.iter().cloned());
+        self.device_nodes.extend(other.device_nodes.iter().cloned());
+        self.mounts.extend(other.mounts.iter().cloned());
+    }
+}
+
+/// A CDI device node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceNode {
+    /// Path in the container.
+    pub path: String,
+    /// Path on the host.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
+    /// `c` for a character device, when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub r#type: Option<String>,
+    /// Major number, when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub major: Option<i64>,
+    /// Minor number, when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub minor: Option<i64>,
+}
+
+impl DeviceNode {
+    /// A node the runtime stats on the host to learn type and numbers.
+    pub fn path(container: impl AsRef<Path>, host: impl AsRef<Path>) -> Self {
+        Self {
+            path: container.as_ref().display().to_string(),
+            host_path: Some(host.as_ref().display().to_string()),
+            r#type: None,
+            major: None,
+            minor: None,
+        }
+    }
+}
+
+/// A CDI bind mount.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Mount {
+    /// Source on the host.
+    pub host_path: String,
+    /// Target in the container.
+    pub container_path: String,
+    /// Mount options (`ro`, `bind`, ...).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub options: Vec<String>,
+}
+
+/// One device of a claim spec: the cleave device name and its own edits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CdiDevice {
+    /// Device name in the pool (`gpu-0`, `gpu-0-mig-1g10gb-3`).
+    pub device_name: String,
+    /// Edits applied when this device is injected.
+    pub edits: ContainerEdits,
+}
+
+/// Checks that a claim UID is safe in a file name and a CDI device name.
+pub fn validate_claim_uid(uid: &str) -> Result<(), CdiError> {
+    let ok = !uid.is_empty()
+        && uid.len() <= DNS_LABEL_MAX
+        && uid
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !uid.starts_with('-')
+        && !uid.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(CdiError::InvalidClaimUid {
+            uid: uid.to_owned(),
+        })
+    }
+}
+
+/// Checks that a device name is a DNS label (`[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63).
+pub fn validate_device_name(name: &str) -> Result<(), CdiError> {
+    let ok = !name.is_empty()
+        && name.len() <= DNS_LABEL_MAX
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(CdiError::InvalidDeviceName {
+            name: name.to_owned(),
+        })
+    }
+}
+
+/// File name of a claim's spec: `k8s.gpu.cleave.dev-claim_<uid>.json`.
+pub fn spec_file_name(claim_uid: &str) -> String {
+    format!("{CDI_VENDOR}-{CDI_CLASS}_{claim_uid}.json")
+}
+
+/// CDI device name (unqualified) of a claim device: `<uid>-<device name>`.
+pub fn cdi_device_name(claim_uid: &str, device_name: &str) -> String {
+    format!("{claim_uid}-{device_name}")
+}
+
+/// Fully-qualified CDI device ID the kubelet hands to the runtime.
+pub fn qualified_device_id(claim_uid: &str, device_name: &str) -> String {
+    format!("{CDI_KIND}={}", cdi_device_name(claim_uid, device_name))
+}
+
+/// Env variable name carrying the UUID of a device: `CLEAVE_DEVICE_<NAME>_UUID`.
+pub fn device_uuid_env(device_name: &str) -> String {
+    let name: String = device_name
+        .chars()
+        .map(|c| match c {
+            '-' => '_',
+            c => c.to_ascii_uppercase(),
+        })
+        .collect();
+    format!("CLEAVE_DEVICE_{name}_UUID")
+}
+
+/// Edits of a whole GPU: its device node (when present on the node) and its UUID env.
+pub fn gpu_device_edits(
+    files: &DriverFiles,
+    device_name: &str,
+    uuid: &str,
+    minor: u32,
+) -> ContainerEdits {
+    ContainerEdits {
+        env: vec![format!("{}={uuid}", device_uuid_env(device_name))],
+        device_nodes: files.gpu_node(minor).into_iter().collect(),
+        mounts: Vec::new(),
+    }
+}
+
+/// Edits of a MIG device: the parent GPU node, the GI and CI capability nodes, its UUID env.
+pub fn mig_device_edits(
+    files: &DriverFiles,
+    device_name: &str,
+    uuid: &str,
+    gpu_minor: u32,
+    gi: u32,
+    ci: u32,
+) -> ContainerEdits {
+    ContainerEdits {
+        env: vec![format!("{}={uuid}", device_uuid_env(device_name))],
+        device_nodes: files.mig_nodes(gpu_minor, gi, ci),
+        mounts: Vec::new(),
+    }
+}
+
+/// Writes and removes claim spec files in one CDI root.
+#[derive(Debug, Clone)]
+pub struct CdiStore {
+    root: PathBuf,
+    common: ContainerEdits,
+}
+
+impl CdiStore {
+    /// A store writing to `root`, adding `common` edits (from the driver root) to every spec.
+    pub fn new(root: impl Into<PathBuf>, common: ContainerEdits) -> Self {
+        Self {
+            root: root.into(),
+            common,
+        }
+    }
+
+    /// The CDI root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Path of a claim's spec file; the UID is validated so the path stays in the root.
+    pub fn spec_path(&self, claim_uid: &str) -> Result<PathBuf, CdiError> {
+        validate_claim_uid(claim_uid)?;
+        Ok(self.root.join(spec_file_name(claim_uid)))
+    }
+
+    /// Builds and validates a claim's spec document and returns its bytes (JSON).
+    pub fn render(
+        &self,
+        claim_uid: &str,
+        devices: &[CdiDevice],
+        claim_edits: &ContainerEdits,
+    ) -> Result<Vec<u8>, CdiError> {
+        let path = self.spec_path(claim_uid)?;
+        let invalid = |message: String| CdiError::Validate {
+            path: path.clone(),
+            message,
+        };
+        let mut spec_edits = self.common.clone();
+        spec_edits.extend(claim_edits);
+        let mut device_values = Vec::with_capacity(devices.len());
+        for device in devices {
+            validate_device_name(&device.device_name)?;
+            device_values.push(serde_json::json!({
+                "name": cdi_device_name(claim_uid, &device.device_name),
+                "containerEdits": device.edits,
+            }));
+        }
+        let mut doc = serde_json::json!({
+            "cdiVersion": container_device_interface::specs::config::CURRENT_VERSION,
+            "kind": CDI_KIND,
+            "devices": device_values,
+        });
+        if !spec_edits.is_empty() {
+            doc["containerEdits"] = serde_json::to_value(&spec_edits)
+                .map_err(|e| invalid(format!("serialising edits: {e}")))?;
+        }
+        // Emit the lowest version that carries the features used: the widest runtime support.
+        let probe: container_device_interface::specs::config::Spec =
+            serde_json::from_value(doc.clone()).map_err(|e| invalid(e.to_string()))?;
+        let version = container_device_interface::version::minimum_required_version(&probe)
+            .map_err(|e| invalid(format!("{e:#}")))?;
+        doc["cdiVersion"] = serde_json::Value::String(version.to_string());
+        let raw: container_device_interface::specs::config::Spec =
+            serde_json::from_value(doc).map_err(|e| invalid(e.to_string()))?;
+        container_device_interface::spec::new_spec(&raw, &path, 0)
+            .map_err(|e| invalid(format!("{e:#}")))?;
+        serde_json::to_vec(&raw).map_err(|e| invalid(e.to_string()))
+    }
+
+    /// Writes a claim's spec atomically (temp file, fsync, rename, fsync of the directory),
+    /// replacing any earlier spec of the claim. Returns the path.
+    pub fn write_claim_spec(
+        &self,
+        claim_uid: &str,
+        devices: &[CdiDevice],
+        claim_edits: &ContainerEdits,
+    ) -> Result<PathBuf, CdiError> {
+        let bytes = self.render(claim_uid, devices, claim_edits)?;
+        let path = self.spec_path(claim_uid)?;
+        write_file_atomic(&path, &bytes).map_err(|source| CdiError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(path)
+    }
+
+    /// Removes a claim's spec; a spec that does not exist is not an error. Returns whether a
+    /// file was removed.
+    pub fn remove_claim_spec(&self, claim_uid: &str) -> Result<bool, CdiError> {
+        let path = self.spec_path(claim_uid)?;
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(source) => Err(CdiError::Remove { path, source }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver_root::DriverRootConfig;
+
+    const UID: &str = "6f1b2a4e-1c0d-4a8e-9f00-0123456789ab";
+
+    fn files(dir: &Path) -> DriverFiles {
+        for f in [
+            "dev/nvidiactl",
+            "dev/nvidia0",
+            "usr/lib64/libcuda.so.1",
+            "usr/bin/nvidia-smi",
+        ] {
+            let p = dir.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, b"").unwrap();
+        }
+        std::fs::create_dir_all(dir.join("proc")).unwrap();
+        std::fs::write(
+            dir.join("proc/devices"),
+            "Character devices:\n236 nvidia-caps\n",
+        )
+        .unwrap();
+        DriverFiles::discover(&DriverRootConfig {
+            root: dir.to_owned(),
+            host_root: None,
+            dev_root: Some(dir.to_owned()),
+            proc_root: dir.join("proc"),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(
+            spec_file_name(UID),
+            "k8s.gpu.cleave.dev-claim_6f1b2a4e-1c0d-4a8e-9f00-0123456789ab.json"
+        );
+        assert_eq!(
+            qualified_device_id(UID, "gpu-0"),
+            "k8s.gpu.cleave.dev/claim=6f1b2a4e-1c0d-4a8e-9f00-0123456789ab-gpu-0"
+        );
+        assert_eq!(
+            device_uuid_env("gpu-1-mig-1g10gbme-6"),
+            "CLEAVE_DEVICE_GPU_1_MIG_1G10GBME_6_UUID"
+        );
+    }
+
+    #[test]
+    fn unsafe_uids_and_names_are_rejected() {
+        for bad in [
+            "",
+            "../x",
+            "a/b",
+            "A",
+            "-a",
+            "a-",
+            "a.b",
+            "a_b",
+            &"a".repeat(64),
+        ] {
+            assert!(validate_claim_uid(bad).is_err(), "{bad:?}");
+            assert!(validate_device_name(bad).is_err(), "{bad:?}");
+        }
+        validate_claim_uid(UID).unwrap();
+        validate_device_name("gpu-0-mig-7g80gb-0").unwrap();
+        let store = CdiStore::new("/nonexistent", ContainerEdits::default());
+        let e = store.spec_path("../../etc").unwrap_err();
+        assert!(e.to_string().contains("invalid claim UID"), "{e}");
+    }
+
+    #[test]
+    fn written_spec_is_valid_and_carries_edits() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = files(dir.path());
+        let cdi_root = dir.path().join("cdi");
+        std::fs::create_dir(&cdi_root).unwrap();
+        let store = CdiStore::new(&cdi_root, files.common_edits());
+        let devices = vec![
+            CdiDevice {
+                device_name: "gpu-0".into(),
+                edits: gpu_device_edits(&files, "gpu-0", "GPU-aaaa", 0),
+            },
+            CdiDevice {
+                device_name: "gpu-1-mig-1g10gb-0".into(),
+                edits: mig_device_edits(&files, "gpu-1-mig-1g10gb-0", "MIG-bbbb", 1, 7, 0),
+            },
+        ];
+        let path = store
+            .write_claim_spec(UID, &devices, &ContainerEdits::default())
+            .unwrap();
+        assert_eq!(path, cdi_root.join(spec_file_name(UID)));
+        let bytes = std::fs::read(&path).unwrap();
+        container_device_interface::schema::validate_builtin(&bytes).unwrap();
+        let spec = container_device_interface::spec::read_spec(&path, 0).unwrap();
+        assert_eq!(spec.get_vendor(), CDI_VENDOR);
+        assert_eq!(spec.get_class(), CDI_CLASS);
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        // hostPath and a device name starting with a digit both need 0.5.0.
+        assert_eq!(v["cdiVersion"], "0.5.0");
+        assert_eq!(v["devices"][0]["name"], format!("{UID}-gpu-0"));
+        assert_eq!(
+            v["devices"][0]["containerEdits"]["env"][0],
+            "CLEAVE_DEVICE_GPU_0_UUID=GPU-aaaa"
+        );
+        assert_eq!(
+            v["devices"][0]["containerEdits"]["deviceNodes"][0]["path"],
+            "/dev/nvidia0"
+        );
+        // MIG: /dev/nvidia1 is absent on this fake node; the cap nodes are described by number.
+        let mig_nodes = &v["devices"][1]["containerEdits"]["deviceNodes"];
+        assert_eq!(mig_nodes.as_array().unwrap().len(), 2);
+        assert_eq!(mig_nodes[0]["path"], "/dev/nvidia-caps/nvidia-cap201");
+        assert_eq!(mig_nodes[0]["major"], 236);
+        assert_eq!(mig_nodes[1]["minor"], 202);
+        assert_eq!(v["containerEdits"]["env"][0], "NVIDIA_VISIBLE_DEVICES=void");
+        assert_eq!(
+            v["containerEdits"]["deviceNodes"][0]["path"],
+            "/dev/nvidiactl"
+        );
+        assert_eq!(v["containerEdits"]["mounts"].as_array().unwrap().len(), 2);
+        // No temp file left beside it.
+        let names: Vec<_> = std::fs::read_dir(&cdi_root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1);
+
+        assert!(store.remove_claim_spec(UID).unwrap());
+        assert!(!path.exists());
+        assert!(!store.remove_claim_spec(UID).unwrap());
+    }
+
+    #[test]
+    fn unwritable_root_names_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let not_a_dir = dir.path().join("file");
+        std::fs::write(&not_a_dir, b"").unwrap();
+        let store = CdiStore::new(&not_a_dir, ContainerEdits::default());
+        let devices = [CdiDevice {
+            device_name: "gpu-0".into(),
+            edits: ContainerEdits {
+                env: vec!["A=B".into()],
+                ..Default::default()
+            },
+        }];
+        let e = store
+            .write_claim_spec(UID, &devices, &ContainerEdits::default())
+            .unwrap_err();
+        assert!(matches!(e, CdiError::Write { .. }));
+        assert!(
+            e.to_string().contains(&not_a_dir.display().to_string()),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn device_without_edits_is_rejected_by_validation() {
+        let store = CdiStore::new("/var/run/cdi", ContainerEdits::default());
+        let devices = [CdiDevice {
+            device_name: "gpu-0".into(),
+            edits: ContainerEdits::default(),
+        }];
+        let e = store
+            .render(UID, &devices, &ContainerEdits::default())
+            .unwrap_err();
+        assert!(matches!(e, CdiError::Validate { .. }), "{e}");
+    }
+}

@@ -1,1 +1,444 @@
-//! (in progress)
+//! The checkpoint: the durable record of what this node prepared, for which claim.
+//!
+//! File `<state dir>/checkpoint.json` (state dir = `<plugins dir>/<driver name>`):
+//!
+//! ```text
+//! {"version":1,"checksum":"sha256:<hex>","data":{ ... }}
+//! ```
+//!
+//! The checksum covers the exact bytes of `data` as they were written, not a re-encoding of
+//! the decoded value. A later release that adds a field writes it into `data` and checksums
+//! what it wrote, and an older release verifies the same bytes and then ignores the field it
+//! does not know; new fields are `#[serde(default)]` so a newer release reads an older file.
+//! `version` changes only for incompatible layouts; a version this code does not know is an
+//! error rather than a guess. Writes are atomic: temp file in the same directory, fsync,
+//! rename, fsync of the directory.
+//!
+//! Recovery from a damaged file (bad checksum, truncated, not JSON, unknown version): the
+//! error names the path. Make sure no pod on the node still uses a claim of this driver (or
+//! accept that their devices are unprepared by hand), then move the file aside
+//! (`mv checkpoint.json checkpoint.json.corrupt`) and restart the plugin; it starts with no
+//! prepared claims. MIG instances cleave created for old claims then look like instances an
+//! administrator made: remove them with `nvidia-smi mig -dci` / `-dgi` if they are not in use.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use sha2::{Digest, Sha256};
+
+use crate::model::Placement;
+
+/// File name of the checkpoint in the state directory.
+pub const CHECKPOINT_FILE: &str = "checkpoint.json";
+/// Layout version written by this release.
+pub const FORMAT_VERSION: u32 = 1;
+/// Default file holding the kernel's boot ID.
+pub const DEFAULT_BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+
+/// How to recover from a damaged checkpoint; part of every corruption error.
+pub const RECOVERY: &str = "to recover: make sure no pod on this node still uses a claim of this driver, move the file aside (mv checkpoint.json checkpoint.json.corrupt) and restart the plugin; it starts with no prepared claims, and MIG instances it created for old claims must be removed with nvidia-smi if unused";
+
+/// A checkpoint failure, naming the file.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// Reading the file failed.
+    #[error("reading checkpoint {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// The file is damaged: not JSON, truncated, or the checksum does not match.
+    #[error("checkpoint {path} is corrupt: {reason}; {RECOVERY}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The file was written by a release with an incompatible layout.
+    #[error(
+        "checkpoint {path} has layout version {version}, this release reads up to {FORMAT_VERSION}; {RECOVERY}"
+    )]
+    UnsupportedVersion {
+        /// The file.
+        path: PathBuf,
+        /// The version found.
+        version: u64,
+    },
+    /// Encoding the checkpoint failed (a bug).
+    #[error("encoding checkpoint {path}: {source}")]
+    Encode {
+        /// The file.
+        path: PathBuf,
+        /// The serde error.
+        source: serde_json::Error,
+    },
+    /// Writing the file failed.
+    #[error("writing checkpoint {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+}
+
+/// Everything the checkpoint records.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointData {
+    /// Boot ID of the kernel when this was written; a different boot means all MIG instances
+    /// and CDI files of the records are gone.
+    #[serde(default)]
+    pub boot_id: String,
+    /// Claims by UID.
+    #[serde(default)]
+    pub claims: BTreeMap<String, ClaimRecord>,
+}
+
+/// Where a claim is in its life on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClaimState {
+    /// Prepare began and may have created MIG instances; not yet answered. Found at start,
+    /// the claim is rolled back.
+    PrepareStarted,
+    /// Prepared and answered; stays until unprepare.
+    Prepared,
+}
+
+/// One claim prepared (or being prepared) on this node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimRecord {
+    /// Claim UID.
+    pub uid: String,
+    /// Claim namespace.
+    #[serde(default)]
+    pub namespace: String,
+    /// Claim name.
+    #[serde(default)]
+    pub name: String,
+    /// Life-cycle state.
+    pub state: ClaimState,
+    /// The claim's devices on this node.
+    #[serde(default)]
+    pub devices: Vec<DeviceRecord>,
+    /// State of the claim's sharing strategy (e.g. MPS daemon), owned by the sharing handler.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<serde_json::Value>,
+}
+
+/// Kind of a prepared device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum DeviceKind {
+    /// A whole GPU (used as is, or as one full-size MIG instance on a MIG-enabled GPU).
+    Gpu,
+    /// A MIG device.
+    Mig,
+}
+
+/// One device of a claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceRecord {
+    /// Device name in the pool (`gpu-0`, `gpu-0-mig-1g10gb-3`).
+    pub name: String,
+    /// Pool the device belongs to.
+    #[serde(default)]
+    pub pool: String,
+    /// Request names of the allocation results (`req` or `req/subrequest`).
+    #[serde(default)]
+    pub request_names: Vec<String>,
+    /// Whole GPU or MIG device.
+    pub kind: DeviceKind,
+    /// UUID of the (parent) GPU.
+    pub gpu_uuid: String,
+    /// Minor number of the (parent) GPU.
+    pub gpu_minor: u32,
+    /// The MIG instance behind the device, for MIG devices and for whole GPUs served by a
+    /// full-size instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigRecord>,
+    /// Effective opaque config applied to the device (as the config API encodes it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<serde_json::Value>,
+    /// CDI device IDs handed to the kubelet.
+    #[serde(default)]
+    pub cdi_device_ids: Vec<String>,
+}
+
+/// The MIG instance of a device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigRecord {
+    /// GPU-instance profile id.
+    pub profile_id: u32,
+    /// Profile name (`1g.10gb`).
+    #[serde(default)]
+    pub profile_name: String,
+    /// Placement of the GPU instance.
+    pub placement: Placement,
+    /// `MIG-...` UUID once the instance exists.
+    #[serde(default)]
+    pub uuid: Option<String>,
+    /// GPU instance id once the instance exists.
+    #[serde(default)]
+    pub gi_id: Option<u32>,
+    /// Compute instance id once the instance exists.
+    #[serde(default)]
+    pub ci_id: Option<u32>,
+    /// True if cleave created the instance for this claim (and destroys it at unprepare);
+    /// false for instances that existed before (never destroyed by cleave).
+    pub created_by_cleave: bool,
+}
+
+#[derive(Deserialize)]
+struct Envelope<'a> {
+    version: u64,
+    checksum: String,
+    #[serde(borrow)]
+    data: &'a RawValue,
+}
+
+fn checksum(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+/// Encodes `data` into the checkpoint file format.
+pub fn encode(data: &CheckpointData) -> Result<Vec<u8>, serde_json::Error> {
+    let body = serde_json::to_vec_pretty(data)?;
+    Ok(wrap(&body))
+}
+
+/// Wraps already-encoded `data` bytes in the envelope with their checksum (also used by tests
+/// to write files the way a newer release would).
+pub fn wrap(data_bytes: &[u8]) -> Vec<u8> {
+    let head = format!(
+        "{{\"version\":{FORMAT_VERSION},\"checksum\":\"{}\",\"data\":",
+        checksum(data_bytes)
+    );
+    let mut out = Vec::with_capacity(head.len() + data_bytes.len() + 2);
+    out.extend_from_slice(head.as_bytes());
+    out.extend_from_slice(data_bytes);
+    out.extend_from_slice(b"}\n");
+    out
+}
+
+/// Decodes checkpoint file bytes; `path` is only used in errors.
+pub fn decode(path: &Path, bytes: &[u8]) -> Result<CheckpointData, CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt {
+        path: path.to_owned(),
+        reason,
+    };
+    let envelope: Envelope<'_> =
+        serde_json::from_slice(bytes).map_err(|e| corrupt(format!("not a checkpoint: {e}")))?;
+    if envelope.version == 0 || envelope.version > u64::from(FORMAT_VERSION) {
+        return Err(CheckpointError::UnsupportedVersion {
+            path: path.to_owned(),
+            version: envelope.version,
+        });
+    }
+    let actual = checksum(envelope.data.get().as_bytes());
+    if actual != envelope.checksum {
+        return Err(corrupt(format!(
+            "checksum mismatch: file says {}, data hashes to {actual}",
+            envelope.checksum
+        )));
+    }
+    serde_json::from_str(envelope.data.get())
+        .map_err(|e| corrupt(format!("data does not decode: {e}")))
+}
+
+/// Writes `bytes` to `path` atomically: `.<name>.tmp` in the same directory, fsync, rename,
+/// fsync of the directory. The temp name ends in neither `.json` nor `.yaml`, so CDI
+/// runtimes never read a half-written spec.
+pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(".tmp");
+    let tmp = dir.join(tmp_name);
+    let result = (|| {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Reads the kernel boot ID (trimmed) from `path`.
+pub fn read_boot_id(path: &Path) -> io::Result<String> {
+    Ok(fs::read_to_string(path)?.trim().to_owned())
+}
+
+/// Loads and stores the checkpoint file.
+#[derive(Debug, Clone)]
+pub struct CheckpointStore {
+    path: PathBuf,
+}
+
+impl CheckpointStore {
+    /// A store for `<state_dir>/checkpoint.json`.
+    pub fn in_dir(state_dir: &Path) -> Self {
+        Self {
+            path: state_dir.join(CHECKPOINT_FILE),
+        }
+    }
+
+    /// The file path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Loads the checkpoint; a missing file is an empty checkpoint.
+    pub fn load(&self) -> Result<CheckpointData, CheckpointError> {
+        match fs::read(&self.path) {
+            Ok(bytes) => decode(&self.path, &bytes),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(CheckpointData::default()),
+            Err(source) => Err(CheckpointError::Read {
+                path: self.path.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// Stores the checkpoint durably.
+    pub fn store(&self, data: &CheckpointData) -> Result<(), CheckpointError> {
+        let bytes = encode(data).map_err(|source| CheckpointError::Encode {
+            path: self.path.clone(),
+            source,
+        })?;
+        write_file_atomic(&self.path, &bytes).map_err(|source| CheckpointError::Write {
+            path: self.path.clone(),
+            source,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CheckpointData {
+        let mut claims = BTreeMap::new();
+        claims.insert(
+            "uid-1".to_owned(),
+            ClaimRecord {
+                uid: "uid-1".into(),
+                namespace: "ns".into(),
+                name: "claim".into(),
+                state: ClaimState::Prepared,
+                devices: vec![DeviceRecord {
+                    name: "gpu-0-mig-1g10gb-3".into(),
+                    pool: "node-a".into(),
+                    request_names: vec!["mig".into()],
+                    kind: DeviceKind::Mig,
+                    gpu_uuid: "GPU-1".into(),
+                    gpu_minor: 0,
+                    mig: Some(MigRecord {
+                        profile_id: 19,
+                        profile_name: "1g.10gb".into(),
+                        placement: Placement { start: 3, size: 1 },
+                        uuid: Some("MIG-1".into()),
+                        gi_id: Some(10),
+                        ci_id: Some(0),
+                        created_by_cleave: true,
+                    }),
+                    config: None,
+                    cdi_device_ids: vec![
+                        "k8s.gpu.cleave.dev/claim=uid-1-gpu-0-mig-1g10gb-3".into(),
+                    ],
+                }],
+                sharing: None,
+            },
+        );
+        CheckpointData {
+            boot_id: "boot".into(),
+            claims,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_missing_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::in_dir(dir.path());
+        assert_eq!(store.load().unwrap(), CheckpointData::default());
+        store.store(&sample()).unwrap();
+        assert_eq!(store.load().unwrap(), sample());
+        assert!(!dir.path().join(".checkpoint.json.tmp").exists());
+    }
+
+    #[test]
+    fn damage_is_detected_with_path_and_recovery() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::in_dir(dir.path());
+        store.store(&sample()).unwrap();
+        let good = fs::read(store.path()).unwrap();
+        let text = String::from_utf8(good.clone()).unwrap();
+
+        let flipped = text.replace("\"claim\"", "\"clain\"").into_bytes();
+        let truncated = good[..good.len() / 2].to_vec();
+        let cases: [(&str, Vec<u8>); 3] = [
+            ("checksum mismatch", flipped),
+            ("not a checkpoint", truncated),
+            ("not a checkpoint", b"garbage".to_vec()),
+        ];
+        for (want, bytes) in cases {
+            fs::write(store.path(), &bytes).unwrap();
+            let e = store.load().unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, CheckpointError::Corrupt { .. }), "{msg}");
+            assert!(msg.contains(want), "{msg}");
+            assert!(msg.contains(&store.path().display().to_string()), "{msg}");
+            assert!(
+                msg.contains("mv checkpoint.json checkpoint.json.corrupt"),
+                "{msg}"
+            );
+        }
+
+        let future = text.replacen("\"version\":1", "\"version\":2", 1);
+        fs::write(store.path(), future).unwrap();
+        let e = store.load().unwrap_err();
+        assert!(
+            matches!(e, CheckpointError::UnsupportedVersion { version: 2, .. }),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn checksum_covers_bytes_as_written_not_re_encoding() {
+        // Same data, different formatting (as another serializer might write): still valid.
+        let compact = serde_json::to_vec(&sample()).unwrap();
+        let decoded = decode(Path::new("x"), &wrap(&compact)).unwrap();
+        assert_eq!(decoded, sample());
+    }
+
+    #[test]
+    fn write_atomic_fails_cleanly_in_missing_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing/checkpoint.json");
+        assert!(write_file_atomic(&path, b"x").is_err());
+    }
+}

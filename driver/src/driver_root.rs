@@ -1,1 +1,613 @@
-//! (in progress)
+//! Driver files under the driver root, found once at start and never per claim.
+//!
+//! The NVIDIA user-space driver lives either on the host (`/`) or in a driver container
+//! (`/run/nvidia/driver`). At start the plugin looks there for control device nodes,
+//! compute libraries and tools, and reads the MIG capability minors and the `nvidia-caps`
+//! character major. The result, [`DriverFiles`], yields the common CDI container edits that
+//! every claim device gets and the device nodes of each GPU and MIG device.
+//!
+//! Missing files are not errors: a node with the mock NVML library has none of them, and the
+//! edits then contain what exists.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::cdi::{ContainerEdits, DeviceNode, Mount};
+
+/// Control device nodes every CUDA container needs, as names under `/dev`.
+pub const CONTROL_NODES: &[&str] = &[
+    "nvidiactl",
+    "nvidia-uvm",
+    "nvidia-uvm-tools",
+    "nvidia-modeset",
+];
+
+/// Prefixes of the user-space libraries mounted into containers (each matched as `<prefix>.so.*`).
+pub const LIBRARIES: &[&str] = &[
+    "libnvidia-ml",
+    "libcuda",
+    "libcudadebugger",
+    "libnvidia-ptxjitcompiler",
+    "libnvidia-nvvm",
+    "libnvidia-opencl",
+    "libnvidia-allocator",
+    "libnvidia-cfg",
+    "libnvidia-gpucomp",
+    "libnvidia-pkcs11",
+    "libnvidia-pkcs11-openssl3",
+];
+
+/// Library directories searched under the driver root, in order.
+pub const LIBRARY_DIRS: &[&str] = &[
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib64",
+    "lib/x86_64-linux-gnu",
+    "lib/aarch64-linux-gnu",
+    "lib64",
+    "usr/lib",
+    "lib",
+];
+
+/// Tools mounted into containers when present.
+pub const BINARIES: &[&str] = &[
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+];
+
+/// Binary directories searched under the driver root, in order.
+pub const BINARY_DIRS: &[&str] = &["usr/bin", "bin"];
+
+/// Mount options of the read-only bind mounts of libraries and binaries.
+const MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "bind"];
+
+/// Char major of `/dev/nvidia<minor>` and `/dev/nvidiactl` (fixed by the kernel module).
+pub const NVIDIA_MAJOR: u32 = 195;
+
+/// Where to look for the driver, as this process sees it and as the container runtime on the
+/// host sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverRootConfig {
+    /// The driver root as this process sees it (`/`, or where `/run/nvidia/driver` is mounted).
+    pub root: PathBuf,
+    /// The same directory as the host (the container runtime) sees it; CDI host paths start
+    /// here. `None`: same as `root`.
+    pub host_root: Option<PathBuf>,
+    /// Root under which `dev/` holds the device nodes. `None`: `root` if `<root>/dev/nvidiactl`
+    /// exists, else `/` (a driver container usually creates the nodes in the host's `/dev`).
+    pub dev_root: Option<PathBuf>,
+    /// The kernel's `/proc` (`/proc/devices`, `/proc/driver/nvidia-caps/mig-minors`).
+    pub proc_root: PathBuf,
+}
+
+impl DriverRootConfig {
+    /// Driver installed on the host: root `/`, nodes in `/dev`, kernel info in `/proc`.
+    pub fn host() -> Self {
+        Self::at("/")
+    }
+
+    /// Driver under `root` (seen at the same path on the host), `/proc` as usual.
+    pub fn at(root: impl Into<PathBuf>) -> Self {
+        Self {
+            root: root.into(),
+            host_root: None,
+            dev_root: None,
+            proc_root: PathBuf::from("/proc"),
+        }
+    }
+}
+
+impl Default for DriverRootConfig {
+    fn default() -> Self {
+        Self::host()
+    }
+}
+
+/// A failure reading the driver root. Missing files are not failures; unreadable ones are.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverRootError {
+    /// A directory or file exists but could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The path that failed.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+}
+
+/// A file found under the driver root: where this process saw it and where the host and the
+/// container see it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FoundFile {
+    /// Path relative to the root it was found under (no leading `/`).
+    pub relative: PathBuf,
+    /// Path on the host (host root joined with `relative`).
+    pub host_path: PathBuf,
+}
+
+impl FoundFile {
+    /// Path in the container: `/` joined with the relative path.
+    pub fn container_path(&self) -> PathBuf {
+        Path::new("/").join(&self.relative)
+    }
+}
+
+/// Driver files and numbers found once at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverFiles {
+    /// Control device nodes that exist (`/dev/nvidiactl`, ...).
+    pub control_nodes: Vec<FoundFile>,
+    /// GPU device nodes `/dev/nvidia<minor>` that exist, by minor.
+    pub gpu_nodes: BTreeMap<u32, FoundFile>,
+    /// User-space driver libraries (files and symlinks matching `<prefix>.so.*`).
+    pub libraries: Vec<FoundFile>,
+    /// Driver tools (`nvidia-smi`, ...).
+    pub binaries: Vec<FoundFile>,
+    /// Char major of `nvidia-caps` from `/proc/devices`, when the module is loaded.
+    pub caps_major: Option<u32>,
+    /// Entries of `mig-minors` (`gpu0/gi1/access` -> minor), empty when the file is absent.
+    pub mig_minors: BTreeMap<String, u32>,
+    /// Host path of the dev root (`/` normally); cap nodes are `<this>/dev/nvidia-caps/...`.
+    pub host_dev_root: PathBuf,
+}
+
+fn read_dir_names(dir: &Path) -> Result<Vec<String>, DriverRootError> {
+    match fs::read_dir(dir) {
+        Ok(entries) => {
+            let mut names = Vec::new();
+            for entry in entries {
+                let entry = entry.map_err(|source| DriverRootError::Read {
+                    path: dir.to_owned(),
+                    source,
+                })?;
+                if let Some(name) = entry.file_name().to_str() {
+                    names.push(name.to_owned());
+                }
+            }
+            names.sort();
+            Ok(names)
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
+            ) =>
+        {
+            Ok(Vec::new())
+        }
+        Err(source) => Err(DriverRootError::Read {
+            path: dir.to_owned(),
+            source,
+        }),
+    }
+}
+
+fn read_optional(path: &Path) -> Result<Option<String>, DriverRootError> {
+    match fs::read_to_string(path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(source) => Err(DriverRootError::Read {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Parses `/proc/devices` and returns the major of the character device `name`.
+pub fn parse_char_major(proc_devices: &str, name: &str) -> Option<u32> {
+    let mut in_char = false;
+    for line in proc_devices.lines() {
+        let line = line.trim();
+        if line.ends_with(':') {
+            in_char = line == "Character devices:";
+            continue;
+        }
+        if !in_char {
+            continue;
+        }
+        if let Some((major, dev)) = line.split_once(char::is_whitespace)
+            && dev.trim() == name
+        {
+            return major.parse().ok();
+        }
+    }
+    None
+}
+
+/// Parses `mig-minors` lines (`gpu0/gi1/ci0/access 13`).
+pub fn parse_mig_minors(text: &str) -> BTreeMap<String, u32> {
+    text.lines()
+        .filter_map(|line| {
+            let (key, minor) = line.trim().split_once(char::is_whitespace)?;
+            Some((key.to_owned(), minor.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Minor of `gpu<gpu>/gi<gi>/access` by the driver's fixed numbering (MIG-FACTS §6).
+pub fn gi_access_minor_formula(gpu_minor: u32, gi: u32) -> u32 {
+    3 + 135 * gpu_minor + 9 * gi
+}
+
+/// Minor of `gpu<gpu>/gi<gi>/ci<ci>/access` by the driver's fixed numbering (MIG-FACTS §6).
+pub fn ci_access_minor_formula(gpu_minor: u32, gi: u32, ci: u32) -> u32 {
+    4 + 135 * gpu_minor + 9 * gi + ci
+}
+
+impl DriverFiles {
+    /// Looks for the driver files once. Missing files are skipped; unreadable directories fail.
+    pub fn discover(config: &DriverRootConfig) -> Result<Self, DriverRootError> {
+        let root = &config.root;
+        let host_root = config.host_root.as_ref().unwrap_or(root);
+        let (dev_root, host_dev_root) = match &config.dev_root {
+            Some(d) => (d.clone(), d.clone()),
+            None if root.join("dev/nvidiactl").exists() => (root.clone(), host_root.clone()),
+            None => (PathBuf::from("/"), PathBuf::from("/")),
+        };
+
+        let found = |host_base: &Path, relative: PathBuf| FoundFile {
+            host_path: host_base.join(&relative),
+            relative,
+        };
+
+        let mut control_nodes = Vec::new();
+        for name in CONTROL_NODES {
+            let relative = Path::new("dev").join(name);
+            if dev_root.join(&relative).exists() {
+                control_nodes.push(found(&host_dev_root, relative));
+            }
+        }
+
+        let mut gpu_nodes = BTreeMap::new();
+        for name in read_dir_names(&dev_root.join("dev"))? {
+            if let Some(minor) = name
+                .strip_prefix("nvidia")
+                .filter(|m| !m.is_empty() && m.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|m| m.parse::<u32>().ok())
+            {
+                gpu_nodes.insert(minor, found(&host_dev_root, Path::new("dev").join(&name)));
+            }
+        }
+
+        let libraries = Self::scan(root, host_root, LIBRARY_DIRS, |name| {
+            LIBRARIES.iter().any(|prefix| {
+                name.strip_prefix(prefix)
+                    .is_some_and(|rest| rest.starts_with(".so."))
+            })
+        })?;
+        let binaries = Self::scan(root, host_root, BINARY_DIRS, |name| {
+            BINARIES.contains(&name)
+        })?;
+
+        let caps_major = read_optional(&config.proc_root.join("devices"))?
+            .and_then(|text| parse_char_major(&text, "nvidia-caps"));
+        let mig_minors_path = Path::new("proc/driver/nvidia-caps/mig-minors");
+        let mig_minors = match read_optional(&root.join(mig_minors_path))? {
+            Some(text) => Some(text),
+            None => read_optional(&config.proc_root.join("driver/nvidia-caps/mig-minors"))?,
+        }
+        .map(|text| parse_mig_minors(&text))
+        .unwrap_or_default();
+
+        let files = Self {
+            control_nodes,
+            gpu_nodes,
+            libraries,
+            binaries,
+            caps_major,
+            mig_minors,
+            host_dev_root,
+        };
+        tracing::info!(
+            root = %root.display(),
+            control_nodes = files.control_nodes.len(),
+            gpu_nodes = files.gpu_nodes.len(),
+            libraries = files.libraries.len(),
+            binaries = files.binaries.len(),
+            caps_major = ?files.caps_major,
+            mig_minors = files.mig_minors.len(),
+            "found driver files"
+        );
+        Ok(files)
+    }
+
+    /// Files in `dirs` under `root` whose name `matches`, one per distinct directory (a
+    /// directory reached twice through a symlink such as `lib -> usr/lib` counts once).
+    fn scan(
+        root: &Path,
+        host_root: &Path,
+        dirs: &[&str],
+        matches: impl Fn(&str) -> bool,
+    ) -> Result<Vec<FoundFile>, DriverRootError> {
+        let mut seen_dirs = BTreeSet::new();
+        let mut seen_names = BTreeSet::new();
+        let mut out = Vec::new();
+        for dir in dirs {
+            let abs = root.join(dir);
+            let Ok(canonical) = fs::canonicalize(&abs) else {
+                continue;
+            };
+            if !seen_dirs.insert(canonical) {
+                continue;
+            }
+            for name in read_dir_names(&abs)? {
+                // The same library in two directories (say lib64 and usr/lib) would be mounted
+                // twice at different paths; the first directory in search order wins.
+                if matches(&name) && seen_names.insert(name.clone()) {
+                    let relative = Path::new(dir).join(&name);
+                    out.push(FoundFile {
+                        host_path: host_root.join(&relative),
+                        relative,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The container edits every claim device gets: control nodes, library and tool mounts,
+    /// and `NVIDIA_VISIBLE_DEVICES=void` so that an NVIDIA runtime hook, if one is configured,
+    /// injects nothing on its own and CDI alone decides what the container sees.
+    pub fn common_edits(&self) -> ContainerEdits {
+        let mut edits = ContainerEdits {
+            env: vec!["NVIDIA_VISIBLE_DEVICES=void".to_owned()],
+            ..ContainerEdits::default()
+        };
+        for node in &self.control_nodes {
+            edits.device_nodes.push(DeviceNode::path(
+                node.container_path(),
+                node.host_path.clone(),
+            ));
+        }
+        for file in self.libraries.iter().chain(&self.binaries) {
+            edits.mounts.push(Mount {
+                host_path: file.host_path.display().to_string(),
+                container_path: file.container_path().display().to_string(),
+                options: MOUNT_OPTIONS.iter().map(|s| (*s).to_owned()).collect(),
+            });
+        }
+        edits
+    }
+
+    /// Device node of the whole GPU `/dev/nvidia<minor>`, when it exists on the node.
+    pub fn gpu_node(&self, minor: u32) -> Option<DeviceNode> {
+        self.gpu_nodes
+            .get(&minor)
+            .map(|f| DeviceNode::path(f.container_path(), f.host_path.clone()))
+    }
+
+    /// Minor of the capability node of GPU instance `gi` on the GPU with `gpu_minor`.
+    pub fn gi_access_minor(&self, gpu_minor: u32, gi: u32) -> u32 {
+        self.mig_minors
+            .get(&format!("gpu{gpu_minor}/gi{gi}/access"))
+            .copied()
+            .unwrap_or_else(|| gi_access_minor_formula(gpu_minor, gi))
+    }
+
+    /// Minor of the capability node of compute instance `ci` in GPU instance `gi`.
+    pub fn ci_access_minor(&self, gpu_minor: u32, gi: u32, ci: u32) -> u32 {
+        self.mig_minors
+            .get(&format!("gpu{gpu_minor}/gi{gi}/ci{ci}/access"))
+            .copied()
+            .unwrap_or_else(|| ci_access_minor_formula(gpu_minor, gi, ci))
+    }
+
+    /// Capability device node `/dev/nvidia-caps/nvidia-cap<minor>`. With the `nvidia-caps`
+    /// major known the node is described fully (type, major, minor), so the runtime can
+    /// create it even where the host has not yet; without it only an existing node is used.
+    pub fn cap_node(&self, minor: u32) -> Option<DeviceNode> {
+        let relative = format!("dev/nvidia-caps/nvidia-cap{minor}");
+        let container_path = Path::new("/").join(&relative);
+        let host_path = self.host_dev_root.join(&relative);
+        match self.caps_major {
+            Some(major) => Some(DeviceNode {
+                path: container_path.display().to_string(),
+                host_path: Some(host_path.display().to_string()),
+                r#type: Some("c".to_owned()),
+                major: Some(i64::from(major)),
+                minor: Some(i64::from(minor)),
+            }),
+            None if host_path.exists() => Some(DeviceNode::path(container_path, host_path)),
+            None => None,
+        }
+    }
+
+    /// Device nodes of a MIG device: the parent GPU node and the GI and CI access nodes.
+    pub fn mig_nodes(&self, gpu_minor: u32, gi: u32, ci: u32) -> Vec<DeviceNode> {
+        let mut nodes: Vec<DeviceNode> = self.gpu_node(gpu_minor).into_iter().collect();
+        nodes.extend(self.cap_node(self.gi_access_minor(gpu_minor, gi)));
+        nodes.extend(self.cap_node(self.ci_access_minor(gpu_minor, gi, ci)));
+        nodes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn touch(path: &Path) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, b"").unwrap();
+    }
+
+    #[test]
+    fn formula_matches_published_minors() {
+        assert_eq!(ci_access_minor_formula(3, 3, 3), 439);
+        assert_eq!(ci_access_minor_formula(6, 11, 7), 920);
+        assert_eq!(gi_access_minor_formula(0, 7), 66);
+        assert_eq!(ci_access_minor_formula(0, 7, 0), 67);
+        assert_eq!(gi_access_minor_formula(0, 9), 84);
+        assert_eq!(gi_access_minor_formula(0, 2), 21);
+        assert_eq!(ci_access_minor_formula(0, 3, 1), 32);
+    }
+
+    #[test]
+    fn proc_devices_major() {
+        let text = "Character devices:\n  1 mem\n195 nvidia-frontend\n236 nvidia-caps\n237 nvidia-caps-imex-channels\n\nBlock devices:\n236 nvidia-caps\n";
+        assert_eq!(parse_char_major(text, "nvidia-caps"), Some(236));
+        assert_eq!(
+            parse_char_major(text, "nvidia-caps-imex-channels"),
+            Some(237)
+        );
+        assert_eq!(parse_char_major(text, "nvidia-uvm"), None);
+        let block_only = "Character devices:\n 1 mem\nBlock devices:\n 9 nvidia-caps\n";
+        assert_eq!(parse_char_major(block_only, "nvidia-caps"), None);
+    }
+
+    #[test]
+    fn fake_root_is_found_and_prefix_stripped() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("driver");
+        let proc_root = dir.path().join("proc");
+        for f in [
+            "dev/nvidiactl",
+            "dev/nvidia-uvm",
+            "dev/nvidia0",
+            "dev/nvidia3",
+            "dev/nvidia-caps/nvidia-cap21",
+            "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+            "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.570.148.08",
+            "usr/lib/x86_64-linux-gnu/libnvidia-ml.so",
+            "usr/lib/x86_64-linux-gnu/libcuda.so.1",
+            "usr/lib/x86_64-linux-gnu/libcudart.so.12",
+            "usr/lib/x86_64-linux-gnu/libnvidia-mlx.so.1",
+            "usr/lib64/libcuda.so.1",
+            "usr/lib64/libnvidia-opencl.so.1",
+            "usr/bin/nvidia-smi",
+            "usr/bin/nvidia-cuda-mps-control",
+            "usr/bin/ls",
+        ] {
+            touch(&root.join(f));
+        }
+        fs::write(
+            root.join("dev/nvidia-caps/nvidia-cap21"),
+            b"not a device, but present",
+        )
+        .unwrap();
+        fs::create_dir_all(&proc_root).unwrap();
+        fs::write(
+            proc_root.join("devices"),
+            "Character devices:\n195 nvidia\n241 nvidia-caps\n",
+        )
+        .unwrap();
+        touch(&root.join("proc/driver/nvidia-caps/mig-minors"));
+        fs::write(
+            root.join("proc/driver/nvidia-caps/mig-minors"),
+            "config 1\nmonitor 2\ngpu0/gi2/access 21\ngpu0/gi2/ci0/access 1000\n",
+        )
+        .unwrap();
+
+        let config = DriverRootConfig {
+            root: root.clone(),
+            host_root: Some(PathBuf::from("/run/nvidia/driver")),
+            dev_root: None,
+            proc_root,
+        };
+        let files = DriverFiles::discover(&config).unwrap();
+        // <root>/dev/nvidiactl exists, so device nodes come from the driver root.
+        let ctl = &files.control_nodes[0];
+        assert_eq!(ctl.container_path(), Path::new("/dev/nvidiactl"));
+        assert_eq!(ctl.host_path, Path::new("/run/nvidia/driver/dev/nvidiactl"));
+        assert_eq!(files.control_nodes.len(), 2);
+        assert_eq!(files.gpu_nodes.keys().copied().collect::<Vec<_>>(), [0, 3]);
+        let libs: Vec<String> = files
+            .libraries
+            .iter()
+            .map(|f| f.container_path().display().to_string())
+            .collect();
+        assert_eq!(
+            libs,
+            [
+                "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+                "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.570.148.08",
+                "/usr/lib64/libnvidia-opencl.so.1",
+            ]
+        );
+        assert_eq!(
+            files.libraries[0].host_path,
+            Path::new("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+        );
+        let bins: Vec<String> = files
+            .binaries
+            .iter()
+            .map(|f| f.container_path().display().to_string())
+            .collect();
+        assert_eq!(
+            bins,
+            ["/usr/bin/nvidia-cuda-mps-control", "/usr/bin/nvidia-smi"]
+        );
+        assert_eq!(files.caps_major, Some(241));
+        // Listed minors win over the formula; unlisted fall back to it.
+        assert_eq!(files.gi_access_minor(0, 2), 21);
+        assert_eq!(files.ci_access_minor(0, 2, 0), 1000);
+        assert_eq!(
+            files.ci_access_minor(1, 3, 1),
+            ci_access_minor_formula(1, 3, 1)
+        );
+
+        let edits = files.common_edits();
+        assert_eq!(edits.env, ["NVIDIA_VISIBLE_DEVICES=void"]);
+        assert_eq!(edits.device_nodes.len(), 2);
+        assert_eq!(edits.mounts.len(), 6);
+        assert!(edits.mounts.iter().all(|m| m.options == MOUNT_OPTIONS));
+
+        let mig = files.mig_nodes(0, 2, 0);
+        assert_eq!(mig.len(), 3);
+        assert_eq!(mig[0].path, "/dev/nvidia0");
+        assert_eq!(mig[1].path, "/dev/nvidia-caps/nvidia-cap21");
+        assert_eq!(mig[1].major, Some(241));
+        assert_eq!(mig[2].minor, Some(1000));
+    }
+
+    #[test]
+    fn empty_root_yields_only_env() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DriverRootConfig {
+            root: dir.path().to_owned(),
+            host_root: None,
+            dev_root: Some(dir.path().to_owned()),
+            proc_root: dir.path().join("proc"),
+        };
+        let files = DriverFiles::discover(&config).unwrap();
+        let edits = files.common_edits();
+        assert!(edits.device_nodes.is_empty() && edits.mounts.is_empty());
+        assert_eq!(files.gpu_node(0), None);
+        // No caps major and no node on disk: no cap node rather than a node the runtime cannot find.
+        assert_eq!(files.cap_node(21), None);
+        assert!(files.mig_nodes(0, 2, 0).is_empty());
+    }
+
+    #[test]
+    fn symlinked_lib_dir_counts_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        touch(&root.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"));
+        std::os::unix::fs::symlink("usr/lib", root.join("lib")).unwrap();
+        let config = DriverRootConfig {
+            root: root.to_owned(),
+            host_root: None,
+            dev_root: Some(root.to_owned()),
+            proc_root: root.join("proc"),
+        };
+        let files = DriverFiles::discover(&config).unwrap();
+        assert_eq!(files.libraries.len(), 1);
+        assert_eq!(
+            files.libraries[0].host_path,
+            root.join("usr/lib/x86_64-linux-gnu/libcuda.so.1")
+        );
+    }
+}
