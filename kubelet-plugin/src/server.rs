@@ -1,0 +1,459 @@
+//! Serving the DRA and registration services on unix sockets, the way the kubelet
+//! expects them.
+//!
+//! Layout (kubelet defaults): the DRA socket `<plugins dir>/<driver>/dra.sock` inside a
+//! root-only (0700) state directory, and the registration socket
+//! `<registrar dir>/<driver>-reg.sock` which the kubelet's plugin watcher discovers.
+//! With a pod UID the names become `dra-<uid>.sock` and `<driver>-<uid>-reg.sock`, so
+//! during a rolling update the new pod registers beside the old one (seamless upgrade).
+//! The DRA service is served before the registration socket appears; on shutdown the
+//! registration socket goes first. Each instance removes only sockets it created.
+
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tracing::{debug, info, warn};
+
+use crate::grpc::{DraService, RegistrationService, RegistrationState};
+use crate::handler::ClaimHandler;
+
+/// How long shutdown waits for in-flight calls before it aborts a server.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Why the servers could not start or stop cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A directory could not be created or given its permissions.
+    #[error("creating directory {path}: {source}")]
+    CreateDir {
+        /// Directory path.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+    /// Something that is not a socket sits where a socket must go.
+    #[error("{path} exists and is not a socket; refusing to remove it")]
+    NotASocket {
+        /// The offending path.
+        path: PathBuf,
+    },
+    /// A stale socket could not be removed.
+    #[error("removing stale socket {path}: {source}")]
+    RemoveStale {
+        /// Socket path.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+    /// Binding the unix socket failed.
+    #[error("listening on {path}: {source}")]
+    Bind {
+        /// Socket path.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+    /// Restricting the socket's permissions failed.
+    #[error("setting permissions of {path}: {source}")]
+    Permissions {
+        /// Socket path.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+    /// A gRPC server stopped with an error.
+    #[error("serving {path}: {source}")]
+    Serve {
+        /// Socket path.
+        path: PathBuf,
+        /// Underlying error.
+        source: tonic::transport::Error,
+    },
+    /// The pod UID cannot be part of a file name.
+    #[error("invalid pod UID {0:?}: must be non-empty and contain only [A-Za-z0-9._-]")]
+    InvalidPodUid(String),
+}
+
+/// Where the plugin's sockets and state live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginConfig {
+    /// DRA driver name, e.g. `gpu.cleave.dev`.
+    pub driver_name: String,
+    /// Kubelet plugin registration directory (`/var/lib/kubelet/plugins_registry`).
+    pub registrar_dir: PathBuf,
+    /// Kubelet plugins directory (`/var/lib/kubelet/plugins`).
+    pub plugins_dir: PathBuf,
+    /// UID of the plugin's pod; when set, socket names carry it (seamless upgrade).
+    pub pod_uid: Option<String>,
+}
+
+impl PluginConfig {
+    /// A configuration without pod UID.
+    pub fn new(
+        driver_name: impl Into<String>,
+        registrar_dir: impl Into<PathBuf>,
+        plugins_dir: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            driver_name: driver_name.into(),
+            registrar_dir: registrar_dir.into(),
+            plugins_dir: plugins_dir.into(),
+            pod_uid: None,
+        }
+    }
+
+    /// Sets the pod UID; an empty string means none.
+    pub fn with_pod_uid(mut self, pod_uid: Option<String>) -> Self {
+        self.pod_uid = pod_uid.filter(|u| !u.is_empty());
+        self
+    }
+
+    /// The driver's state directory: `<plugins dir>/<driver>` (checkpoint, lock, DRA socket).
+    pub fn data_dir(&self) -> PathBuf {
+        self.plugins_dir.join(&self.driver_name)
+    }
+
+    /// The DRA service socket: `dra.sock` or `dra-<pod UID>.sock` in [`Self::data_dir`].
+    pub fn dra_socket(&self) -> PathBuf {
+        match &self.pod_uid {
+            Some(uid) => self.data_dir().join(format!("dra-{uid}.sock")),
+            None => self.data_dir().join("dra.sock"),
+        }
+    }
+
+    /// The registration socket: `<driver>-reg.sock` or `<driver>-<pod UID>-reg.sock`.
+    pub fn registration_socket(&self) -> PathBuf {
+        let name = match &self.pod_uid {
+            Some(uid) => format!("{}-{uid}-reg.sock", self.driver_name),
+            None => format!("{}-reg.sock", self.driver_name),
+        };
+        self.registrar_dir.join(name)
+    }
+
+    /// The node-wide serialisation lock file shared by all instances.
+    pub fn lock_file(&self) -> PathBuf {
+        self.data_dir().join("serialize.lock")
+    }
+
+    /// Checks names and creates the directories: the registrar directory, and the state
+    /// directory with mode 0700 (root only).
+    pub fn prepare_dirs(&self) -> Result<(), ServerError> {
+        if let Some(uid) = &self.pod_uid
+            && !uid
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        {
+            return Err(ServerError::InvalidPodUid(uid.clone()));
+        }
+        let create = |path: &Path, mode: Option<u32>| -> Result<(), ServerError> {
+            let err = |source| ServerError::CreateDir {
+                path: path.to_owned(),
+                source,
+            };
+            let mut builder = std::fs::DirBuilder::new();
+            builder.recursive(true);
+            if let Some(mode) = mode {
+                builder.mode(mode);
+            }
+            builder.create(path).map_err(err)?;
+            if let Some(mode) = mode {
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+                    .map_err(err)?;
+            }
+            Ok(())
+        };
+        create(&self.registrar_dir, None)?;
+        create(&self.plugins_dir, None)?;
+        create(&self.data_dir(), Some(0o700))
+    }
+}
+
+/// One gRPC server on one socket file that this instance created.
+struct ServedSocket {
+    path: PathBuf,
+    /// (device, inode) of the socket we bound: removal only if the file is still ours.
+    identity: (u64, u64),
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
+}
+
+impl ServedSocket {
+    fn remove_if_ours(&self) {
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == self.identity => {
+                if let Err(e) = std::fs::remove_file(&self.path) {
+                    warn!(path = %self.path.display(), error = %e, "could not remove socket");
+                }
+            }
+            Ok(_) => {
+                debug!(path = %self.path.display(), "socket replaced by another instance; left alone")
+            }
+            Err(_) => {}
+        }
+    }
+
+    async fn stop(mut self) -> Result<(), ServerError> {
+        // Removing the file first: the kubelet sees the registration socket vanish
+        // (deregistration) and no new connections reach a stopping server.
+        self.remove_if_ours();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let Some(mut task) = self.task.take() else {
+            return Ok(());
+        };
+        match tokio::time::timeout(SHUTDOWN_GRACE, &mut task).await {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(source))) => Err(ServerError::Serve {
+                path: self.path.clone(),
+                source,
+            }),
+            Ok(Err(join)) => {
+                warn!(path = %self.path.display(), error = %join, "server task failed");
+                Ok(())
+            }
+            Err(_) => {
+                warn!(path = %self.path.display(), "server did not stop in time; aborting it");
+                task.abort();
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for ServedSocket {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+            self.remove_if_ours();
+        }
+    }
+}
+
+/// Binds a unix socket at `path`, replacing a stale socket, with mode 0600.
+fn bind(path: &Path) -> Result<(UnixListener, (u64, u64)), ServerError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            info!(path = %path.display(), "removing stale socket");
+            std::fs::remove_file(path).map_err(|source| ServerError::RemoveStale {
+                path: path.to_owned(),
+                source,
+            })?;
+        }
+        Ok(_) => {
+            return Err(ServerError::NotASocket {
+                path: path.to_owned(),
+            });
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(|source| ServerError::Bind {
+        path: path.to_owned(),
+        source,
+    })?;
+    let perm_err = |source| ServerError::Permissions {
+        path: path.to_owned(),
+        source,
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(perm_err)?;
+    let m = std::fs::symlink_metadata(path).map_err(perm_err)?;
+    Ok((listener, (m.dev(), m.ino())))
+}
+
+fn serve(
+    path: PathBuf,
+    identity: (u64, u64),
+    listener: UnixListener,
+    router: tonic::transport::server::Router,
+) -> ServedSocket {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let incoming = UnixListenerStream::new(listener);
+    let task = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
+        let _ = stopped.await;
+    }));
+    ServedSocket {
+        path,
+        identity,
+        stop: Some(stop),
+        task: Some(task),
+    }
+}
+
+/// The running DRA and registration servers of one plugin instance.
+///
+/// Dropping it stops both servers (without waiting) and removes its sockets;
+/// [`PluginServer::shutdown`] does the same and waits for in-flight calls.
+pub struct PluginServer {
+    registration: Option<ServedSocket>,
+    dra: Option<ServedSocket>,
+    state: watch::Receiver<RegistrationState>,
+    dra_socket: PathBuf,
+    registration_socket: PathBuf,
+}
+
+impl std::fmt::Debug for PluginServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PluginServer")
+            .field("dra_socket", &self.dra_socket)
+            .field("registration_socket", &self.registration_socket)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PluginServer {
+    /// Creates the directories, serves the DRA service (v1 and v1beta1) on the DRA
+    /// socket, then the registration service on the registration socket.
+    pub async fn start<H: ClaimHandler>(
+        config: &PluginConfig,
+        handler: Arc<H>,
+    ) -> Result<Self, ServerError> {
+        config.prepare_dirs()?;
+        let dra_socket = absolute(&config.dra_socket());
+        let registration_socket = absolute(&config.registration_socket());
+
+        let dra_service = DraService::new(handler);
+        let (listener, identity) = bind(&dra_socket)?;
+        let router = tonic::transport::Server::builder()
+            .add_service(dra_service.v1_svc())
+            .add_service(dra_service.v1beta1_svc());
+        let dra = serve(dra_socket.clone(), identity, listener, router);
+        info!(path = %dra_socket.display(), "serving DRA service");
+
+        let registration_service = RegistrationService::new(&config.driver_name, &dra_socket);
+        let state = registration_service.state();
+        let (listener, identity) = bind(&registration_socket)?;
+        let router = tonic::transport::Server::builder().add_service(registration_service.svc());
+        let registration = serve(registration_socket.clone(), identity, listener, router);
+        info!(path = %registration_socket.display(), "serving registration service");
+
+        Ok(Self {
+            registration: Some(registration),
+            dra: Some(dra),
+            state,
+            dra_socket,
+            registration_socket,
+        })
+    }
+
+    /// Absolute path of the DRA service socket (the advertised endpoint).
+    pub fn dra_socket(&self) -> &Path {
+        &self.dra_socket
+    }
+
+    /// Absolute path of the registration socket.
+    pub fn registration_socket(&self) -> &Path {
+        &self.registration_socket
+    }
+
+    /// Follows the kubelet's registration verdicts.
+    pub fn registration_state(&self) -> watch::Receiver<RegistrationState> {
+        self.state.clone()
+    }
+
+    /// Stops registration first, then the DRA service (waiting for in-flight calls up to
+    /// a grace period), and removes the sockets this instance created.
+    pub async fn shutdown(mut self) -> Result<(), ServerError> {
+        let reg = match self.registration.take() {
+            Some(s) => s.stop().await,
+            None => Ok(()),
+        };
+        let dra = match self.dra.take() {
+            Some(s) => s.stop().await,
+            None => Ok(()),
+        };
+        info!("plugin servers stopped");
+        reg.and(dra)
+    }
+}
+
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
+}
+
+/// Connects a gRPC channel to a unix socket, as the kubelet does.
+pub async fn connect_unix(
+    path: impl Into<PathBuf>,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path: Arc<PathBuf> = Arc::new(path.into());
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = Arc::clone(&path);
+            async move {
+                let stream = tokio::net::UnixStream::connect(path.as_path()).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_names_follow_kubelet_layout() {
+        let c = PluginConfig::new("gpu.cleave.dev", "/r", "/p");
+        assert_eq!(c.dra_socket(), Path::new("/p/gpu.cleave.dev/dra.sock"));
+        assert_eq!(
+            c.registration_socket(),
+            Path::new("/r/gpu.cleave.dev-reg.sock")
+        );
+        assert_eq!(c.lock_file(), Path::new("/p/gpu.cleave.dev/serialize.lock"));
+        let c = c.with_pod_uid(Some("abc-1".into()));
+        assert_eq!(
+            c.dra_socket(),
+            Path::new("/p/gpu.cleave.dev/dra-abc-1.sock")
+        );
+        assert_eq!(
+            c.registration_socket(),
+            Path::new("/r/gpu.cleave.dev-abc-1-reg.sock")
+        );
+        let c = c.with_pod_uid(Some(String::new()));
+        assert_eq!(c.pod_uid, None);
+    }
+
+    #[test]
+    fn pod_uid_with_slash_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = PluginConfig::new("d", dir.path().join("r"), dir.path().join("p"))
+            .with_pod_uid(Some("../x".into()));
+        assert!(matches!(
+            c.prepare_dirs(),
+            Err(ServerError::InvalidPodUid(_))
+        ));
+    }
+
+    #[test]
+    fn state_dir_is_root_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = PluginConfig::new("d", dir.path().join("r"), dir.path().join("p"));
+        std::fs::create_dir_all(c.data_dir()).unwrap();
+        std::fs::set_permissions(c.data_dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        c.prepare_dirs().unwrap();
+        let mode = std::fs::metadata(c.data_dir())
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+    }
+
+    #[test]
+    fn regular_file_in_place_of_socket_is_not_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.sock");
+        std::fs::write(&path, b"keep").unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let err = rt.block_on(async { bind(&path).map(|_| ()) }).unwrap_err();
+        assert!(matches!(err, ServerError::NotASocket { .. }), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"keep");
+    }
+}
