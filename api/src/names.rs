@@ -205,7 +205,8 @@ impl FromStr for DeviceName {
         let (profile, start) = mig
             .rsplit_once('-')
             .ok_or_else(|| err("MIG device name must end in -<placement start>"))?;
-        let start = parse_u32(start).ok_or_else(|| err("placement start must be a decimal number"))?;
+        let start =
+            parse_u32(start).ok_or_else(|| err("placement start must be a decimal number"))?;
         if profile.is_empty()
             || !profile
                 .bytes()
