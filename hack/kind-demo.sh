@@ -117,8 +117,10 @@ check_pod() {
       fail "$ns/$pod: claim $claim is not allocated by $DRIVER (devices: ${devices:-none})"
       continue
     fi
-    pass "$ns/$pod: claim $claim allocated: $(tr '\n' ' ' <<<"$devices")"
-    CLAIM_UIDS+=("$node $uid")
+    pass "$ns/$pod: claim $claim allocated: ${devices//$'\n'/ }"
+    if [[ " ${CLAIM_UIDS[*]} " != *" $node $uid "* ]]; then
+      CLAIM_UIDS+=("$node $uid")
+    fi
     spec="$(docker exec "$node" sh -c "grep -l -- '$uid' $CDI_ROOT/* 2>/dev/null | head -n 1 | xargs -r cat")"
     if [[ -z "$spec" ]]; then
       fail "$ns/$pod: no CDI spec for claim $claim ($uid) in $CDI_ROOT on node $node"
@@ -235,15 +237,16 @@ if [[ -z "${KEEP:-}" ]]; then
     "${KUBECTL[@]}" delete -f "$EXAMPLES/$file" --ignore-not-found --wait=true \
       --timeout "${POD_TIMEOUT_S}s" >/dev/null || fail "$file: kubectl delete failed"
   done
+  # One deadline for all claims: the kubelet unprepares them in parallel.
+  deadline=$((SECONDS + POD_TIMEOUT_S))
   for entry in "${CLAIM_UIDS[@]}"; do
     read -r node uid <<<"$entry"
-    deadline=$((SECONDS + POD_TIMEOUT_S))
     while docker exec "$node" sh -c "grep -q -- '$uid' $CDI_ROOT/* 2>/dev/null"; do
       if (( SECONDS >= deadline )); then
         fail "claim $uid: CDI spec still in $CDI_ROOT on $node after ${POD_TIMEOUT_S}s (unprepare?)"
         continue 2
       fi
-      sleep 2
+      sleep 1
     done
     pass "claim $uid: unprepared (CDI spec removed from $node)"
   done

@@ -325,6 +325,7 @@ def chart_metadata() -> None:
         assert meta["apiVersion"] == "v2", meta["apiVersion"]
         assert meta["name"] == "cleave"
         assert meta["appVersion"] == "0.1.0", meta["appVersion"]
+        assert meta.get("kubeVersion") == ">=1.34.0-0", "the chart must refuse clusters older than 1.34"
         assert chart.schema is not None, "values.schema.json missing"
         assert chart.schema.get("$schema", "").startswith("http://json-schema.org/draft-07/")
 
@@ -799,6 +800,98 @@ def kind_config_enables_cdi_and_partitionable_devices() -> None:
     demo = (ROOT / "hack" / "kind-demo.sh").read_text()
     for f in sorted(EXAMPLES.glob("*.yaml")):
         assert f.name in demo, f"kind-demo.sh does not run {f.name}"
+
+
+class FakeCluster:
+    """A PATH with fake docker/kind/kubectl/helm (hack/tests/fake_cluster.py) and its state dir."""
+
+    def __init__(self, tmp: Path, name: str, fail: str = "") -> None:
+        self.dir = tmp / name
+        (self.dir / "bin").mkdir(parents=True)
+        (self.dir / "state").mkdir()
+        fake = Path(__file__).resolve().parent / "fake_cluster.py"
+        for tool in ("docker", "kind", "kubectl", "helm"):
+            wrapper = self.dir / "bin" / tool
+            wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "{fake}" {tool} "$@"\n')
+            wrapper.chmod(0o755)
+        self.env = {
+            "PATH": f"{self.dir / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
+            "HOME": os.environ.get("HOME", "/tmp"),
+            "FAKE_STATE": str(self.dir / "state"),
+            "FAKE_FAIL": fail,
+            "POD_TIMEOUT_S": "1",
+            "TIMEOUT_S": "5",
+        }
+
+    def start(self, script: str) -> subprocess.Popen:
+        return subprocess.Popen(["bash", str(ROOT / "hack" / script)], cwd=ROOT, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def calls(self) -> list[str]:
+        log = self.dir / "state" / "calls.log"
+        return log.read_text().splitlines() if log.exists() else []
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"script did not finish in {timeout}s:\n{out[-2000:]}") from None
+    return proc.returncode, out
+
+
+@check
+def kind_scripts_drive_a_fake_cluster() -> None:
+    """kind-up, kind-demo and kind-down against stand-in tools: the happy path passes and
+    calls the tools as intended; each injected defect makes the demo (or kind-up) fail."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ok = FakeCluster(Path(tmp), "ok")
+        rc, out = finish(ok.start("kind-up.sh"))
+        assert rc == 0, f"kind-up.sh failed on the fake cluster:\n{out[-3000:]}"
+        calls = ok.calls()
+        expected_in_order = [
+            "kind create cluster --name cleave --image kindest/node:v1.34",
+            "docker build -f " + str(DOCKERFILE),
+            "kind load docker-image cleave:dev --name cleave",
+            "helm upgrade --install cleave " + str(CHART),
+        ]
+        i = 0
+        for call in calls:
+            if i < len(expected_in_order) and call.startswith(expected_in_order[i]):
+                i += 1
+        assert i == len(expected_in_order), f"kind-up.sh calls, missing {expected_in_order[i]!r}:\n" + "\n".join(calls)
+        helm_call = next(c for c in calls if c.startswith("helm "))
+        assert f"-f {KIND_VALUES}" in helm_call and "--wait" in helm_call, helm_call
+
+        rc, out = finish(ok.start("kind-demo.sh"))
+        assert rc == 0, f"kind-demo.sh failed on the fake cluster:\n{out[-3000:]}"
+        last = out.strip().splitlines()[-1]
+        m = re.fullmatch(r"(\d+) passed, 0 failed", last)
+        assert m and int(m.group(1)) >= 20, f"kind-demo.sh summary: {last!r}"
+        applied = {Path(c.split(" -f ")[1].split()[0]).name for c in ok.calls() if " apply -f " in c}
+        assert applied == {p.name for p in EXAMPLES.glob("*.yaml")}, applied
+
+        rc, out = finish(ok.start("kind-down.sh"))
+        assert rc == 0 and "kind delete cluster --name cleave" in ok.calls()[-1], out
+
+        defects = {
+            "cdi-env": "missing in the container",
+            "not-ready": "mig-slice: not Ready",
+            "no-unprepare": "CDI spec still in",
+        }
+        fakes = {name: FakeCluster(Path(tmp), name, fail=name) for name in defects}
+        procs = {name: fake.start("kind-demo.sh") for name, fake in fakes.items()}
+        old = FakeCluster(Path(tmp), "old-k8s", fail="old-k8s")
+        procs["old-k8s"] = old.start("kind-up.sh")
+        defects["old-k8s"] = "needs 1.34 or newer"
+        for name, proc in procs.items():
+            rc, out = finish(proc)
+            assert rc != 0, f"defect {name}: script exited 0:\n{out[-2000:]}"
+            assert defects[name] in out, f"defect {name}: no {defects[name]!r} in output:\n{out[-2000:]}"
 
 
 if __name__ == "__main__":
