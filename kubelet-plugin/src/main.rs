@@ -1,1 +1,5 @@
-fn main() {}
+//! cleave's kubelet plugin binary; see [`cleave_kubelet_plugin::cli`].
+
+fn main() -> std::process::ExitCode {
+    cleave_kubelet_plugin::cli::main()
+}

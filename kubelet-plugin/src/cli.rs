@@ -1,0 +1,284 @@
+//! Command line: `run` (the daemon), `inspect` (print the discovered devices) and `demo`.
+//!
+//! Every node-facing flag can also be set through the environment (the DaemonSet sets
+//! `NODE_NAME` and `POD_UID` through the downward API).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::server::PluginConfig;
+use crate::telemetry::LogFormat;
+
+/// cleave's kubelet plugin: a DRA driver for NVIDIA GPUs.
+#[derive(Debug, Parser)]
+#[command(name = "cleave-kubelet-plugin", version, about, long_about = None)]
+pub struct Cli {
+    /// Logging flags, accepted before or after the subcommand.
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the node daemon: publish devices, register with the kubelet, serve DRA.
+    Run(RunArgs),
+    /// Print the GPUs and the devices this node would publish.
+    Inspect(InspectArgs),
+    /// Run the whole plugin in-process against mock GPUs and an API server stand-in.
+    Demo(DemoArgs),
+}
+
+/// Log format and level.
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log line format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    /// Log filter (`info`, `debug`, `cleave_kubelet_plugin=debug,info`, ...).
+    #[arg(long, env = "RUST_LOG", global = true)]
+    pub log_level: Option<String>,
+}
+
+/// Where the kubelet looks for the plugin.
+#[derive(Debug, Clone, Args)]
+pub struct KubeletArgs {
+    /// DRA driver name.
+    #[arg(long, env = "DRIVER_NAME", default_value = cleave_api::names::DRIVER_NAME)]
+    pub driver_name: String,
+    /// Kubelet plugin registration directory.
+    #[arg(
+        long,
+        env = "KUBELET_REGISTRAR_DIRECTORY_PATH",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
+    pub kubelet_registrar_directory_path: PathBuf,
+    /// Kubelet plugins directory; the driver keeps its sockets and state in
+    /// `<this>/<driver name>/`.
+    #[arg(
+        long,
+        env = "KUBELET_PLUGINS_DIRECTORY_PATH",
+        default_value = "/var/lib/kubelet/plugins"
+    )]
+    pub kubelet_plugins_directory_path: PathBuf,
+    /// UID of this plugin's pod; socket names carry it so that a new pod can register
+    /// beside the old one during a rolling update.
+    #[arg(long, env = "POD_UID")]
+    pub pod_uid: Option<String>,
+}
+
+impl KubeletArgs {
+    /// The socket and state layout these flags describe.
+    pub fn plugin_config(&self) -> PluginConfig {
+        PluginConfig::new(
+            self.driver_name.clone(),
+            self.kubelet_registrar_directory_path.clone(),
+            self.kubelet_plugins_directory_path.clone(),
+        )
+        .with_pod_uid(self.pod_uid.clone())
+    }
+}
+
+/// Which NVML library to load.
+#[derive(Debug, Clone, Args)]
+pub struct NvmlArgs {
+    /// NVML library to load (default: the system's libnvidia-ml.so.1).
+    #[arg(long, env = "NVML_LIB")]
+    pub nvml_lib: Option<PathBuf>,
+    /// Node profile for the mock NVML library given with --nvml-lib.
+    #[arg(long, env = "MOCK_NVML_PROFILE", requires = "nvml_lib")]
+    pub mock_profile: Option<String>,
+    /// Use the mock NVML library found next to this executable, with this node profile
+    /// (e.g. h100-80gb-x8).
+    #[arg(long, conflicts_with_all = ["nvml_lib", "mock_profile"])]
+    pub mock: Option<String>,
+}
+
+/// How the driver prepares devices.
+#[derive(Debug, Clone, Args)]
+pub struct DriverArgs {
+    /// Directory for the claims' CDI spec files.
+    #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
+    pub cdi_root: PathBuf,
+    /// Where the NVIDIA driver's files are mounted (libraries, binaries, device nodes).
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
+    /// Publish every MIG placement and create MIG instances on prepare (needs the
+    /// cluster's partitionable-devices support).
+    #[arg(long, env = "DYNAMIC_MIG")]
+    pub dynamic_mig: bool,
+}
+
+/// Arguments of `run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Name of this node (pool name and `spec.nodeName` of the slices).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// Kubelet layout.
+    #[command(flatten)]
+    pub kubelet: KubeletArgs,
+    /// Driver behaviour.
+    #[command(flatten)]
+    pub driver: DriverArgs,
+    /// NVML library.
+    #[command(flatten)]
+    pub nvml: NvmlArgs,
+    /// Kubeconfig file (default: in-cluster configuration, then ~/.kube/config).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Address for Prometheus metrics (not served yet).
+    #[arg(long, env = "METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Delete this node's ResourceSlices of this driver and exit.
+    #[arg(long)]
+    pub uninstall: bool,
+}
+
+/// Arguments of `inspect`.
+#[derive(Debug, Clone, Args)]
+pub struct InspectArgs {
+    /// NVML library.
+    #[command(flatten)]
+    pub nvml: NvmlArgs,
+    /// Show on-demand MIG placements instead of existing instances.
+    #[arg(long, env = "DYNAMIC_MIG")]
+    pub dynamic_mig: bool,
+    /// Print ResourceSlice YAML instead of a table.
+    #[arg(long)]
+    pub yaml: bool,
+    /// Node (and pool) name for the YAML (default: this host's name).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// DRA driver name for the YAML.
+    #[arg(long, env = "DRIVER_NAME", default_value = cleave_api::names::DRIVER_NAME)]
+    pub driver_name: String,
+    /// Kubernetes minor version whose slice layout the YAML follows (34: counter sets
+    /// beside their devices; 35+: counter sets in their own slices).
+    #[arg(long, default_value_t = 35)]
+    pub kubernetes_minor: u32,
+}
+
+/// Arguments of `demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Mock node profile.
+    #[arg(long, default_value = "h100-80gb-x8")]
+    pub profile: String,
+}
+
+impl NvmlArgs {
+    /// Resolves `--mock` to a library path and applies the mock profile to the
+    /// environment. Call before any thread starts.
+    pub fn resolve_mock(&mut self) -> anyhow::Result<()> {
+        if let Some(profile) = self.mock.take() {
+            let exe = std::env::current_exe()?;
+            let lib = crate::mock::find_library(&exe).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--mock: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
+                    crate::mock::MOCK_LIBRARY,
+                    exe.display()
+                )
+            })?;
+            self.nvml_lib = Some(lib);
+            self.mock_profile = Some(profile);
+        }
+        if let Some(profile) = &self.mock_profile {
+            crate::mock::set_profile_env(profile);
+        }
+        Ok(())
+    }
+}
+
+/// Entry point of the binary: parse, set up logging, run the subcommand.
+pub fn main() -> ExitCode {
+    let mut cli = Cli::parse();
+    match run(&mut cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
+    // Environment changes must happen while the process is single-threaded.
+    match &mut cli.command {
+        Command::Run(a) => a.nvml.resolve_mock()?,
+        Command::Inspect(a) => a.nvml.resolve_mock()?,
+        Command::Demo(_) => {}
+    }
+    crate::telemetry::init(cli.log.log_format, cli.log.log_level.as_deref())
+        .map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match &cli.command {
+        Command::Run(args) => runtime.block_on(crate::daemon::run(args.clone())),
+        Command::Inspect(args) => crate::inspect::run(args),
+        Command::Demo(_) => anyhow::bail!("demo is not implemented yet"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_defaults_match_kubelet_layout() {
+        let cli = Cli::try_parse_from(["x", "run", "--node-name", "n1"]).unwrap();
+        let Command::Run(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.node_name, "n1");
+        let c = a.kubelet.plugin_config();
+        assert_eq!(c.driver_name, "gpu.cleave.dev");
+        assert_eq!(
+            c.registration_socket(),
+            std::path::Path::new("/var/lib/kubelet/plugins_registry/gpu.cleave.dev-reg.sock")
+        );
+        assert_eq!(
+            c.dra_socket(),
+            std::path::Path::new("/var/lib/kubelet/plugins/gpu.cleave.dev/dra.sock")
+        );
+        assert_eq!(a.driver.cdi_root, std::path::Path::new("/var/run/cdi"));
+        assert_eq!(a.driver.driver_root, std::path::Path::new("/"));
+        assert!(!a.driver.dynamic_mig && !a.uninstall);
+    }
+
+    #[test]
+    fn mock_conflicts_with_nvml_lib() {
+        let r = Cli::try_parse_from(["x", "inspect", "--mock", "a", "--nvml-lib", "/x.so"]);
+        assert!(r.is_err());
+        let r = Cli::try_parse_from(["x", "inspect", "--mock-profile", "a"]);
+        assert!(r.is_err(), "--mock-profile needs --nvml-lib");
+    }
+
+    #[test]
+    fn log_flags_are_global() {
+        let cli = Cli::try_parse_from([
+            "x",
+            "inspect",
+            "--log-format",
+            "json",
+            "--log-level",
+            "debug",
+        ])
+        .unwrap();
+        assert_eq!(cli.log.log_format, LogFormat::Json);
+        assert_eq!(cli.log.log_level.as_deref(), Some("debug"));
+    }
+}
