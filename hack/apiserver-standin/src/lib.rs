@@ -38,7 +38,8 @@ use tokio::task::JoinHandle;
 pub use error::{ApiError, StandInError};
 pub use store::{RESOURCES, ResourceDef};
 pub use validate::{
-    FieldError, FieldErrorKind, validate_resource_slice, validate_resource_slice_typed,
+    FieldError, FieldErrorKind, validate_pools, validate_resource_slice,
+    validate_resource_slice_typed,
 };
 
 use server::{Fault, Shared, lock};
@@ -280,9 +281,10 @@ impl StandIn {
             .collect()
     }
 
-    /// Requests matching `method` and `resource`. `method` is an HTTP method or a verb
-    /// (`GET` counts get+list+watch, `list` only lists), case-insensitive; `resource` is a
-    /// plural (`resourceslices`) or `plural.group`; `""` or `"*"` match anything.
+    /// Requests matching `method` and `resource`. `method` is an upper-case HTTP method
+    /// (`GET` counts get+list+watch, `DELETE` delete+deletecollection) or a lower-case verb
+    /// (`get`, `list`, `watch`, `create`, `update`, `patch`, `delete`, `deletecollection`);
+    /// `resource` is a plural (`resourceslices`) or `plural.group`; `""` or `"*"` match anything.
     pub fn count(&self, method: &str, resource: &str) -> usize {
         lock(&self.shared.records)
             .iter()
@@ -422,6 +424,20 @@ impl StandIn {
             String::new()
         };
         Ok(self.shared.store.create(res, &ns, v)?)
+    }
+
+    /// [`validate_pools`] over the stored ResourceSlices of `driver` (all pools if `pool` is
+    /// `None`): complete pools, unique device and counter-set names, counter references.
+    pub fn validate_pools(&self, driver: &str, pool: Option<&str>) -> Result<(), Vec<String>> {
+        let slices: Vec<Value> = self
+            .list("resourceslices")
+            .into_iter()
+            .filter(|s| s.pointer("/spec/driver").and_then(Value::as_str) == Some(driver))
+            .filter(|s| {
+                pool.is_none_or(|p| s.pointer("/spec/pool/name").and_then(Value::as_str) == Some(p))
+            })
+            .collect();
+        validate_pools(&slices)
     }
 
     /// The current (latest) resourceVersion.

@@ -66,10 +66,9 @@ pub(crate) fn pattern_matches(
     verb: &str,
     resource: &str,
 ) -> bool {
-    let m = method_pat.is_empty()
-        || method_pat == "*"
-        || method_pat.eq_ignore_ascii_case(method)
-        || method_pat.eq_ignore_ascii_case(verb);
+    // Upper case names an HTTP method (`GET` = get+list+watch), lower case a verb.
+    let m =
+        method_pat.is_empty() || method_pat == "*" || method_pat == method || method_pat == verb;
     let r = res_pat.is_empty() || res_pat == "*" || res_pat == resource || {
         // `resourceslices.resource.k8s.io` matches `resourceslices` records too.
         res_pat

@@ -1,6 +1,12 @@
-//! ResourceSlice validation (placeholder; full rules follow).
+//! ResourceSlice validation as the API server does it (kubernetes
+//! `pkg/apis/resource/validation/validation.go`, limits from `cleave_api::limits`, see shared
+//! FACTS §6.1-6.2), for 1.34 and 1.35+ rules. Messages follow apimachinery's field errors:
+//! `spec.devices[3].name: Invalid value: "X": a lowercase RFC 1123 label must ...`.
 
-use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+
+use cleave_api::limits;
+use serde_json::{Map, Value};
 
 use crate::KubeVersion;
 
@@ -105,16 +111,939 @@ impl std::fmt::Display for FieldError {
     }
 }
 
-/// Validates a ResourceSlice (JSON) for `version`; returns the field errors.
-pub fn slice_errors(_slice: &Value, _version: KubeVersion) -> Vec<FieldError> {
-    Vec::new()
+const DNS_LABEL_MSG: &str = "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')";
+const DNS_SUBDOMAIN_MSG: &str = "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')";
+const C_IDENTIFIER_MSG: &str = "a valid C identifier must start with alphabetic character or '_', followed by a string of alphanumeric characters or '_' (e.g. 'my_name',  or 'MY_NAME',  or 'MyName', regex used for validation is '[A-Za-z_][A-Za-z0-9_]*')";
+const SEMVER_MSG: &str = "must be a string compatible with semver.org spec 2.0.0";
+const NODE_FIELDS: &str =
+    "exactly one of `nodeName`, `nodeSelector`, `allNodes`, `perDeviceNodeSelection` is required";
+const DEVICE_NODE_FIELDS: &str = "exactly one of `nodeName`, `nodeSelector`, or `allNodes` is required when `perDeviceNodeSelection` is set to true in the ResourceSlice spec";
+const MAX_BINDING_CONDITIONS: usize = 4;
+const MAX_ATTRIBUTE_VALUES_PER_DEVICE_1_36: usize = 48;
+const MAX_TAINTS_PER_DEVICE_1_35: usize = 16;
+const DNS_SUBDOMAIN_MAX: usize = 253;
+
+/// Go `%q`-like rendering of a string value.
+fn q(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| format!("\"{s}\""))
 }
 
-/// Checks the fields that may not change on update.
-pub fn slice_update_errors(_old: &Value, _new: &Value) -> Vec<FieldError> {
-    Vec::new()
+fn is_dns_label_chars(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
 }
 
+/// `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 characters.
+pub fn is_dns_label(s: &str) -> bool {
+    s.len() <= limits::MAX_DNS_LABEL_LENGTH && is_dns_label_chars(s)
+}
+
+/// RFC 1123 subdomain, at most 253 characters.
+pub fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= DNS_SUBDOMAIN_MAX && s.split('.').all(is_dns_label_chars)
+}
+
+fn is_c_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+fn is_numeric_identifier(s: &str) -> bool {
+    s == "0" || (!s.is_empty() && !s.starts_with('0') && s.bytes().all(|c| c.is_ascii_digit()))
+}
+
+/// semver.org 2.0.0 as the API server's `semverRe` checks it.
+pub fn is_semver(s: &str) -> bool {
+    let (rest, build) = match s.split_once('+') {
+        Some((r, b)) => (r, Some(b)),
+        None => (s, None),
+    };
+    let (core, pre) = match rest.split_once('-') {
+        Some((c, p)) => (c, Some(p)),
+        None => (rest, None),
+    };
+    let parts: Vec<&str> = core.split('.').collect();
+    let ident =
+        |p: &str| !p.is_empty() && p.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-');
+    parts.len() == 3
+        && parts.iter().all(|p| is_numeric_identifier(p))
+        && pre.is_none_or(|p| {
+            p.split('.').all(|id| {
+                ident(id)
+                    && (is_numeric_identifier(id)
+                        || id.bytes().any(|c| c.is_ascii_alphabetic() || c == b'-'))
+            })
+        })
+        && build.is_none_or(|b| b.split('.').all(ident))
+}
+
+struct Checker {
+    version: KubeVersion,
+    errs: Vec<FieldError>,
+}
+
+impl Checker {
+    fn push(&mut self, field: &str, kind: FieldErrorKind, value: Option<String>, detail: &str) {
+        self.errs.push(FieldError {
+            field: field.to_string(),
+            kind,
+            value,
+            detail: detail.to_string(),
+        });
+    }
+    fn required(&mut self, field: &str, detail: &str) {
+        self.push(field, FieldErrorKind::Required, None, detail);
+    }
+    fn invalid(&mut self, field: &str, value: String, detail: &str) {
+        self.push(field, FieldErrorKind::Invalid, Some(value), detail);
+    }
+    fn too_many(&mut self, field: &str, n: usize, max: usize) {
+        self.push(
+            field,
+            FieldErrorKind::TooMany,
+            Some(n.to_string()),
+            &format!("must have at most {max} items"),
+        );
+    }
+    fn too_long(&mut self, field: &str, max: usize) {
+        self.push(
+            field,
+            FieldErrorKind::TooLong,
+            None,
+            &format!("may not be more than {max} bytes"),
+        );
+    }
+    fn duplicate(&mut self, field: &str, value: &str) {
+        self.push(field, FieldErrorKind::Duplicate, Some(q(value)), "");
+    }
+
+    fn since(&self, minor: u32) -> bool {
+        self.version.minor >= minor
+    }
+
+    fn dns_label(&mut self, field: &str, s: &str) {
+        if s.len() > limits::MAX_DNS_LABEL_LENGTH {
+            self.invalid(
+                field,
+                q(s),
+                &format!(
+                    "must be no more than {} characters",
+                    limits::MAX_DNS_LABEL_LENGTH
+                ),
+            );
+        }
+        if !is_dns_label_chars(s) {
+            self.invalid(field, q(s), DNS_LABEL_MSG);
+        }
+    }
+
+    fn required_dns_label(&mut self, field: &str, s: Option<&str>) {
+        match s {
+            None | Some("") => self.required(field, ""),
+            Some(s) => self.dns_label(field, s),
+        }
+    }
+
+    fn dns_subdomain(&mut self, field: &str, s: &str) {
+        if s.len() > DNS_SUBDOMAIN_MAX {
+            self.invalid(
+                field,
+                q(s),
+                &format!("must be no more than {DNS_SUBDOMAIN_MAX} characters"),
+            );
+        }
+        if !s.split('.').all(is_dns_label_chars) {
+            self.invalid(field, q(s), DNS_SUBDOMAIN_MSG);
+        }
+    }
+
+    fn driver_name(&mut self, field: &str, name: Option<&str>) {
+        let Some(name) = name.filter(|n| !n.is_empty()) else {
+            return self.required(field, "");
+        };
+        if name.len() > limits::MAX_DRIVER_NAME_LENGTH {
+            self.too_long(field, limits::MAX_DRIVER_NAME_LENGTH);
+        }
+        if !is_dns_subdomain(&name.to_lowercase()) {
+            self.invalid(field, q(name), DNS_SUBDOMAIN_MSG);
+        }
+    }
+
+    fn pool(&mut self, pool: Option<&Value>) {
+        let Some(pool) = pool.filter(|p| p.is_object()) else {
+            return self.required("spec.pool", "");
+        };
+        match pool.get("name").and_then(Value::as_str) {
+            None | Some("") => self.required("spec.pool.name", ""),
+            Some(name) => {
+                if name.len() > limits::MAX_POOL_NAME_LENGTH {
+                    self.too_long("spec.pool.name", limits::MAX_POOL_NAME_LENGTH);
+                }
+                for part in name.split('/') {
+                    if !is_dns_subdomain(part) {
+                        self.invalid("spec.pool.name", q(part), DNS_SUBDOMAIN_MSG);
+                    }
+                }
+            }
+        }
+        let count = pool
+            .get("resourceSliceCount")
+            .and_then(Value::as_i64)
+            .unwrap_or(0);
+        if count <= 0 {
+            self.invalid(
+                "spec.pool.resourceSliceCount",
+                count.to_string(),
+                "must be greater than zero",
+            );
+        }
+        let generation = pool.get("generation").and_then(Value::as_i64).unwrap_or(0);
+        if generation < 0 {
+            self.invalid(
+                "spec.pool.generation",
+                generation.to_string(),
+                "must be greater than or equal to zero",
+            );
+        }
+    }
+
+    fn node_selector(&mut self, field: &str, sel: &Value, exactly_one_term: bool) {
+        let terms = sel.get("nodeSelectorTerms").and_then(Value::as_array);
+        match terms {
+            None => self.required(
+                &format!("{field}.nodeSelectorTerms"),
+                "must have at least one node selector term",
+            ),
+            Some(t) if exactly_one_term && t.len() != 1 => self.invalid(
+                &format!("{field}.nodeSelectorTerms"),
+                Value::Array(t.clone()).to_string(),
+                "must have exactly one node selector term",
+            ),
+            Some(_) => {}
+        }
+    }
+
+    /// Exactly-one-of node selection; `prefix` is `spec` (`slice_level`) or `spec.devices[i]`.
+    fn node_selection(&mut self, prefix: &str, obj: &Map<String, Value>, slice_level: bool) {
+        let mut set = Vec::new();
+        if let Some(v) = obj.get("nodeName").filter(|v| !v.is_null()) {
+            match v.as_str() {
+                Some("") | None => {
+                    let detail = if slice_level {
+                        "must be either unset or set to a non-empty string"
+                    } else {
+                        "must not be empty"
+                    };
+                    self.invalid(
+                        &format!("{prefix}.nodeName"),
+                        q(v.as_str().unwrap_or_default()),
+                        detail,
+                    );
+                }
+                Some(name) => {
+                    set.push("`nodeName`");
+                    if !is_dns_subdomain(name) {
+                        self.invalid(&format!("{prefix}.nodeName"), q(name), DNS_SUBDOMAIN_MSG);
+                    }
+                }
+            }
+        }
+        if let Some(sel) = obj.get("nodeSelector").filter(|v| !v.is_null()) {
+            set.push("`nodeSelector`");
+            self.node_selector(&format!("{prefix}.nodeSelector"), sel, slice_level);
+        }
+        let flag =
+            |this: &mut Self, key: &str, label: &'static str, set: &mut Vec<&'static str>| {
+                if let Some(v) = obj.get(key).filter(|v| !v.is_null()) {
+                    if v.as_bool() == Some(true) {
+                        set.push(label);
+                    } else {
+                        this.invalid(
+                            &format!("{prefix}.{key}"),
+                            v.to_string(),
+                            "must be either unset or set to true",
+                        );
+                    }
+                }
+            };
+        flag(self, "allNodes", "`allNodes`", &mut set);
+        if slice_level {
+            flag(
+                self,
+                "perDeviceNodeSelection",
+                "`perDeviceNodeSelection`",
+                &mut set,
+            );
+        }
+        let what = if slice_level {
+            NODE_FIELDS
+        } else {
+            DEVICE_NODE_FIELDS
+        };
+        match set.len() {
+            0 => self.required(prefix, what),
+            1 => {}
+            _ => {
+                let detail = if slice_level {
+                    format!("{what}, but multiple fields are set")
+                } else {
+                    what.to_string()
+                };
+                self.invalid(prefix, q(&format!("{{{}}}", set.join(", "))), &detail);
+            }
+        }
+    }
+
+    fn qualified_name(&mut self, field: &str, key: &str) {
+        let (domain, id) = match key.split_once('/') {
+            Some((d, i)) => (Some(d), i),
+            None => (None, key),
+        };
+        if let Some(domain) = domain {
+            if domain.is_empty() {
+                self.required(field, "the domain must not be empty");
+            } else {
+                if domain.len() > limits::MAX_ATTRIBUTE_DOMAIN_LENGTH {
+                    self.too_long(field, limits::MAX_ATTRIBUTE_DOMAIN_LENGTH);
+                }
+                if !is_dns_subdomain(&domain.to_lowercase()) {
+                    self.invalid(field, q(domain), DNS_SUBDOMAIN_MSG);
+                }
+            }
+        }
+        if id.is_empty() {
+            self.required(field, "the name must not be empty");
+        } else {
+            if id.len() > limits::MAX_ATTRIBUTE_ID_LENGTH {
+                self.too_long(field, limits::MAX_ATTRIBUTE_ID_LENGTH);
+            }
+            if !is_c_identifier(id) {
+                self.invalid(field, q(id), C_IDENTIFIER_MSG);
+            }
+        }
+    }
+
+    fn string_value(&mut self, field: &str, v: &Value) {
+        match v.as_str() {
+            Some(s) if s.len() > limits::MAX_ATTRIBUTE_VALUE_LENGTH => {
+                self.too_long(field, limits::MAX_ATTRIBUTE_VALUE_LENGTH)
+            }
+            Some(_) => {}
+            None => self.invalid(field, v.to_string(), "must be a string"),
+        }
+    }
+
+    fn version_value(&mut self, field: &str, v: &Value) {
+        match v.as_str() {
+            Some(s) => {
+                if !is_semver(s) {
+                    self.invalid(field, q(s), SEMVER_MSG);
+                }
+                if s.len() > limits::MAX_ATTRIBUTE_VALUE_LENGTH {
+                    self.too_long(field, limits::MAX_ATTRIBUTE_VALUE_LENGTH);
+                }
+            }
+            None => self.invalid(field, v.to_string(), "must be a string"),
+        }
+    }
+
+    /// Validates one attribute; returns how many values it holds.
+    fn attribute(&mut self, field: &str, attr: &Value) -> usize {
+        let Some(attr) = attr.as_object() else {
+            self.invalid(field, attr.to_string(), "must be an object");
+            return 0;
+        };
+        let present = |k: &str| attr.get(k).filter(|v| !v.is_null());
+        let mut fields = 0;
+        let mut values = 0;
+        if let Some(v) = present("bool") {
+            fields += 1;
+            values += 1;
+            if !v.is_boolean() {
+                self.invalid(&format!("{field}.bool"), v.to_string(), "must be a boolean");
+            }
+        }
+        if let Some(v) = present("int") {
+            fields += 1;
+            values += 1;
+            if !v.is_i64() {
+                self.invalid(
+                    &format!("{field}.int"),
+                    v.to_string(),
+                    "must be a 64-bit integer",
+                );
+            }
+        }
+        if let Some(v) = present("string") {
+            fields += 1;
+            values += 1;
+            self.string_value(&format!("{field}.string"), v);
+        }
+        if let Some(v) = present("version") {
+            fields += 1;
+            values += 1;
+            self.version_value(&format!("{field}.version"), v);
+        }
+        if self.since(36) {
+            for list in ["bools", "ints", "strings", "versions"] {
+                if let Some(v) = present(list) {
+                    fields += 1;
+                    let items = v.as_array().map(Vec::as_slice).unwrap_or_default();
+                    values += items.len();
+                    if items.is_empty() {
+                        self.invalid(
+                            &format!("{field}.{list}"),
+                            v.to_string(),
+                            "must not be empty if specified",
+                        );
+                    }
+                    for (i, item) in items.iter().enumerate() {
+                        match list {
+                            "strings" => self.string_value(&format!("{field}.{list}[{i}]"), item),
+                            "versions" => self.version_value(&format!("{field}.{list}[{i}]"), item),
+                            _ => {}
+                        }
+                    }
+                }
+            }
+        }
+        match fields {
+            0 if !self.since(35) => self.required(field, "exactly one value must be specified"),
+            0 => self.invalid(field, q(""), "exactly one value must be specified"),
+            1 => {}
+            _ => self.invalid(
+                field,
+                Value::Object(attr.clone()).to_string(),
+                "exactly one value must be specified",
+            ),
+        }
+        values
+    }
+
+    fn counters_map(
+        &mut self,
+        field: &str,
+        counters: Option<&Value>,
+        max: Option<usize>,
+    ) -> Vec<String> {
+        let Some(map) = counters
+            .and_then(Value::as_object)
+            .filter(|m| !m.is_empty())
+        else {
+            self.required(field, "");
+            return Vec::new();
+        };
+        if let Some(max) = max
+            && map.len() > max
+        {
+            self.too_many(field, map.len(), max);
+        }
+        for (name, counter) in map {
+            let path = format!("{field}[{name}]");
+            if !is_dns_label(name) {
+                self.invalid(&path, q(name), DNS_LABEL_MSG);
+            }
+            if counter
+                .get("value")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+            {
+                self.required(&format!("{path}.value"), "");
+            }
+        }
+        map.keys().cloned().collect()
+    }
+
+    fn taints(&mut self, field: &str, taints: &[Value]) {
+        let max = if self.since(35) {
+            MAX_TAINTS_PER_DEVICE_1_35
+        } else {
+            limits::MAX_TAINTS_PER_DEVICE
+        };
+        if taints.len() > max {
+            self.too_many(field, taints.len(), max);
+        }
+        let mut effects = vec!["NoExecute", "NoSchedule"];
+        if self.since(35) {
+            effects.insert(0, "None");
+        }
+        for (i, t) in taints.iter().enumerate() {
+            let path = format!("{field}[{i}]");
+            if t.get("key")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+            {
+                self.invalid(&format!("{path}.key"), q(""), "name part must be non-empty");
+            }
+            match t.get("effect").and_then(Value::as_str) {
+                None | Some("") => self.required(&format!("{path}.effect"), ""),
+                Some(e) if !effects.contains(&e) => {
+                    let supported: Vec<String> = effects.iter().map(|e| q(e)).collect();
+                    self.push(
+                        &format!("{path}.effect"),
+                        FieldErrorKind::NotSupported,
+                        Some(q(e)),
+                        &format!("supported values: {}", supported.join(", ")),
+                    );
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// Validates one device; returns the number of counters it consumes.
+    fn device(
+        &mut self,
+        i: usize,
+        dev: &Value,
+        per_device_nodes: bool,
+        counter_sets: &BTreeMap<String, BTreeSet<String>>,
+    ) -> usize {
+        let path = format!("spec.devices[{i}]");
+        let Some(obj) = dev.as_object() else {
+            self.invalid(&path, dev.to_string(), "must be an object");
+            return 0;
+        };
+        self.required_dns_label(
+            &format!("{path}.name"),
+            obj.get("name").and_then(Value::as_str),
+        );
+        let attrs = obj.get("attributes").and_then(Value::as_object);
+        let caps = obj.get("capacity").and_then(Value::as_object);
+        let n = attrs.map_or(0, Map::len) + caps.map_or(0, Map::len);
+        if n > limits::MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE {
+            self.invalid(
+                &path,
+                n.to_string(),
+                &format!(
+                    "the total number of attributes and capacities must not exceed {}",
+                    limits::MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE
+                ),
+            );
+        }
+        let mut values = 0;
+        for (key, attr) in attrs.into_iter().flatten() {
+            let field = format!("{path}.attributes[{key}]");
+            self.qualified_name(&field, key);
+            values += self.attribute(&field, attr);
+        }
+        if self.since(36) && values > MAX_ATTRIBUTE_VALUES_PER_DEVICE_1_36 {
+            self.invalid(
+                &path,
+                values.to_string(),
+                &format!("the total number of attribute values must not exceed {MAX_ATTRIBUTE_VALUES_PER_DEVICE_1_36}"),
+            );
+        }
+        let multi = obj.get("allowMultipleAllocations").and_then(Value::as_bool) == Some(true);
+        for (key, cap) in caps.into_iter().flatten() {
+            let field = format!("{path}.capacity[{key}]");
+            self.qualified_name(&field, key);
+            if cap
+                .get("value")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+            {
+                self.required(&format!("{field}.value"), "");
+            }
+            if cap.get("requestPolicy").is_some_and(|p| !p.is_null()) && !multi {
+                self.push(
+                    &format!("{field}.requestPolicy"),
+                    FieldErrorKind::Forbidden,
+                    None,
+                    "allowMultipleAllocations must be true",
+                );
+            }
+        }
+        if let Some(taints) = obj.get("taints").and_then(Value::as_array) {
+            self.taints(&format!("{path}.taints"), taints);
+        }
+        let consumptions = obj
+            .get("consumesCounters")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let cc_path = format!("{path}.consumesCounters");
+        if self.since(35) && consumptions.len() > limits::MAX_COUNTER_CONSUMPTIONS_PER_DEVICE {
+            self.too_many(
+                &cc_path,
+                consumptions.len(),
+                limits::MAX_COUNTER_CONSUMPTIONS_PER_DEVICE,
+            );
+        }
+        let mut total = 0;
+        let mut seen_sets = BTreeSet::new();
+        for (j, c) in consumptions.iter().enumerate() {
+            let cpath = format!("{cc_path}[{j}]");
+            let set = c
+                .get("counterSet")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            self.required_dns_label(&format!("{cpath}.counterSet"), Some(set));
+            if self.since(35) && !set.is_empty() && !seen_sets.insert(set.to_string()) {
+                self.duplicate(&format!("{cpath}.counterSet"), set);
+            }
+            let max = self
+                .since(35)
+                .then_some(limits::MAX_COUNTERS_PER_COUNTER_SET);
+            let names = self.counters_map(&format!("{cpath}.counters"), c.get("counters"), max);
+            total += names.len();
+            if !self.since(35) {
+                match counter_sets.get(set) {
+                    None => self.invalid(
+                        &format!("{cpath}.counterSet"),
+                        q(set),
+                        "must reference a counterSet defined in the ResourceSlice sharedCounters",
+                    ),
+                    Some(defined) => {
+                        for name in names.iter().filter(|n| !defined.contains(*n)) {
+                            self.invalid(
+                                &format!("{cpath}.counters"),
+                                q(name),
+                                "must reference a counter defined in the ResourceSlice sharedCounters",
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        if !self.since(35) && total > limits::MAX_COUNTERS_PER_DEVICE {
+            self.invalid(
+                &path,
+                total.to_string(),
+                &format!(
+                    "the total number of counters must not exceed {}",
+                    limits::MAX_COUNTERS_PER_DEVICE
+                ),
+            );
+        }
+        let has_node_fields = ["nodeName", "nodeSelector", "allNodes"]
+            .iter()
+            .any(|k| obj.get(*k).is_some_and(|v| !v.is_null()));
+        if per_device_nodes {
+            self.node_selection(&path, obj, false);
+        } else if has_node_fields {
+            self.invalid(
+                &path,
+                "null".into(),
+                "`nodeName`, `nodeSelector` and `allNodes` can only be set if `perDeviceNodeSelection` is set to true in the ResourceSlice spec",
+            );
+        }
+        for key in ["bindingConditions", "bindingFailureConditions"] {
+            if let Some(list) = obj.get(key).and_then(Value::as_array)
+                && list.len() > MAX_BINDING_CONDITIONS
+            {
+                self.too_many(&format!("{path}.{key}"), list.len(), MAX_BINDING_CONDITIONS);
+            }
+        }
+        total
+    }
+}
+
+fn present<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    obj.get(key).filter(|v| !v.is_null())
+}
+
+/// Validates a ResourceSlice (JSON) for `version`; returns the field errors in order.
+pub fn slice_errors(slice: &Value, version: KubeVersion) -> Vec<FieldError> {
+    let mut c = Checker {
+        version,
+        errs: Vec::new(),
+    };
+    let meta = slice.get("metadata");
+    match meta
+        .and_then(|m| m.get("name"))
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+    {
+        Some(name) => c.dns_subdomain("metadata.name", name),
+        None => match meta
+            .and_then(|m| m.get("generateName"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+        {
+            Some(prefix) => c.dns_subdomain("metadata.generateName", &format!("{prefix}x")),
+            None => c.required("metadata.name", "name or generateName is required"),
+        },
+    }
+    let Some(spec) = slice.get("spec").and_then(Value::as_object) else {
+        c.required("spec", "");
+        return c.errs;
+    };
+    c.driver_name("spec.driver", spec.get("driver").and_then(Value::as_str));
+    c.pool(spec.get("pool"));
+    c.node_selection("spec", spec, true);
+    let per_device_nodes =
+        spec.get("perDeviceNodeSelection").and_then(Value::as_bool) == Some(true);
+
+    let devices = present(spec, "devices");
+    let shared = present(spec, "sharedCounters");
+    if version.minor >= 35 && devices.is_some() && shared.is_some() {
+        c.invalid(
+            "spec",
+            q(""),
+            "only one of `sharedCounters` or `devices` is allowed",
+        );
+    }
+
+    // Counter sets.
+    let sets = shared
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let mut counter_sets: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut total_shared = 0;
+    if version.minor >= 35 && sets.len() > limits::MAX_COUNTER_SETS_PER_SLICE {
+        c.too_many(
+            "spec.sharedCounters",
+            sets.len(),
+            limits::MAX_COUNTER_SETS_PER_SLICE,
+        );
+    }
+    for (i, set) in sets.iter().enumerate() {
+        let path = format!("spec.sharedCounters[{i}]");
+        let name = set.get("name").and_then(Value::as_str).unwrap_or_default();
+        c.required_dns_label(&format!("{path}.name"), Some(name));
+        if !name.is_empty() && counter_sets.contains_key(name) {
+            c.duplicate(&format!("{path}.name"), name);
+        }
+        let max = (version.minor >= 35).then_some(limits::MAX_COUNTERS_PER_COUNTER_SET);
+        let names = c.counters_map(&format!("{path}.counters"), set.get("counters"), max);
+        total_shared += names.len();
+        counter_sets
+            .entry(name.to_string())
+            .or_default()
+            .extend(names);
+    }
+    if version.minor < 35 && total_shared > limits::MAX_SHARED_COUNTERS_PER_SLICE {
+        c.invalid(
+            "spec.sharedCounters",
+            total_shared.to_string(),
+            &format!(
+                "the total number of shared counters must not exceed {}",
+                limits::MAX_SHARED_COUNTERS_PER_SLICE
+            ),
+        );
+    }
+
+    // Devices.
+    let devs = devices
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let advanced = devs.iter().any(|d| {
+        let nonempty = |k: &str| {
+            d.get(k)
+                .and_then(Value::as_array)
+                .is_some_and(|a| !a.is_empty())
+        };
+        let list_attrs = version.minor >= 36
+            && d.get("attributes")
+                .and_then(Value::as_object)
+                .is_some_and(|m| {
+                    m.values().any(|a| {
+                        ["bools", "ints", "strings", "versions"]
+                            .iter()
+                            .any(|k| a.get(*k).is_some_and(|v| !v.is_null()))
+                    })
+                });
+        nonempty("taints") || nonempty("consumesCounters") || list_attrs
+    });
+    let max_devices = if version.minor >= 35 && advanced {
+        limits::MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS
+    } else {
+        limits::MAX_DEVICES_PER_SLICE
+    };
+    if devs.len() > max_devices {
+        c.too_many("spec.devices", devs.len(), max_devices);
+    }
+    let mut names = BTreeSet::new();
+    let mut total_counters = 0;
+    for (i, dev) in devs.iter().enumerate() {
+        total_counters += c.device(i, dev, per_device_nodes, &counter_sets);
+        if let Some(name) = dev
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            && !names.insert(name)
+        {
+            c.duplicate(&format!("spec.devices[{i}].name"), name);
+        }
+    }
+    if version.minor < 35 && total_counters > limits::MAX_DEVICE_COUNTERS_PER_SLICE {
+        c.invalid(
+            "spec.devices",
+            total_counters.to_string(),
+            &format!(
+                "the total number of counters in devices must not exceed {}",
+                limits::MAX_DEVICE_COUNTERS_PER_SLICE
+            ),
+        );
+    }
+    c.errs
+}
+
+/// Checks the fields that may not change on update (`spec.driver`, `spec.pool.name`,
+/// `spec.nodeName`).
+pub fn slice_update_errors(old: &Value, new: &Value) -> Vec<FieldError> {
+    let mut errs = Vec::new();
+    for (path, ptr) in [
+        ("spec.pool.name", "/spec/pool/name"),
+        ("spec.driver", "/spec/driver"),
+        ("spec.nodeName", "/spec/nodeName"),
+    ] {
+        let (a, b) = (
+            old.pointer(ptr).filter(|v| !v.is_null()),
+            new.pointer(ptr).filter(|v| !v.is_null()),
+        );
+        if a != b {
+            let shown = b.map_or_else(|| "null".to_string(), Value::to_string);
+            errs.push(FieldError::invalid(path, shown, "field is immutable"));
+        }
+    }
+    errs
+}
+
+/// Pool-level checks the API server does not do but a publisher must keep (and the 1.35+
+/// kubelet-plugin helper checks client-side): among the slices of one pool at its highest
+/// generation, the number of slices equals `resourceSliceCount`, device names and counter-set
+/// names are unique, and every `consumesCounters` entry names a counter set and counter that
+/// exists in the pool. `slices` may hold several pools (grouped by driver and pool name).
+pub fn validate_pools(slices: &[Value]) -> Result<(), Vec<String>> {
+    let mut pools: BTreeMap<(String, String), Vec<&Value>> = BTreeMap::new();
+    for s in slices {
+        let driver = s
+            .pointer("/spec/driver")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let pool = s
+            .pointer("/spec/pool/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        pools
+            .entry((driver.to_string(), pool.to_string()))
+            .or_default()
+            .push(s);
+    }
+    let mut errs = Vec::new();
+    for ((driver, pool), members) in pools {
+        let generation_of = |s: &Value| {
+            s.pointer("/spec/pool/generation")
+                .and_then(Value::as_i64)
+                .unwrap_or(0)
+        };
+        let top = members.iter().map(|s| generation_of(s)).max().unwrap_or(0);
+        let current: Vec<&Value> = members
+            .into_iter()
+            .filter(|s| generation_of(s) == top)
+            .collect();
+        let slice_name = |s: &Value| {
+            s.pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string()
+        };
+        let want: BTreeSet<i64> = current
+            .iter()
+            .map(|s| {
+                s.pointer("/spec/pool/resourceSliceCount")
+                    .and_then(Value::as_i64)
+                    .unwrap_or(0)
+            })
+            .collect();
+        if want.len() > 1 {
+            errs.push(format!("pool {driver}/{pool} generation {top}: slices disagree on resourceSliceCount: {want:?}"));
+        } else if let Some(n) = want.first()
+            && usize::try_from(*n).ok() != Some(current.len())
+        {
+            errs.push(format!(
+                "pool {driver}/{pool} generation {top}: resourceSliceCount is {n} but {} slices exist",
+                current.len()
+            ));
+        }
+        let mut device_owner: BTreeMap<String, String> = BTreeMap::new();
+        let mut sets: BTreeMap<String, (String, BTreeSet<String>)> = BTreeMap::new();
+        for s in &current {
+            for set in s
+                .pointer("/spec/sharedCounters")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                let name = set
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string();
+                let counters: BTreeSet<String> = set
+                    .get("counters")
+                    .and_then(Value::as_object)
+                    .map(|m| m.keys().cloned().collect())
+                    .unwrap_or_default();
+                if let Some((other, _)) = sets.get(&name) {
+                    errs.push(format!(
+                        "pool {driver}/{pool}: counter set {name:?} defined in slices {other:?} and {:?}",
+                        slice_name(s)
+                    ));
+                } else {
+                    sets.insert(name, (slice_name(s), counters));
+                }
+            }
+        }
+        for s in &current {
+            for dev in s
+                .pointer("/spec/devices")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                let name = dev
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string();
+                if let Some(other) = device_owner.insert(name.clone(), slice_name(s)) {
+                    errs.push(format!(
+                        "pool {driver}/{pool}: device {name:?} in slices {other:?} and {:?}",
+                        slice_name(s)
+                    ));
+                }
+                for c in dev
+                    .get("consumesCounters")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    let set = c
+                        .get("counterSet")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default();
+                    match sets.get(set) {
+                        None => errs.push(format!(
+                            "pool {driver}/{pool}: device {name:?} consumes counter set {set:?} which the pool does not define"
+                        )),
+                        Some((_, counters)) => {
+                            for counter in c.get("counters").and_then(Value::as_object).into_iter().flatten().map(|(k, _)| k) {
+                                if !counters.contains(counter) {
+                                    errs.push(format!(
+                                        "pool {driver}/{pool}: device {name:?} consumes counter {counter:?} not in counter set {set:?}"
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
 /// Validates a ResourceSlice given as JSON against the API server rules of `version`.
 /// Returns the error strings in the API server's `<field>: <type>: <detail>` form.
 pub fn validate_resource_slice(slice: &Value, version: KubeVersion) -> Result<(), Vec<String>> {
@@ -133,4 +1062,273 @@ pub fn validate_resource_slice_typed(
 ) -> Result<(), Vec<String>> {
     let v = serde_json::to_value(slice).map_err(|e| vec![format!("serialize: {e}")])?;
     validate_resource_slice(&v, version)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn slice(n: usize) -> Value {
+        let devices: Vec<Value> = (0..n)
+            .map(|i| json!({"name": format!("gpu-{i}"), "attributes": {"type": {"string": "gpu"}, "driverVersion": {"version": "580.65.6"}}}))
+            .collect();
+        json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": "node-1-gpu.cleave.dev-abcde"},
+            "spec": {"driver": "gpu.cleave.dev", "nodeName": "node-1",
+                     "pool": {"name": "node-1", "generation": 1, "resourceSliceCount": 1},
+                     "devices": devices}
+        })
+    }
+
+    fn errors(v: &Value, version: KubeVersion) -> Vec<String> {
+        validate_resource_slice(v, version)
+            .err()
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn valid_slice_passes_all_versions() {
+        for v in [KubeVersion::V1_34, KubeVersion::V1_35, KubeVersion::V1_36] {
+            assert_eq!(errors(&slice(128), v), Vec::<String>::new(), "{v}");
+        }
+    }
+
+    #[test]
+    fn too_many_devices() {
+        let e = errors(&slice(129), KubeVersion::V1_34);
+        assert_eq!(
+            e,
+            ["spec.devices: Too many: 129: must have at most 128 items"]
+        );
+    }
+
+    #[test]
+    fn device_name_and_duplicates() {
+        let mut s = slice(4);
+        s["spec"]["devices"][3]["name"] = json!("GPU_3");
+        s["spec"]["devices"][2]["name"] = json!("gpu-0");
+        let e = errors(&s, KubeVersion::V1_34);
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(
+            e[0].starts_with("spec.devices[2].name: Duplicate value: \"gpu-0\""),
+            "{e:?}"
+        );
+        assert!(
+            e[1].starts_with(
+                "spec.devices[3].name: Invalid value: \"GPU_3\": a lowercase RFC 1123 label"
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn attribute_rules() {
+        let mut s = slice(1);
+        let attrs = &mut s["spec"]["devices"][0]["attributes"];
+        attrs["long"] = json!({"string": "x".repeat(65)});
+        attrs["badVersion"] = json!({"version": "v1.2"});
+        attrs["two"] = json!({"int": 1, "bool": true});
+        attrs["bad/name/x"] = json!({"int": 1});
+        let e = errors(&s, KubeVersion::V1_34);
+        assert!(e.iter().any(|m| m == "spec.devices[0].attributes[long].string: Too long: may not be more than 64 bytes"), "{e:?}");
+        assert!(e.iter().any(|m| m.starts_with("spec.devices[0].attributes[badVersion].version: Invalid value: \"v1.2\": must be a string compatible with semver")), "{e:?}");
+        assert!(
+            e.iter().any(
+                |m| m.starts_with("spec.devices[0].attributes[two]: Invalid value:")
+                    && m.ends_with("exactly one value must be specified")
+            ),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|m| m.starts_with("spec.devices[0].attributes[bad/name/x]")),
+            "{e:?}"
+        );
+
+        let mut s = slice(1);
+        for i in 0..31 {
+            s["spec"]["devices"][0]["attributes"][format!("a{i}")] = json!({"int": i});
+        }
+        let e = errors(&s, KubeVersion::V1_34);
+        assert_eq!(
+            e,
+            [
+                "spec.devices[0]: Invalid value: 33: the total number of attributes and capacities must not exceed 32"
+            ]
+        );
+    }
+
+    #[test]
+    fn semver() {
+        for ok in [
+            "1.2.3",
+            "0.0.0",
+            "1.2.3-rc.1",
+            "1.2.3+build.5",
+            "1.2.3-alpha-1+x",
+        ] {
+            assert!(is_semver(ok), "{ok}");
+        }
+        for bad in [
+            "1.2", "01.2.3", "1.2.3-", "1.2.3-01", "v1.2.3", "1.2.3+", "",
+        ] {
+            assert!(!is_semver(bad), "{bad}");
+        }
+    }
+
+    fn with_counters(n: usize, sets: usize, per_device: usize) -> Value {
+        let mut s = slice(n);
+        let counters: Map<String, Value> = (0..per_device)
+            .map(|i| (format!("c{i}"), json!({"value": "1"})))
+            .collect();
+        s["spec"]["sharedCounters"] = Value::Array(
+            (0..sets)
+                .map(|i| json!({"name": format!("set-{i}"), "counters": counters.clone()}))
+                .collect(),
+        );
+        for d in s["spec"]["devices"].as_array_mut().into_iter().flatten() {
+            d["consumesCounters"] = json!([{"counterSet": "set-0", "counters": counters.clone()}]);
+        }
+        s
+    }
+
+    #[test]
+    fn counters_1_34() {
+        assert_eq!(
+            errors(&with_counters(65, 1, 8), KubeVersion::V1_34),
+            Vec::<String>::new()
+        );
+        // 1.34: at most 32 counters over all sets.
+        let e = errors(&with_counters(1, 2, 17), KubeVersion::V1_34);
+        assert_eq!(
+            e,
+            [
+                "spec.sharedCounters: Invalid value: 34: the total number of shared counters must not exceed 32"
+            ]
+        );
+        // 1.34: at most 1024 counters consumed per slice.
+        let e = errors(&with_counters(128, 1, 9), KubeVersion::V1_34);
+        assert_eq!(
+            e,
+            [
+                "spec.devices: Invalid value: 1152: the total number of counters in devices must not exceed 1024"
+            ]
+        );
+        // References must exist in the slice.
+        let mut s = with_counters(1, 1, 1);
+        s["spec"]["devices"][0]["consumesCounters"][0]["counterSet"] = json!("nope");
+        let e = errors(&s, KubeVersion::V1_34);
+        assert_eq!(
+            e,
+            [
+                "spec.devices[0].consumesCounters[0].counterSet: Invalid value: \"nope\": must reference a counterSet defined in the ResourceSlice sharedCounters"
+            ]
+        );
+    }
+
+    #[test]
+    fn counters_1_35() {
+        // 65 devices with counters: over the 64 limit; also both devices and sharedCounters.
+        let e = errors(&with_counters(65, 1, 1), KubeVersion::V1_35);
+        assert!(
+            e.contains(&"spec.devices: Too many: 65: must have at most 64 items".to_string()),
+            "{e:?}"
+        );
+        assert!(
+            e.contains(
+                &"spec: Invalid value: \"\": only one of `sharedCounters` or `devices` is allowed"
+                    .to_string()
+            ),
+            "{e:?}"
+        );
+        // Devices-only slice referencing a counter set elsewhere in the pool is fine.
+        let mut s = with_counters(64, 0, 1);
+        s["spec"].as_object_mut().unwrap().remove("sharedCounters");
+        assert_eq!(errors(&s, KubeVersion::V1_35), Vec::<String>::new());
+        let e = errors(&with_counters(1, 9, 1), KubeVersion::V1_35);
+        assert!(
+            e.contains(&"spec.sharedCounters: Too many: 9: must have at most 8 items".to_string()),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn spec_rules() {
+        let mut s = slice(1);
+        s["spec"]["allNodes"] = json!(true);
+        s["spec"]["pool"]["resourceSliceCount"] = json!(0);
+        s["spec"]["pool"]["generation"] = json!(-1);
+        s["spec"]["driver"] = json!("not a driver");
+        s["spec"]["pool"]["name"] = json!("a/B");
+        let e = errors(&s, KubeVersion::V1_34);
+        assert_eq!(e.len(), 5, "{e:?}");
+        assert!(
+            e[0].starts_with("spec.driver: Invalid value: \"not a driver\""),
+            "{e:?}"
+        );
+        assert!(
+            e[1].starts_with("spec.pool.name: Invalid value: \"B\""),
+            "{e:?}"
+        );
+        assert_eq!(
+            e[2],
+            "spec.pool.resourceSliceCount: Invalid value: 0: must be greater than zero"
+        );
+        assert_eq!(
+            e[3],
+            "spec.pool.generation: Invalid value: -1: must be greater than or equal to zero"
+        );
+        assert!(
+            e[4].starts_with("spec: Invalid value: \"{`nodeName`, `allNodes`}\""),
+            "{e:?}"
+        );
+        let mut s = slice(1);
+        s["spec"].as_object_mut().unwrap().remove("nodeName");
+        assert_eq!(
+            errors(&s, KubeVersion::V1_34),
+            [format!("spec: Required value: {NODE_FIELDS}")]
+        );
+    }
+
+    #[test]
+    fn immutable_fields() {
+        let old = slice(1);
+        let mut new = old.clone();
+        new["spec"]["nodeName"] = json!("node-2");
+        new["spec"]["driver"] = json!("other.example.com");
+        let e: Vec<String> = slice_update_errors(&old, &new)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            e,
+            [
+                "spec.driver: Invalid value: \"other.example.com\": field is immutable",
+                "spec.nodeName: Invalid value: \"node-2\": field is immutable",
+            ]
+        );
+    }
+
+    #[test]
+    fn pools() {
+        let mut a = slice(2);
+        a["spec"]["pool"]["resourceSliceCount"] = json!(2);
+        let mut b = a.clone();
+        b["metadata"]["name"] = json!("b");
+        b["spec"]["devices"] = json!([{"name": "gpu-1", "consumesCounters": [{"counterSet": "x", "counters": {"m": {"value": "1"}}}]}]);
+        let e = validate_pools(&[a.clone(), b]).unwrap_err();
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(e[0].contains("device \"gpu-1\" in slices"), "{e:?}");
+        assert!(
+            e[1].contains("counter set \"x\" which the pool does not define"),
+            "{e:?}"
+        );
+        let e = validate_pools(&[a]).unwrap_err();
+        assert!(
+            e[0].contains("resourceSliceCount is 2 but 1 slices exist"),
+            "{e:?}"
+        );
+    }
 }
