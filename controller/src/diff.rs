@@ -8,9 +8,12 @@
 //! Matching (so a change on one GPU touches one slice): identical content first, then
 //! identical device/counter-set name sets, then the largest name overlap, then any
 //! leftover pairs (an update is cheaper than a delete plus a create).
-//! Generation (as the Go helper): the highest generation seen (or published before) is
-//! kept when nothing is created or deleted and at most one slice changes; otherwise it is
-//! bumped and every slice is rewritten with the new one.
+//! Generation (as the Go helper, refined): the highest generation seen (or published
+//! before) is kept when nothing is deleted, at most one existing slice changes and any
+//! created slice only restores content that vanished (same slice count, no device or
+//! counter set moving between slices; e.g. someone deleted one slice); otherwise it is
+//! bumped and every slice is rewritten with the new one. A pool with no slices left
+//! (first publish, kubelet wipe) always gets a new generation.
 
 use std::collections::BTreeSet;
 
@@ -262,9 +265,21 @@ pub fn diff(
         .enumerate()
         .filter(|(d, p)| p.is_some_and(|e| needs_update(*d, e, base_generation)))
         .count();
-    let creating = pairs.iter().any(Option::is_none);
     let deleting = taken.iter().any(|t| !t) || !plan.deletes.is_empty();
-    plan.generation = if creating || deleting || changed > 1 {
+    // Creating slices needs a new generation unless each one only restores content that
+    // vanished (someone deleted it): same slice count, and none of its devices or
+    // counter sets is published in another slice now (nothing moves between slices).
+    let existing_all: BTreeSet<&String> = existing_names.iter().flatten().collect();
+    let creates_restore_only = ours
+        .iter()
+        .all(|s| s.spec.pool.resource_slice_count == count)
+        && pairs
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.is_none())
+            .all(|(d, _)| desired_names[d].iter().all(|n| !existing_all.contains(n)));
+    let bump = ours.is_empty() || deleting || changed > 1 || !creates_restore_only;
+    plan.generation = if bump {
         base_generation + 1
     } else {
         base_generation
@@ -495,6 +510,43 @@ mod tests {
         let plan = diff(&after, &desired, &T);
         assert_eq!(plan.deletes.len(), 1);
         assert_eq!(plan.generation, 2);
+    }
+
+    #[test]
+    fn restoring_a_deleted_slice_keeps_the_generation_and_touches_nothing_else() {
+        let (_, mut after) = publish(
+            &[],
+            &on_demand_mig_pool(8),
+            SliceLayout::CountersWithDevices,
+        );
+        after.remove(2);
+        let (plan, _) = publish(
+            &after,
+            &on_demand_mig_pool(8),
+            SliceLayout::CountersWithDevices,
+        );
+        assert_eq!(
+            (plan.generation, plan.writes(), plan.creates.len()),
+            (1, 1, 1)
+        );
+    }
+
+    #[test]
+    fn a_new_gpu_bumps_the_generation() {
+        let (_, after) = publish(
+            &[],
+            &on_demand_mig_pool(2),
+            SliceLayout::CountersWithDevices,
+        );
+        let (plan, _) = publish(
+            &after,
+            &on_demand_mig_pool(3),
+            SliceLayout::CountersWithDevices,
+        );
+        assert_eq!(
+            (plan.generation, plan.creates.len(), plan.updates.len()),
+            (2, 1, 2)
+        );
     }
 
     #[test]

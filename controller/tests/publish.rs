@@ -1,0 +1,408 @@
+//! SlicePublisher against the in-process API server stand-in (real HTTP + JSON, watch,
+//! resourceVersion conflicts, ResourceSlice validation per Kubernetes version).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cleave_api::pool::PoolDevices;
+use cleave_apiserver_standin::{
+    KubeVersion, StandIn, StandInOptions, validate_resource_slice_typed,
+};
+use cleave_controller::fixtures::{on_demand_mig_group, on_demand_mig_pool, whole_gpu_pool};
+use cleave_controller::{
+    ApiStats, BackoffConfig, PublisherConfig, SliceLayout, SlicePublisher, plan_slices,
+};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{Api, DeleteParams, ListParams};
+
+const DRIVER: &str = "gpu.cleave.dev";
+const NODE: &str = "node-a";
+const WAIT: Duration = Duration::from_secs(5);
+
+async fn standin(version: KubeVersion) -> StandIn {
+    let s = StandIn::start(StandInOptions::with_version(version))
+        .await
+        .unwrap();
+    s.put(&cleave_apiserver_standin::fixtures::node(NODE))
+        .unwrap();
+    s
+}
+
+fn config(stats: &Arc<ApiStats>) -> PublisherConfig {
+    PublisherConfig {
+        observer: Some(stats.observer()),
+        backoff: BackoffConfig {
+            initial: Duration::from_millis(20),
+            max: Duration::from_millis(400),
+            conflict_retries: 5,
+        },
+        ..PublisherConfig::new(DRIVER, NODE)
+    }
+}
+
+/// Our slices in the store, sorted by name.
+fn slices(s: &StandIn) -> Vec<ResourceSlice> {
+    let mut v: Vec<ResourceSlice> = s
+        .list_as::<ResourceSlice>("resourceslices")
+        .into_iter()
+        .filter(|x| x.spec.driver == DRIVER && x.spec.node_name.as_deref() == Some(NODE))
+        .collect();
+    v.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    v
+}
+
+fn device_names(slices: &[ResourceSlice]) -> BTreeSet<String> {
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone()))
+        .collect()
+}
+
+fn writes(s: &StandIn) -> usize {
+    s.count("create", "resourceslices")
+        + s.count("update", "resourceslices")
+        + s.count("delete", "resourceslices")
+}
+
+/// Polls `cond` every 10 ms for at most `WAIT`.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    start.elapsed()
+}
+
+/// Whether the store holds exactly the planned state for `pool` (content and count).
+fn matches_plan(s: &StandIn, pool: &PoolDevices, layout: SliceLayout) -> bool {
+    let want = plan_slices(pool, layout).unwrap();
+    let have = slices(s);
+    have.len() == want.len()
+        && device_names(&have) == pool.devices().map(|d| d.name.clone()).collect()
+        && have.iter().all(|h| {
+            h.spec.pool.resource_slice_count == want.len() as i64
+                && h.spec.pool.generation == have[0].spec.pool.generation
+        })
+        && want.iter().all(|w| {
+            have.iter().any(|h| {
+                h.spec.devices.clone().unwrap_or_default() == w.devices
+                    && h.spec.shared_counters.clone().unwrap_or_default() == w.shared_counters
+            })
+        })
+}
+
+async fn publish_and_wait(s: &StandIn, stats: &Arc<ApiStats>, pool: PoolDevices) -> SlicePublisher {
+    let mut p = SlicePublisher::start(s.client(), config(stats));
+    p.publish(pool);
+    let st = p
+        .wait_published(WAIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e}: {:?}", p.status().borrow()));
+    assert!(st.published);
+    p
+}
+
+#[tokio::test]
+async fn first_publish_of_an_8_gpu_mig_node_is_valid_in_both_layouts() {
+    for (version, layout, expected) in [
+        (KubeVersion::V1_34, SliceLayout::CountersWithDevices, 8),
+        (KubeVersion::V1_35, SliceLayout::SeparateCounterSlices, 9),
+    ] {
+        let s = standin(version).await;
+        let stats = ApiStats::new();
+        let pool = on_demand_mig_pool(8);
+        let p = publish_and_wait(&s, &stats, pool.clone()).await;
+        let st = p.status().borrow().clone();
+        assert_eq!(st.layout, Some(layout), "layout from /version");
+        assert_eq!((st.generation, st.slices), (1, expected));
+        let have = slices(&s);
+        assert_eq!(have.len(), expected);
+        assert!(matches_plan(&s, &pool, layout));
+        let node_uid = s
+            .get_as::<Node>("nodes", "", NODE)
+            .unwrap()
+            .metadata
+            .uid
+            .unwrap();
+        for slice in &have {
+            validate_resource_slice_typed(slice, version).unwrap();
+            assert!(
+                slice
+                    .metadata
+                    .name
+                    .as_ref()
+                    .unwrap()
+                    .starts_with("node-a-gpu.cleave.dev-")
+            );
+            let owner = &slice.metadata.owner_references.as_ref().unwrap()[0];
+            assert_eq!(
+                (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+                ("Node", NODE, node_uid.as_str())
+            );
+            assert_eq!(owner.controller, Some(true));
+        }
+        // Minimum: /version + node GET + list + one create per slice (+ the watch).
+        assert_eq!(s.count("create", "resourceslices"), expected);
+        assert_eq!(
+            s.count("update", "resourceslices") + s.count("delete", "resourceslices"),
+            0
+        );
+        assert_eq!(s.count("get", "nodes"), 1);
+        assert_eq!(s.count("list", "resourceslices"), 1);
+        assert_eq!(stats.get("create", "ok"), expected as u64);
+        p.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn restart_with_nothing_changed_makes_zero_writes() {
+    let s = standin(KubeVersion::V1_35).await;
+    let stats = ApiStats::new();
+    let pool = on_demand_mig_pool(8);
+    publish_and_wait(&s, &stats, pool.clone())
+        .await
+        .shutdown()
+        .await;
+    let before = slices(&s);
+    s.reset_counts();
+    let stats2 = ApiStats::new();
+    let p = publish_and_wait(&s, &stats2, pool).await;
+    // Give stray watch events a moment to cause (wrong) writes.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(writes(&s), 0, "{:?}", s.requests());
+    assert_eq!(stats2.writes(), 0);
+    assert_eq!(s.count("get", "nodes"), 0, "no node GET without creates");
+    assert_eq!(slices(&s), before);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn one_gpu_mig_change_updates_one_slice() {
+    for version in [KubeVersion::V1_34, KubeVersion::V1_35] {
+        let s = standin(version).await;
+        let stats = ApiStats::new();
+        let mut p = publish_and_wait(&s, &stats, on_demand_mig_pool(8)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        s.reset_counts();
+        let mut pool = on_demand_mig_pool(8);
+        pool.groups[3] = on_demand_mig_group(3, 9);
+        p.publish(pool);
+        let st = p.wait_published(WAIT).await.unwrap();
+        assert_eq!(st.generation, 1, "one changed slice keeps the generation");
+        assert_eq!(s.count("update", "resourceslices"), 1, "{version}");
+        assert_eq!(
+            s.count("create", "resourceslices") + s.count("delete", "resourceslices"),
+            0
+        );
+        p.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn gpu_disappearing_bumps_generation_once() {
+    let s = standin(KubeVersion::V1_34).await;
+    let stats = ApiStats::new();
+    let mut p = publish_and_wait(&s, &stats, on_demand_mig_pool(8)).await;
+    s.reset_counts();
+    let mut pool = on_demand_mig_pool(8);
+    pool.groups.remove(5);
+    p.publish(pool.clone());
+    let st = p.wait_published(WAIT).await.unwrap();
+    assert_eq!((st.generation, st.slices), (2, 7));
+    assert_eq!(s.count("delete", "resourceslices"), 1);
+    assert_eq!(
+        s.count("update", "resourceslices"),
+        7,
+        "the others carry the new generation"
+    );
+    assert_eq!(s.count("create", "resourceslices"), 0);
+    assert!(matches_plan(&s, &pool, SliceLayout::CountersWithDevices));
+    assert!(slices(&s).iter().all(|x| x.spec.pool.generation == 2));
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn foreign_edit_and_deletion_are_restored() {
+    let s = standin(KubeVersion::V1_35).await;
+    let stats = ApiStats::new();
+    let pool = on_demand_mig_pool(4);
+    let p = publish_and_wait(&s, &stats, pool.clone()).await;
+    let layout = SliceLayout::SeparateCounterSlices;
+
+    let mut victim = slices(&s)
+        .into_iter()
+        .find(|x| x.spec.devices.is_some())
+        .unwrap();
+    victim.spec.devices.as_mut().unwrap().truncate(3);
+    s.put(&victim).unwrap();
+    let took = eventually("edit reverted", || matches_plan(&s, &pool, layout)).await;
+    eprintln!("foreign edit reverted in {took:?}");
+
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        s.count("update", "resourceslices"),
+        1,
+        "an edit costs one update"
+    );
+    let name = slices(&s)[0].metadata.name.clone().unwrap();
+    s.reset_counts();
+    s.delete("resourceslices", "", &name).unwrap();
+    let took = eventually("deleted slice recreated", || {
+        matches_plan(&s, &pool, layout)
+    })
+    .await;
+    eprintln!("foreign deletion repaired in {took:?}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(writes(&s), 1, "a restore is one create: {:?}", s.requests());
+    assert!(slices(&s).iter().all(|x| x.spec.pool.generation == 1));
+    assert!(
+        slices(&s)
+            .iter()
+            .all(|x| x.metadata.name.as_deref() != Some(name.as_str()))
+    );
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn kubelet_wipe_is_republished_promptly() {
+    let s = standin(KubeVersion::V1_34).await;
+    let stats = ApiStats::new();
+    let pool = on_demand_mig_pool(8);
+    let p = publish_and_wait(&s, &stats, pool.clone()).await;
+    // What the kubelet does: DeleteCollection with a field selector.
+    let api: Api<ResourceSlice> = Api::all(s.client());
+    api.delete_collection(
+        &DeleteParams::default(),
+        &ListParams::default().fields(&format!("spec.nodeName={NODE}")),
+    )
+    .await
+    .unwrap();
+    let took = eventually("republished", || {
+        matches_plan(&s, &pool, SliceLayout::CountersWithDevices)
+    })
+    .await;
+    eprintln!("republished after a kubelet wipe in {took:?}");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    let gens: BTreeSet<i64> = slices(&s).iter().map(|x| x.spec.pool.generation).collect();
+    assert_eq!(gens, BTreeSet::from([2]), "generation never goes back");
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn conflict_is_reread_and_retried() {
+    let s = standin(KubeVersion::V1_34).await;
+    let stats = ApiStats::new();
+    let mut p = publish_and_wait(&s, &stats, on_demand_mig_pool(2)).await;
+    s.reset_counts();
+    s.fail_next("update", "resourceslices", 1, 409);
+    let mut pool = on_demand_mig_pool(2);
+    pool.groups[0] = on_demand_mig_group(0, 5);
+    p.publish(pool.clone());
+    p.wait_published(WAIT).await.unwrap();
+    assert_eq!(s.count("update", "resourceslices"), 2);
+    assert_eq!(
+        s.count("get", "resourceslices"),
+        1,
+        "re-read after the conflict"
+    );
+    assert_eq!(stats.get("update", "conflict"), 1);
+    assert!(matches_plan(&s, &pool, SliceLayout::CountersWithDevices));
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn unavailable_server_is_backed_off_then_recovered() {
+    let s = standin(KubeVersion::V1_35).await;
+    let stats = ApiStats::new();
+    let client = s.client_without_retry().unwrap();
+    let mut p = SlicePublisher::start(client, config(&stats));
+    p.publish(whole_gpu_pool(2));
+    p.wait_published(WAIT).await.unwrap();
+
+    s.set_unavailable(true);
+    s.reset_counts();
+    p.publish(on_demand_mig_pool(2));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let st = p.status().borrow().clone();
+    assert!(!st.published);
+    assert!(
+        st.last_error.as_deref().unwrap_or_default().contains("503"),
+        "{st:?}"
+    );
+    let attempts = s.count("", "resourceslices");
+    // 20 ms doubling up to 400 ms: about 6 attempts in a second, never a busy loop.
+    assert!((2..=12).contains(&attempts), "{attempts} requests in 1 s");
+
+    s.set_unavailable(false);
+    let st = p.wait_published(WAIT).await.unwrap();
+    assert!(st.last_error.is_none());
+    assert!(matches_plan(
+        &s,
+        &on_demand_mig_pool(2),
+        SliceLayout::SeparateCounterSlices
+    ));
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn uninstall_removes_only_our_slices() {
+    let s = standin(KubeVersion::V1_34).await;
+    let stats = ApiStats::new();
+    let p = publish_and_wait(&s, &stats, on_demand_mig_pool(3)).await;
+    // Another driver on this node and this driver on another node.
+    let mut other = slices(&s)[0].clone();
+    other.metadata = Default::default();
+    other.metadata.name = Some("other-driver".into());
+    other.spec.driver = "other.example.com".into();
+    s.put(&other).unwrap();
+    let mut elsewhere = other.clone();
+    elsewhere.metadata.name = Some("other-node".into());
+    elsewhere.spec.driver = DRIVER.into();
+    elsewhere.spec.node_name = Some("node-b".into());
+    s.put(&elsewhere).unwrap();
+
+    assert_eq!(p.uninstall().await.unwrap(), 3);
+    assert!(slices(&s).is_empty());
+    assert_eq!(s.list("resourceslices").len(), 2);
+}
+
+#[tokio::test]
+async fn shutdown_keeps_slices() {
+    let s = standin(KubeVersion::V1_34).await;
+    let stats = ApiStats::new();
+    publish_and_wait(&s, &stats, whole_gpu_pool(8))
+        .await
+        .shutdown()
+        .await;
+    assert_eq!(slices(&s).len(), 1);
+    assert_eq!(device_names(&slices(&s)).len(), 8);
+}
+
+#[tokio::test]
+async fn wrong_layout_is_rejected_and_reported() {
+    // The 1.34 layout (devices + counters in one slice) is invalid on 1.35.
+    let s = standin(KubeVersion::V1_35).await;
+    let stats = ApiStats::new();
+    let mut p = SlicePublisher::start(
+        s.client(),
+        PublisherConfig {
+            layout: Some(SliceLayout::CountersWithDevices),
+            ..config(&stats)
+        },
+    );
+    p.publish(on_demand_mig_pool(1));
+    let mut rx = p.status();
+    let st = tokio::time::timeout(WAIT, rx.wait_for(|st| st.last_error.is_some()))
+        .await
+        .unwrap()
+        .unwrap()
+        .clone();
+    assert!(!st.published);
+    assert!(st.last_error.unwrap().contains("creating"));
+    assert!(slices(&s).is_empty());
+    p.shutdown().await;
+}
