@@ -113,7 +113,7 @@ impl Serialize for Quantity {
 }
 
 impl<'de> Deserialize<'de> for Quantity {
-    /// Accepts a string (the usual form) or a JSON integer, as the API server does.
+    /// Accepts a string (the usual form) or a JSON number, as the API server does.
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct QuantityVisitor;
 
@@ -139,6 +139,20 @@ impl<'de> Deserialize<'de> for Quantity {
                     })
                 })?;
                 Ok(Quantity::from_int(value))
+            }
+
+            /// YAML `1e9` reaches JSON as a float; whole floats are taken exactly.
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Quantity, E> {
+                let text = v.to_string();
+                if !v.is_finite() || v.abs() >= 2f64.powi(63) {
+                    return Err(E::custom(QuantityError::Overflow { text }));
+                }
+                if v.fract() != 0.0 {
+                    return Err(E::custom(QuantityError::Fraction { text }));
+                }
+                // In range and whole: the cast is exact.
+                let value = v as i64;
+                Ok(Quantity { text, value })
             }
         }
 
@@ -474,7 +488,21 @@ mod tests {
         let e = serde_json::from_value::<Quantity>(serde_json::json!(0.5)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "invalid type: floating point `0.5`, expected a Kubernetes quantity such as \"10Gi\""
+            "invalid quantity \"0.5\": not a whole number of bytes"
+        );
+        let q: Quantity = serde_json::from_value(serde_json::json!(1e9)).unwrap();
+        assert_eq!((q.value(), q.as_str()), (1_000_000_000, "1000000000"));
+        let q: Quantity = serde_json::from_value(serde_json::json!(-2048.0)).unwrap();
+        assert_eq!(q.value(), -2048);
+        let e = serde_json::from_value::<Quantity>(serde_json::json!(1e19)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid quantity \"10000000000000000000\": out of range"
+        );
+        let e = serde_json::from_value::<Quantity>(serde_json::json!(true)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid type: boolean `true`, expected a Kubernetes quantity such as \"10Gi\""
         );
         let e = serde_json::from_value::<Quantity>(serde_json::json!("x")).unwrap_err();
         assert_eq!(e.to_string(), "invalid quantity \"x\": expected a number");
