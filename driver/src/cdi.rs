@@ -348,7 +348,15 @@ impl CdiStore {
         let path = self.spec_path(claim_uid)?;
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(true),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            // A root that is missing or not a directory holds no spec either.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
+                ) =>
+            {
+                Ok(false)
+            }
             Err(source) => Err(CdiError::Remove { path, source }),
         }
     }

@@ -1,0 +1,478 @@
+//! Test support: a recording fake [`GpuBackend`] with MIG placement rules, inventory and
+//! claim builders. Built for this crate's tests and, with the cargo feature `testing`, for
+//! other crates' tests (the gRPC shell).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
+    DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+
+use crate::backend::{BackendError, GpuBackend};
+use crate::driver_root::DriverRootConfig;
+use crate::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
+use crate::prepare::DriverConfig;
+
+/// NVML_ERROR_INVALID_ARGUMENT.
+pub const NVML_INVALID_ARGUMENT: u32 = 2;
+/// NVML_ERROR_NOT_SUPPORTED.
+pub const NVML_NOT_SUPPORTED: u32 = 3;
+/// NVML_ERROR_INSUFFICIENT_RESOURCES (what NVML answers for an occupied placement).
+pub const NVML_INSUFFICIENT_RESOURCES: u32 = 7;
+
+/// One call the fake received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// `inventory()`.
+    Inventory,
+    /// `create_mig(gpu, profile, placement)`.
+    CreateMig {
+        /// GPU UUID.
+        gpu_uuid: String,
+        /// Profile id.
+        profile_id: u32,
+        /// Placement.
+        placement: Placement,
+    },
+    /// `destroy_mig(gpu, gi, ci)`.
+    DestroyMig {
+        /// GPU UUID.
+        gpu_uuid: String,
+        /// GPU instance id.
+        gi_id: u32,
+        /// Compute instance id.
+        ci_id: u32,
+    },
+    /// `list_mig(gpu)`.
+    ListMig {
+        /// GPU UUID.
+        gpu_uuid: String,
+    },
+}
+
+impl Call {
+    /// True for calls that change the hardware.
+    pub fn is_mutation(&self) -> bool {
+        matches!(self, Self::CreateMig { .. } | Self::DestroyMig { .. })
+    }
+}
+
+#[derive(Debug)]
+struct FakeState {
+    inventory: NodeInventory,
+    calls: Vec<Call>,
+    fail_next_create: Option<BackendError>,
+    fail_destroy: Option<BackendError>,
+    created: u32,
+}
+
+/// A GPU backend in memory that records every call and enforces MIG placement rules
+/// (profile and placement must exist, placements must not overlap).
+#[derive(Debug)]
+pub struct FakeBackend {
+    state: Mutex<FakeState>,
+}
+
+fn nvml_err(call: &'static str, target: &str, message: &str, code: u32) -> BackendError {
+    BackendError::Nvml {
+        call,
+        target: target.to_owned(),
+        message: message.to_owned(),
+        code,
+    }
+}
+
+impl FakeBackend {
+    /// A fake node with this inventory.
+    pub fn new(inventory: NodeInventory) -> Self {
+        Self {
+            state: Mutex::new(FakeState {
+                inventory,
+                calls: Vec::new(),
+                fail_next_create: None,
+                fail_destroy: None,
+                created: 0,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FakeState> {
+        self.state.lock().unwrap()
+    }
+
+    /// Calls received so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.lock().calls.clone()
+    }
+
+    /// Mutating calls received so far.
+    pub fn mutations(&self) -> Vec<Call> {
+        self.calls().into_iter().filter(Call::is_mutation).collect()
+    }
+
+    /// Forgets the recorded calls.
+    pub fn clear_calls(&self) {
+        self.lock().calls.clear();
+    }
+
+    /// Makes the next `create_mig` fail with `err` (after recording the call).
+    pub fn fail_next_create(&self, err: BackendError) {
+        self.lock().fail_next_create = Some(err);
+    }
+
+    /// Makes every `destroy_mig` fail with `err` until set to `None`.
+    pub fn fail_destroy(&self, err: Option<BackendError>) {
+        self.lock().fail_destroy = err;
+    }
+
+    /// MIG devices on a GPU now.
+    pub fn instances(&self, gpu_uuid: &str) -> Vec<MigInstance> {
+        let state = self.lock();
+        state
+            .inventory
+            .gpus
+            .iter()
+            .find(|g| g.uuid == gpu_uuid)
+            .map(|g| match &g.mig {
+                MigState::Enabled { instances, .. } => instances.clone(),
+                _ => Vec::new(),
+            })
+            .unwrap_or_default()
+    }
+
+    /// Creates an instance without recording a call (as an administrator would).
+    pub fn add_instance(
+        &self,
+        gpu_uuid: &str,
+        profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigInstance, BackendError> {
+        self.create(gpu_uuid, profile_id, placement)
+    }
+
+    fn create(
+        &self,
+        gpu_uuid: &str,
+        profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigInstance, BackendError> {
+        let mut state = self.lock();
+        state.created += 1;
+        let n = state.created;
+        let gpu = state
+            .inventory
+            .gpus
+            .iter_mut()
+            .find(|g| g.uuid == gpu_uuid)
+            .ok_or_else(|| BackendError::GpuNotFound(gpu_uuid.to_owned()))?;
+        let MigState::Enabled {
+            profiles,
+            instances,
+            ..
+        } = &mut gpu.mig
+        else {
+            return Err(nvml_err(
+                "nvmlDeviceCreateGpuInstanceWithPlacement",
+                gpu_uuid,
+                "Not Supported",
+                NVML_NOT_SUPPORTED,
+            ));
+        };
+        let profile = profiles
+            .iter()
+            .find(|p| p.id == profile_id && p.placements.contains(&placement))
+            .ok_or_else(|| {
+                nvml_err(
+                    "nvmlDeviceCreateGpuInstanceWithPlacement",
+                    gpu_uuid,
+                    "Invalid Argument",
+                    NVML_INVALID_ARGUMENT,
+                )
+            })?;
+        if instances.iter().any(|i| i.placement.overlaps(&placement)) {
+            return Err(nvml_err(
+                "nvmlDeviceCreateGpuInstanceWithPlacement",
+                gpu_uuid,
+                "Insufficient Resources",
+                NVML_INSUFFICIENT_RESOURCES,
+            ));
+        }
+        let gi_id = (1..)
+            .find(|id| !instances.iter().any(|i| i.gi_id == *id))
+            .unwrap();
+        let inst = MigInstance {
+            uuid: format!("MIG-{n:08x}-0000-4000-8000-{:012x}", gi_id),
+            profile_id,
+            profile_name: profile.name.clone(),
+            gi_id,
+            ci_id: 0,
+            placement,
+        };
+        instances.push(inst.clone());
+        Ok(inst)
+    }
+}
+
+impl GpuBackend for FakeBackend {
+    fn inventory(&self) -> Result<NodeInventory, BackendError> {
+        let mut state = self.lock();
+        state.calls.push(Call::Inventory);
+        Ok(state.inventory.clone())
+    }
+
+    fn create_mig(
+        &self,
+        gpu_uuid: &str,
+        profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigInstance, BackendError> {
+        {
+            let mut state = self.lock();
+            state.calls.push(Call::CreateMig {
+                gpu_uuid: gpu_uuid.to_owned(),
+                profile_id,
+                placement,
+            });
+            if let Some(e) = state.fail_next_create.take() {
+                return Err(e);
+            }
+        }
+        self.create(gpu_uuid, profile_id, placement)
+    }
+
+    fn destroy_mig(&self, gpu_uuid: &str, gi_id: u32, ci_id: u32) -> Result<(), BackendError> {
+        let mut state = self.lock();
+        state.calls.push(Call::DestroyMig {
+            gpu_uuid: gpu_uuid.to_owned(),
+            gi_id,
+            ci_id,
+        });
+        if let Some(e) = state.fail_destroy.clone() {
+            return Err(e);
+        }
+        let gpu = state
+            .inventory
+            .gpus
+            .iter_mut()
+            .find(|g| g.uuid == gpu_uuid)
+            .ok_or_else(|| BackendError::GpuNotFound(gpu_uuid.to_owned()))?;
+        if let MigState::Enabled { instances, .. } = &mut gpu.mig {
+            instances.retain(|i| !(i.gi_id == gi_id && i.ci_id == ci_id));
+        }
+        Ok(())
+    }
+
+    fn list_mig(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, BackendError> {
+        self.lock().calls.push(Call::ListMig {
+            gpu_uuid: gpu_uuid.to_owned(),
+        });
+        if !self
+            .lock()
+            .inventory
+            .gpus
+            .iter()
+            .any(|g| g.uuid == gpu_uuid)
+        {
+            return Err(BackendError::GpuNotFound(gpu_uuid.to_owned()));
+        }
+        Ok(self.instances(gpu_uuid))
+    }
+}
+
+/// UUID of fake GPU `minor`.
+pub fn gpu_uuid(minor: u32) -> String {
+    format!("GPU-{minor:08x}-1111-4222-8333-444444444444")
+}
+
+/// A whole GPU without MIG.
+pub fn plain_gpu(minor: u32) -> GpuInfo {
+    GpuInfo {
+        index: minor,
+        minor,
+        uuid: gpu_uuid(minor),
+        product_name: "NVIDIA L4".into(),
+        brand: "Nvidia".into(),
+        architecture: "Ada".into(),
+        cuda_compute_capability: (8, 9),
+        memory_bytes: 24 << 30,
+        multiprocessors: Some(58),
+        pci_bus_id: format!("0000:{:02x}:00.0", minor + 1),
+        pcie_root: None,
+        mig: MigState::NotCapable,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn profile(
+    id: u32,
+    name: &str,
+    slices: u32,
+    count: u32,
+    mem: u64,
+    sms: u32,
+    size: u32,
+    starts: &[u32],
+) -> MigProfile {
+    MigProfile {
+        id,
+        name: name.into(),
+        slice_count: slices,
+        instance_count: count,
+        memory_mib: mem,
+        multiprocessors: sms,
+        copy_engines: slices,
+        decoders: 0,
+        encoders: 0,
+        jpeg_engines: 0,
+        ofa_engines: 0,
+        placements: starts
+            .iter()
+            .map(|&start| Placement { start, size })
+            .collect(),
+    }
+}
+
+/// The A100-SXM4-40GB GPU-instance profiles (MIG-FACTS §4.1).
+pub fn a100_40gb_profiles() -> Vec<MigProfile> {
+    vec![
+        profile(19, "1g.5gb", 1, 7, 4864, 14, 1, &[0, 1, 2, 3, 4, 5, 6]),
+        profile(20, "1g.5gb+me", 1, 1, 4864, 14, 1, &[0, 1, 2, 3, 4, 5, 6]),
+        profile(15, "1g.10gb", 1, 4, 9856, 14, 2, &[0, 2, 4, 6]),
+        profile(14, "2g.10gb", 2, 3, 9856, 28, 2, &[0, 2, 4]),
+        profile(9, "3g.20gb", 3, 2, 19968, 42, 4, &[0, 4]),
+        profile(5, "4g.20gb", 4, 1, 19968, 56, 4, &[0]),
+        profile(0, "7g.40gb", 7, 1, 40192, 98, 8, &[0]),
+    ]
+}
+
+/// An A100 40GB with MIG enabled and no instances.
+pub fn mig_gpu(minor: u32) -> GpuInfo {
+    GpuInfo {
+        product_name: "NVIDIA A100-SXM4-40GB".into(),
+        architecture: "Ampere".into(),
+        cuda_compute_capability: (8, 0),
+        memory_bytes: 40 << 30,
+        multiprocessors: Some(108),
+        mig: MigState::Enabled {
+            profiles: a100_40gb_profiles(),
+            instances: Vec::new(),
+            memory_slices: 8,
+        },
+        ..plain_gpu(minor)
+    }
+}
+
+/// An inventory of these GPUs.
+pub fn inventory(gpus: Vec<GpuInfo>) -> NodeInventory {
+    NodeInventory {
+        driver_version: "570.148.08".into(),
+        driver_semver: "570.148.8".into(),
+        cuda_driver_semver: "12.8.0".into(),
+        gpus,
+    }
+}
+
+/// A node driver configuration with every path inside `dir` and an empty driver root.
+pub fn config_in(dir: &Path, dynamic_mig: bool) -> DriverConfig {
+    let boot_id_path = dir.join("boot_id");
+    if !boot_id_path.exists() {
+        std::fs::write(&boot_id_path, "11111111-2222-3333-4444-555555555555\n").unwrap();
+    }
+    DriverConfig {
+        driver_name: cleave_api::names::DRIVER_NAME.into(),
+        pool_name: "node-a".into(),
+        state_dir: dir.join("plugins").join(cleave_api::names::DRIVER_NAME),
+        cdi_root: dir.join("cdi"),
+        driver_root: DriverRootConfig {
+            root: dir.join("driver-root"),
+            host_root: None,
+            dev_root: Some(dir.join("driver-root")),
+            proc_root: dir.join("proc"),
+        },
+        dynamic_mig,
+        boot_id_path,
+    }
+}
+
+/// An allocated claim; `results` are `(request, driver, pool, device)`.
+pub fn claim(uid: &str, results: &[(&str, &str, &str, &str)]) -> ResourceClaim {
+    ResourceClaim {
+        metadata: ObjectMeta {
+            name: Some(format!("claim-{}", &uid[..uid.len().min(8)])),
+            namespace: Some("default".into()),
+            uid: Some(uid.into()),
+            ..ObjectMeta::default()
+        },
+        status: Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    config: None,
+                    results: Some(
+                        results
+                            .iter()
+                            .map(
+                                |(request, driver, pool, device)| DeviceRequestAllocationResult {
+                                    request: (*request).into(),
+                                    driver: (*driver).into(),
+                                    pool: (*pool).into(),
+                                    device: (*device).into(),
+                                    ..DeviceRequestAllocationResult::default()
+                                },
+                            )
+                            .collect(),
+                    ),
+                }),
+                ..AllocationResult::default()
+            }),
+            ..ResourceClaimStatus::default()
+        }),
+        ..ResourceClaim::default()
+    }
+}
+
+/// A claim of this node's devices (`(request, device)`), driver `gpu.cleave.dev`, pool `node-a`.
+pub fn node_claim(uid: &str, devices: &[(&str, &str)]) -> ResourceClaim {
+    let results: Vec<(&str, &str, &str, &str)> = devices
+        .iter()
+        .map(|(r, d)| (*r, cleave_api::names::DRIVER_NAME, "node-a", *d))
+        .collect();
+    claim(uid, &results)
+}
+
+/// Adds an opaque config entry for `driver` (`source` `FromClass` or `FromClaim`).
+pub fn with_config(
+    mut claim: ResourceClaim,
+    source: &str,
+    driver: &str,
+    requests: &[&str],
+    parameters: serde_json::Value,
+) -> ResourceClaim {
+    let devices = claim
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .expect("claim is allocated");
+    devices
+        .config
+        .get_or_insert_with(Vec::new)
+        .push(DeviceAllocationConfiguration {
+            opaque: Some(OpaqueDeviceConfiguration {
+                driver: driver.into(),
+                parameters: RawExtension(parameters),
+            }),
+            requests: if requests.is_empty() {
+                None
+            } else {
+                Some(requests.iter().map(|r| (*r).to_owned()).collect())
+            },
+            source: source.into(),
+        });
+    claim
+}

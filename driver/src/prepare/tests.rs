@@ -1,0 +1,749 @@
+//! Unit tests of the prepare state machine against the recording fake backend.
+
+use std::sync::Arc;
+
+use serde_json::json;
+
+use super::testing::{
+    Call, FakeBackend, config_in, gpu_uuid, inventory, mig_gpu, node_claim, plain_gpu, with_config,
+};
+use super::*;
+use crate::checkpoint::CHECKPOINT_FILE;
+use crate::model::Placement;
+
+const UID_A: &str = "aaaaaaaa-0000-4000-8000-000000000001";
+const UID_B: &str = "bbbbbbbb-0000-4000-8000-000000000002";
+const UID_C: &str = "cccccccc-0000-4000-8000-000000000003";
+const DRIVER: &str = cleave_api::names::DRIVER_NAME;
+
+struct Node {
+    dir: tempfile::TempDir,
+    fake: Arc<FakeBackend>,
+    driver: NodeDriver,
+}
+
+impl Node {
+    fn new(dynamic: bool, gpus: Vec<GpuInfo>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::new(inventory(gpus)));
+        let driver = NodeDriver::start(config_in(dir.path(), dynamic), fake.clone()).unwrap();
+        fake.clear_calls();
+        Self { dir, fake, driver }
+    }
+
+    fn restart(self) -> Self {
+        let Node { dir, fake, driver } = self;
+        let config = driver.config().clone();
+        drop(driver);
+        let driver = NodeDriver::start(config, fake.clone()).unwrap();
+        Node { dir, fake, driver }
+    }
+
+    fn cdi_path(&self, uid: &str) -> PathBuf {
+        self.driver.config().cdi_root.join(cdi::spec_file_name(uid))
+    }
+
+    fn checkpoint_path(&self) -> PathBuf {
+        self.driver.config().state_dir.join(CHECKPOINT_FILE)
+    }
+
+    fn checkpoint(&self) -> CheckpointData {
+        CheckpointStore::in_dir(&self.driver.config().state_dir)
+            .load()
+            .unwrap()
+    }
+
+    fn cdi_files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.driver.config().cdi_root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+}
+
+fn cdi_json(path: &std::path::Path) -> serde_json::Value {
+    let bytes = std::fs::read(path).unwrap();
+    container_device_interface::schema::validate_builtin(&bytes).unwrap();
+    container_device_interface::spec::read_spec(&path.to_path_buf(), 0).unwrap();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[test]
+fn whole_gpu_prepare_writes_spec_and_checkpoint() {
+    let node = Node::new(false, vec![plain_gpu(0), plain_gpu(1)]);
+    let claim = node_claim(UID_A, &[("gpu", "gpu-1")]);
+    let prepared = node.driver.prepare(&claim).unwrap();
+    assert_eq!(
+        prepared,
+        PreparedClaim {
+            devices: vec![PreparedDevice {
+                request_names: vec!["gpu".into()],
+                pool_name: "node-a".into(),
+                device_name: "gpu-1".into(),
+                cdi_device_ids: vec![format!("k8s.gpu.cleave.dev/claim={UID_A}-gpu-1")],
+            }]
+        }
+    );
+    let spec = cdi_json(&node.cdi_path(UID_A));
+    assert_eq!(spec["kind"], "k8s.gpu.cleave.dev/claim");
+    assert_eq!(spec["devices"][0]["name"], format!("{UID_A}-gpu-1"));
+    assert_eq!(
+        spec["devices"][0]["containerEdits"]["env"][0],
+        format!("CLEAVE_DEVICE_GPU_1_UUID={}", gpu_uuid(1))
+    );
+    let data = node.checkpoint();
+    let record = &data.claims[UID_A];
+    assert_eq!(record.state, ClaimState::Prepared);
+    assert_eq!(
+        (record.namespace.as_str(), record.devices.len()),
+        ("default", 1)
+    );
+    assert_eq!(record.devices[0].kind, DeviceKind::Gpu);
+    assert_eq!(record.devices[0].gpu_uuid, gpu_uuid(1));
+    assert_eq!(record.devices[0].mig, None);
+    assert_eq!(data.boot_id, "11111111-2222-3333-4444-555555555555");
+    // A whole GPU without MIG needs no NVML call at all.
+    assert_eq!(node.fake.calls(), []);
+    assert_eq!(node.driver.prepared_claims().len(), 1);
+}
+
+#[test]
+fn device_nodes_from_the_driver_root_reach_the_spec() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_in(dir.path(), false);
+    for f in ["dev/nvidiactl", "dev/nvidia0", "usr/lib64/libcuda.so.1"] {
+        let p = config.driver_root.root.join(f);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, b"").unwrap();
+    }
+    let fake = Arc::new(FakeBackend::new(inventory(vec![plain_gpu(0)])));
+    let driver = NodeDriver::start(config, fake).unwrap();
+    driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap();
+    let spec = cdi_json(&driver.config().cdi_root.join(cdi::spec_file_name(UID_A)));
+    assert_eq!(
+        spec["devices"][0]["containerEdits"]["deviceNodes"][0]["path"],
+        "/dev/nvidia0"
+    );
+    assert_eq!(
+        spec["containerEdits"]["deviceNodes"][0]["path"],
+        "/dev/nvidiactl"
+    );
+    assert_eq!(
+        spec["containerEdits"]["mounts"][0]["containerPath"],
+        "/usr/lib64/libcuda.so.1"
+    );
+}
+
+#[test]
+fn repeat_prepare_changes_nothing() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    let claim = node_claim(UID_A, &[("mig", "gpu-0-mig-3g20gb-4")]);
+    let first = node.driver.prepare(&claim).unwrap();
+    let meta = |p: &std::path::Path| {
+        let m = std::fs::metadata(p).unwrap();
+        (m.modified().unwrap(), m.ino_compat())
+    };
+    let before = (meta(&node.cdi_path(UID_A)), meta(&node.checkpoint_path()));
+    node.fake.clear_calls();
+    let second = node.driver.prepare(&claim).unwrap();
+    assert_eq!(first, second);
+    assert_eq!(node.fake.calls(), []);
+    assert_eq!(
+        before,
+        (meta(&node.cdi_path(UID_A)), meta(&node.checkpoint_path()))
+    );
+}
+
+trait InoCompat {
+    fn ino_compat(&self) -> u64;
+}
+
+impl InoCompat for std::fs::Metadata {
+    fn ino_compat(&self) -> u64 {
+        std::os::unix::fs::MetadataExt::ino(self)
+    }
+}
+
+#[test]
+fn unprepare_removes_everything_and_is_idempotent() {
+    let node = Node::new(false, vec![plain_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap();
+    assert!(node.cdi_path(UID_A).exists());
+    node.driver.unprepare(UID_A).unwrap();
+    assert!(!node.cdi_path(UID_A).exists());
+    assert!(node.checkpoint().claims.is_empty());
+    node.driver.unprepare(UID_A).unwrap();
+    node.driver.unprepare(UID_B).unwrap();
+    assert!(node.driver.prepared_claims().is_empty());
+    let e = node.driver.unprepare("../etc").unwrap_err();
+    assert!(matches!(e, PrepareError::InvalidClaim { .. }), "{e}");
+}
+
+#[test]
+fn unknown_devices_are_rejected_by_name() {
+    let node = Node::new(false, vec![plain_gpu(0), mig_gpu(1)]);
+    for (device, want) in [
+        ("gpu-9", "no GPU with minor 9"),
+        ("nvidia0", "must start with"),
+        ("gpu-0-mig-1g5gb-0", "does not have MIG enabled"),
+        ("gpu-1-mig-9g99gb-0", "no MIG profile 9g99gb"),
+        ("gpu-1-mig-3g20gb-2", "no placement starting at 2"),
+        ("gpu-1-mig-3g20gb-4", "on-demand MIG is off"),
+        ("gpu-1", "MIG enabled and on-demand MIG is off"),
+    ] {
+        let e = node
+            .driver
+            .prepare(&node_claim(UID_A, &[("gpu", device)]))
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, PrepareError::UnknownDevice { .. }), "{msg}");
+        assert!(msg.contains(device) && msg.contains(want), "{msg}");
+    }
+    assert!(node.cdi_files().is_empty());
+    assert!(node.checkpoint().claims.is_empty());
+    assert_eq!(node.fake.mutations(), []);
+}
+
+#[test]
+fn claims_for_other_drivers_or_pools_are_refused() {
+    let node = Node::new(false, vec![plain_gpu(0)]);
+    let claim = testing::claim(
+        UID_A,
+        &[
+            ("gpu", "other.example.com", "node-a", "gpu-0"),
+            ("gpu", DRIVER, "node-b", "gpu-0"),
+        ],
+    );
+    let e = node.driver.prepare(&claim).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::NotForThisNode { .. }), "{msg}");
+    assert!(msg.contains("other.example.com/node-a/gpu-0"), "{msg}");
+
+    let mut unallocated = node_claim(UID_A, &[]);
+    unallocated.status = None;
+    let e = node.driver.prepare(&unallocated).unwrap_err();
+    assert!(matches!(e, PrepareError::NotAllocated { .. }), "{e}");
+
+    let mut no_uid = node_claim(UID_A, &[("gpu", "gpu-0")]);
+    no_uid.metadata.uid = None;
+    assert!(matches!(
+        node.driver.prepare(&no_uid).unwrap_err(),
+        PrepareError::InvalidClaim { .. }
+    ));
+}
+
+#[test]
+fn invalid_configs_fail_the_claim_and_change_nothing() {
+    let node = Node::new(false, vec![plain_gpu(0)]);
+    let base = node_claim(UID_A, &[("gpu", "gpu-0")]);
+    let unknown_field = with_config(
+        base.clone(),
+        "FromClaim",
+        DRIVER,
+        &[],
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig", "bogus": 1}),
+    );
+    let e = node.driver.prepare(&unknown_field).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::InvalidConfig { .. }), "{msg}");
+    assert!(msg.contains("config entry 0"), "{msg}");
+
+    let wrong_kind = with_config(
+        base.clone(),
+        "FromClass",
+        DRIVER,
+        &["gpu"],
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "MigConfig"}),
+    );
+    let e = node.driver.prepare(&wrong_kind).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("MigConfig cannot be applied to a GPU device"),
+        "{e}"
+    );
+
+    // Another driver's config is not ours to judge.
+    let foreign = with_config(
+        base,
+        "FromClaim",
+        "other.example.com",
+        &[],
+        json!({"whatever": true}),
+    );
+    assert!(node.cdi_files().is_empty());
+    node.driver.prepare(&foreign).unwrap();
+}
+
+#[derive(Default)]
+struct RecordingSharing {
+    applied: Mutex<Vec<(String, Vec<String>)>>,
+    released: Mutex<Vec<(String, Option<serde_json::Value>)>>,
+}
+
+impl SharingHandler for RecordingSharing {
+    fn apply(
+        &self,
+        claim: &SharingClaim<'_>,
+        devices: &[SharingDevice],
+    ) -> Result<SharingEdits, SharingError> {
+        self.applied.lock().unwrap().push((
+            claim.uid.to_owned(),
+            devices.iter().map(|d| d.uuid.clone()).collect(),
+        ));
+        let mut edits = SharingEdits {
+            state: Some(json!({"daemon": "mps-1"})),
+            ..SharingEdits::default()
+        };
+        edits
+            .claim_edits
+            .env
+            .push("CUDA_MPS_PIPE_DIRECTORY=/mps/pipe".into());
+        Ok(edits)
+    }
+
+    fn release(
+        &self,
+        claim_uid: &str,
+        state: Option<&serde_json::Value>,
+    ) -> Result<(), SharingError> {
+        self.released
+            .lock()
+            .unwrap()
+            .push((claim_uid.to_owned(), state.cloned()));
+        Ok(())
+    }
+}
+
+#[test]
+fn sharing_configs_are_merged_recorded_and_handed_to_the_handler() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Arc::new(FakeBackend::new(inventory(vec![
+        plain_gpu(0),
+        plain_gpu(1),
+    ])));
+    let sharing = Arc::new(RecordingSharing::default());
+    let driver =
+        NodeDriver::start_with_sharing(config_in(dir.path(), false), fake, sharing.clone())
+            .unwrap();
+    let claim = node_claim(UID_A, &[("shared", "gpu-0"), ("solo", "gpu-1")]);
+    let claim = with_config(
+        claim,
+        "FromClass",
+        DRIVER,
+        &[],
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+               "sharing": {"strategy": "TimeSlicing"}}),
+    );
+    let claim = with_config(
+        claim,
+        "FromClaim",
+        DRIVER,
+        &["shared"],
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+               "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 50}}}),
+    );
+    driver.prepare(&claim).unwrap();
+    assert_eq!(
+        *sharing.applied.lock().unwrap(),
+        [(UID_A.to_owned(), vec![gpu_uuid(0), gpu_uuid(1)])]
+    );
+    let spec = cdi_json(&driver.config().cdi_root.join(cdi::spec_file_name(UID_A)));
+    let env = spec["containerEdits"]["env"].as_array().unwrap();
+    assert!(
+        env.contains(&json!("CUDA_MPS_PIPE_DIRECTORY=/mps/pipe")),
+        "{env:?}"
+    );
+
+    let data = CheckpointStore::in_dir(&driver.config().state_dir)
+        .load()
+        .unwrap();
+    let record = &data.claims[UID_A];
+    assert_eq!(record.sharing, Some(json!({"daemon": "mps-1"})));
+    let shared = record.devices[0].config.as_ref().unwrap();
+    assert_eq!(shared["source"], "FromClaim");
+    assert_eq!(shared["config"]["sharing"]["strategy"], "MPS");
+    let solo = record.devices[1].config.as_ref().unwrap();
+    assert_eq!(solo["config"]["sharing"]["strategy"], "TimeSlicing");
+
+    driver.unprepare(UID_A).unwrap();
+    assert_eq!(
+        *sharing.released.lock().unwrap(),
+        [(UID_A.to_owned(), Some(json!({"daemon": "mps-1"})))]
+    );
+}
+
+#[test]
+fn device_busy_names_the_other_claim() {
+    let node = Node::new(false, vec![plain_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap();
+    let e = node
+        .driver
+        .prepare(&node_claim(UID_B, &[("gpu", "gpu-0")]))
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::DeviceBusy { .. }), "{msg}");
+    assert!(msg.contains(UID_A) && msg.contains("gpu-0"), "{msg}");
+    assert!(!node.cdi_path(UID_B).exists());
+}
+
+#[test]
+fn on_demand_mig_is_created_at_prepare_and_destroyed_at_unprepare() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    let claim = node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-3")]);
+    let prepared = node.driver.prepare(&claim).unwrap();
+    assert_eq!(
+        prepared.devices[0].cdi_device_ids,
+        [format!(
+            "k8s.gpu.cleave.dev/claim={UID_A}-gpu-0-mig-1g5gb-3"
+        )]
+    );
+    assert_eq!(
+        node.fake.mutations(),
+        [Call::CreateMig {
+            gpu_uuid: gpu_uuid(0),
+            profile_id: 19,
+            placement: Placement { start: 3, size: 1 },
+        }]
+    );
+    let inst = node.fake.instances(&gpu_uuid(0))[0].clone();
+    let record = node.checkpoint().claims[UID_A].clone();
+    let mig = record.devices[0].mig.clone().unwrap();
+    assert!(mig.created_by_cleave);
+    assert_eq!(
+        (mig.uuid.as_deref(), mig.gi_id, mig.ci_id),
+        (Some(inst.uuid.as_str()), Some(inst.gi_id), Some(inst.ci_id))
+    );
+    assert_eq!(node.driver.owned_mig_uuids(), [inst.uuid.clone()].into());
+    // The cached inventory shows the new instance without another NVML inventory call.
+    assert!(matches!(
+        &node.driver.inventory().gpus[0].mig,
+        MigState::Enabled { instances, .. } if instances.len() == 1
+    ));
+    let spec = cdi_json(&node.cdi_path(UID_A));
+    assert_eq!(
+        spec["devices"][0]["containerEdits"]["env"][0],
+        format!("CLEAVE_DEVICE_GPU_0_MIG_1G5GB_3_UUID={}", inst.uuid)
+    );
+
+    node.fake.clear_calls();
+    node.driver.unprepare(UID_A).unwrap();
+    assert_eq!(
+        node.fake.mutations(),
+        [Call::DestroyMig {
+            gpu_uuid: gpu_uuid(0),
+            gi_id: inst.gi_id,
+            ci_id: inst.ci_id,
+        }]
+    );
+    assert!(node.fake.instances(&gpu_uuid(0)).is_empty());
+    assert!(node.driver.owned_mig_uuids().is_empty());
+    assert!(!node.cdi_path(UID_A).exists());
+}
+
+#[test]
+fn whole_mig_gpu_on_demand_gets_the_full_size_instance() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap();
+    assert_eq!(
+        node.fake.mutations(),
+        [Call::CreateMig {
+            gpu_uuid: gpu_uuid(0),
+            profile_id: 0,
+            placement: Placement { start: 0, size: 8 },
+        }]
+    );
+    let record = &node.checkpoint().claims[UID_A];
+    assert_eq!(record.devices[0].kind, DeviceKind::Gpu);
+    node.driver.unprepare(UID_A).unwrap();
+    assert!(node.fake.instances(&gpu_uuid(0)).is_empty());
+}
+
+#[test]
+fn static_mig_devices_are_used_as_they_are_and_never_destroyed() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Arc::new(FakeBackend::new(inventory(vec![mig_gpu(0)])));
+    let admin = fake
+        .add_instance(&gpu_uuid(0), 9, Placement { start: 4, size: 4 })
+        .unwrap();
+    for dynamic in [false, true] {
+        let driver = NodeDriver::start(config_in(dir.path(), dynamic), fake.clone()).unwrap();
+        fake.clear_calls();
+        driver
+            .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-3g20gb-4")]))
+            .unwrap();
+        let record = CheckpointStore::in_dir(&driver.config().state_dir)
+            .load()
+            .unwrap()
+            .claims[UID_A]
+            .clone();
+        let mig = record.devices[0].mig.clone().unwrap();
+        assert!(!mig.created_by_cleave);
+        assert_eq!(mig.uuid.as_deref(), Some(admin.uuid.as_str()));
+        assert!(driver.owned_mig_uuids().is_empty());
+        driver.unprepare(UID_A).unwrap();
+        assert_eq!(fake.mutations(), []);
+        assert_eq!(fake.instances(&gpu_uuid(0)), std::slice::from_ref(&admin));
+    }
+}
+
+#[test]
+fn failed_create_rolls_back_earlier_instances() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    // The second device overlaps the first: the fake refuses it as NVML would.
+    let claim = node_claim(
+        UID_A,
+        &[("a", "gpu-0-mig-1g5gb-0"), ("b", "gpu-0-mig-2g10gb-0")],
+    );
+    let e = node.driver.prepare(&claim).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::MigCreate { .. }), "{msg}");
+    assert!(
+        msg.contains("gpu-0-mig-2g10gb-0") && msg.contains("return code 7"),
+        "{msg}"
+    );
+    let mutations = node.fake.mutations();
+    assert_eq!(mutations.len(), 3, "{mutations:?}");
+    assert!(matches!(mutations[2], Call::DestroyMig { .. }));
+    assert!(node.fake.instances(&gpu_uuid(0)).is_empty());
+    assert!(node.cdi_files().is_empty());
+    assert!(node.checkpoint().claims.is_empty());
+    assert!(node.driver.owned_mig_uuids().is_empty());
+}
+
+#[test]
+fn failed_cdi_write_rolls_back_the_instance_and_names_the_path() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    let cdi_root = node.driver.config().cdi_root.clone();
+    std::fs::remove_dir(&cdi_root).unwrap();
+    std::fs::write(&cdi_root, b"not a directory").unwrap();
+    let e = node
+        .driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-3")]))
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::Cdi { .. }), "{msg}");
+    assert!(msg.contains(&cdi_root.display().to_string()), "{msg}");
+    assert!(node.fake.instances(&gpu_uuid(0)).is_empty());
+    assert!(node.checkpoint().claims.is_empty());
+}
+
+#[test]
+fn failed_checkpoint_write_rolls_back_and_names_the_path() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
+        .unwrap();
+    // Renaming over a non-empty directory fails: the next checkpoint write cannot land.
+    let path = node.checkpoint_path();
+    std::fs::remove_file(&path).unwrap();
+    std::fs::create_dir(&path).unwrap();
+    std::fs::write(path.join("keep"), b"").unwrap();
+    let e = node
+        .driver
+        .prepare(&node_claim(UID_B, &[("mig", "gpu-0-mig-1g5gb-1")]))
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::Checkpoint(_)), "{msg}");
+    assert!(msg.contains(&path.display().to_string()), "{msg}");
+    // B's instance is gone, A's is untouched, no spec for B.
+    assert_eq!(node.fake.instances(&gpu_uuid(0)).len(), 1);
+    assert!(!node.cdi_path(UID_B).exists());
+    assert!(node.cdi_path(UID_A).exists());
+}
+
+#[test]
+fn interrupted_prepare_is_rolled_back_at_start() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    // What a crash after create_mig and before the Prepared record leaves behind: a
+    // PrepareStarted record with the intended placement (no UUID yet), the instance, and
+    // possibly a spec file. Another, admin-made instance must survive.
+    let ours = node
+        .fake
+        .add_instance(&gpu_uuid(0), 14, Placement { start: 2, size: 2 })
+        .unwrap();
+    let admin = node
+        .fake
+        .add_instance(&gpu_uuid(0), 9, Placement { start: 4, size: 4 })
+        .unwrap();
+    let mut data = node.checkpoint();
+    data.claims.insert(
+        UID_C.into(),
+        ClaimRecord {
+            uid: UID_C.into(),
+            namespace: "default".into(),
+            name: "crashed".into(),
+            state: ClaimState::PrepareStarted,
+            devices: vec![DeviceRecord {
+                name: "gpu-0-mig-2g10gb-2".into(),
+                pool: "node-a".into(),
+                request_names: vec!["mig".into()],
+                kind: DeviceKind::Mig,
+                gpu_uuid: gpu_uuid(0),
+                gpu_minor: 0,
+                mig: Some(MigRecord {
+                    profile_id: 14,
+                    profile_name: "2g.10gb".into(),
+                    placement: Placement { start: 2, size: 2 },
+                    uuid: None,
+                    gi_id: None,
+                    ci_id: None,
+                    created_by_cleave: true,
+                }),
+                config: None,
+                cdi_device_ids: vec![],
+            }],
+            sharing: None,
+        },
+    );
+    CheckpointStore::in_dir(&node.driver.config().state_dir)
+        .store(&data)
+        .unwrap();
+    std::fs::write(node.cdi_path(UID_C), b"{}").unwrap();
+    // A spec of a claim nobody recorded (crash between CDI write and record), and a temp file.
+    std::fs::write(node.cdi_path(UID_B), b"{}").unwrap();
+    let tmp = node
+        .driver
+        .config()
+        .cdi_root
+        .join(format!(".{}.tmp", cdi::spec_file_name(UID_B)));
+    std::fs::write(&tmp, b"{").unwrap();
+    let unrelated = node.driver.config().cdi_root.join("nvidia.com-gpu.yaml");
+    std::fs::write(&unrelated, b"").unwrap();
+
+    let node = node.restart();
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), [admin]);
+    assert!(node.fake.mutations().contains(&Call::DestroyMig {
+        gpu_uuid: gpu_uuid(0),
+        gi_id: ours.gi_id,
+        ci_id: ours.ci_id,
+    }));
+    assert!(node.checkpoint().claims.is_empty());
+    assert_eq!(node.cdi_files(), ["nvidia.com-gpu.yaml"]);
+}
+
+#[test]
+fn prepared_claims_survive_restart_and_a_new_boot_forgets_them() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
+        .unwrap();
+    let node = node.restart();
+    assert_eq!(node.driver.prepared_claims().len(), 1);
+    assert_eq!(node.driver.owned_mig_uuids().len(), 1);
+    node.fake.clear_calls();
+    // Idempotent across a restart too.
+    node.driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
+        .unwrap();
+    assert_eq!(node.fake.calls(), []);
+
+    std::fs::write(&node.driver.config().boot_id_path, "new-boot\n").unwrap();
+    let node = node.restart();
+    assert!(node.driver.prepared_claims().is_empty());
+    assert!(!node.cdi_path(UID_A).exists());
+    // Nothing is destroyed on a new boot: instances present now are not ours.
+    assert_eq!(node.fake.mutations(), []);
+    assert_eq!(node.checkpoint().boot_id, "new-boot");
+}
+
+#[test]
+fn unprepare_never_destroys_a_reused_instance_id() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
+        .unwrap();
+    let ours = node.fake.instances(&gpu_uuid(0))[0].clone();
+    // Someone destroys our instance and creates another one with the same GI id.
+    node.fake
+        .destroy_mig(&gpu_uuid(0), ours.gi_id, ours.ci_id)
+        .unwrap();
+    let theirs = node
+        .fake
+        .add_instance(&gpu_uuid(0), 19, Placement { start: 0, size: 1 })
+        .unwrap();
+    assert_eq!(theirs.gi_id, ours.gi_id);
+    node.fake.clear_calls();
+    node.driver.unprepare(UID_A).unwrap();
+    assert_eq!(node.fake.mutations(), []);
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), [theirs]);
+}
+
+#[test]
+fn failed_destroy_keeps_the_claim_for_a_retry() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
+        .unwrap();
+    node.fake.fail_destroy(Some(BackendError::Nvml {
+        call: "nvmlGpuInstanceDestroy",
+        target: gpu_uuid(0),
+        message: "In use by another client".into(),
+        code: 19,
+    }));
+    let e = node.driver.unprepare(UID_A).unwrap_err();
+    assert!(matches!(e, PrepareError::MigDestroy { .. }), "{e}");
+    assert!(e.to_string().contains("return code 19"), "{e}");
+    assert_eq!(node.driver.prepared_claims().len(), 1);
+    node.fake.fail_destroy(None);
+    node.driver.unprepare(UID_A).unwrap();
+    assert!(node.driver.prepared_claims().is_empty());
+    assert!(node.fake.instances(&gpu_uuid(0)).is_empty());
+}
+
+#[test]
+fn several_claims_share_a_gpu_in_any_order() {
+    let devices = [
+        (UID_A, "gpu-0-mig-3g20gb-4"),
+        (UID_B, "gpu-0-mig-2g10gb-0"),
+        (UID_C, "gpu-0-mig-1g5gb-2"),
+    ];
+    let orders: [[usize; 3]; 6] = [
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    ];
+    for prepare_order in orders {
+        for unprepare_order in [[0, 1, 2], [2, 1, 0], [1, 0, 2]] {
+            let node = Node::new(true, vec![mig_gpu(0)]);
+            for &i in &prepare_order {
+                let (uid, device) = devices[i];
+                node.driver
+                    .prepare(&node_claim(uid, &[("mig", device)]))
+                    .unwrap();
+            }
+            assert_eq!(node.fake.instances(&gpu_uuid(0)).len(), 3);
+            assert_eq!(node.driver.owned_mig_uuids().len(), 3);
+            assert_eq!(node.cdi_files().len(), 3);
+            for (n, &i) in unprepare_order.iter().enumerate() {
+                node.driver.unprepare(devices[i].0).unwrap();
+                assert_eq!(node.fake.instances(&gpu_uuid(0)).len(), 2 - n);
+            }
+            assert!(node.cdi_files().is_empty());
+            assert!(node.checkpoint().claims.is_empty());
+        }
+    }
+}
+
+#[test]
+fn subrequests_answer_with_base_request_names() {
+    let node = Node::new(false, vec![plain_gpu(0), plain_gpu(1)]);
+    let claim = node_claim(UID_A, &[("gpus/small", "gpu-0"), ("gpus/big", "gpu-1")]);
+    let prepared = node.driver.prepare(&claim).unwrap();
+    assert_eq!(prepared.devices.len(), 2);
+    assert!(prepared.devices.iter().all(|d| d.request_names == ["gpus"]));
+    let record = &node.checkpoint().claims[UID_A];
+    assert_eq!(record.devices[0].request_names, ["gpus/small"]);
+}
