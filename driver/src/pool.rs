@@ -1,1 +1,1130 @@
-//! (in progress)
+//! Turns the device model into the devices the node publishes (resource.k8s.io/v1
+//! `Device` and `CounterSet` values, grouped per GPU for the controller).
+//!
+//! Per GPU:
+//! - no MIG (not capable, or MIG mode off): one whole-GPU device `gpu-<minor>`;
+//! - MIG on, static: one device per existing MIG instance, `gpu-<minor>-mig-<profile>-<start>`;
+//! - MIG on, on-demand: the whole GPU plus one device per valid placement of every profile,
+//!   all consuming one counter set `gpu-<minor>-counters`, so that the scheduler never
+//!   hands out two placements that cannot exist together.
+//!
+//! Counters of the set (each device consumes exactly what its instance would take):
+//! - `memory-slice-<i>` (value 1) for every memory slice: overlapping placements share one;
+//! - `compute-slices` (value 7 on A100/H100/H200): the `g` numbers add up;
+//! - `instances-<profile>` for profiles that allow fewer instances than placements
+//!   (e.g. one `1g.10gb+me` per GPU: the single optical-flow engine).
+//!   Engine totals need no counter of their own: the profile tables never let memory and
+//!   compute slices fit a combination whose engines would not.
+//!
+//! Instances that someone else made (not in [`PoolOptions::owned_instances`]) are taken:
+//! their memory-slice counters are 0 and their compute slices and instance counts are
+//! removed from the totals, so no overlapping placement can be allocated. Instances cleave
+//! made for claims keep their counters: the allocations of those claims consume them.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use cleave_api::limits;
+use cleave_api::names::{DeviceName, attr, cap, device_type, profile_label};
+use cleave_api::pool::{DeviceGroup, PoolDevices};
+use k8s_openapi::api::resource::v1::{
+    Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use crate::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
+
+/// How to publish the node's devices.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolOptions {
+    /// Publish every valid placement of MIG-enabled GPUs (created on prepare) instead of
+    /// the instances that exist (`--dynamic-mig`; needs partitionable devices).
+    pub dynamic_mig: bool,
+    /// MIG device UUIDs that cleave created for claims. In on-demand mode every other
+    /// existing instance is published as taken.
+    pub owned_instances: BTreeSet<String>,
+}
+
+/// Name of the counter set of the GPU with this minor number.
+pub fn counter_set_name(minor: u32) -> String {
+    format!("gpu-{minor}-counters")
+}
+
+/// Name of the counter of memory slice `i`.
+pub fn memory_slice_counter(i: u32) -> String {
+    format!("memory-slice-{i}")
+}
+
+/// Name of the compute-slice counter.
+pub const COMPUTE_SLICES_COUNTER: &str = "compute-slices";
+
+/// Name of the instance-limit counter of a profile (`instances-1g10gbme`).
+pub fn instances_counter(profile_name: &str) -> String {
+    format!("instances-{}", profile_label(profile_name))
+}
+
+/// Builds everything the node publishes: one [`DeviceGroup`] per GPU, GPUs by minor number.
+/// Pure and deterministic: the same inventory and options give the same value.
+pub fn build_pool(inv: &NodeInventory, opts: &PoolOptions) -> PoolDevices {
+    let mut gpus: Vec<&GpuInfo> = inv.gpus.iter().collect();
+    gpus.sort_by_key(|g| (g.minor, g.index));
+    let groups = gpus
+        .into_iter()
+        .map(|gpu| gpu_group(inv, gpu, opts))
+        .filter(|g| !g.devices.is_empty())
+        .collect();
+    PoolDevices { groups }
+}
+
+fn gpu_group(inv: &NodeInventory, gpu: &GpuInfo, opts: &PoolOptions) -> DeviceGroup {
+    match &gpu.mig {
+        MigState::NotCapable | MigState::Disabled { .. } => DeviceGroup {
+            counter_sets: Vec::new(),
+            devices: vec![whole_gpu_device(inv, gpu, None)],
+        },
+        MigState::Enabled {
+            profiles,
+            instances,
+            ..
+        } if !opts.dynamic_mig => DeviceGroup {
+            counter_sets: Vec::new(),
+            devices: static_mig_devices(inv, gpu, profiles, instances),
+        },
+        MigState::Enabled {
+            profiles,
+            instances,
+            memory_slices,
+        } => on_demand_group(inv, gpu, profiles, instances, *memory_slices, opts),
+    }
+}
+
+/// The default publishing order of MIG profiles: bigger first (compute slices, then
+/// memory), then by name. The scheduler takes the first device that fits, so big
+/// requests see big devices first and small ones are packed after.
+pub fn order_profiles(profiles: &mut [&MigProfile]) {
+    profiles.sort_by(|a, b| {
+        b.slice_count
+            .cmp(&a.slice_count)
+            .then(b.memory_mib.cmp(&a.memory_mib))
+            .then(a.name.cmp(&b.name))
+            .then(a.id.cmp(&b.id))
+    });
+}
+
+/// The publishing order of one profile's placements. Hook for a packing-optimised order
+/// (to be chosen by simulation); the default is descending start: small instances fill
+/// the GPU from the top, keeping the low slices, where the big profiles must start
+/// (`4g` and `7g` only at 0), free for as long as possible.
+pub fn order_placements(_profile: &MigProfile, placements: &mut [Placement]) {
+    placements.sort_by(|a, b| b.start.cmp(&a.start).then(a.size.cmp(&b.size)));
+}
+
+fn on_demand_group(
+    inv: &NodeInventory,
+    gpu: &GpuInfo,
+    profiles: &[MigProfile],
+    instances: &[MigInstance],
+    memory_slices: u32,
+    opts: &PoolOptions,
+) -> DeviceGroup {
+    let set = counter_set_name(gpu.minor);
+    let compute_total = profiles.iter().map(|p| p.slice_count).max().unwrap_or(0);
+    let limited: Vec<&MigProfile> = profiles
+        .iter()
+        .filter(|p| (p.instance_count as usize) < p.placements.len())
+        .collect();
+
+    // Totals, then what foreign instances take away.
+    let mut mem_free = vec![1i64; memory_slices as usize];
+    let mut compute_free = i64::from(compute_total);
+    let mut limit_free: BTreeMap<u32, i64> = limited
+        .iter()
+        .map(|p| (p.id, i64::from(p.instance_count)))
+        .collect();
+    for inst in instances
+        .iter()
+        .filter(|i| !opts.owned_instances.contains(&i.uuid))
+    {
+        for s in slices(inst.placement) {
+            if let Some(c) = mem_free.get_mut(s as usize) {
+                *c = 0;
+            }
+        }
+        let taken = profiles
+            .iter()
+            .find(|p| p.id == inst.profile_id)
+            .map_or(inst.placement.size.min(compute_total), |p| p.slice_count);
+        compute_free = (compute_free - i64::from(taken)).max(0);
+        if let Some(c) = limit_free.get_mut(&inst.profile_id) {
+            *c = (*c - 1).max(0);
+        }
+    }
+
+    let mut counters = BTreeMap::new();
+    for (i, free) in mem_free.iter().enumerate() {
+        counters.insert(memory_slice_counter(i as u32), counter(*free));
+    }
+    counters.insert(COMPUTE_SLICES_COUNTER.to_owned(), counter(compute_free));
+    for p in &limited {
+        let free = limit_free.get(&p.id).copied().unwrap_or(0);
+        counters.insert(instances_counter(&p.name), counter(free));
+    }
+    let counter_sets = vec![CounterSet {
+        name: set.clone(),
+        counters,
+    }];
+
+    // The whole GPU takes every memory and compute slice.
+    let mut whole = BTreeMap::new();
+    for i in 0..memory_slices {
+        whole.insert(memory_slice_counter(i), counter(1));
+    }
+    whole.insert(
+        COMPUTE_SLICES_COUNTER.to_owned(),
+        counter(i64::from(compute_total)),
+    );
+    let mut devices = vec![whole_gpu_device(
+        inv,
+        gpu,
+        Some(DeviceCounterConsumption {
+            counter_set: set.clone(),
+            counters: whole,
+        }),
+    )];
+
+    let mut ordered: Vec<&MigProfile> = profiles.iter().collect();
+    order_profiles(&mut ordered);
+    for p in ordered {
+        let mut placements = p.placements.clone();
+        order_placements(p, &mut placements);
+        for pl in placements {
+            let mut used = BTreeMap::new();
+            for s in slices(pl) {
+                used.insert(memory_slice_counter(s), counter(1));
+            }
+            used.insert(
+                COMPUTE_SLICES_COUNTER.to_owned(),
+                counter(i64::from(p.slice_count)),
+            );
+            if limited.iter().any(|l| l.id == p.id) {
+                used.insert(instances_counter(&p.name), counter(1));
+            }
+            let consumption = DeviceCounterConsumption {
+                counter_set: set.clone(),
+                counters: used,
+            };
+            if let Some(d) = mig_device(inv, gpu, p, pl, None, Some(consumption)) {
+                devices.push(d);
+            }
+        }
+    }
+    DeviceGroup {
+        counter_sets,
+        devices,
+    }
+}
+
+fn static_mig_devices(
+    inv: &NodeInventory,
+    gpu: &GpuInfo,
+    profiles: &[MigProfile],
+    instances: &[MigInstance],
+) -> Vec<Device> {
+    let mut ordered: Vec<&MigProfile> = profiles.iter().collect();
+    order_profiles(&mut ordered);
+    let rank = |id: u32| {
+        ordered
+            .iter()
+            .position(|p| p.id == id)
+            .unwrap_or(usize::MAX)
+    };
+    let mut insts: Vec<&MigInstance> = instances.iter().collect();
+    insts.sort_by(|a, b| {
+        rank(a.profile_id)
+            .cmp(&rank(b.profile_id))
+            .then(b.placement.start.cmp(&a.placement.start))
+            .then(a.uuid.cmp(&b.uuid))
+    });
+    let mut names = BTreeSet::new();
+    let mut out = Vec::new();
+    for inst in insts {
+        let Some(profile) = profiles.iter().find(|p| p.id == inst.profile_id) else {
+            tracing::warn!(
+                gpu = %gpu.uuid,
+                mig = %inst.uuid,
+                profile_id = inst.profile_id,
+                "MIG instance of an unknown profile is not published"
+            );
+            continue;
+        };
+        let Some(d) = mig_device(inv, gpu, profile, inst.placement, Some(inst), None) else {
+            continue;
+        };
+        // Several compute instances in one GPU instance share its placement (and name).
+        if !names.insert(d.name.clone()) {
+            tracing::warn!(
+                gpu = %gpu.uuid,
+                mig = %inst.uuid,
+                device = %d.name,
+                "more than one MIG device in one GPU instance; publishing only the first"
+            );
+            continue;
+        }
+        out.push(d);
+    }
+    out
+}
+
+/// Memory slices a placement covers.
+fn slices(p: Placement) -> std::ops::Range<u32> {
+    p.start..p.start.saturating_add(p.size)
+}
+
+fn counter(value: i64) -> Counter {
+    Counter {
+        value: Quantity(value.to_string()),
+    }
+}
+
+/// Attributes every device of a GPU carries (the GPU's own, or a MIG device's parent's).
+fn common_attributes(inv: &NodeInventory, gpu: &GpuInfo) -> Vec<(&'static str, DeviceAttribute)> {
+    let mut a = vec![
+        (attr::PRODUCT_NAME, string(&gpu.product_name)),
+        (attr::BRAND, string(&gpu.brand)),
+        (attr::ARCHITECTURE, string(&gpu.architecture)),
+        (
+            attr::CUDA_COMPUTE_CAPABILITY,
+            version(&format!(
+                "{}.{}.0",
+                gpu.cuda_compute_capability.0, gpu.cuda_compute_capability.1
+            )),
+        ),
+        (attr::DRIVER_VERSION, version(&inv.driver_semver)),
+        (attr::CUDA_DRIVER_VERSION, version(&inv.cuda_driver_semver)),
+        (attr::PCI_BUS_ID, string(&gpu.pci_bus_id)),
+    ];
+    if let Some(root) = &gpu.pcie_root {
+        a.push((attr::PCIE_ROOT, string(root)));
+    }
+    a
+}
+
+fn whole_gpu_device(
+    inv: &NodeInventory,
+    gpu: &GpuInfo,
+    consumption: Option<DeviceCounterConsumption>,
+) -> Device {
+    let mut attrs = vec![
+        (attr::TYPE, string(device_type::GPU)),
+        (attr::UUID, string(&gpu.uuid)),
+        (attr::MIG_CAPABLE, boolean(gpu.mig.is_capable())),
+    ];
+    attrs.extend(common_attributes(inv, gpu));
+    let mut caps = vec![(cap::MEMORY, bytes_quantity(gpu.memory_bytes))];
+    if let Some(sm) = gpu.multiprocessors {
+        caps.push((cap::MULTIPROCESSORS, count_quantity(u64::from(sm))));
+    }
+    device(
+        DeviceName::gpu(gpu.minor).to_string(),
+        attrs,
+        caps,
+        consumption,
+    )
+}
+
+fn mig_device(
+    inv: &NodeInventory,
+    gpu: &GpuInfo,
+    profile: &MigProfile,
+    placement: Placement,
+    instance: Option<&MigInstance>,
+    consumption: Option<DeviceCounterConsumption>,
+) -> Option<Device> {
+    let name = DeviceName::mig(gpu.minor, &profile.name, placement.start).to_string();
+    if let Err(error) = name.parse::<DeviceName>() {
+        tracing::warn!(
+            gpu = %gpu.uuid,
+            profile = %profile.name,
+            %error,
+            "MIG profile has no valid device name; not published"
+        );
+        return None;
+    }
+    let mut attrs = vec![(attr::TYPE, string(device_type::MIG))];
+    if let Some(inst) = instance {
+        attrs.push((attr::UUID, string(&inst.uuid)));
+    }
+    attrs.extend([
+        (attr::PARENT_UUID, string(&gpu.uuid)),
+        (attr::PROFILE, string(&profile.name)),
+        (attr::PLACEMENT_START, int(placement.start)),
+        (attr::PLACEMENT_SIZE, int(placement.size)),
+    ]);
+    attrs.extend(common_attributes(inv, gpu));
+    let caps = vec![
+        (
+            cap::MEMORY,
+            bytes_quantity(profile.memory_mib.saturating_mul(1 << 20)),
+        ),
+        (
+            cap::MULTIPROCESSORS,
+            count_quantity(u64::from(profile.multiprocessors)),
+        ),
+        (
+            cap::COPY_ENGINES,
+            count_quantity(u64::from(profile.copy_engines)),
+        ),
+        (cap::DECODERS, count_quantity(u64::from(profile.decoders))),
+        (cap::ENCODERS, count_quantity(u64::from(profile.encoders))),
+        (
+            cap::JPEG_ENGINES,
+            count_quantity(u64::from(profile.jpeg_engines)),
+        ),
+        (
+            cap::OFA_ENGINES,
+            count_quantity(u64::from(profile.ofa_engines)),
+        ),
+    ];
+    Some(device(name, attrs, caps, consumption))
+}
+
+fn device(
+    name: String,
+    attrs: Vec<(&'static str, DeviceAttribute)>,
+    caps: Vec<(&'static str, Quantity)>,
+    consumption: Option<DeviceCounterConsumption>,
+) -> Device {
+    let mut attributes = BTreeMap::new();
+    for (k, v) in attrs {
+        let len = v
+            .string
+            .as_deref()
+            .or(v.version.as_deref())
+            .map_or(0, str::len);
+        if len > limits::MAX_ATTRIBUTE_VALUE_LENGTH {
+            // The API server would reject the whole slice; drop the one value instead.
+            tracing::warn!(device = %name, attribute = k, len, "attribute value too long; not published");
+            continue;
+        }
+        attributes.insert(k.to_owned(), v);
+    }
+    let capacity = caps
+        .into_iter()
+        .map(|(k, value)| {
+            (
+                k.to_owned(),
+                DeviceCapacity {
+                    value,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
+    Device {
+        name,
+        attributes: Some(attributes),
+        capacity: Some(capacity),
+        consumes_counters: consumption.map(|c| vec![c]),
+        ..Default::default()
+    }
+}
+
+fn string(s: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s.to_owned()),
+        ..Default::default()
+    }
+}
+
+fn version(s: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        version: Some(s.to_owned()),
+        ..Default::default()
+    }
+}
+
+fn int(v: u32) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i64::from(v)),
+        ..Default::default()
+    }
+}
+
+fn boolean(v: bool) -> DeviceAttribute {
+    DeviceAttribute {
+        bool: Some(v),
+        ..Default::default()
+    }
+}
+
+/// A byte count in the canonical form the API server writes back (binary suffix with the
+/// largest exact power of 1024: `85520809984` -> `81559Mi`, `42949672960` -> `40Gi`), so
+/// that re-reading a published slice never looks like a change.
+pub fn bytes_quantity(bytes: u64) -> Quantity {
+    if bytes < 1024 {
+        return count_quantity(bytes);
+    }
+    const SUFFIXES: [&str; 7] = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"];
+    let mut v = bytes;
+    let mut e = 0;
+    while e < SUFFIXES.len() - 1 && v.is_multiple_of(1024) {
+        v /= 1024;
+        e += 1;
+    }
+    Quantity(format!("{v}{}", SUFFIXES[e]))
+}
+
+/// A count in canonical decimal form (`132`, `1k` for 1000).
+pub fn count_quantity(n: u64) -> Quantity {
+    const SUFFIXES: [&str; 7] = ["", "k", "M", "G", "T", "P", "E"];
+    let mut v = n;
+    let mut e = 0;
+    while v != 0 && e < SUFFIXES.len() - 1 && v.is_multiple_of(1000) {
+        v /= 1000;
+        e += 1;
+    }
+    Quantity(format!("{v}{}", SUFFIXES[e]))
+}
+
+/// Every way `pool` breaks the API server's ResourceSlice limits (strictest supported
+/// version) if each group is published in its own slice; empty when it publishes.
+pub fn limit_violations(pool: &PoolDevices) -> Vec<String> {
+    let mut out = Vec::new();
+    for (gi, group) in pool.groups.iter().enumerate() {
+        let with_counters = group
+            .devices
+            .iter()
+            .any(|d| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()));
+        let max_devices = if with_counters {
+            limits::MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS
+        } else {
+            limits::MAX_DEVICES_PER_SLICE
+        };
+        if group.devices.len() > max_devices {
+            out.push(format!(
+                "group {gi}: {} devices > {max_devices}",
+                group.devices.len()
+            ));
+        }
+        if group.counter_sets.len() > limits::MAX_COUNTER_SETS_PER_SLICE {
+            out.push(format!("group {gi}: too many counter sets"));
+        }
+        let shared: usize = group.counter_sets.iter().map(|s| s.counters.len()).sum();
+        if shared > limits::MAX_SHARED_COUNTERS_PER_SLICE {
+            out.push(format!("group {gi}: {shared} shared counters"));
+        }
+        let set_names: BTreeSet<&str> =
+            group.counter_sets.iter().map(|s| s.name.as_str()).collect();
+        for set in &group.counter_sets {
+            if set.counters.len() > limits::MAX_COUNTERS_PER_COUNTER_SET {
+                out.push(format!("counter set {}: too many counters", set.name));
+            }
+            for name in std::iter::once(&set.name).chain(set.counters.keys()) {
+                if !is_dns_label(name) {
+                    out.push(format!(
+                        "counter set {}: {name:?} is not a DNS label",
+                        set.name
+                    ));
+                }
+            }
+        }
+        let mut device_counters = 0;
+        let mut names = BTreeSet::new();
+        for d in &group.devices {
+            if !names.insert(d.name.as_str()) {
+                out.push(format!("{}: duplicate device name", d.name));
+            }
+            if d.name.parse::<DeviceName>().is_err() || !is_dns_label(&d.name) {
+                out.push(format!("{}: not a valid device name", d.name));
+            }
+            let attrs = d.attributes.as_ref().map_or(0, BTreeMap::len);
+            let caps = d.capacity.as_ref().map_or(0, BTreeMap::len);
+            if attrs + caps > limits::MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE {
+                out.push(format!(
+                    "{}: {} attributes and capacities",
+                    d.name,
+                    attrs + caps
+                ));
+            }
+            for (k, v) in d.attributes.iter().flatten() {
+                let set = [
+                    v.bool.is_some(),
+                    v.int.is_some(),
+                    v.string.is_some(),
+                    v.version.is_some(),
+                ]
+                .iter()
+                .filter(|b| **b)
+                .count();
+                if set != 1 {
+                    out.push(format!("{}: attribute {k} has {set} values", d.name));
+                }
+                let len = v
+                    .string
+                    .as_deref()
+                    .or(v.version.as_deref())
+                    .map_or(0, str::len);
+                if len > limits::MAX_ATTRIBUTE_VALUE_LENGTH {
+                    out.push(format!("{}: attribute {k} is {len} bytes", d.name));
+                }
+                let id = k.rsplit('/').next().unwrap_or(k);
+                if id.len() > limits::MAX_ATTRIBUTE_ID_LENGTH {
+                    out.push(format!("{}: attribute name {k} too long", d.name));
+                }
+            }
+            let consumptions = d.consumes_counters.as_deref().unwrap_or(&[]);
+            if consumptions.len() > limits::MAX_COUNTER_CONSUMPTIONS_PER_DEVICE {
+                out.push(format!(
+                    "{}: {} counter consumptions",
+                    d.name,
+                    consumptions.len()
+                ));
+            }
+            let n: usize = consumptions.iter().map(|c| c.counters.len()).sum();
+            if n > limits::MAX_COUNTERS_PER_DEVICE {
+                out.push(format!("{}: consumes {n} counters", d.name));
+            }
+            device_counters += n;
+            for c in consumptions {
+                if !set_names.contains(c.counter_set.as_str()) {
+                    out.push(format!(
+                        "{}: counter set {} not in its group",
+                        d.name, c.counter_set
+                    ));
+                    continue;
+                }
+                let Some(set) = group.counter_sets.iter().find(|s| s.name == c.counter_set) else {
+                    continue;
+                };
+                for k in c.counters.keys() {
+                    if !set.counters.contains_key(k) {
+                        out.push(format!("{}: counter {k} not in set {}", d.name, set.name));
+                    }
+                }
+            }
+        }
+        if device_counters > limits::MAX_DEVICE_COUNTERS_PER_SLICE {
+            out.push(format!(
+                "group {gi}: devices consume {device_counters} counters"
+            ));
+        }
+    }
+    out
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= limits::MAX_DNS_LABEL_LENGTH
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[allow(clippy::too_many_arguments)]
+    fn prof(
+        id: u32,
+        name: &str,
+        g: u32,
+        inst: u32,
+        mib: u64,
+        sm: u32,
+        engines: [u32; 5],
+        starts: &[u32],
+        size: u32,
+    ) -> MigProfile {
+        MigProfile {
+            id,
+            name: name.into(),
+            slice_count: g,
+            instance_count: inst,
+            memory_mib: mib,
+            multiprocessors: sm,
+            copy_engines: engines[0],
+            decoders: engines[1],
+            encoders: engines[2],
+            jpeg_engines: engines[3],
+            ofa_engines: engines[4],
+            placements: starts
+                .iter()
+                .map(|&start| Placement { start, size })
+                .collect(),
+        }
+    }
+
+    /// H100 80GB HBM3 table (MIG-FACTS §4.3).
+    fn h100_profiles() -> Vec<MigProfile> {
+        vec![
+            prof(
+                19,
+                "1g.10gb",
+                1,
+                7,
+                9984,
+                16,
+                [1, 1, 0, 1, 0],
+                &[0, 1, 2, 3, 4, 5, 6],
+                1,
+            ),
+            prof(
+                20,
+                "1g.10gb+me",
+                1,
+                1,
+                9984,
+                16,
+                [1, 1, 0, 1, 1],
+                &[0, 1, 2, 3, 4, 5, 6],
+                1,
+            ),
+            prof(
+                15,
+                "1g.20gb",
+                1,
+                4,
+                20096,
+                26,
+                [1, 1, 0, 1, 0],
+                &[0, 2, 4, 6],
+                2,
+            ),
+            prof(
+                14,
+                "2g.20gb",
+                2,
+                3,
+                20096,
+                32,
+                [2, 2, 0, 2, 0],
+                &[0, 2, 4],
+                2,
+            ),
+            prof(9, "3g.40gb", 3, 2, 40448, 60, [3, 3, 0, 3, 0], &[0, 4], 4),
+            prof(5, "4g.40gb", 4, 1, 40448, 64, [4, 4, 0, 4, 0], &[0], 4),
+            prof(0, "7g.80gb", 7, 1, 81152, 132, [8, 7, 0, 7, 1], &[0], 8),
+        ]
+    }
+
+    fn h100(minor: u32, mig: MigState) -> GpuInfo {
+        GpuInfo {
+            index: minor,
+            minor,
+            uuid: format!("GPU-00000000-0000-0000-0000-00000000000{minor}"),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            brand: "Nvidia".into(),
+            architecture: "Hopper".into(),
+            cuda_compute_capability: (9, 0),
+            memory_bytes: 81559 * (1 << 20),
+            multiprocessors: Some(132),
+            pci_bus_id: "0000:53:00.0".into(),
+            pcie_root: Some("pci0000:50".into()),
+            mig,
+        }
+    }
+
+    fn inv(gpus: Vec<GpuInfo>) -> NodeInventory {
+        NodeInventory {
+            driver_version: "580.105.08".into(),
+            driver_semver: "580.105.8".into(),
+            cuda_driver_semver: "13.0.0".into(),
+            gpus,
+        }
+    }
+
+    fn enabled(instances: Vec<MigInstance>) -> MigState {
+        MigState::Enabled {
+            profiles: h100_profiles(),
+            instances,
+            memory_slices: 8,
+        }
+    }
+
+    fn on_demand() -> PoolOptions {
+        PoolOptions {
+            dynamic_mig: true,
+            ..Default::default()
+        }
+    }
+
+    fn instance(uuid: &str, profile_id: u32, name: &str, start: u32, size: u32) -> MigInstance {
+        MigInstance {
+            uuid: uuid.into(),
+            profile_id,
+            profile_name: name.into(),
+            gi_id: start + 1,
+            ci_id: 0,
+            placement: Placement { start, size },
+        }
+    }
+
+    fn attr_of<'a>(d: &'a Device, k: &str) -> &'a DeviceAttribute {
+        d.attributes
+            .as_ref()
+            .unwrap()
+            .get(k)
+            .unwrap_or_else(|| panic!("{} lacks {k}", d.name))
+    }
+
+    fn cap_of(d: &Device, k: &str) -> String {
+        d.capacity.as_ref().unwrap()[k].value.0.clone()
+    }
+
+    fn consumed(d: &Device) -> BTreeMap<String, String> {
+        d.consumes_counters.as_ref().unwrap()[0]
+            .counters
+            .iter()
+            .map(|(k, v)| (k.clone(), v.value.0.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn whole_h100_has_exact_attributes_and_capacities() {
+        let pool = build_pool(
+            &inv(vec![h100(
+                0,
+                MigState::Disabled {
+                    profiles: h100_profiles(),
+                },
+            )]),
+            &PoolOptions::default(),
+        );
+        assert_eq!(pool.groups.len(), 1);
+        assert!(pool.groups[0].counter_sets.is_empty());
+        let d = &pool.groups[0].devices[0];
+        assert_eq!(d.name, "gpu-0");
+        let s = |v: &str| string(v);
+        let expected: BTreeMap<String, DeviceAttribute> = [
+            ("type", s("gpu")),
+            ("uuid", s("GPU-00000000-0000-0000-0000-000000000000")),
+            ("migCapable", boolean(true)),
+            ("productName", s("NVIDIA H100 80GB HBM3")),
+            ("brand", s("Nvidia")),
+            ("architecture", s("Hopper")),
+            ("cudaComputeCapability", version("9.0.0")),
+            ("driverVersion", version("580.105.8")),
+            ("cudaDriverVersion", version("13.0.0")),
+            ("resource.kubernetes.io/pciBusID", s("0000:53:00.0")),
+            ("resource.kubernetes.io/pcieRoot", s("pci0000:50")),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        assert_eq!(d.attributes.as_ref().unwrap(), &expected);
+        let caps: BTreeMap<String, String> = d
+            .capacity
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.value.0.clone()))
+            .collect();
+        assert_eq!(
+            caps,
+            BTreeMap::from([
+                ("memory".to_owned(), "81559Mi".to_owned()),
+                ("multiprocessors".to_owned(), "132".to_owned()),
+            ])
+        );
+        assert!(d.consumes_counters.is_none());
+        assert!(limit_violations(&pool).is_empty());
+    }
+
+    #[test]
+    fn not_capable_gpu_without_pcie_root_or_sms() {
+        let mut g = h100(3, MigState::NotCapable);
+        g.pcie_root = None;
+        g.multiprocessors = None;
+        let pool = build_pool(&inv(vec![g]), &on_demand());
+        let d = &pool.groups[0].devices[0];
+        assert_eq!(d.name, "gpu-3");
+        assert_eq!(attr_of(d, "migCapable").bool, Some(false));
+        assert!(!d.attributes.as_ref().unwrap().contains_key(attr::PCIE_ROOT));
+        assert!(
+            !d.capacity
+                .as_ref()
+                .unwrap()
+                .contains_key(cap::MULTIPROCESSORS)
+        );
+        assert!(pool.groups[0].counter_sets.is_empty());
+    }
+
+    #[test]
+    fn on_demand_publishes_every_placement_plus_whole_gpu() {
+        let pool = build_pool(&inv(vec![h100(0, enabled(vec![]))]), &on_demand());
+        let g = &pool.groups[0];
+        assert_eq!(g.devices.len(), 26);
+        let count = |label: &str| {
+            g.devices
+                .iter()
+                .filter(|d| d.name.starts_with(&format!("gpu-0-mig-{label}-")))
+                .count()
+        };
+        assert_eq!(count("1g10gb"), 7);
+        assert_eq!(count("1g10gbme"), 7);
+        assert_eq!(count("1g20gb"), 4);
+        assert_eq!(count("2g20gb"), 3);
+        assert_eq!(count("3g40gb"), 2);
+        assert_eq!(count("4g40gb"), 1);
+        assert_eq!(count("7g80gb"), 1);
+        // Order: whole GPU, then bigger profiles first, placements by descending start.
+        let names: Vec<&str> = g.devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(
+            &names[..6],
+            [
+                "gpu-0",
+                "gpu-0-mig-7g80gb-0",
+                "gpu-0-mig-4g40gb-0",
+                "gpu-0-mig-3g40gb-4",
+                "gpu-0-mig-3g40gb-0",
+                "gpu-0-mig-2g20gb-4",
+            ]
+        );
+        for d in &g.devices {
+            let parsed: DeviceName = d.name.parse().unwrap();
+            assert_eq!(parsed.minor(), 0);
+            assert_eq!(parsed.is_mig(), d.name != "gpu-0");
+            assert_eq!(
+                d.consumes_counters.as_ref().unwrap()[0].counter_set,
+                "gpu-0-counters"
+            );
+        }
+        let set = &g.counter_sets[0];
+        assert_eq!(set.name, "gpu-0-counters");
+        let keys: Vec<&str> = set.counters.keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            [
+                "compute-slices",
+                "instances-1g10gbme",
+                "memory-slice-0",
+                "memory-slice-1",
+                "memory-slice-2",
+                "memory-slice-3",
+                "memory-slice-4",
+                "memory-slice-5",
+                "memory-slice-6",
+                "memory-slice-7",
+            ]
+        );
+        assert_eq!(set.counters["compute-slices"].value.0, "7");
+        assert_eq!(set.counters["instances-1g10gbme"].value.0, "1");
+        assert!(
+            limit_violations(&pool).is_empty(),
+            "{:?}",
+            limit_violations(&pool)
+        );
+    }
+
+    #[test]
+    fn mig_device_attributes_and_capacities() {
+        let pool = build_pool(&inv(vec![h100(0, enabled(vec![]))]), &on_demand());
+        let d = pool
+            .devices()
+            .find(|d| d.name == "gpu-0-mig-1g10gbme-6")
+            .unwrap();
+        assert_eq!(attr_of(d, "type").string.as_deref(), Some("mig"));
+        assert_eq!(attr_of(d, "profile").string.as_deref(), Some("1g.10gb+me"));
+        assert_eq!(attr_of(d, "placementStart").int, Some(6));
+        assert_eq!(attr_of(d, "placementSize").int, Some(1));
+        assert_eq!(
+            attr_of(d, "parentUUID").string.as_deref(),
+            Some("GPU-00000000-0000-0000-0000-000000000000")
+        );
+        // An on-demand placement has no UUID yet.
+        assert!(!d.attributes.as_ref().unwrap().contains_key(attr::UUID));
+        assert_eq!(cap_of(d, "memory"), "9984Mi");
+        assert_eq!(cap_of(d, "multiprocessors"), "16");
+        assert_eq!(cap_of(d, "ofaEngines"), "1");
+        assert_eq!(cap_of(d, "copyEngines"), "1");
+        assert_eq!(
+            consumed(d),
+            BTreeMap::from([
+                ("compute-slices".to_owned(), "1".to_owned()),
+                ("instances-1g10gbme".to_owned(), "1".to_owned()),
+                ("memory-slice-6".to_owned(), "1".to_owned()),
+            ])
+        );
+        let seven = pool
+            .devices()
+            .find(|d| d.name == "gpu-0-mig-7g80gb-0")
+            .unwrap();
+        assert_eq!(cap_of(seven, "memory"), "81152Mi");
+        assert_eq!(consumed(seven).len(), 9);
+    }
+
+    #[test]
+    fn overlapping_placements_share_counters() {
+        let pool = build_pool(&inv(vec![h100(0, enabled(vec![]))]), &on_demand());
+        let mem = |name: &str| -> BTreeSet<String> {
+            let d = pool.devices().find(|d| d.name == name).unwrap();
+            consumed(d)
+                .into_keys()
+                .filter(|k| k.starts_with("memory-slice-"))
+                .collect()
+        };
+        let three = mem("gpu-0-mig-3g40gb-4");
+        let two = mem("gpu-0-mig-2g20gb-4");
+        let one = mem("gpu-0-mig-1g10gb-3");
+        let whole = mem("gpu-0");
+        assert!(!three.is_disjoint(&two));
+        assert!(three.is_disjoint(&one));
+        assert!(whole.is_superset(&three) && whole.len() == 8);
+        // Every pair of placements overlaps exactly when their memory counters intersect.
+        let devs: Vec<&Device> = pool
+            .devices()
+            .filter(|d| d.name.contains("-mig-"))
+            .collect();
+        for a in &devs {
+            for b in &devs {
+                let pa = Placement {
+                    start: attr_of(a, "placementStart").int.unwrap() as u32,
+                    size: attr_of(a, "placementSize").int.unwrap() as u32,
+                };
+                let pb = Placement {
+                    start: attr_of(b, "placementStart").int.unwrap() as u32,
+                    size: attr_of(b, "placementSize").int.unwrap() as u32,
+                };
+                assert_eq!(
+                    pa.overlaps(&pb),
+                    !mem(&a.name).is_disjoint(&mem(&b.name)),
+                    "{} vs {}",
+                    a.name,
+                    b.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn foreign_instance_takes_its_slices_owned_keeps_them() {
+        let foreign = instance("MIG-foreign", 9, "3g.40gb", 4, 4);
+        let owned = instance("MIG-owned", 14, "2g.20gb", 0, 2);
+        let mut opts = on_demand();
+        opts.owned_instances.insert("MIG-owned".into());
+        let pool = build_pool(&inv(vec![h100(0, enabled(vec![foreign, owned]))]), &opts);
+        let set = &pool.groups[0].counter_sets[0].counters;
+        for i in 0..8 {
+            let expected = if i >= 4 { "0" } else { "1" };
+            assert_eq!(
+                set[&format!("memory-slice-{i}")].value.0,
+                expected,
+                "slice {i}"
+            );
+        }
+        assert_eq!(set["compute-slices"].value.0, "4");
+        // Devices stay published (stable list); the counters make the taken ones unallocatable.
+        assert_eq!(pool.device_count(), 26);
+        assert!(limit_violations(&pool).is_empty());
+
+        // A foreign +me instance uses up the +me instance limit.
+        let me = instance("MIG-me", 20, "1g.10gb+me", 0, 1);
+        let pool = build_pool(&inv(vec![h100(0, enabled(vec![me]))]), &on_demand());
+        let set = &pool.groups[0].counter_sets[0].counters;
+        assert_eq!(set["instances-1g10gbme"].value.0, "0");
+        assert_eq!(set["memory-slice-0"].value.0, "0");
+        assert_eq!(set["compute-slices"].value.0, "6");
+    }
+
+    #[test]
+    fn static_mode_publishes_existing_instances_only() {
+        let insts = vec![
+            instance("MIG-a", 19, "1g.10gb", 6, 1),
+            instance("MIG-b", 9, "3g.40gb", 0, 4),
+            instance("MIG-c", 19, "1g.10gb", 5, 1),
+        ];
+        let pool = build_pool(&inv(vec![h100(2, enabled(insts))]), &PoolOptions::default());
+        let names: Vec<&str> = pool.devices().map(|d| d.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "gpu-2-mig-3g40gb-0",
+                "gpu-2-mig-1g10gb-6",
+                "gpu-2-mig-1g10gb-5"
+            ]
+        );
+        let d = pool.devices().next().unwrap();
+        assert_eq!(attr_of(d, "uuid").string.as_deref(), Some("MIG-b"));
+        assert!(d.consumes_counters.is_none());
+        assert!(pool.groups[0].counter_sets.is_empty());
+        assert!(limit_violations(&pool).is_empty());
+    }
+
+    #[test]
+    fn eight_gpus_in_groups_by_minor() {
+        let gpus = (0..8).rev().map(|m| h100(m, enabled(vec![]))).collect();
+        let pool = build_pool(&inv(gpus), &on_demand());
+        assert_eq!(pool.groups.len(), 8);
+        assert_eq!(pool.device_count(), 8 * 26);
+        for (i, g) in pool.groups.iter().enumerate() {
+            assert_eq!(g.devices[0].name, format!("gpu-{i}"));
+            assert_eq!(g.counter_sets[0].name, format!("gpu-{i}-counters"));
+        }
+        assert!(limit_violations(&pool).is_empty());
+        // Deterministic.
+        let again = build_pool(
+            &inv((0..8).map(|m| h100(m, enabled(vec![]))).collect()),
+            &on_demand(),
+        );
+        assert_eq!(pool, again);
+    }
+
+    #[test]
+    fn unnameable_profiles_are_skipped_and_long_values_dropped() {
+        let mut profiles = h100_profiles();
+        profiles.push(prof(
+            67,
+            "1g.10gb-me",
+            1,
+            7,
+            9984,
+            16,
+            [1, 0, 0, 0, 0],
+            &[0],
+            1,
+        ));
+        let mut g = h100(
+            0,
+            MigState::Enabled {
+                profiles,
+                instances: vec![],
+                memory_slices: 8,
+            },
+        );
+        g.product_name = "x".repeat(65);
+        let pool = build_pool(&inv(vec![g]), &on_demand());
+        assert_eq!(pool.device_count(), 26);
+        assert!(pool.devices().all(|d| {
+            !d.attributes
+                .as_ref()
+                .unwrap()
+                .contains_key(attr::PRODUCT_NAME)
+        }));
+        assert!(limit_violations(&pool).is_empty());
+    }
+
+    #[test]
+    fn limit_violations_catches_breakage() {
+        let mut pool = build_pool(&inv(vec![h100(0, enabled(vec![]))]), &on_demand());
+        pool.groups[0].devices[1].name = "gpu-0".into();
+        pool.groups[0].counter_sets[0]
+            .counters
+            .remove("compute-slices");
+        let v = limit_violations(&pool);
+        assert!(v.iter().any(|m| m.contains("duplicate")), "{v:?}");
+        assert!(v.iter().any(|m| m.contains("compute-slices")), "{v:?}");
+    }
+
+    #[test]
+    fn quantities_are_canonical() {
+        assert_eq!(bytes_quantity(81559 << 20).0, "81559Mi");
+        assert_eq!(bytes_quantity(40 << 30).0, "40Gi");
+        assert_eq!(bytes_quantity(1536).0, "1536");
+        assert_eq!(bytes_quantity(1023).0, "1023");
+        assert_eq!(bytes_quantity(2048).0, "2Ki");
+        assert_eq!(count_quantity(132).0, "132");
+        assert_eq!(count_quantity(0).0, "0");
+        assert_eq!(count_quantity(1000).0, "1k");
+    }
+}
