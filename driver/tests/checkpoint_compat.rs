@@ -1,0 +1,259 @@
+//! Checkpoint compatibility: the v1 file committed in `tests/fixtures/checkpoint-v1.json`
+//! must load in this and every later release, and a file from a newer release that added
+//! fields must load here.
+//!
+//! The fixture was generated once by this code (`CLEAVE_REGENERATE_FIXTURES=1 cargo test -p
+//! cleave-driver --test checkpoint_compat`); never regenerate it to make a failing test
+//! pass: a failure means the release broke the previous release's checkpoint.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use cleave_driver::checkpoint::{
+    self, CheckpointData, CheckpointError, CheckpointStore, ClaimRecord, ClaimState, DeviceKind,
+    DeviceRecord, MigRecord,
+};
+use cleave_driver::model::Placement;
+use serde_json::json;
+
+fn fixture_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoint-v1.json")
+}
+
+const GPU0: &str = "GPU-00000000-1111-4222-8333-444444444444";
+const GPU1: &str = "GPU-00000001-1111-4222-8333-444444444444";
+const WHOLE: &str = "0a4b2c1d-0000-4000-8000-00000000000a";
+const ON_DEMAND: &str = "0b4b2c1d-0000-4000-8000-00000000000b";
+const STATIC: &str = "0c4b2c1d-0000-4000-8000-00000000000c";
+const STARTED: &str = "0d4b2c1d-0000-4000-8000-00000000000d";
+
+/// What release 1 wrote: every kind of record it produces.
+fn v1_data() -> CheckpointData {
+    let cdi = |uid: &str, dev: &str| vec![format!("k8s.gpu.cleave.dev/claim={uid}-{dev}")];
+    let mut claims = BTreeMap::new();
+    claims.insert(
+        WHOLE.to_owned(),
+        ClaimRecord {
+            uid: WHOLE.into(),
+            namespace: "team-a".into(),
+            name: "whole-gpu".into(),
+            state: ClaimState::Prepared,
+            devices: vec![DeviceRecord {
+                name: "gpu-1".into(),
+                pool: "node-a".into(),
+                request_names: vec!["gpu".into()],
+                kind: DeviceKind::Gpu,
+                gpu_uuid: GPU1.into(),
+                gpu_minor: 1,
+                mig: None,
+                config: Some(json!({
+                    "index": 0,
+                    "source": "FromClass",
+                    "config": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                               "sharing": {"strategy": "TimeSlicing",
+                                           "timeSlicing": {"interval": "Default"}}}
+                })),
+                cdi_device_ids: cdi(WHOLE, "gpu-1"),
+            }],
+            sharing: Some(json!({})),
+        },
+    );
+    claims.insert(
+        ON_DEMAND.to_owned(),
+        ClaimRecord {
+            uid: ON_DEMAND.into(),
+            namespace: "team-b".into(),
+            name: "mig-slice".into(),
+            state: ClaimState::Prepared,
+            devices: vec![DeviceRecord {
+                name: "gpu-0-mig-1g10gb-3".into(),
+                pool: "node-a".into(),
+                request_names: vec!["mig/small".into()],
+                kind: DeviceKind::Mig,
+                gpu_uuid: GPU0.into(),
+                gpu_minor: 0,
+                mig: Some(MigRecord {
+                    profile_id: 19,
+                    profile_name: "1g.10gb".into(),
+                    placement: Placement { start: 3, size: 1 },
+                    uuid: Some("MIG-5c8a3f11-2d4e-4b6a-9c0d-1e2f3a4b5c6d".into()),
+                    gi_id: Some(10),
+                    ci_id: Some(0),
+                    created_by_cleave: true,
+                }),
+                config: None,
+                cdi_device_ids: cdi(ON_DEMAND, "gpu-0-mig-1g10gb-3"),
+            }],
+            sharing: None,
+        },
+    );
+    claims.insert(
+        STATIC.to_owned(),
+        ClaimRecord {
+            uid: STATIC.into(),
+            namespace: "team-b".into(),
+            name: "static-mig".into(),
+            state: ClaimState::Prepared,
+            devices: vec![DeviceRecord {
+                name: "gpu-0-mig-3g40gb-4".into(),
+                pool: "node-a".into(),
+                request_names: vec!["mig".into()],
+                kind: DeviceKind::Mig,
+                gpu_uuid: GPU0.into(),
+                gpu_minor: 0,
+                mig: Some(MigRecord {
+                    profile_id: 9,
+                    profile_name: "3g.40gb".into(),
+                    placement: Placement { start: 4, size: 4 },
+                    uuid: Some("MIG-6d9b4a22-3e5f-4c7b-8d1e-2f3a4b5c6d7e".into()),
+                    gi_id: Some(2),
+                    ci_id: Some(0),
+                    created_by_cleave: false,
+                }),
+                config: None,
+                cdi_device_ids: cdi(STATIC, "gpu-0-mig-3g40gb-4"),
+            }],
+            sharing: None,
+        },
+    );
+    claims.insert(
+        STARTED.to_owned(),
+        ClaimRecord {
+            uid: STARTED.into(),
+            namespace: "team-c".into(),
+            name: "interrupted".into(),
+            state: ClaimState::PrepareStarted,
+            devices: vec![DeviceRecord {
+                name: "gpu-0-mig-1g10gb-2".into(),
+                pool: "node-a".into(),
+                request_names: vec!["mig".into()],
+                kind: DeviceKind::Mig,
+                gpu_uuid: GPU0.into(),
+                gpu_minor: 0,
+                mig: Some(MigRecord {
+                    profile_id: 19,
+                    profile_name: "1g.10gb".into(),
+                    placement: Placement { start: 2, size: 1 },
+                    uuid: None,
+                    gi_id: None,
+                    ci_id: None,
+                    created_by_cleave: true,
+                }),
+                config: None,
+                cdi_device_ids: cdi(STARTED, "gpu-0-mig-1g10gb-2"),
+            }],
+            sharing: None,
+        },
+    );
+    CheckpointData {
+        boot_id: "3f0c6a5e-8d1b-4f7a-9e2c-5b4d3a2f1e0d".into(),
+        claims,
+    }
+}
+
+#[test]
+fn v1_fixture_still_loads() {
+    let path = fixture_path();
+    if std::env::var_os("CLEAVE_REGENERATE_FIXTURES").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, checkpoint::encode(&v1_data()).unwrap()).unwrap();
+    }
+    let bytes = std::fs::read(&path).unwrap();
+    let text = std::str::from_utf8(&bytes).unwrap();
+    assert!(
+        text.starts_with("{\"version\":1,\"checksum\":\"sha256:"),
+        "{text}"
+    );
+    let data = checkpoint::decode(&path, &bytes).unwrap();
+
+    // Asserted field by field (not by equality with v1_data()) so that fields added later
+    // with defaults do not need this test to change.
+    assert_eq!(data.boot_id, "3f0c6a5e-8d1b-4f7a-9e2c-5b4d3a2f1e0d");
+    assert_eq!(data.claims.len(), 4);
+    let whole = &data.claims[WHOLE];
+    assert_eq!(
+        (whole.namespace.as_str(), whole.name.as_str(), whole.state),
+        ("team-a", "whole-gpu", ClaimState::Prepared)
+    );
+    let d = &whole.devices[0];
+    assert_eq!(
+        (d.name.as_str(), d.kind, d.gpu_minor),
+        ("gpu-1", DeviceKind::Gpu, 1)
+    );
+    assert_eq!(d.gpu_uuid, GPU1);
+    assert_eq!(d.mig, None);
+    assert_eq!(
+        d.config.as_ref().unwrap()["config"]["sharing"]["strategy"],
+        "TimeSlicing"
+    );
+    assert_eq!(
+        d.cdi_device_ids,
+        [format!("k8s.gpu.cleave.dev/claim={WHOLE}-gpu-1")]
+    );
+    assert_eq!(whole.sharing, Some(json!({})));
+
+    let od = &data.claims[ON_DEMAND].devices[0];
+    assert_eq!(od.request_names, ["mig/small"]);
+    let m = od.mig.as_ref().unwrap();
+    assert!(m.created_by_cleave);
+    assert_eq!(
+        (
+            m.profile_id,
+            m.profile_name.as_str(),
+            m.placement,
+            m.gi_id,
+            m.ci_id
+        ),
+        (
+            19,
+            "1g.10gb",
+            Placement { start: 3, size: 1 },
+            Some(10),
+            Some(0)
+        )
+    );
+    assert_eq!(
+        m.uuid.as_deref(),
+        Some("MIG-5c8a3f11-2d4e-4b6a-9c0d-1e2f3a4b5c6d")
+    );
+
+    let st = data.claims[STATIC].devices[0].mig.as_ref().unwrap();
+    assert!(!st.created_by_cleave);
+    assert_eq!(st.gi_id, Some(2));
+
+    let started = &data.claims[STARTED];
+    assert_eq!(started.state, ClaimState::PrepareStarted);
+    let m = started.devices[0].mig.as_ref().unwrap();
+    assert_eq!((m.uuid.as_ref(), m.gi_id), (None, None));
+    assert_eq!(m.placement, Placement { start: 2, size: 1 });
+
+    // And this release reads exactly what it wrote then.
+    assert_eq!(data, v1_data());
+}
+
+#[test]
+fn checkpoint_of_a_newer_release_with_extra_fields_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = CheckpointStore::in_dir(dir.path());
+    let mut value = serde_json::to_value(v1_data()).unwrap();
+    value["futureTopLevel"] = json!({"anything": [1, 2]});
+    value["claims"][WHOLE]["futureClaimField"] = json!("x");
+    value["claims"][WHOLE]["devices"][0]["futureDeviceField"] = json!(42);
+    value["claims"][ON_DEMAND]["devices"][0]["mig"]["futureMigField"] = json!(true);
+    // The newer release checksums the bytes it wrote; the format of those bytes is its own.
+    let data_bytes = serde_json::to_vec(&value).unwrap();
+    std::fs::write(store.path(), checkpoint::wrap(&data_bytes)).unwrap();
+    assert_eq!(store.load().unwrap(), v1_data());
+}
+
+#[test]
+fn fixture_with_a_flipped_byte_is_reported_corrupt() {
+    let bytes = std::fs::read(fixture_path()).unwrap();
+    let text = String::from_utf8(bytes).unwrap();
+    let damaged = text.replacen("team-a", "team-b", 1);
+    let e = checkpoint::decode(&fixture_path(), damaged.as_bytes()).unwrap_err();
+    assert!(matches!(e, CheckpointError::Corrupt { .. }), "{e}");
+    assert!(e.to_string().contains("checksum mismatch"), "{e}");
+}
