@@ -207,6 +207,18 @@ pub enum StandInError {
         #[source]
         source: kube::Error,
     },
+    /// Building the runtime of a detached server failed.
+    #[error("start stand-in runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// Writing a file failed.
+    #[error("write {}: {source}", path.display())]
+    Write {
+        /// File.
+        path: std::path::PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The server URL did not parse.
     #[error("parse url {0:?}")]
     Url(String),

@@ -125,6 +125,8 @@ pub struct StandInOptions {
     pub history_limit: usize,
     /// Validate ResourceSlices on create/update (default true).
     pub validate: bool,
+    /// Loopback port to listen on; 0 (default) picks a free one.
+    pub port: u16,
 }
 
 impl Default for StandInOptions {
@@ -134,6 +136,7 @@ impl Default for StandInOptions {
             bookmark_interval: Duration::from_secs(1),
             history_limit: 4096,
             validate: true,
+            port: 0,
         }
     }
 }
@@ -177,6 +180,8 @@ pub struct StandIn {
     client: kube::Client,
     shutdown_tx: watch::Sender<bool>,
     task: Option<JoinHandle<()>>,
+    /// Own runtime of a [`StandIn::start_detached`] server.
+    runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl std::fmt::Debug for StandIn {
@@ -193,9 +198,10 @@ fn resource(name: &str) -> Result<&'static ResourceDef, StandInError> {
 }
 
 impl StandIn {
-    /// Binds `127.0.0.1:0` and serves in a task of the current tokio runtime.
+    /// Binds `127.0.0.1:<opts.port>` (0: a free port) and serves in a task of the current
+    /// tokio runtime (so the test's runtime must keep running while it is used).
     pub async fn start(opts: StandInOptions) -> Result<StandIn, StandInError> {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", opts.port))
             .await
             .map_err(StandInError::Bind)?;
         let addr = listener.local_addr().map_err(StandInError::Bind)?;
@@ -225,6 +231,53 @@ impl StandIn {
             client,
             shutdown_tx,
             task: Some(task),
+            runtime: None,
+        })
+    }
+
+    /// Starts a server on its own two-thread runtime, so it keeps serving while the caller
+    /// blocks (waiting on a child process, a current-thread test runtime doing blocking work)
+    /// and can be used from sync code. Callable from inside or outside a runtime.
+    pub fn start_detached(opts: StandInOptions) -> Result<StandIn, StandInError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("apiserver-standin")
+            .enable_all()
+            .build()
+            .map_err(StandInError::Runtime)?;
+        // block_on may not run on a thread that is already inside a runtime.
+        let starter = std::thread::spawn(move || {
+            let started = rt.block_on(StandIn::start(opts));
+            (started, rt)
+        });
+        let (started, rt) = starter.join().map_err(|_| {
+            StandInError::Runtime(std::io::Error::other("stand-in start thread panicked"))
+        })?;
+        match started {
+            Ok(mut standin) => {
+                standin.runtime = Some(rt);
+                Ok(standin)
+            }
+            Err(e) => {
+                rt.shutdown_background();
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes a kubeconfig pointing at this server (context `standin`, namespace `default`,
+    /// no credentials), for child processes that use `kube::Client::try_default()` with
+    /// `KUBECONFIG` set to `path`.
+    pub fn write_kubeconfig(&self, path: &std::path::Path) -> Result<(), StandInError> {
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: standin\n  cluster:\n    server: {}\n\
+             contexts:\n- name: standin\n  context:\n    cluster: standin\n    user: standin\n    namespace: default\n\
+             current-context: standin\nusers:\n- name: standin\n  user: {{}}\n",
+            self.url()
+        );
+        std::fs::write(path, text).map_err(|source| StandInError::Write {
+            path: path.to_path_buf(),
+            source,
         })
     }
 
@@ -459,6 +512,9 @@ impl Drop for StandIn {
         let _ = self.shutdown_tx.send(true);
         if let Some(task) = self.task.take() {
             task.abort();
+        }
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
         }
     }
 }

@@ -208,6 +208,14 @@ fn json_response(status: StatusCode, v: &Value) -> (Response<Body>, usize) {
 
 struct Params {
     pairs: Vec<(String, String)>,
+    /// `Accept: ...;as=PartialObjectMetadata...`: answer with metadata only.
+    meta_only: bool,
+}
+
+/// `PartialObjectMetadata` view of an object.
+fn partial(obj: &Value) -> Value {
+    json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+           "metadata": obj.get("metadata").cloned().unwrap_or_else(|| json!({}))})
 }
 
 impl Params {
@@ -237,12 +245,18 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string();
+    let meta_only = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("as=PartialObjectMetadata"));
     let body = match req.into_body().collect().await {
         Ok(c) => c.to_bytes(),
         Err(_) => Bytes::new(),
     };
     let params = Params {
         pairs: parse_query(&query),
+        meta_only,
     };
     let target = parse_path(&path);
     let (verb, resource) = match &target {
@@ -408,6 +422,7 @@ fn dispatch(
                 .store
                 .get(res, &ns, name)
                 .ok_or_else(|| ApiError::not_found(res, name))?;
+            let obj = if params.meta_only { partial(&obj) } else { obj };
             Ok(Reply::Json(StatusCode::OK, obj))
         }
         "list" => list(shared, route, params),
@@ -555,7 +570,13 @@ fn list(shared: &Shared, route: &Route, params: &Params) -> Result<Reply, ApiErr
     }
     Ok(Reply::Json(
         StatusCode::OK,
-        json!({"kind": list_kind(res), "apiVersion": res.api_version(), "metadata": meta, "items": items}),
+        if params.meta_only {
+            let items: Vec<Value> = items.iter().map(partial).collect();
+            json!({"kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1",
+                   "metadata": meta, "items": items})
+        } else {
+            json!({"kind": list_kind(res), "apiVersion": res.api_version(), "metadata": meta, "items": items})
+        },
     ))
 }
 
@@ -713,6 +734,7 @@ fn start_watch(shared: &Arc<Shared>, route: &Route, params: &Params) -> Result<R
         deadline: Instant::now() + timeout,
         shutdown: shared.shutdown.clone(),
         counter: counter.clone(),
+        meta_only: params.meta_only,
     };
     tokio::spawn(task.run(setup));
     let stream = futures::stream::poll_fn(move |cx| {
@@ -734,6 +756,7 @@ struct WatchTask {
     deadline: Instant,
     shutdown: watch::Receiver<bool>,
     counter: Arc<AtomicUsize>,
+    meta_only: bool,
 }
 
 impl WatchTask {
@@ -742,11 +765,19 @@ impl WatchTask {
         self.tx.send(line).await.is_ok()
     }
 
+    fn line(&self, kind: crate::store::ChangeKind, obj: &Value) -> Bytes {
+        if self.meta_only {
+            event_line(kind.as_str(), &partial(obj))
+        } else {
+            event_line(kind.as_str(), obj)
+        }
+    }
+
     async fn run(mut self, setup: crate::store::WatchSetup) {
         let mut rx = setup.rx;
         let mut last_rv = setup.start_rv;
         for (kind, obj) in &setup.initial {
-            if !self.send(event_line(kind.as_str(), obj)).await {
+            if !self.send(self.line(*kind, obj)).await {
                 return;
             }
         }
@@ -772,7 +803,7 @@ impl WatchTask {
                         }
                         last_rv = change.rv;
                         match translate(&self.filter.as_filter(), &change) {
-                            Some((kind, obj)) => event_line(kind.as_str(), &obj),
+                            Some((kind, obj)) => self.line(kind, &obj),
                             None => continue,
                         }
                     }
