@@ -944,6 +944,16 @@ mod tests {
     #[test]
     fn sharing_errors() {
         assert_eq!(
+            parse_err(gpu(json!({"strategy": 5}))),
+            "sharing.strategy: invalid type: integer `5`, expected string or map"
+        );
+        assert_eq!(
+            parse_err(gpu(
+                json!({"strategy": "TimeSlicing", "timeSlicing": {"interval": 2}})
+            )),
+            "sharing.timeSlicing.interval: invalid type: integer `2`, expected string or map"
+        );
+        assert_eq!(
             parse_err(gpu(json!({}))),
             "sharing: missing field `strategy`"
         );

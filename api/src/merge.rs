@@ -195,7 +195,7 @@ where
 }
 
 /// Keeps the opaque entries for `driver` and decodes them with
-/// [`decode_config`](crate::config::decode_config), in the API server's order; other
+/// [`decode_config`], in the API server's order; other
 /// drivers' entries and non-opaque entries are skipped. The first bad entry is the error.
 pub fn decode_allocation_configs(
     driver: &str,
@@ -245,6 +245,36 @@ where
 
 /// The effective config of every request of an allocated claim that has results for
 /// `driver`, keyed by the results' request names (`req` or `req/sub`).
+///
+/// How the driver finds the sharing to set up for one allocated device:
+///
+/// ```
+/// use cleave_api::names::DRIVER_NAME;
+/// use cleave_api::{DeviceKind, DeviceName, SharingStrategy, resolve_claim_configs};
+/// use k8s_openapi::api::resource::v1::ResourceClaim;
+///
+/// let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+///     "metadata": {"name": "c", "namespace": "ns"},
+///     "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.cleave.dev"}}]}},
+///     "status": {"allocation": {"devices": {
+///         "results": [{"request": "gpu", "driver": "gpu.cleave.dev", "pool": "node-1", "device": "gpu-0"}],
+///         "config": [{"source": "FromClaim", "opaque": {"driver": "gpu.cleave.dev", "parameters": {
+///             "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+///             "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 25}}}}}]
+///     }}}
+/// }))?;
+///
+/// let configs = resolve_claim_configs(&claim, DRIVER_NAME)?; // decode + default + validate + merge
+/// let device: DeviceName = "gpu-0".parse()?; // from the allocation result of request "gpu"
+/// let sharing = match configs.get("gpu") {
+///     Some(Some(resolved)) => resolved.sharing_for(DeviceKind::from(&device))?,
+///     _ => None, // no config for this request: exclusive use
+/// };
+/// let mps = sharing.and_then(|s| s.mps.as_ref()).expect("MPS");
+/// assert_eq!(sharing.map(|s| s.strategy), Some(SharingStrategy::Mps));
+/// assert_eq!(mps.active_thread_percentage_or_default(), 25);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn resolve_claim_configs(
     claim: &ResourceClaim,
     driver: &str,
