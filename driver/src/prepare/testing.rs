@@ -24,7 +24,7 @@ pub const NVML_INVALID_ARGUMENT: u32 = 2;
 /// NVML_ERROR_NOT_SUPPORTED.
 pub const NVML_NOT_SUPPORTED: u32 = 3;
 /// NVML_ERROR_INSUFFICIENT_RESOURCES (what NVML answers for an occupied placement).
-pub const NVML_INSUFFICIENT_RESOURCES: u32 = 7;
+pub const NVML_INSUFFICIENT_RESOURCES: u32 = 23;
 
 /// One call the fake received.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -508,7 +508,7 @@ fn failed_create_rolls_back_earlier_instances() {
     let msg = e.to_string();
     assert!(matches!(e, PrepareError::MigCreate { .. }), "{msg}");
     assert!(
-        msg.contains("gpu-0-mig-2g10gb-0") && msg.contains("return code 7"),
+        msg.contains("gpu-0-mig-2g10gb-0") && msg.contains("return code 23"),
         "{msg}"
     );
     let mutations = node.fake.mutations();
