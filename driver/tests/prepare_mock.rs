@@ -293,7 +293,11 @@ fn restart_rolls_back_interrupted_prepare_and_keeps_static_instances() {
     // Static mode this time: the admin's instance is a device, placements are not.
     let driver = NodeDriver::start(cfg, nvml.clone()).unwrap();
     let left = nvml.list_mig(&gpu0.uuid).unwrap();
-    assert_eq!(left, [admin.clone()], "orphan {orphan:?} not destroyed");
+    assert_eq!(
+        left,
+        std::slice::from_ref(&admin),
+        "orphan {orphan:?} not destroyed"
+    );
     assert!(driver.prepared_claims().is_empty());
 
     let static_dev = DeviceName::mig(0, &p3g.name, 4).to_string();
