@@ -182,6 +182,9 @@ pub enum DeviceConfig {
 }
 
 /// `kind: GpuConfig`: how a whole GPU is set up for the claim.
+///
+/// Its `Deserialize` checks `apiVersion`, `kind` and unknown fields, but (like every serde
+/// derive) also takes a JSON array for an object; [`parse_config`] rejects that too.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(from = "GpuConfigRepr", into = "GpuConfigRepr")]
 pub struct GpuConfig {
