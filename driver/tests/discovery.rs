@@ -25,7 +25,28 @@ fn open() -> NvmlBackend {
 fn discovers_every_profile() {
     if let Some(profile) = scenario() {
         let (facts, count) = profile_facts(&profile);
-        let inv = open().inventory().unwrap();
+        // A sysfs stand-in where GPU 0's bus ID links below root complex pci0000:50.
+        let sysfs = tempfile::tempdir().unwrap();
+        let devices = sysfs.path().join("bus/pci/devices");
+        std::fs::create_dir_all(&devices).unwrap();
+        let backend = open().with_sysfs_root(sysfs.path());
+        let first = backend.inventory().unwrap();
+        let bus0 = first.gpus[0].pci_bus_id.clone();
+        std::os::unix::fs::symlink(
+            format!("../../../devices/pci0000:50/0000:50:01.0/{bus0}"),
+            devices.join(&bus0),
+        )
+        .unwrap();
+        let t = std::time::Instant::now();
+        let inv = backend.inventory().unwrap();
+        println!(
+            "{profile}: inventory of {count} GPUs took {:?} (profile tables cached)",
+            t.elapsed()
+        );
+        assert_eq!(inv.gpus[0].pcie_root.as_deref(), Some("pci0000:50"));
+        assert!(inv.gpus[1..].iter().all(|g| g.pcie_root.is_none()));
+        assert_eq!(first.gpus[0].pcie_root, None);
+        assert_eq!(first.gpus[1..], inv.gpus[1..]);
         assert_eq!(inv.driver_version, "570.148.08");
         assert_eq!(inv.driver_semver, "570.148.8");
         assert_eq!(inv.cuda_driver_semver, "12.8.0");
@@ -44,7 +65,6 @@ fn discovers_every_profile() {
             assert_eq!(g.cuda_compute_capability, facts.cc);
             assert_eq!(g.memory_bytes, facts.memory_mib << 20);
             assert_eq!(g.multiprocessors, Some(facts.sms));
-            assert_eq!(g.pcie_root, None, "no sysfs entry for mock GPUs");
             let b = &g.pci_bus_id;
             assert!(
                 b.len() == 12
@@ -114,13 +134,17 @@ fn discovers_every_profile() {
         }
         return;
     }
-    for profile in PROFILES {
-        run_child(
-            "discovers_every_profile",
-            profile,
-            &[("MOCK_NVML_PROFILE", profile)],
-        );
-    }
+    std::thread::scope(|s| {
+        for profile in PROFILES {
+            s.spawn(move || {
+                run_child(
+                    "discovers_every_profile",
+                    profile,
+                    &[("MOCK_NVML_PROFILE", profile)],
+                )
+            });
+        }
+    });
 }
 
 /// MIG mode off: capable GPUs are `Disabled` and publish one whole-GPU device each.

@@ -139,13 +139,17 @@ fn pools_of_every_profile_pass_limits() {
         }
         return;
     }
-    for profile in PROFILES {
-        run_child(
-            "pools_of_every_profile_pass_limits",
-            profile,
-            &[("MOCK_NVML_PROFILE", profile)],
-        );
-    }
+    std::thread::scope(|s| {
+        for profile in PROFILES {
+            s.spawn(move || {
+                run_child(
+                    "pools_of_every_profile_pass_limits",
+                    profile,
+                    &[("MOCK_NVML_PROFILE", profile)],
+                )
+            });
+        }
+    });
 }
 
 /// Remaining counter values of one GPU's set.
@@ -225,7 +229,7 @@ fn on_demand_counters_match_hardware() {
         println!("seed {seed}");
         let mut rng = Lcg(seed);
         let mut probes = 0;
-        for round in 0..12 {
+        for round in 0..8 {
             let mut free = initial.clone();
             let mut made = Vec::new();
             // Allocate in random order until nothing fits.
@@ -276,16 +280,20 @@ fn on_demand_counters_match_hardware() {
         println!("{profile}: {probes} create probes agreed with the counters");
         return;
     }
-    for profile in [
-        "a100-40gb-x8",
-        "h100-80gb-x8",
-        "h200-141gb-x8",
-        "a100-80gb-x4",
-    ] {
-        run_child(
-            "on_demand_counters_match_hardware",
-            profile,
-            &[("MOCK_NVML_PROFILE", profile)],
-        );
-    }
+    std::thread::scope(|s| {
+        for profile in [
+            "a100-40gb-x8",
+            "h100-80gb-x8",
+            "h200-141gb-x8",
+            "a100-80gb-x4",
+        ] {
+            s.spawn(move || {
+                run_child(
+                    "on_demand_counters_match_hardware",
+                    profile,
+                    &[("MOCK_NVML_PROFILE", profile)],
+                )
+            });
+        }
+    });
 }
