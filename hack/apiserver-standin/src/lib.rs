@@ -493,6 +493,31 @@ impl StandIn {
         validate_pools(&slices)
     }
 
+    /// Waits until `pred` holds for the stored objects of `resource` (checked now and after
+    /// every change), at most `timeout`. Returns the objects it held for, or the last ones seen.
+    pub async fn wait_for(
+        &self,
+        resource: &str,
+        timeout: Duration,
+        mut pred: impl FnMut(&[Value]) -> bool,
+    ) -> Result<Vec<Value>, Vec<Value>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut rx = self.shared.store.subscribe();
+        loop {
+            let items = self.list(resource);
+            if pred(&items) {
+                return Ok(items);
+            }
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Err(_) | Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
+                    let items = self.list(resource);
+                    return if pred(&items) { Ok(items) } else { Err(items) };
+                }
+                Ok(_) => {}
+            }
+        }
+    }
+
     /// The current (latest) resourceVersion.
     pub fn resource_version(&self) -> u64 {
         self.shared.store.current_rv()

@@ -222,3 +222,29 @@ async fn expired_resource_version_gets_410() {
         }
     }
 }
+
+#[tokio::test]
+async fn wait_for_wakes_on_changes_and_times_out() {
+    let s = start().await;
+    let api: Api<ResourceSlice> = Api::all(s.client());
+    let waiter = s.wait_for("resourceslices", WAIT, |items| items.len() == 2);
+    let writer = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        api.create(&PostParams::default(), &slice("a", "n1", 1))
+            .await
+            .unwrap();
+        api.create(&PostParams::default(), &slice("b", "n1", 1))
+            .await
+            .unwrap();
+    };
+    let (got, ()) = tokio::join!(waiter, writer);
+    assert_eq!(got.unwrap().len(), 2);
+    let t = std::time::Instant::now();
+    let missed = s
+        .wait_for("resourceslices", Duration::from_millis(100), |items| {
+            items.len() == 3
+        })
+        .await;
+    assert_eq!(missed.unwrap_err().len(), 2);
+    assert!(t.elapsed() >= Duration::from_millis(100));
+}
