@@ -199,6 +199,7 @@ impl NvmlArgs {
 /// Entry point of the binary: parse, set up logging, run the subcommand.
 pub fn main() -> ExitCode {
     let mut cli = Cli::parse();
+    crate::install_crypto_provider();
     match run(&mut cli) {
         Ok(code) => code,
         Err(e) => {

@@ -1,9 +1,188 @@
 //! `run`: the node daemon.
+//!
+//! Start order: load NVML -> start the node driver (checkpoint load and reconcile) ->
+//! release checkpointed claims the API server no longer has -> build the pool -> start
+//! the slice publisher -> serve DRA, then registration -> wait for SIGTERM/SIGINT.
+//! Shutdown stops the servers (removing this instance's sockets) and the publisher; the
+//! ResourceSlices stay, so a restart or upgrade takes them over without writes.
+
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use cleave_controller::{PublisherConfig, SlicePublisher, uninstall_slices};
+use cleave_driver::backend::GpuBackend;
+use cleave_driver::driver_root::DriverRootConfig;
+use cleave_driver::nvml::NvmlBackend;
+use cleave_driver::pool::{PoolOptions, build_pool};
+use cleave_driver::prepare::{DriverConfig, NodeDriver};
+use tracing::{info, warn};
 
 use crate::cli::RunArgs;
+use crate::kube_handler::{KubeClaimHandler, release_orphaned_claims};
+use crate::serialize::Serializer;
+use crate::server::{PluginConfig, PluginServer};
+
+/// The kernel's boot ID; the driver forgets prepared claims of an earlier boot.
+pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+
+/// Builds a Kubernetes client from a kubeconfig file, or the in-cluster / default
+/// configuration when none is given.
+pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no kubeconfig given and no in-cluster configuration")?,
+    };
+    kube::Client::try_from(config).context("creating Kubernetes client")
+}
+
+/// The driver settings `run` derives from its flags.
+pub fn driver_config(args: &RunArgs, plugin: &PluginConfig) -> DriverConfig {
+    DriverConfig {
+        driver_name: plugin.driver_name.clone(),
+        pool_name: args.node_name.clone(),
+        state_dir: plugin.data_dir(),
+        cdi_root: args.driver.cdi_root.clone(),
+        driver_root: DriverRootConfig::at(args.driver.driver_root.clone()),
+        dynamic_mig: args.driver.dynamic_mig,
+        boot_id_path: PathBuf::from(BOOT_ID_PATH),
+    }
+}
+
+/// SIGTERM and SIGINT listeners, installed once so no signal is missed.
+#[derive(Debug)]
+pub struct ShutdownSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    /// Installs the handlers (from now on these signals no longer kill the process).
+    pub fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing SIGINT handler")?,
+        })
+    }
+
+    /// Waits for the next SIGTERM or SIGINT and names it.
+    pub async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
 
 /// Runs the daemon until SIGTERM or SIGINT.
-pub async fn run(_args: RunArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("run: waiting for cleave-driver's prepare module")
+pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let mut signals = ShutdownSignals::install()?;
+    let plugin = args.kubelet.plugin_config();
+    let client = kube_client(args.kubeconfig.as_deref()).await?;
+    let publisher_config = PublisherConfig::new(plugin.driver_name.clone(), args.node_name.clone());
+
+    if args.uninstall {
+        let deleted = uninstall_slices(&client, &publisher_config)
+            .await
+            .context("deleting ResourceSlices")?;
+        info!(deleted, node = %args.node_name, driver = %plugin.driver_name, "uninstalled ResourceSlices");
+        return Ok(ExitCode::SUCCESS);
+    }
+
+    plugin
+        .prepare_dirs()
+        .context("preparing plugin directories")?;
+    let serializer = Serializer::new(plugin.lock_file());
+
+    let nvml_lib = args.nvml.nvml_lib.clone();
+    let backend: Arc<dyn GpuBackend> = Arc::new(
+        tokio::task::spawn_blocking(move || NvmlBackend::open(nvml_lib.as_deref()))
+            .await?
+            .context("loading NVML")?,
+    );
+    let config = driver_config(&args, &plugin);
+    let driver = {
+        let backend = Arc::clone(&backend);
+        serializer
+            .run(move || NodeDriver::start(config, backend).map_err(anyhow::Error::from))
+            .await?
+            .context("starting the node driver")?
+    };
+    let driver = Arc::new(driver);
+
+    let released = release_orphaned_claims(&client, &driver, &serializer).await;
+    if !released.is_empty() {
+        info!(
+            claims = released.len(),
+            "released claims deleted while the plugin was down"
+        );
+    }
+
+    let inventory = driver.inventory();
+    let pool = build_pool(
+        &inventory,
+        &PoolOptions {
+            dynamic_mig: args.driver.dynamic_mig,
+            owned_instances: driver.owned_mig_uuids(),
+        },
+    );
+    info!(
+        gpus = inventory.gpus.len(),
+        devices = pool.device_count(),
+        dynamic_mig = args.driver.dynamic_mig,
+        "discovered devices"
+    );
+    let mut publisher = SlicePublisher::start(client.clone(), publisher_config);
+    publisher.publish(pool);
+
+    let handler = Arc::new(KubeClaimHandler::new(
+        client,
+        Arc::clone(&driver),
+        serializer,
+    ));
+    let server = PluginServer::start(&plugin, handler)
+        .await
+        .context("starting the plugin servers")?;
+    let mut registration = server.registration_state();
+    let mut published = publisher.status();
+
+    let mut last_error: Option<String> = None;
+    let mut was_published = false;
+    let signal = loop {
+        tokio::select! {
+            s = signals.recv() => break s,
+            Ok(()) = registration.changed() => {
+                info!(state = ?*registration.borrow_and_update(), "registration state changed");
+            }
+            Ok(()) = published.changed() => {
+                let s = published.borrow_and_update().clone();
+                if s.last_error != last_error {
+                    if let Some(e) = &s.last_error {
+                        warn!(error = %e, "publishing ResourceSlices failed; retrying");
+                    }
+                    last_error = s.last_error.clone();
+                }
+                if s.published && !was_published {
+                    info!(slices = s.slices, generation = s.generation, writes = s.writes, "ResourceSlices published");
+                }
+                was_published = s.published;
+            }
+        }
+    };
+    info!(signal, "shutting down");
+    let stopped = server.shutdown().await;
+    publisher.shutdown().await;
+    stopped.context("stopping the plugin servers")?;
+    info!("stopped");
+    Ok(ExitCode::SUCCESS)
 }

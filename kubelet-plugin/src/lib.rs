@@ -11,6 +11,7 @@ pub mod daemon;
 pub mod grpc;
 pub mod handler;
 pub mod inspect;
+pub mod kube_handler;
 pub mod mock;
 pub mod proto;
 pub mod serialize;
@@ -18,5 +19,14 @@ pub mod server;
 pub mod telemetry;
 
 pub use grpc::RegistrationState;
+
+/// Selects rustls' ring crypto provider for the whole process.
+///
+/// kube is built with ring, but a dependency of the CDI crate enables rustls' aws-lc-rs
+/// too; with both compiled in, rustls cannot pick one and building a Kubernetes client
+/// panics. Call once before creating a client; later calls do nothing.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
 pub use handler::{ClaimHandler, ClaimRef, PreparedDevice};
 pub use server::{PluginConfig, PluginServer, ServerError, connect_unix};

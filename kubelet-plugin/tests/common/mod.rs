@@ -124,3 +124,5 @@ pub fn claim_ref(ns: &str, name: &str, uid: &str) -> ClaimRef {
         uid: uid.into(),
     }
 }
+
+pub mod node;

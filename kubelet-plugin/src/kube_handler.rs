@@ -1,0 +1,226 @@
+//! The real [`ClaimHandler`]: reads each ResourceClaim from the API server and hands it
+//! to the node driver (`cleave_driver::prepare::NodeDriver`).
+//!
+//! Claim GETs run concurrently and outside the node lock (as the Go helper does); the
+//! driver calls of a batch then run on one blocking thread under the [`Serializer`], so
+//! two plugin instances on a node (rolling update) never prepare at the same time.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cleave_driver::prepare::NodeDriver;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::Api;
+use tracing::{debug, info, info_span, warn};
+
+use crate::handler::{ClaimHandler, ClaimRef, PrepareResult, PreparedDevice, UnprepareResult};
+use crate::serialize::Serializer;
+
+/// Prepares claims by reading them from the API server and calling the node driver.
+#[derive(Clone)]
+pub struct KubeClaimHandler {
+    client: kube::Client,
+    driver: Arc<NodeDriver>,
+    serializer: Serializer,
+}
+
+impl std::fmt::Debug for KubeClaimHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeClaimHandler")
+            .field("driver", &self.driver)
+            .field("serializer", &self.serializer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KubeClaimHandler {
+    /// A handler reading claims with `client`, preparing with `driver`, serialised by
+    /// `serializer` (shared with every other user of the driver in this process).
+    pub fn new(client: kube::Client, driver: Arc<NodeDriver>, serializer: Serializer) -> Self {
+        Self {
+            client,
+            driver,
+            serializer,
+        }
+    }
+
+    /// The node driver.
+    pub fn driver(&self) -> &Arc<NodeDriver> {
+        &self.driver
+    }
+
+    /// Reads the claim and checks that it is the object the kubelet means (same UID) and
+    /// that it is allocated.
+    async fn fetch(&self, claim: &ClaimRef) -> Result<ResourceClaim, String> {
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+        let got = api
+            .get_opt(&claim.name)
+            .await
+            .map_err(|e| format!("getting claim {}/{}: {e}", claim.namespace, claim.name))?;
+        let Some(object) = got else {
+            return Err(format!(
+                "claim {}/{} not found (UID {}): it was deleted",
+                claim.namespace, claim.name, claim.uid
+            ));
+        };
+        let current = object.metadata.uid.as_deref().unwrap_or_default();
+        if current != claim.uid {
+            return Err(format!(
+                "claim {}/{} was replaced: UID {} != {}",
+                claim.namespace, claim.name, claim.uid, current
+            ));
+        }
+        if object
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .is_none()
+        {
+            return Err(format!(
+                "claim {}/{} is not allocated",
+                claim.namespace, claim.name
+            ));
+        }
+        Ok(object)
+    }
+}
+
+#[tonic::async_trait]
+impl ClaimHandler for KubeClaimHandler {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
+        let fetched = futures::future::join_all(claims.iter().map(|c| self.fetch(c))).await;
+        let mut results = BTreeMap::new();
+        let mut work = Vec::new();
+        for (claim, object) in claims.into_iter().zip(fetched) {
+            match object {
+                Ok(object) => work.push((claim, object)),
+                Err(e) => {
+                    warn!(namespace = %claim.namespace, name = %claim.name, uid = %claim.uid, error = %e, "prepare failed");
+                    results.insert(claim.uid, Err(e));
+                }
+            }
+        }
+        if work.is_empty() {
+            return results;
+        }
+        let driver = Arc::clone(&self.driver);
+        let uids: Vec<String> = work.iter().map(|(c, _)| c.uid.clone()).collect();
+        let parent = tracing::Span::current();
+        let batch = self
+            .serializer
+            .run(move || {
+                work.into_iter()
+                    .map(|(claim, object)| {
+                        let span = info_span!(parent: &parent, "prepare_claim", namespace = %claim.namespace, name = %claim.name, uid = %claim.uid);
+                        let _enter = span.enter();
+                        let started = Instant::now();
+                        let result = driver
+                            .prepare(&object)
+                            .map(|prepared| {
+                                prepared
+                                    .devices
+                                    .into_iter()
+                                    .map(|d| PreparedDevice {
+                                        request_names: d.request_names,
+                                        pool_name: d.pool_name,
+                                        device_name: d.device_name,
+                                        cdi_device_ids: d.cdi_device_ids,
+                                        share_id: None,
+                                    })
+                                    .collect::<Vec<_>>()
+                            })
+                            .map_err(|e| e.to_string());
+                        match &result {
+                            Ok(devices) => info!(devices = devices.len(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "prepared"),
+                            Err(e) => warn!(error = %e, "prepare failed"),
+                        }
+                        (claim.uid, result)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await;
+        match batch {
+            Ok(done) => results.extend(done),
+            Err(e) => {
+                let msg = format!("preparing claims: {e}");
+                warn!(error = %msg, "prepare batch failed");
+                results.extend(uids.into_iter().map(|u| (u, Err(msg.clone()))));
+            }
+        }
+        results
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, UnprepareResult> {
+        let driver = Arc::clone(&self.driver);
+        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+        let parent = tracing::Span::current();
+        let batch = self
+            .serializer
+            .run(move || {
+                claims
+                    .into_iter()
+                    .map(|claim| {
+                        let span = info_span!(parent: &parent, "unprepare_claim", namespace = %claim.namespace, name = %claim.name, uid = %claim.uid);
+                        let _enter = span.enter();
+                        let result = driver.unprepare(&claim.uid).map_err(|e| e.to_string());
+                        if let Err(e) = &result {
+                            warn!(error = %e, "unprepare failed");
+                        }
+                        (claim.uid, result)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await;
+        match batch {
+            Ok(done) => done.into_iter().collect(),
+            Err(e) => {
+                let msg = format!("unpreparing claims: {e}");
+                warn!(error = %msg, "unprepare batch failed");
+                uids.into_iter().map(|u| (u, Err(msg.clone()))).collect()
+            }
+        }
+    }
+}
+
+/// Unprepares checkpointed claims that the API server no longer has (deleted, or
+/// recreated with another UID) while the plugin was down. Claims whose GET fails for
+/// another reason are kept. Returns the UIDs unprepared.
+pub async fn release_orphaned_claims(
+    client: &kube::Client,
+    driver: &Arc<NodeDriver>,
+    serializer: &Serializer,
+) -> Vec<String> {
+    let mut orphans = Vec::new();
+    for record in driver.prepared_claims() {
+        let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &record.namespace);
+        match api.get_opt(&record.name).await {
+            Ok(Some(c)) if c.metadata.uid.as_deref() == Some(record.uid.as_str()) => {
+                debug!(namespace = %record.namespace, name = %record.name, uid = %record.uid, "prepared claim still exists");
+            }
+            Ok(_) => orphans.push(record),
+            Err(e) => {
+                warn!(namespace = %record.namespace, name = %record.name, uid = %record.uid, error = %e, "cannot check prepared claim; keeping it");
+            }
+        }
+    }
+    let mut released = Vec::new();
+    for record in orphans {
+        let d = Arc::clone(driver);
+        let uid = record.uid.clone();
+        match serializer
+            .run(move || d.unprepare(&uid).map_err(|e| e.to_string()))
+            .await
+        {
+            Ok(Ok(())) => {
+                info!(namespace = %record.namespace, name = %record.name, uid = %record.uid, "released claim deleted while the plugin was down");
+                released.push(record.uid);
+            }
+            Ok(Err(e)) => {
+                warn!(uid = %record.uid, error = %e, "releasing orphaned claim failed");
+            }
+            Err(e) => warn!(uid = %record.uid, error = %e, "releasing orphaned claim failed"),
+        }
+    }
+    released
+}

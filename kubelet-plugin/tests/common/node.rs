@@ -1,0 +1,242 @@
+//! A node for end-to-end tests: the real plugin binary against the mock NVML library and
+//! the in-process API server stand-in, with the test acting as the kubelet.
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
+use cleave_kubelet_plugin::proto::dra::v1;
+use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
+
+use super::TIMEOUT;
+
+pub const NODE: &str = "node-a";
+pub const DRIVER: &str = "gpu.cleave.dev";
+
+/// Files and directories of one simulated node.
+pub struct NodeDirs {
+    pub tmp: tempfile::TempDir,
+}
+
+impl NodeDirs {
+    pub fn new() -> Self {
+        Self {
+            tmp: tempfile::tempdir().unwrap(),
+        }
+    }
+    pub fn path(&self) -> &Path {
+        self.tmp.path()
+    }
+    pub fn registrar(&self) -> PathBuf {
+        self.path().join("plugins_registry")
+    }
+    pub fn plugins(&self) -> PathBuf {
+        self.path().join("plugins")
+    }
+    pub fn state_dir(&self) -> PathBuf {
+        self.plugins().join(DRIVER)
+    }
+    pub fn cdi_root(&self) -> PathBuf {
+        self.path().join("cdi")
+    }
+    pub fn driver_root(&self) -> PathBuf {
+        self.path().join("driver-root")
+    }
+    pub fn mock_state(&self) -> PathBuf {
+        self.path().join("mock-nvml-state.json")
+    }
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.path().join("kubeconfig")
+    }
+    pub fn checkpoint(&self) -> PathBuf {
+        self.state_dir().join("checkpoint.json")
+    }
+    /// What the plugin processes logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.path().join("plugin.log")).unwrap_or_default()
+    }
+    /// CDI spec files present now.
+    pub fn cdi_files(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.cdi_root())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+/// The plugin's stderr: appended to `plugin.log` in the node's directory (restarts
+/// append), printed by assertions that fail.
+fn log_file(dirs: &NodeDirs) -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dirs.path().join("plugin.log"))
+        .unwrap()
+}
+
+/// The stand-in with a Node object, and a kubeconfig file pointing at it.
+pub async fn start_standin(dirs: &NodeDirs) -> StandIn {
+    cleave_kubelet_plugin::install_crypto_provider();
+    let standin = StandIn::start(StandInOptions::default()).await.unwrap();
+    standin.put(&fixtures::node(NODE)).unwrap();
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: standin\n  cluster:\n    server: {}\nusers:\n- name: test\n  user: {{}}\ncontexts:\n- name: standin\n  context:\n    cluster: standin\n    user: test\ncurrent-context: standin\n",
+        standin.url()
+    );
+    std::fs::write(dirs.kubeconfig(), kubeconfig).unwrap();
+    standin
+}
+
+pub fn mock_lib() -> PathBuf {
+    mock_nvml::locate::cdylib_path().expect("mock NVML library not built")
+}
+
+/// How to start the plugin binary.
+pub struct PluginOptions {
+    pub profile: &'static str,
+    pub mig: &'static str,
+    pub dynamic_mig: bool,
+    pub pod_uid: Option<&'static str>,
+}
+
+impl Default for PluginOptions {
+    fn default() -> Self {
+        Self {
+            profile: "h100-80gb-x8",
+            mig: "off",
+            dynamic_mig: false,
+            pod_uid: None,
+        }
+    }
+}
+
+/// The running plugin binary; killed on drop if still running.
+pub struct Plugin {
+    pub child: Child,
+    pub registration_socket: PathBuf,
+    pub dra_socket: PathBuf,
+}
+
+impl Plugin {
+    pub fn start(dirs: &NodeDirs, opts: &PluginOptions) -> Self {
+        std::fs::create_dir_all(dirs.driver_root()).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"));
+        cmd.arg("run")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("NODE_NAME", NODE)
+            .env("KUBECONFIG", dirs.kubeconfig())
+            .env("NVML_LIB", mock_lib())
+            .env("MOCK_NVML_PROFILE", opts.profile)
+            .env("MOCK_NVML_MIG", opts.mig)
+            .env("MOCK_NVML_STATE", dirs.mock_state())
+            .env("KUBELET_REGISTRAR_DIRECTORY_PATH", dirs.registrar())
+            .env("KUBELET_PLUGINS_DIRECTORY_PATH", dirs.plugins())
+            .env("CDI_ROOT", dirs.cdi_root())
+            .env("NVIDIA_DRIVER_ROOT", dirs.driver_root())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stderr(log_file(dirs));
+        if opts.dynamic_mig {
+            cmd.arg("--dynamic-mig");
+        }
+        let (reg, dra) = match opts.pod_uid {
+            Some(uid) => {
+                cmd.env("POD_UID", uid);
+                (
+                    dirs.registrar().join(format!("{DRIVER}-{uid}-reg.sock")),
+                    dirs.state_dir().join(format!("dra-{uid}.sock")),
+                )
+            }
+            None => (
+                dirs.registrar().join(format!("{DRIVER}-reg.sock")),
+                dirs.state_dir().join("dra.sock"),
+            ),
+        };
+        let mut child = cmd.spawn().unwrap();
+        let started = Instant::now();
+        while !reg.exists() {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("plugin exited early with {status}:\n{}", dirs.log());
+            }
+            assert!(
+                started.elapsed() < TIMEOUT,
+                "plugin did not create {}",
+                reg.display()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self {
+            child,
+            registration_socket: reg,
+            dra_socket: dra,
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(mut self) -> ExitStatus {
+        let pid = self.child.id().to_string();
+        let ok = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(ok.success());
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                started.elapsed() < TIMEOUT,
+                "plugin did not stop after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// An allocated claim in the stand-in; `results` are `(request, device)` pairs.
+pub fn put_claim(
+    standin: &StandIn,
+    name: &str,
+    uid: &str,
+    results: &[(&str, &str)],
+    configs: &[DeviceAllocationConfiguration],
+) -> ResourceClaim {
+    put_claim_in(standin, name, uid, DRIVER, NODE, results, configs)
+}
+
+pub fn put_claim_in(
+    standin: &StandIn,
+    name: &str,
+    uid: &str,
+    driver: &str,
+    pool: &str,
+    results: &[(&str, &str)],
+    configs: &[DeviceAllocationConfiguration],
+) -> ResourceClaim {
+    let claim = fixtures::resource_claim("default", name, uid, driver, pool, results, configs);
+    standin.put(&claim).unwrap();
+    claim
+}
+
+pub fn claim(name: &str, uid: &str) -> v1::Claim {
+    v1::Claim {
+        namespace: "default".into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}

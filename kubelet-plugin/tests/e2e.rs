@@ -1,0 +1,392 @@
+//! End to end: the real plugin binary on a simulated node (mock NVML library, API server
+//! stand-in), with the test acting as the kubelet over the unix sockets.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+
+use cleave_apiserver_standin::fixtures;
+use cleave_kubelet_plugin::proto::dra::{v1, v1beta1};
+use cleave_kubelet_plugin::proto::registration::{InfoRequest, RegistrationStatus};
+use common::node::*;
+use common::*;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use serde_json::json;
+
+async fn wait_for_slices(standin: &cleave_apiserver_standin::StandIn) -> Vec<ResourceSlice> {
+    let started = std::time::Instant::now();
+    loop {
+        let slices: Vec<ResourceSlice> = standin.list_as("resourceslices");
+        if !slices.is_empty() {
+            return slices;
+        }
+        assert!(started.elapsed() < TIMEOUT, "no ResourceSlices published");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+async fn prepare(
+    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    claims: Vec<v1::Claim>,
+) -> v1::NodePrepareResourcesResponse {
+    tokio::time::timeout(
+        TIMEOUT,
+        dra.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .into_inner()
+}
+
+async fn unprepare(
+    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    claims: Vec<v1::Claim>,
+) -> v1::NodeUnprepareResourcesResponse {
+    tokio::time::timeout(
+        TIMEOUT,
+        dra.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims }),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_registers_publishes_and_sigterm_removes_only_its_sockets() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            pod_uid: Some("0f1e2d3c"),
+            ..PluginOptions::default()
+        },
+    );
+    assert_eq!(
+        plugin.registration_socket,
+        dirs.registrar().join("gpu.cleave.dev-0f1e2d3c-reg.sock")
+    );
+    for sock in [&plugin.registration_socket, &plugin.dra_socket] {
+        let mode = std::fs::symlink_metadata(sock)
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{}", sock.display());
+    }
+    let mode = std::fs::metadata(dirs.state_dir())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700);
+
+    let mut reg = registration(&plugin.registration_socket).await;
+    let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, DRIVER);
+    assert_eq!(info.endpoint, plugin.dra_socket.display().to_string());
+    assert_eq!(
+        info.supported_versions,
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    );
+    reg.notify_registration_status(RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await
+    .unwrap();
+
+    let slices = wait_for_slices(&standin).await;
+    let devices: usize = slices
+        .iter()
+        .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(devices, 8, "eight whole H100s");
+    assert!(
+        slices
+            .iter()
+            .all(|s| s.spec.node_name.as_deref() == Some(NODE))
+    );
+
+    // A socket of another instance (say the next pod of a rolling update) must survive.
+    let other = dirs.registrar().join("gpu.cleave.dev-other-reg.sock");
+    let _other_listener = std::os::unix::net::UnixListener::bind(&other).unwrap();
+
+    let (reg_sock, dra_sock) = (
+        plugin.registration_socket.clone(),
+        plugin.dra_socket.clone(),
+    );
+    let status = plugin.terminate();
+    assert!(status.success(), "{status}");
+    assert!(!reg_sock.exists());
+    assert!(!dra_sock.exists());
+    assert!(other.exists());
+    // Slices stay on shutdown: a restarted plugin takes them over.
+    assert_eq!(
+        standin.list_as::<ResourceSlice>("resourceslices").len(),
+        slices.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_gpu_prepare_writes_cdi_is_idempotent_and_unprepare_cleans_up() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "one-gpu", "uid-one", &[("gpu", "gpu-0")], &[]);
+    put_claim(
+        &standin,
+        "two-gpus",
+        "uid-two",
+        &[("a", "gpu-1"), ("b", "gpu-2")],
+        &[],
+    );
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+
+    let first = prepare(
+        &mut dra,
+        vec![claim("one-gpu", "uid-one"), claim("two-gpus", "uid-two")],
+    )
+    .await;
+    assert_eq!(first.claims.len(), 2);
+    let one = &first.claims["uid-one"];
+    assert_eq!(one.error, "");
+    assert_eq!(one.devices.len(), 1);
+    assert_eq!(one.devices[0].device_name, "gpu-0");
+    assert_eq!(one.devices[0].pool_name, NODE);
+    assert_eq!(one.devices[0].request_names, ["gpu"]);
+    assert_eq!(
+        one.devices[0].cdi_device_ids,
+        ["k8s.gpu.cleave.dev/claim=uid-one-gpu-0"]
+    );
+    let two = &first.claims["uid-two"];
+    assert_eq!(two.error, "");
+    let names: Vec<_> = two.devices.iter().map(|d| d.device_name.as_str()).collect();
+    assert_eq!(names, ["gpu-1", "gpu-2"]);
+    assert_eq!(dirs.cdi_files().len(), 2, "{:?}", dirs.cdi_files());
+    let spec = std::fs::read_to_string(dirs.cdi_root().join(&dirs.cdi_files()[0])).unwrap();
+    assert!(spec.contains("k8s.gpu.cleave.dev/claim"), "{spec}");
+
+    // The kubelet repeats prepare after restarts: same answer, nothing new.
+    let again = prepare(&mut dra, vec![claim("one-gpu", "uid-one")]).await;
+    assert_eq!(again.claims["uid-one"], first.claims["uid-one"]);
+    assert_eq!(dirs.cdi_files().len(), 2);
+
+    // v1beta1 sees the same prepared claim.
+    let mut beta = dra_v1beta1(&plugin.dra_socket).await;
+    let b = beta
+        .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
+            claims: vec![v1beta1::Claim {
+                namespace: "default".into(),
+                name: "one-gpu".into(),
+                uid: "uid-one".into(),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        b.claims["uid-one"].devices[0].cdi_device_ids,
+        one.devices[0].cdi_device_ids
+    );
+
+    let done = unprepare(
+        &mut dra,
+        vec![claim("one-gpu", "uid-one"), claim("two-gpus", "uid-two")],
+    )
+    .await;
+    assert_eq!(done.claims.len(), 2);
+    assert!(done.claims.values().all(|r| r.error.is_empty()), "{done:?}");
+    assert!(dirs.cdi_files().is_empty(), "{:?}", dirs.cdi_files());
+    // Unprepare is idempotent, also for claims never seen.
+    let done = unprepare(
+        &mut dra,
+        vec![claim("one-gpu", "uid-one"), claim("never", "uid-never")],
+    )
+    .await;
+    assert!(done.claims.values().all(|r| r.error.is_empty()), "{done:?}");
+    let checkpoint = std::fs::read_to_string(dirs.checkpoint()).unwrap();
+    assert!(!checkpoint.contains("uid-one"), "{checkpoint}");
+    assert!(plugin.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_claims_each_get_a_clear_error_and_do_not_block_good_ones() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "good", "uid-good", &[("gpu", "gpu-3")], &[]);
+    put_claim(&standin, "replaced", "uid-new", &[("gpu", "gpu-4")], &[]);
+    put_claim_in(
+        &standin,
+        "other-driver",
+        "uid-drv",
+        "other.example.com",
+        NODE,
+        &[("gpu", "gpu-5")],
+        &[],
+    );
+    put_claim_in(
+        &standin,
+        "other-pool",
+        "uid-pool",
+        DRIVER,
+        "node-b",
+        &[("gpu", "gpu-5")],
+        &[],
+    );
+    put_claim(
+        &standin,
+        "unknown-device",
+        "uid-unknown",
+        &[("gpu", "gpu-42")],
+        &[],
+    );
+    let bad_config = fixtures::opaque_config(
+        "FromClaim",
+        &[],
+        DRIVER,
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "Sideways"}}),
+    );
+    put_claim(
+        &standin,
+        "bad-config",
+        "uid-config",
+        &[("gpu", "gpu-6")],
+        &[bad_config],
+    );
+    let mut unallocated = fixtures::resource_claim(
+        "default",
+        "unallocated",
+        "uid-unalloc",
+        DRIVER,
+        NODE,
+        &[],
+        &[],
+    );
+    unallocated.status = None;
+    standin.put(&unallocated).unwrap();
+
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let resp = prepare(
+        &mut dra,
+        vec![
+            claim("good", "uid-good"),
+            claim("missing", "uid-missing"),
+            claim("replaced", "uid-old"),
+            claim("unallocated", "uid-unalloc"),
+            claim("other-driver", "uid-drv"),
+            claim("other-pool", "uid-pool"),
+            claim("unknown-device", "uid-unknown"),
+            claim("bad-config", "uid-config"),
+        ],
+    )
+    .await;
+    assert_eq!(resp.claims.len(), 8);
+    let err = |uid: &str| resp.claims[uid].error.clone();
+    assert_eq!(err("uid-good"), "");
+    assert_eq!(resp.claims["uid-good"].devices[0].device_name, "gpu-3");
+    assert!(
+        err("uid-missing").contains("default/missing not found"),
+        "{}",
+        err("uid-missing")
+    );
+    assert_eq!(
+        err("uid-old"),
+        "claim default/replaced was replaced: UID uid-old != uid-new"
+    );
+    assert!(
+        err("uid-unalloc").contains("not allocated"),
+        "{}",
+        err("uid-unalloc")
+    );
+    for uid in ["uid-drv", "uid-pool"] {
+        assert!(
+            err(uid).contains("no device allocated from driver gpu.cleave.dev in pool node-a"),
+            "{}",
+            err(uid)
+        );
+    }
+    assert!(
+        err("uid-unknown").contains("gpu-42"),
+        "{}",
+        err("uid-unknown")
+    );
+    assert!(
+        err("uid-config").contains("invalid config"),
+        "{}",
+        err("uid-config")
+    );
+    assert!(
+        err("uid-config").contains("Sideways"),
+        "{}",
+        err("uid-config")
+    );
+    for (uid, r) in &resp.claims {
+        if uid != "uid-good" {
+            assert!(r.devices.is_empty(), "{uid}");
+        }
+    }
+    // Only the good claim left a CDI spec behind.
+    assert_eq!(dirs.cdi_files().len(), 1, "{:?}", dirs.cdi_files());
+    assert!(plugin.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unwritable_cdi_root_fails_the_claim_and_leaves_no_record() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "c", "uid-c", &[("gpu", "gpu-0")], &[]);
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    // Replace the CDI root by a file: every spec write fails (even as root).
+    std::fs::remove_dir_all(dirs.cdi_root()).unwrap();
+    std::fs::write(dirs.cdi_root(), b"not a directory").unwrap();
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let resp = prepare(&mut dra, vec![claim("c", "uid-c")]).await;
+    let error = &resp.claims["uid-c"].error;
+    assert!(
+        error.contains(&dirs.cdi_root().display().to_string()),
+        "{error}"
+    );
+    let checkpoint = std::fs::read_to_string(dirs.checkpoint()).unwrap();
+    assert!(!checkpoint.contains("uid-c"), "{checkpoint}");
+
+    // Once the root is back, the same claim prepares.
+    std::fs::remove_file(dirs.cdi_root()).unwrap();
+    std::fs::create_dir(dirs.cdi_root()).unwrap();
+    let resp = prepare(&mut dra, vec![claim("c", "uid-c")]).await;
+    assert_eq!(resp.claims["uid-c"].error, "");
+    assert!(plugin.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_releases_claims_deleted_while_down() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "kept", "uid-kept", &[("gpu", "gpu-0")], &[]);
+    put_claim(&standin, "gone", "uid-gone", &[("gpu", "gpu-1")], &[]);
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let resp = prepare(
+        &mut dra,
+        vec![claim("kept", "uid-kept"), claim("gone", "uid-gone")],
+    )
+    .await;
+    assert!(resp.claims.values().all(|r| r.error.is_empty()), "{resp:?}");
+    assert!(plugin.terminate().success());
+    assert_eq!(dirs.cdi_files().len(), 2);
+
+    standin.delete("resourceclaims", "default", "gone").unwrap();
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let files = dirs.cdi_files();
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(files[0].contains("uid-kept"), "{files:?}");
+    let checkpoint = std::fs::read_to_string(dirs.checkpoint()).unwrap();
+    assert!(
+        checkpoint.contains("uid-kept") && !checkpoint.contains("uid-gone"),
+        "{checkpoint}"
+    );
+    assert!(plugin.terminate().success());
+}
