@@ -1116,6 +1116,50 @@ mod tests {
         assert!(v.iter().any(|m| m.contains("compute-slices")), "{v:?}");
     }
 
+    proptest::proptest! {
+        /// Any non-overlapping mix of foreign and owned instances: limits hold, every
+        /// device stays published, and exactly the foreign instances' slices are taken.
+        #[test]
+        fn random_instance_mixes(picks in proptest::collection::vec((0usize..7, 0usize..7, proptest::bool::ANY), 0..10)) {
+            let profiles = h100_profiles();
+            let mut insts: Vec<MigInstance> = Vec::new();
+            let mut owned = BTreeSet::new();
+            for (n, (pi, si, own)) in picks.into_iter().enumerate() {
+                let p = &profiles[pi];
+                let pl = p.placements[si % p.placements.len()];
+                let same = insts.iter().filter(|i| i.profile_id == p.id).count();
+                if insts.iter().any(|i| i.placement.overlaps(&pl)) || same >= p.instance_count as usize {
+                    continue;
+                }
+                let uuid = format!("MIG-{n}");
+                if own {
+                    owned.insert(uuid.clone());
+                }
+                insts.push(instance(&uuid, p.id, &p.name, pl.start, pl.size));
+            }
+            let opts = PoolOptions { dynamic_mig: true, owned_instances: owned.clone() };
+            let pool = build_pool(&inv(vec![h100(0, enabled(insts.clone()))]), &opts);
+            proptest::prop_assert!(limit_violations(&pool).is_empty());
+            proptest::prop_assert_eq!(pool.device_count(), 26);
+            let set = &pool.groups[0].counter_sets[0].counters;
+            let foreign: Vec<&MigInstance> = insts.iter().filter(|i| !owned.contains(&i.uuid)).collect();
+            for s in 0..8u32 {
+                let taken = foreign.iter().any(|i| slices(i.placement).contains(&s));
+                let v = &set[&memory_slice_counter(s)].value.0;
+                proptest::prop_assert_eq!(v.as_str(), if taken { "0" } else { "1" });
+            }
+            let used: u32 = foreign
+                .iter()
+                .map(|i| profiles.iter().find(|p| p.id == i.profile_id).unwrap().slice_count)
+                .sum();
+            proptest::prop_assert_eq!(&set[COMPUTE_SLICES_COUNTER].value.0, &(7 - used).to_string());
+            // Static mode publishes every instance once.
+            let stat = build_pool(&inv(vec![h100(0, enabled(insts.clone()))]), &PoolOptions::default());
+            proptest::prop_assert_eq!(stat.device_count(), insts.len());
+            proptest::prop_assert!(limit_violations(&stat).is_empty());
+        }
+    }
+
     #[test]
     fn quantities_are_canonical() {
         assert_eq!(bytes_quantity(81559 << 20).0, "81559Mi");
