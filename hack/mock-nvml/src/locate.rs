@@ -1,11 +1,13 @@
 //! Finding the built mock library from tests of any workspace crate.
 //!
-//! `cargo build -p cleave-mock-nvml` (and `cargo test -p cleave-mock-nvml`) writes
-//! `target/<profile>/libmock_nvml.so` and `target/<profile>/deps/libmock_nvml.so` (no hash:
-//! cdylibs of workspace members are named without metadata). A crate that lists
-//! `cleave-mock-nvml` as a dev-dependency gets the cdylib built too, as
-//! `target/<profile>/deps/libmock_nvml-<hash>.so`. [`cdylib_path`] finds either, newest
-//! first, starting from the running test binary (which lives in `target/<profile>/deps`).
+//! Cargo names libraries with a `cdylib` crate type without the metadata hash, so the file
+//! is always `libmock_nvml.so`: `cargo build -p cleave-mock-nvml` writes
+//! `target/<profile>/libmock_nvml.so` and `target/<profile>/deps/libmock_nvml.so`, and a
+//! crate that lists `cleave-mock-nvml` as a dev-dependency gets
+//! `target/<profile>/deps/libmock_nvml.so` rebuilt before its tests (checked with
+//! `cargo test -p cleave-driver --no-run`). [`cdylib_path`] finds it starting from the
+//! running test binary (which lives in `target/<profile>/deps`); hashed names are accepted
+//! too in case cargo changes this.
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
