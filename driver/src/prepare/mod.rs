@@ -336,8 +336,14 @@ impl NodeDriver {
                 continue;
             };
             tracing::info!(claim = %uid, "rolling back an interrupted prepare");
-            driver.release_record(&record)?;
-            data.claims.remove(&uid);
+            match driver.release_record(&record) {
+                Ok(()) => {
+                    data.claims.remove(&uid);
+                }
+                // Keep serving: the record stays (its devices count as busy) and the next
+                // prepare or unprepare of the claim retries the rollback.
+                Err(e) => tracing::error!(claim = %uid, error = %e, "rollback failed; kept"),
+            }
         }
         driver.checkpoint.store(&data)?;
         driver.sweep_cdi_root(&data);

@@ -747,3 +747,36 @@ fn subrequests_answer_with_base_request_names() {
     let record = &node.checkpoint().claims[UID_A];
     assert_eq!(record.devices[0].request_names, ["gpus/small"]);
 }
+
+#[test]
+fn failed_rollback_at_start_keeps_serving_and_retries_later() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
+        .unwrap();
+    // Turn A's record into an interrupted one, then make destroys fail for the restart.
+    let mut data = node.checkpoint();
+    data.claims.get_mut(UID_A).unwrap().state = ClaimState::PrepareStarted;
+    CheckpointStore::in_dir(&node.driver.config().state_dir)
+        .store(&data)
+        .unwrap();
+    node.fake.fail_destroy(Some(BackendError::Nvml {
+        call: "nvmlGpuInstanceDestroy",
+        target: gpu_uuid(0),
+        message: "In use by another client".into(),
+        code: 19,
+    }));
+    let node = node.restart();
+    assert_eq!(node.driver.prepared_claims().len(), 1);
+    assert_eq!(node.fake.instances(&gpu_uuid(0)).len(), 1);
+    // Its device stays busy for others.
+    let e = node
+        .driver
+        .prepare(&node_claim(UID_B, &[("mig", "gpu-0-mig-1g5gb-0")]))
+        .unwrap_err();
+    assert!(matches!(e, PrepareError::DeviceBusy { .. }), "{e}");
+    node.fake.fail_destroy(None);
+    node.driver.unprepare(UID_A).unwrap();
+    assert!(node.fake.instances(&gpu_uuid(0)).is_empty());
+    assert!(node.driver.prepared_claims().is_empty());
+}
