@@ -279,6 +279,43 @@ impl StateStore {
     }
 }
 
+/// Reads a state file as stored (under the shared lock, without applying fixture or boot
+/// checks), for tests that check what is left on the "hardware". `Ok(None)` when the file
+/// does not exist.
+pub fn read_state_file(path: &Path) -> Result<Option<State>, StateError> {
+    let mut lock_path = path.to_path_buf().into_os_string();
+    lock_path.push(".lock");
+    let lock_path = PathBuf::from(lock_path);
+    let lock_err = |source| StateError::Lock {
+        path: lock_path.clone(),
+        source,
+    };
+    let _lock = match File::open(&lock_path) {
+        Ok(f) => {
+            f.lock_shared().map_err(lock_err)?;
+            Some(f)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(lock_err(e)),
+    };
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(StateError::Read {
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| StateError::Read {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e),
+        })
+}
+
 /// A random u64 (creation tags).
 pub fn random_u64() -> u64 {
     let b = uuid::Uuid::new_v4();
@@ -550,6 +587,12 @@ mod tests {
         assert_eq!(r, Ok(0));
         let st = store.read().unwrap();
         assert_eq!(st.gpus[3].gpu_instances.len(), 1);
+        assert_eq!(read_state_file(&path).unwrap().unwrap(), st);
+        assert!(
+            read_state_file(&dir.path().join("none.json"))
+                .unwrap()
+                .is_none()
+        );
         // failed op does not write
         let r = store
             .modify(|st| create_gi(&n.gpus[3], &mut st.gpus[3], 0, None))
