@@ -435,6 +435,38 @@ mod tests {
         assert_eq!(decoded, sample());
     }
 
+    proptest::proptest! {
+        /// Any single changed byte of the file (up to the envelope's closing brace) is
+        /// detected; the unchanged file decodes to what was encoded.
+        #[test]
+        fn any_changed_byte_is_detected(
+            boot in "[a-z0-9-]{0,36}",
+            n_claims in 0usize..4,
+            pos in 0usize..100_000,
+            delta in 1u8..=255,
+        ) {
+            let mut data = sample();
+            data.boot_id = boot;
+            let template = data.claims["uid-1"].clone();
+            data.claims.clear();
+            for i in 0..n_claims {
+                let mut c = template.clone();
+                c.uid = format!("uid-{i}");
+                if i % 2 == 1 {
+                    c.state = ClaimState::PrepareStarted;
+                }
+                data.claims.insert(c.uid.clone(), c);
+            }
+            let bytes = encode(&data).unwrap();
+            proptest::prop_assert_eq!(decode(Path::new("x"), &bytes).unwrap(), data);
+            let body_end = bytes.len() - 1; // the trailing newline is outside the envelope
+            let mut damaged = bytes.clone();
+            let i = pos % body_end;
+            damaged[i] = damaged[i].wrapping_add(delta);
+            proptest::prop_assert!(decode(Path::new("x"), &damaged).is_err());
+        }
+    }
+
     #[test]
     fn write_atomic_fails_cleanly_in_missing_dir() {
         let dir = tempfile::tempdir().unwrap();

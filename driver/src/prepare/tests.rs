@@ -780,3 +780,29 @@ fn failed_rollback_at_start_keeps_serving_and_retries_later() {
     assert!(node.fake.instances(&gpu_uuid(0)).is_empty());
     assert!(node.driver.prepared_claims().is_empty());
 }
+
+#[test]
+fn one_device_for_two_requests_needs_one_config() {
+    let node = Node::new(false, vec![plain_gpu(0)]);
+    let both = node_claim(UID_A, &[("a", "gpu-0"), ("b", "gpu-0")]);
+    let ts = json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                    "sharing": {"strategy": "TimeSlicing"}});
+    let e = node
+        .driver
+        .prepare(&with_config(
+            both.clone(),
+            "FromClaim",
+            DRIVER,
+            &["a"],
+            ts.clone(),
+        ))
+        .unwrap_err();
+    assert!(e.to_string().contains("different configs"), "{e}");
+    // The same config for both requests is fine, and the device is answered once.
+    let prepared = node
+        .driver
+        .prepare(&with_config(both, "FromClaim", DRIVER, &[], ts))
+        .unwrap();
+    assert_eq!(prepared.devices.len(), 1);
+    assert_eq!(prepared.devices[0].request_names, ["a", "b"]);
+}
