@@ -190,7 +190,7 @@ impl NvmlArgs {
             self.mock_profile = Some(profile);
         }
         if let Some(profile) = &self.mock_profile {
-            crate::mock::set_profile_env(profile);
+            crate::mock::set_env("MOCK_NVML_PROFILE", profile);
         }
         Ok(())
     }
@@ -211,20 +211,43 @@ pub fn main() -> ExitCode {
 
 fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     // Environment changes must happen while the process is single-threaded.
+    let mut demo = None;
     match &mut cli.command {
         Command::Run(a) => a.nvml.resolve_mock()?,
         Command::Inspect(a) => a.nvml.resolve_mock()?,
-        Command::Demo(_) => {}
+        Command::Demo(a) => {
+            let exe = std::env::current_exe()?;
+            let lib = crate::mock::find_library(&exe).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "demo: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
+                    crate::mock::MOCK_LIBRARY,
+                    exe.display()
+                )
+            })?;
+            let dir = tempfile::Builder::new().prefix("cleave-demo-").tempdir()?;
+            for (key, value) in crate::demo::mock_env(a, dir.path()) {
+                crate::mock::set_env(key, &value);
+            }
+            demo = Some((dir, lib));
+        }
     }
-    crate::telemetry::init(cli.log.log_format, cli.log.log_level.as_deref())
-        .map_err(anyhow::Error::msg)?;
+    // The demo's output is the tour; its logs only say what went wrong.
+    let default_level = if demo.is_some() { "warn" } else { "info" };
+    crate::telemetry::init(
+        cli.log.log_format,
+        Some(cli.log.log_level.as_deref().unwrap_or(default_level)),
+    )
+    .map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     match &cli.command {
         Command::Run(args) => runtime.block_on(crate::daemon::run(args.clone())),
         Command::Inspect(args) => crate::inspect::run(args),
-        Command::Demo(_) => anyhow::bail!("demo is not implemented yet"),
+        Command::Demo(args) => match demo {
+            Some((dir, lib)) => runtime.block_on(crate::demo::run(args, dir.path(), lib)),
+            None => anyhow::bail!("demo: no working directory"),
+        },
     }
 }
 

@@ -84,21 +84,34 @@ impl ShutdownSignals {
     }
 }
 
-/// Runs the daemon until SIGTERM or SIGINT.
-pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
-    let mut signals = ShutdownSignals::install()?;
-    let plugin = args.kubelet.plugin_config();
-    let client = kube_client(args.kubeconfig.as_deref()).await?;
-    let publisher_config = PublisherConfig::new(plugin.driver_name.clone(), args.node_name.clone());
+/// A started plugin: driver, slice publisher and gRPC servers.
+pub struct RunningPlugin {
+    /// The GPU backend (NVML).
+    pub backend: Arc<dyn GpuBackend>,
+    /// The node driver.
+    pub driver: Arc<NodeDriver>,
+    /// The node lock shared by every prepare and unprepare.
+    pub serializer: Serializer,
+    /// Publishes the pool as ResourceSlices.
+    pub publisher: SlicePublisher,
+    /// The DRA and registration servers.
+    pub server: PluginServer,
+}
 
-    if args.uninstall {
-        let deleted = uninstall_slices(&client, &publisher_config)
-            .await
-            .context("deleting ResourceSlices")?;
-        info!(deleted, node = %args.node_name, driver = %plugin.driver_name, "uninstalled ResourceSlices");
-        return Ok(ExitCode::SUCCESS);
+impl std::fmt::Debug for RunningPlugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningPlugin")
+            .field("driver", &self.driver)
+            .field("server", &self.server)
+            .finish_non_exhaustive()
     }
+}
 
+/// Starts everything `run` runs, in order: NVML, node driver (checkpoint load and
+/// reconcile, under the node lock), release of claims deleted while down, pool, slice
+/// publisher, then the DRA and registration servers.
+pub async fn start(args: &RunArgs, client: kube::Client) -> anyhow::Result<RunningPlugin> {
+    let plugin = args.kubelet.plugin_config();
     plugin
         .prepare_dirs()
         .context("preparing plugin directories")?;
@@ -110,7 +123,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             .await?
             .context("loading NVML")?,
     );
-    let config = driver_config(&args, &plugin);
+    let config = driver_config(args, &plugin);
     let driver = {
         let backend = Arc::clone(&backend);
         serializer
@@ -142,20 +155,54 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         dynamic_mig = args.driver.dynamic_mig,
         "discovered devices"
     );
+    let publisher_config = PublisherConfig::new(plugin.driver_name.clone(), args.node_name.clone());
     let mut publisher = SlicePublisher::start(client.clone(), publisher_config);
     publisher.publish(pool);
 
     let handler = Arc::new(KubeClaimHandler::new(
         client,
         Arc::clone(&driver),
-        serializer,
+        serializer.clone(),
     ));
     let server = PluginServer::start(&plugin, handler)
         .await
         .context("starting the plugin servers")?;
-    let mut registration = server.registration_state();
-    let mut published = publisher.status();
+    Ok(RunningPlugin {
+        backend,
+        driver,
+        serializer,
+        publisher,
+        server,
+    })
+}
 
+impl RunningPlugin {
+    /// Stops the servers (removing this instance's sockets), then the publisher; the
+    /// ResourceSlices stay.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        let stopped = self.server.shutdown().await;
+        self.publisher.shutdown().await;
+        stopped.context("stopping the plugin servers")
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let mut signals = ShutdownSignals::install()?;
+    let client = kube_client(args.kubeconfig.as_deref()).await?;
+
+    if args.uninstall {
+        let config = PublisherConfig::new(args.kubelet.driver_name.clone(), args.node_name.clone());
+        let deleted = uninstall_slices(&client, &config)
+            .await
+            .context("deleting ResourceSlices")?;
+        info!(deleted, node = %args.node_name, driver = %config.driver_name, "uninstalled ResourceSlices");
+        return Ok(ExitCode::SUCCESS);
+    }
+
+    let plugin = start(&args, client).await?;
+    let mut registration = plugin.server.registration_state();
+    let mut published = plugin.publisher.status();
     let mut last_error: Option<String> = None;
     let mut was_published = false;
     let signal = loop {
@@ -180,9 +227,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     };
     info!(signal, "shutting down");
-    let stopped = server.shutdown().await;
-    publisher.shutdown().await;
-    stopped.context("stopping the plugin servers")?;
+    plugin.shutdown().await?;
     info!("stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -8,6 +8,7 @@
 
 pub mod cli;
 pub mod daemon;
+pub mod demo;
 pub mod grpc;
 pub mod handler;
 pub mod inspect;

@@ -42,13 +42,13 @@ pub fn find_library(exe: &Path) -> Option<PathBuf> {
     found.pop().map(|(_, p)| p)
 }
 
-/// Sets `MOCK_NVML_PROFILE` for the mock library.
+/// Sets an environment variable for the mock library.
 ///
 /// Call only while the process is single-threaded (before the tokio runtime starts).
-pub fn set_profile_env(profile: &str) {
+pub fn set_env(key: &str, value: &str) {
     // SAFETY: called from `main` before any other thread exists, so no thread can be
     // reading the environment concurrently.
-    unsafe { std::env::set_var("MOCK_NVML_PROFILE", profile) };
+    unsafe { std::env::set_var(key, value) };
 }
 
 #[cfg(test)]

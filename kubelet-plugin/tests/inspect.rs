@@ -1,0 +1,56 @@
+//! `inspect` against the mock NVML library: table and ResourceSlice YAML.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+fn inspect(args: &[&str], state: &std::path::Path) -> String {
+    let lib = mock_nvml::locate::cdylib_path().expect("mock NVML library not built");
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .arg("inspect")
+        .arg("--nvml-lib")
+        .arg(lib)
+        .args(args)
+        .env("MOCK_NVML_STATE", state)
+        .env_remove("NODE_NAME")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn table_lists_the_mock_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = inspect(&["--mock-profile", "l4-x2"], &dir.path().join("state.json"));
+    assert!(out.contains("2 GPUs, 2 devices published"), "{out}");
+    assert!(out.contains("NVIDIA L4"), "{out}");
+    assert!(out.contains("gpu-1"), "{out}");
+}
+
+#[test]
+fn yaml_is_resourceslices_for_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = inspect(
+        &["--mock-profile", "l4-x2", "--yaml", "--node-name", "n7"],
+        &dir.path().join("state.json"),
+    );
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&out)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    assert!(!docs.is_empty(), "{out}");
+    for d in &docs {
+        assert_eq!(d["kind"], "ResourceSlice");
+        assert_eq!(d["spec"]["nodeName"], "n7");
+        assert_eq!(d["spec"]["driver"], "gpu.cleave.dev");
+    }
+    let names: Vec<&str> = docs
+        .iter()
+        .flat_map(|d| d["spec"]["devices"].as_sequence().into_iter().flatten())
+        .map(|dev| dev["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["gpu-0", "gpu-1"]);
+}
