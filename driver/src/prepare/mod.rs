@@ -365,6 +365,25 @@ impl NodeDriver {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Takes the lock and re-reads the checkpoint, so that a second plugin instance on the
+    /// node (during a rolling update, both serialised by the shell's node lock) never has
+    /// its records overwritten from a stale copy. A read costs no fsync; when the file
+    /// changed under us, the inventory is rediscovered too (the other instance may have
+    /// created or destroyed MIG devices).
+    fn lock_synced(&self) -> Result<MutexGuard<'_, State>, PrepareError> {
+        let mut state = self.lock();
+        let on_disk = self.checkpoint.load()?;
+        if on_disk.claims != state.data.claims {
+            tracing::info!("checkpoint changed by another plugin instance; reloading");
+            state.data.claims = on_disk.claims;
+            match self.backend.inventory() {
+                Ok(inventory) => state.inventory = inventory,
+                Err(e) => tracing::warn!(error = %e, "rediscovering GPUs after reload"),
+            }
+        }
+        Ok(state)
+    }
+
     /// Removes spec files (and temp files) of this driver's kind whose claim is not recorded.
     fn sweep_cdi_root(&self, data: &CheckpointData) {
         let prefix = cdi::spec_file_name("");
@@ -411,7 +430,7 @@ impl NodeDriver {
         let span = tracing::info_span!("prepare", claim = %label, uid);
         let _enter = span.enter();
 
-        let mut state = self.lock();
+        let mut state = self.lock_synced()?;
         if let Some(record) = state.data.claims.get(uid) {
             match record.state {
                 ClaimState::Prepared => return Ok(answer(record)),
@@ -949,7 +968,7 @@ impl NodeDriver {
         })?;
         let span = tracing::info_span!("unprepare", uid = claim_uid);
         let _enter = span.enter();
-        let mut state = self.lock();
+        let mut state = self.lock_synced()?;
         let Some(record) = state.data.claims.get(claim_uid).cloned() else {
             self.cdi
                 .remove_claim_spec(claim_uid)

@@ -806,3 +806,29 @@ fn one_device_for_two_requests_needs_one_config() {
     assert_eq!(prepared.devices.len(), 1);
     assert_eq!(prepared.devices[0].request_names, ["a", "b"]);
 }
+
+#[test]
+fn two_plugin_instances_on_one_node_never_lose_each_others_records() {
+    // A rolling update: old and new plugin run side by side on the same files and GPUs,
+    // their calls serialised by the shell's node lock (here: sequential calls).
+    let old = Node::new(true, vec![mig_gpu(0)]);
+    let new = NodeDriver::start(old.driver.config().clone(), old.fake.clone()).unwrap();
+    old.driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-3g20gb-0")]))
+        .unwrap();
+    new.prepare(&node_claim(UID_B, &[("mig", "gpu-0-mig-3g20gb-4")]))
+        .unwrap();
+    let uids: Vec<String> = old.checkpoint().claims.into_keys().collect();
+    assert_eq!(uids, [UID_A, UID_B]);
+    // The new instance knows the old one's device is taken.
+    let e = new
+        .prepare(&node_claim(UID_C, &[("mig", "gpu-0-mig-3g20gb-0")]))
+        .unwrap_err();
+    assert!(matches!(e, PrepareError::DeviceBusy { .. }), "{e}");
+    // The new instance can unprepare what the old one prepared, with its instance.
+    new.unprepare(UID_A).unwrap();
+    old.driver.unprepare(UID_B).unwrap();
+    assert!(old.checkpoint().claims.is_empty());
+    assert!(old.fake.instances(&gpu_uuid(0)).is_empty());
+    assert!(old.cdi_files().is_empty());
+}
