@@ -384,6 +384,18 @@ impl NodeDriver {
         Ok(state)
     }
 
+    /// [`Self::lock_synced`] for read-only views: an unreadable checkpoint is logged and
+    /// the cached state is used.
+    fn lock_for_view(&self) -> MutexGuard<'_, State> {
+        match self.lock_synced() {
+            Ok(state) => state,
+            Err(e) => {
+                tracing::warn!(error = %e, "re-reading the checkpoint; using the cached state");
+                self.lock()
+            }
+        }
+    }
+
     /// Removes spec files (and temp files) of this driver's kind whose claim is not recorded.
     fn sweep_cdi_root(&self, data: &CheckpointData) {
         let prefix = cdi::spec_file_name("");
@@ -994,7 +1006,7 @@ impl NodeDriver {
     /// Claims recorded as prepared or being prepared (the shell unprepares those the API
     /// server no longer has).
     pub fn prepared_claims(&self) -> Vec<ClaimRecordSummary> {
-        self.lock()
+        self.lock_for_view()
             .data
             .claims
             .values()
@@ -1009,7 +1021,7 @@ impl NodeDriver {
     /// UUIDs of the MIG instances cleave created for claims (published as available
     /// placements, not as taken instances).
     pub fn owned_mig_uuids(&self) -> BTreeSet<String> {
-        self.lock()
+        self.lock_for_view()
             .data
             .claims
             .values()
@@ -1022,7 +1034,7 @@ impl NodeDriver {
 
     /// The current inventory (updated by prepare/unprepare and [`Self::refresh_inventory`]).
     pub fn inventory(&self) -> NodeInventory {
-        self.lock().inventory.clone()
+        self.lock_for_view().inventory.clone()
     }
 
     /// Rediscovers the inventory through the backend.

@@ -816,6 +816,9 @@ fn two_plugin_instances_on_one_node_never_lose_each_others_records() {
     old.driver
         .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-3g20gb-0")]))
         .unwrap();
+    // Views of the new instance include what the old one did.
+    assert_eq!(new.owned_mig_uuids(), old.driver.owned_mig_uuids());
+    assert_eq!(new.prepared_claims().len(), 1);
     new.prepare(&node_claim(UID_B, &[("mig", "gpu-0-mig-3g20gb-4")]))
         .unwrap();
     let uids: Vec<String> = old.checkpoint().claims.into_keys().collect();
