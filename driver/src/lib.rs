@@ -15,3 +15,4 @@ pub mod model;
 pub mod nvml;
 pub mod pool;
 pub mod prepare;
+pub mod sharing;

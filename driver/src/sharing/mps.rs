@@ -1,0 +1,511 @@
+//! Per-claim MPS control daemons: how they are launched ([`DaemonLauncher`], with the
+//! process launcher [`ProcessLauncher`]) and what is recorded about them ([`MpsRecord`]).
+//!
+//! Layout under the state directory (`<plugins dir>/<driver>`), one directory per claim:
+//!
+//! ```text
+//! mps/<claim UID>/            0700: no other host user reaches into it
+//! mps/<claim UID>/daemon.json the record: devices, limits, PID + start time + boot ID
+//! mps/<claim UID>/pipe/       0777: CUDA_MPS_PIPE_DIRECTORY, bind-mounted into the claim's
+//!                             containers only (they run as any user)
+//! mps/<claim UID>/log/        0700: CUDA_MPS_LOG_DIRECTORY (control.log, server.log)
+//! ```
+//!
+//! The record is written before the daemon is launched and again once its PID is known, so
+//! a crash at any point leaves enough on disk to find and stop the daemon. The daemon is not
+//! a child that dies with the plugin: `nvidia-cuda-mps-control -d` daemonizes itself, and it
+//! is launched in its own process group, so restarting or upgrading the plugin never stops
+//! the MPS clients of running pods.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::SharingFailure;
+use super::process::{self, RunFailure};
+use crate::checkpoint::{read_boot_id, write_file_atomic};
+
+/// Pid file the control daemon writes into its pipe directory.
+pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
+/// The record of a claim's daemon, in the claim's MPS directory.
+pub const RECORD_FILE: &str = "daemon.json";
+/// Directory under the state directory holding one directory per MPS claim.
+pub const MPS_DIR: &str = "mps";
+/// Where containers see the pipe directory (and what their `CUDA_MPS_PIPE_DIRECTORY` says).
+pub const DEFAULT_CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps";
+
+/// What a daemon serves: the claim, its directories and its devices (in ordinal order).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DaemonSpec {
+    /// Claim UID.
+    pub claim_uid: String,
+    /// `CUDA_MPS_PIPE_DIRECTORY` of the daemon (as this process sees it).
+    pub pipe_dir: PathBuf,
+    /// `CUDA_MPS_LOG_DIRECTORY` of the daemon.
+    pub log_dir: PathBuf,
+    /// `CUDA_VISIBLE_DEVICES`: device UUIDs (`GPU-…`, `MIG-…`); position = CUDA ordinal.
+    pub visible_devices: Vec<String>,
+}
+
+/// Identity of a running daemon: PID, start time (clock ticks since boot, from
+/// `/proc/<pid>/stat`) and boot ID, so that a reused PID is never taken for the daemon.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DaemonHandle {
+    /// PID of the control daemon.
+    pub pid: u32,
+    /// Start time of that PID.
+    pub start_time: u64,
+    /// Kernel boot ID when it was started (empty when unknown).
+    #[serde(default)]
+    pub boot_id: String,
+}
+
+/// Starts, talks to and stops MPS control daemons. [`ProcessLauncher`] runs them as host
+/// processes; a launcher that runs each daemon in a pod of its own (so that the daemon gets
+/// a per-claim `/dev/shm` shared with the claim's containers, and shows up in the cluster)
+/// is a later step and fits the same trait.
+///
+/// All methods are bounded by the timeouts given and safe to call again after a failure.
+pub trait DaemonLauncher: Send + Sync {
+    /// Starts the daemon of `spec` (its directories exist) and returns its identity once it
+    /// is known; the daemon may not answer commands yet.
+    fn start(&self, spec: &DaemonSpec, timeout: Duration) -> Result<DaemonHandle, SharingFailure>;
+
+    /// Sends `input` (commands, one per line) to the daemon of `spec` and returns what it
+    /// answered.
+    fn control(
+        &self,
+        spec: &DaemonSpec,
+        input: &str,
+        timeout: Duration,
+    ) -> Result<String, SharingFailure>;
+
+    /// Finds a daemon serving `spec` that was started but not recorded (crash right after
+    /// the start).
+    fn find(&self, spec: &DaemonSpec) -> Option<DaemonHandle>;
+
+    /// True if the daemon `handle` still runs.
+    fn is_running(&self, handle: &DaemonHandle) -> bool;
+
+    /// Stops the daemon by force (it did not obey `quit`): waits up to `grace` after a
+    /// polite signal, then kills it.
+    fn kill(&self, handle: &DaemonHandle, grace: Duration) -> Result<(), SharingFailure>;
+}
+
+/// Runs `nvidia-cuda-mps-control` as a host process: `-d` to start (the tool daemonizes and
+/// writes its PID into the pipe directory), no argument with commands on stdin to control.
+#[derive(Debug, Clone)]
+pub struct ProcessLauncher {
+    control_bin: PathBuf,
+    extra_env: Vec<(String, String)>,
+    boot_id_path: PathBuf,
+}
+
+impl ProcessLauncher {
+    /// A launcher running `control_bin`, with `extra_env` added to the environment of every
+    /// call (tests pass the fakes' knobs this way), reading the boot ID from `boot_id_path`.
+    pub fn new(
+        control_bin: impl Into<PathBuf>,
+        extra_env: Vec<(String, String)>,
+        boot_id_path: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            control_bin: control_bin.into(),
+            extra_env,
+            boot_id_path: boot_id_path.into(),
+        }
+    }
+
+    fn command(&self, spec: &DaemonSpec) -> Command {
+        let mut cmd = Command::new(&self.control_bin);
+        cmd.envs(self.extra_env.iter().map(|(k, v)| (k, v)))
+            .env("CUDA_MPS_PIPE_DIRECTORY", &spec.pipe_dir)
+            .env("CUDA_MPS_LOG_DIRECTORY", &spec.log_dir);
+        cmd
+    }
+
+    fn boot_id(&self) -> String {
+        read_boot_id(&self.boot_id_path).unwrap_or_default()
+    }
+
+    fn start_failure(&self, spec: &DaemonSpec, message: String) -> SharingFailure {
+        let log = fs::read_to_string(spec.log_dir.join(LAUNCH_LOG)).unwrap_or_default();
+        let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+        SharingFailure::DaemonStart {
+            claim: spec.claim_uid.clone(),
+            tool: self.control_bin.clone(),
+            message: if tail.is_empty() {
+                message
+            } else {
+                format!("{message}; output: {tail}")
+            },
+        }
+    }
+}
+
+/// File in the log directory receiving the output of the `-d` call.
+const LAUNCH_LOG: &str = "launch.log";
+
+fn read_pid_file(pipe_dir: &Path) -> Option<u32> {
+    fs::read_to_string(pipe_dir.join(PID_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+impl DaemonLauncher for ProcessLauncher {
+    fn start(&self, spec: &DaemonSpec, timeout: Duration) -> Result<DaemonHandle, SharingFailure> {
+        let log_path = spec.log_dir.join(LAUNCH_LOG);
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|source| SharingFailure::Io {
+                op: "opening",
+                path: log_path.clone(),
+                source,
+            })?;
+        let log2 = log.try_clone().map_err(|source| SharingFailure::Io {
+            op: "opening",
+            path: log_path.clone(),
+            source,
+        })?;
+        // A stale pid file must not be mistaken for the new daemon's.
+        let _ = fs::remove_file(spec.pipe_dir.join(PID_FILE));
+        let mut child = self
+            .command(spec)
+            .arg("-d")
+            .env("CUDA_VISIBLE_DEVICES", spec.visible_devices.join(","))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            // Own process group: signals to the plugin's group never reach the daemon.
+            .process_group(0)
+            .spawn()
+            .map_err(|e| self.start_failure(spec, format!("could not run it: {e}")))?;
+        let status = process::wait_child(&mut child, timeout)
+            .map_err(|e| self.start_failure(spec, format!("`-d` {e}")))?;
+        if !status.success() {
+            return Err(self.start_failure(spec, format!("`-d` exited with {status}")));
+        }
+        let pid =
+            process::poll_until(timeout, || read_pid_file(&spec.pipe_dir)).ok_or_else(|| {
+                self.start_failure(
+                    spec,
+                    format!(
+                        "no pid file {} within {timeout:?}",
+                        spec.pipe_dir.join(PID_FILE).display()
+                    ),
+                )
+            })?;
+        let start_time = process::start_time(pid).ok_or_else(|| {
+            self.start_failure(spec, format!("daemon PID {pid} exited right after start"))
+        })?;
+        Ok(DaemonHandle {
+            pid,
+            start_time,
+            boot_id: self.boot_id(),
+        })
+    }
+
+    fn control(
+        &self,
+        spec: &DaemonSpec,
+        input: &str,
+        timeout: Duration,
+    ) -> Result<String, SharingFailure> {
+        let failure = |message: String| SharingFailure::DaemonControl {
+            claim: spec.claim_uid.clone(),
+            command: input.trim().replace('\n', "; "),
+            message,
+        };
+        let out = process::run_with_input(&mut self.command(spec), input, timeout).map_err(
+            |e| match e {
+                RunFailure::Timeout => failure(format!("no answer within {timeout:?}")),
+                other => failure(other.to_string()),
+            },
+        )?;
+        if out.status.success() {
+            Ok(out.stdout)
+        } else {
+            Err(failure(format!(
+                "exited with {}: {}{}",
+                out.status,
+                out.stdout.trim(),
+                out.stderr.trim()
+            )))
+        }
+    }
+
+    fn find(&self, spec: &DaemonSpec) -> Option<DaemonHandle> {
+        let pid = read_pid_file(&spec.pipe_dir)?;
+        // Without a recorded start time, only a process that is an MPS control daemon
+        // counts: a stale pid file must never get an unrelated process killed.
+        let is_mps = process::cmdline(pid).is_some_and(|c| c.contains("nvidia-cuda-mps-control"));
+        if !is_mps || !process::is_alive(pid, None) {
+            return None;
+        }
+        Some(DaemonHandle {
+            pid,
+            start_time: process::start_time(pid)?,
+            boot_id: self.boot_id(),
+        })
+    }
+
+    fn is_running(&self, handle: &DaemonHandle) -> bool {
+        if !handle.boot_id.is_empty() {
+            let now = self.boot_id();
+            if !now.is_empty() && now != handle.boot_id {
+                return false;
+            }
+        }
+        process::is_alive(handle.pid, Some(handle.start_time))
+    }
+
+    fn kill(&self, handle: &DaemonHandle, grace: Duration) -> Result<(), SharingFailure> {
+        let gone = || (!self.is_running(handle)).then_some(());
+        let fail = |e: std::io::Error| SharingFailure::DaemonStop {
+            pid: handle.pid,
+            message: e.to_string(),
+        };
+        process::signal(handle.pid, Some(handle.start_time), libc::SIGTERM).map_err(fail)?;
+        if process::poll_until(grace, gone).is_some() {
+            return Ok(());
+        }
+        process::signal(handle.pid, Some(handle.start_time), libc::SIGKILL).map_err(fail)?;
+        process::poll_until(Duration::from_secs(2), gone).ok_or(SharingFailure::DaemonStop {
+            pid: handle.pid,
+            message: "still running after SIGKILL".into(),
+        })
+    }
+}
+
+/// One memory limit of a daemon: device ordinal, its UUID, and the limit in the control
+/// daemon's syntax (`<n>M` or `<n>G`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PinnedLimit {
+    /// CUDA ordinal of the device within the daemon (and within the claim's containers).
+    pub ordinal: u32,
+    /// Device UUID.
+    pub uuid: String,
+    /// `8192M`, `10G`.
+    pub limit: String,
+}
+
+/// Everything known about a claim's MPS daemon; kept in `daemon.json` and in the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MpsRecord {
+    /// What the daemon serves.
+    pub spec: DaemonSpec,
+    /// Pipe directory as the container runtime on the host sees it (CDI mount source).
+    pub host_pipe_dir: PathBuf,
+    /// Default active thread percentage set in the daemon.
+    pub active_thread_percentage: u8,
+    /// Default pinned memory limits set in the daemon.
+    #[serde(default)]
+    pub pinned_limits: Vec<PinnedLimit>,
+    /// Whole GPUs switched to `EXCLUSIVE_PROCESS` for the daemon (restored to `DEFAULT`).
+    #[serde(default)]
+    pub exclusive_gpus: Vec<String>,
+    /// The daemon, once started.
+    #[serde(default)]
+    pub daemon: Option<DaemonHandle>,
+}
+
+impl MpsRecord {
+    /// True if `other` asks for the same daemon (devices and limits).
+    pub fn same_settings(&self, other: &MpsRecord) -> bool {
+        self.spec == other.spec
+            && self.host_pipe_dir == other.host_pipe_dir
+            && self.active_thread_percentage == other.active_thread_percentage
+            && self.pinned_limits == other.pinned_limits
+            && self.exclusive_gpus == other.exclusive_gpus
+    }
+
+    /// The commands that set the limits, followed by the query whose answer proves them.
+    pub fn limit_commands(&self) -> String {
+        let mut input = format!(
+            "set_default_active_thread_percentage {}\n",
+            self.active_thread_percentage
+        );
+        for l in &self.pinned_limits {
+            input.push_str(&format!(
+                "set_default_device_pinned_mem_limit {} {}\n",
+                l.ordinal, l.limit
+            ));
+        }
+        input.push_str(READY_QUERY);
+        input
+    }
+
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for the clients: `0=8192M,1=10G`; `None` without
+    /// limits.
+    pub fn client_memory_limit(&self) -> Option<String> {
+        (!self.pinned_limits.is_empty()).then(|| {
+            self.pinned_limits
+                .iter()
+                .map(|l| format!("{}={}", l.ordinal, l.limit))
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+    }
+}
+
+/// The query used to see that a daemon answers (and, after the limits, that they hold).
+pub const READY_QUERY: &str = "get_default_active_thread_percentage\n";
+
+/// Parses the answer to [`READY_QUERY`]: the last non-empty line as a number.
+pub fn parse_percentage(answer: &str) -> Option<f64> {
+    answer
+        .lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty())?
+        .parse()
+        .ok()
+}
+
+/// Formats a limit in bytes the way the control daemon takes it: whole GiB as `<n>G`,
+/// otherwise whole MiB (rounded down, never above what was asked) as `<n>M`; `None` below
+/// 1 MiB.
+pub fn format_limit(bytes: u64) -> Option<String> {
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+    if bytes < MIB {
+        None
+    } else if bytes.is_multiple_of(GIB) {
+        Some(format!("{}G", bytes / GIB))
+    } else {
+        Some(format!("{}M", bytes / MIB))
+    }
+}
+
+/// Reads a claim's record; `None` when there is none.
+pub fn load_record(claim_dir: &Path) -> Result<Option<MpsRecord>, SharingFailure> {
+    let path = claim_dir.join(RECORD_FILE);
+    match fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| SharingFailure::Record {
+                path,
+                message: e.to_string(),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(SharingFailure::Io {
+            op: "reading",
+            path,
+            source,
+        }),
+    }
+}
+
+/// Writes a claim's record atomically.
+pub fn store_record(claim_dir: &Path, record: &MpsRecord) -> Result<(), SharingFailure> {
+    let path = claim_dir.join(RECORD_FILE);
+    let bytes = serde_json::to_vec_pretty(record).map_err(|e| SharingFailure::Record {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    write_file_atomic(&path, &bytes).map_err(|source| SharingFailure::Io {
+        op: "writing",
+        path,
+        source,
+    })
+}
+
+/// Creates the claim directory (0700) with its pipe (0777) and log (0700) directories.
+pub fn create_dirs(claim_dir: &Path, spec: &DaemonSpec) -> Result<(), SharingFailure> {
+    for (dir, mode) in [
+        (claim_dir, 0o700),
+        (spec.pipe_dir.as_path(), 0o777),
+        (spec.log_dir.as_path(), 0o700),
+    ] {
+        let io = |op, source| SharingFailure::Io {
+            op,
+            path: dir.to_owned(),
+            source,
+        };
+        fs::create_dir_all(dir).map_err(|e| io("creating", e))?;
+        // Explicitly, since the process umask applies to create_dir.
+        fs::set_permissions(dir, fs::Permissions::from_mode(mode))
+            .map_err(|e| io("setting permissions of", e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_use_whole_gib_or_mib_rounded_down() {
+        assert_eq!(format_limit(10 << 30).as_deref(), Some("10G"));
+        assert_eq!(format_limit(8192 << 20).as_deref(), Some("8G"));
+        assert_eq!(format_limit(1536 << 20).as_deref(), Some("1536M"));
+        assert_eq!(format_limit((5 << 20) + 123).as_deref(), Some("5M"));
+        assert_eq!(format_limit(1_000_000_000).as_deref(), Some("953M"));
+        assert_eq!(format_limit((1 << 20) - 1), None);
+    }
+
+    #[test]
+    fn percentage_answer_takes_the_last_line() {
+        assert_eq!(parse_percentage("100.0\n"), Some(100.0));
+        assert_eq!(parse_percentage("\n25.0\n\n"), Some(25.0));
+        assert_eq!(parse_percentage("Invalid device 3\n25.0\n"), Some(25.0));
+        assert_eq!(
+            parse_percentage("Cannot find MPS control daemon process"),
+            None
+        );
+        assert_eq!(parse_percentage(""), None);
+    }
+
+    #[test]
+    fn commands_and_client_env_use_ordinals() {
+        let record = MpsRecord {
+            spec: DaemonSpec {
+                claim_uid: "u".into(),
+                pipe_dir: "/s/mps/u/pipe".into(),
+                log_dir: "/s/mps/u/log".into(),
+                visible_devices: vec!["GPU-a".into(), "MIG-b".into()],
+            },
+            host_pipe_dir: "/s/mps/u/pipe".into(),
+            active_thread_percentage: 25,
+            pinned_limits: vec![
+                PinnedLimit {
+                    ordinal: 0,
+                    uuid: "GPU-a".into(),
+                    limit: "10G".into(),
+                },
+                PinnedLimit {
+                    ordinal: 1,
+                    uuid: "MIG-b".into(),
+                    limit: "512M".into(),
+                },
+            ],
+            exclusive_gpus: vec!["GPU-a".into()],
+            daemon: None,
+        };
+        assert_eq!(
+            record.limit_commands(),
+            "set_default_active_thread_percentage 25\n\
+             set_default_device_pinned_mem_limit 0 10G\n\
+             set_default_device_pinned_mem_limit 1 512M\n\
+             get_default_active_thread_percentage\n"
+        );
+        assert_eq!(
+            record.client_memory_limit().as_deref(),
+            Some("0=10G,1=512M")
+        );
+        let json = serde_json::to_value(&record).unwrap();
+        assert_eq!(serde_json::from_value::<MpsRecord>(json).unwrap(), record);
+    }
+}

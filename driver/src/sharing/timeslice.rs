@@ -1,0 +1,226 @@
+//! Time-slicing and compute modes through `nvidia-smi`, and which claims need a time slice.
+//!
+//! `nvidia-smi compute-policy -i <uuid> --set-timeslice=<0..3>` sets the scheduler's slice of
+//! a whole GPU (Default=0, Short=1, Medium=2, Long=3). It is not supported on MIG devices,
+//! which run in their parent GPU's slice: a MIG device with `interval: Default` needs
+//! nothing (no call), any other interval is an error (the config API rejects it already;
+//! this is the second line). The interval a GPU needs is derived from the checkpoint (the
+//! effective config recorded with every prepared device), never from memory, so that a
+//! restart does not lose count: at release the default is restored only when no other
+//! recorded claim on that GPU still needs a non-default interval.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use cleave_api::config::{SharingStrategy, TimeSliceInterval};
+use cleave_api::merge::ResolvedConfig;
+use serde::{Deserialize, Serialize};
+
+use super::SharingFailure;
+use super::process;
+use crate::checkpoint::{CheckpointData, DeviceKind};
+
+/// GPU compute modes cleave sets (`nvidia-smi -c`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComputeMode {
+    /// Many processes per GPU.
+    Default,
+    /// One process (the MPS server) per GPU.
+    ExclusiveProcess,
+}
+
+impl ComputeMode {
+    fn arg(self) -> &'static str {
+        match self {
+            Self::Default => "DEFAULT",
+            Self::ExclusiveProcess => "EXCLUSIVE_PROCESS",
+        }
+    }
+}
+
+/// Runs `nvidia-smi` with a deadline; failures name the arguments and what it printed.
+#[derive(Debug, Clone)]
+pub struct NvidiaSmi {
+    bin: PathBuf,
+    extra_env: Vec<(String, String)>,
+    timeout: Duration,
+}
+
+impl NvidiaSmi {
+    /// `bin` run with `extra_env` added, killed after `timeout`.
+    pub fn new(
+        bin: impl Into<PathBuf>,
+        extra_env: Vec<(String, String)>,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            bin: bin.into(),
+            extra_env,
+            timeout,
+        }
+    }
+
+    fn run(&self, args: &[&str]) -> Result<(), SharingFailure> {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)));
+        let failure = |message: String| SharingFailure::Tool {
+            tool: self.bin.clone(),
+            args: args.join(" "),
+            message,
+        };
+        let out = process::run_with_input(&mut cmd, "", self.timeout)
+            .map_err(|e| failure(e.to_string()))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(failure(format!(
+                "exited with {}: {} {}",
+                out.status,
+                out.stdout.trim(),
+                out.stderr.trim()
+            )))
+        }
+    }
+
+    /// `nvidia-smi -i <gpu> -c <mode>`.
+    pub fn set_compute_mode(
+        &self,
+        gpu_uuid: &str,
+        mode: ComputeMode,
+    ) -> Result<(), SharingFailure> {
+        self.run(&["-i", gpu_uuid, "-c", mode.arg()])
+    }
+
+    /// `nvidia-smi compute-policy -i <gpu> --set-timeslice=<n>`.
+    pub fn set_timeslice(
+        &self,
+        gpu_uuid: &str,
+        interval: TimeSliceInterval,
+    ) -> Result<(), SharingFailure> {
+        let value = format!("--set-timeslice={}", interval.timeslice_value());
+        self.run(&["compute-policy", "-i", gpu_uuid, &value])
+    }
+}
+
+/// A time slice set on a whole GPU for a claim (kept in the claim's sharing state).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TimeSliceSetting {
+    /// GPU UUID.
+    pub gpu_uuid: String,
+    /// The interval set.
+    pub interval: TimeSliceInterval,
+}
+
+/// A recorded claim's need of a time slice on a whole GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimeSliceNeed {
+    /// Claim UID.
+    pub claim_uid: String,
+    /// GPU UUID.
+    pub gpu_uuid: String,
+    /// The interval its config asks for.
+    pub interval: TimeSliceInterval,
+}
+
+/// Every time slice the claims recorded in `data` ask for on whole GPUs (MIG devices have
+/// none of their own). Devices whose recorded config does not decode are skipped with a
+/// warning (they were written by this or an older release, so this does not happen).
+pub fn needs_from_checkpoint(data: &CheckpointData) -> Vec<TimeSliceNeed> {
+    let mut needs = Vec::new();
+    for claim in data.claims.values() {
+        for device in &claim.devices {
+            let is_whole = device.kind == DeviceKind::Gpu && device.mig.is_none();
+            let Some(raw) = device.config.as_ref().filter(|_| is_whole) else {
+                continue;
+            };
+            let resolved: ResolvedConfig = match serde_json::from_value(raw.clone()) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(claim = %claim.uid, device = %device.name, error = %e, "recorded config does not decode");
+                    continue;
+                }
+            };
+            let Some(sharing) = resolved.config.sharing() else {
+                continue;
+            };
+            if sharing.strategy != SharingStrategy::TimeSlicing {
+                continue;
+            }
+            let interval = sharing
+                .time_slicing
+                .as_ref()
+                .map(|t| t.interval_or_default())
+                .unwrap_or_default();
+            needs.push(TimeSliceNeed {
+                claim_uid: claim.uid.clone(),
+                gpu_uuid: device.gpu_uuid.clone(),
+                interval,
+            });
+        }
+    }
+    needs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::{ClaimRecord, ClaimState, DeviceRecord};
+
+    fn device(gpu: &str, config: Option<serde_json::Value>) -> DeviceRecord {
+        DeviceRecord {
+            name: "gpu-0".into(),
+            pool: "node".into(),
+            request_names: vec!["r".into()],
+            kind: DeviceKind::Gpu,
+            gpu_uuid: gpu.into(),
+            gpu_minor: 0,
+            mig: None,
+            config,
+            cdi_device_ids: vec![],
+        }
+    }
+
+    #[test]
+    fn needs_come_from_recorded_configs() {
+        let ts = |interval: &str| {
+            serde_json::json!({
+                "index": 0, "source": "FromClaim",
+                "config": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                    "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}
+            })
+        };
+        let mut data = CheckpointData::default();
+        for (uid, dev) in [
+            ("a", device("GPU-1", Some(ts("Long")))),
+            ("b", device("GPU-2", None)),
+            (
+                "c",
+                device("GPU-3", Some(serde_json::json!({"garbage": true}))),
+            ),
+        ] {
+            data.claims.insert(
+                uid.into(),
+                ClaimRecord {
+                    uid: uid.into(),
+                    namespace: "ns".into(),
+                    name: uid.into(),
+                    state: ClaimState::Prepared,
+                    devices: vec![dev],
+                    sharing: None,
+                },
+            );
+        }
+        let needs = needs_from_checkpoint(&data);
+        assert_eq!(
+            needs,
+            vec![TimeSliceNeed {
+                claim_uid: "a".into(),
+                gpu_uuid: "GPU-1".into(),
+                interval: TimeSliceInterval::Long,
+            }]
+        );
+    }
+}

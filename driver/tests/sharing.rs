@@ -1,0 +1,988 @@
+//! MPS daemons and time-slicing against the fake tools of `cleave-fakes`.
+//!
+//! The fakes run as this very executable: `main` first asks `cleave_fakes::dispatch` whether
+//! `argv[0]` names a tool, and each test links the tool names to the executable in a temp
+//! dir. So `cargo test -p cleave-driver` needs no prebuilt binaries. Every test records what
+//! the tools were told (files named by the fakes' environment knobs) and checks that nothing
+//! is left running; the fake daemons also exit by themselves after two idle minutes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use cleave_api::config::{DeviceKind, Sharing};
+use cleave_driver::checkpoint::{
+    CheckpointData, CheckpointStore, ClaimRecord, ClaimState, DeviceKind as RecordKind,
+    DeviceRecord,
+};
+use cleave_driver::model::{GpuInfo, MigProfile, MigState, NodeInventory, Placement};
+use cleave_driver::prepare::SharingDevice;
+use cleave_driver::sharing::{
+    SharingBinaries, SharingConfig, SharingFailure, SharingManager, SharingState,
+};
+use serde_json::json;
+
+const GPU_A: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000001";
+const GPU_B: &str = "GPU-bbbbbbbb-0000-0000-0000-000000000002";
+const GPU_OLD: &str = "GPU-cccccccc-0000-0000-0000-000000000003";
+const GPU_MIG: &str = "GPU-dddddddd-0000-0000-0000-000000000004";
+const MIG_1: &str = "MIG-eeeeeeee-0000-0000-0000-000000000005";
+const GIB: u64 = 1 << 30;
+
+// ---------------------------------------------------------------------------------------
+// Harness
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = cleave_fakes::dispatch(&args) {
+        std::process::exit(code);
+    }
+    let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
+    let tests: &[(&str, fn())] = &[
+        (
+            "two_claims_get_own_daemons_limits_and_edits",
+            two_claims_get_own_daemons_limits_and_edits,
+        ),
+        (
+            "repeated_apply_is_idempotent_and_changed_settings_restart",
+            repeated_apply_is_idempotent_and_changed_settings_restart,
+        ),
+        (
+            "restart_refinds_live_daemons_and_stops_gone_claims",
+            restart_refinds_live_daemons_and_stops_gone_claims,
+        ),
+        ("failed_start_leaves_nothing", failed_start_leaves_nothing),
+        (
+            "silent_daemon_times_out_and_is_removed",
+            silent_daemon_times_out_and_is_removed,
+        ),
+        (
+            "daemon_ignoring_quit_is_killed",
+            daemon_ignoring_quit_is_killed,
+        ),
+        (
+            "compute_mode_failure_names_the_gpu_and_leaves_nothing",
+            compute_mode_failure_names_the_gpu_and_leaves_nothing,
+        ),
+        (
+            "invalid_limits_and_unsupported_gpus_fail_before_anything_runs",
+            invalid_limits_and_unsupported_gpus_fail_before_anything_runs,
+        ),
+        (
+            "mig_device_gets_mps_without_compute_mode",
+            mig_device_gets_mps_without_compute_mode,
+        ),
+        (
+            "release_without_state_finds_the_daemon_on_disk",
+            release_without_state_finds_the_daemon_on_disk,
+        ),
+        (
+            "time_slicing_set_and_restored_with_refcount_from_checkpoint",
+            time_slicing_set_and_restored_with_refcount_from_checkpoint,
+        ),
+        (
+            "time_slicing_on_mig_and_conflicts",
+            time_slicing_on_mig_and_conflicts,
+        ),
+    ];
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, test) in tests {
+        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        let started = Instant::now();
+        let result = std::panic::catch_unwind(test);
+        let status = if result.is_ok() { "ok" } else { "FAILED" };
+        println!("test {name} ... {status} ({:.2?})", started.elapsed());
+        if result.is_err() {
+            failed.push(*name);
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len()
+    );
+    if !failed.is_empty() {
+        for f in &failed {
+            println!("    {f}");
+        }
+        std::process::exit(101);
+    }
+}
+
+/// A node in a temp dir: state dir, fake tools, record files, boot ID.
+struct World {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+    state: PathBuf,
+    mps_record: PathBuf,
+    smi_record: PathBuf,
+    smi_state: PathBuf,
+}
+
+impl World {
+    fn new() -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().to_owned();
+        let bin = root.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let exe = std::env::current_exe().unwrap();
+        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
+            std::os::unix::fs::symlink(&exe, bin.join(tool)).unwrap();
+        }
+        std::fs::write(root.join("boot_id"), "boot-1\n").unwrap();
+        let state = root.join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        World {
+            mps_record: root.join("mps-record.log"),
+            smi_record: root.join("smi-record.log"),
+            smi_state: root.join("smi-state"),
+            state,
+            root,
+            _tmp: tmp,
+        }
+    }
+
+    fn config(&self, knobs: &[(&str, &str)]) -> SharingConfig {
+        let binaries = SharingBinaries::under_driver_root(Path::new("/nonexistent"))
+            .with_overrides(
+                Some(self.root.join("bin/nvidia-cuda-mps-control")),
+                Some(self.root.join("bin/nvidia-smi")),
+            );
+        let mut config = SharingConfig::new(&self.state, binaries);
+        config.boot_id_path = self.root.join("boot_id");
+        config.ready_timeout = Duration::from_secs(10);
+        config.stop_timeout = Duration::from_secs(3);
+        let mut env = vec![
+            ("FAKE_MPS_RECORD", self.mps_record.to_str().unwrap()),
+            ("FAKE_NVIDIA_SMI_RECORD", self.smi_record.to_str().unwrap()),
+            ("FAKE_NVIDIA_SMI_STATE", self.smi_state.to_str().unwrap()),
+            ("FAKE_MPS_IDLE_EXIT_SECS", "120"),
+        ];
+        env.extend_from_slice(knobs);
+        config.extra_env = env
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        config
+    }
+
+    fn manager_with(&self, config: SharingConfig) -> SharingManager {
+        let m = SharingManager::new(config);
+        m.set_inventory(&inventory());
+        m
+    }
+
+    fn manager(&self, knobs: &[(&str, &str)]) -> SharingManager {
+        self.manager_with(self.config(knobs))
+    }
+
+    fn mps_lines(&self) -> Vec<String> {
+        read_lines(&self.mps_record)
+    }
+
+    fn smi_lines(&self) -> Vec<String> {
+        read_lines(&self.smi_record)
+    }
+
+    /// Commands the daemon of `claim` received.
+    fn commands(&self, claim: &str) -> Vec<String> {
+        let pipe = format!(
+            "pipe={} ",
+            self.state.join("mps").join(claim).join("pipe").display()
+        );
+        self.mps_lines()
+            .iter()
+            .filter_map(|l| {
+                l.strip_prefix("cmd ")?
+                    .strip_prefix(&pipe)
+                    .map(str::to_owned)
+            })
+            .collect()
+    }
+
+    /// PIDs of every daemon the fake started in this world.
+    fn started_pids(&self) -> Vec<u32> {
+        self.mps_lines()
+            .iter()
+            .filter_map(|l| {
+                l.strip_prefix("start pid=")?
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    }
+
+    fn smi_setting(&self, gpu: &str, key: &str) -> Option<String> {
+        cleave_fakes::nvidia_smi::read_state(&self.smi_state)
+            .get(&(gpu.to_owned(), key.to_owned()))
+            .cloned()
+    }
+
+    fn claim_dir(&self, claim: &str) -> PathBuf {
+        self.state.join("mps").join(claim)
+    }
+
+    fn assert_nothing_left(&self) {
+        for pid in self.started_pids() {
+            assert!(
+                wait_dead(pid, Duration::from_secs(5)),
+                "daemon {pid} still runs"
+            );
+        }
+        let left: Vec<_> = std::fs::read_dir(self.state.join("mps"))
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        // Whatever happened, no fake daemon outlives its test.
+        for pid in self.started_pids() {
+            if alive(pid) {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        }
+    }
+}
+
+fn read_lines(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Running and not a zombie.
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 1..];
+            rest.split_whitespace()
+                .next()
+                .map(|st| st != "Z" && st != "X")
+        })
+        .unwrap_or(false)
+}
+
+fn wait_dead(pid: u32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if !alive(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    !alive(pid)
+}
+
+fn gpu(uuid: &str, minor: u32, cc: (u32, u32), memory: u64, mig: MigState) -> GpuInfo {
+    GpuInfo {
+        index: minor,
+        minor,
+        uuid: uuid.into(),
+        product_name: if cc.0 < 7 {
+            "Tesla P100-PCIE-16GB".into()
+        } else {
+            "NVIDIA H100 80GB HBM3".into()
+        },
+        brand: "Tesla".into(),
+        architecture: if cc.0 < 7 {
+            "Pascal".into()
+        } else {
+            "Hopper".into()
+        },
+        cuda_compute_capability: cc,
+        memory_bytes: memory,
+        multiprocessors: Some(132),
+        pci_bus_id: format!("0000:{:02x}:00.0", minor + 1),
+        pcie_root: None,
+        mig,
+    }
+}
+
+fn inventory() -> NodeInventory {
+    let profile = MigProfile {
+        id: 19,
+        name: "1g.10gb".into(),
+        slice_count: 1,
+        instance_count: 7,
+        memory_mib: 9856,
+        multiprocessors: 16,
+        copy_engines: 1,
+        decoders: 1,
+        encoders: 0,
+        jpeg_engines: 1,
+        ofa_engines: 0,
+        placements: vec![Placement { start: 0, size: 1 }],
+    };
+    NodeInventory {
+        driver_version: "570.148.08".into(),
+        driver_semver: "570.148.8".into(),
+        cuda_driver_semver: "12.8.0".into(),
+        gpus: vec![
+            gpu(GPU_A, 0, (9, 0), 80 * GIB, MigState::NotCapable),
+            gpu(GPU_B, 1, (9, 0), 80 * GIB, MigState::NotCapable),
+            gpu(GPU_OLD, 2, (6, 0), 16 * GIB, MigState::NotCapable),
+            gpu(
+                GPU_MIG,
+                3,
+                (9, 0),
+                80 * GIB,
+                MigState::Enabled {
+                    profiles: vec![profile],
+                    instances: vec![],
+                    memory_slices: 8,
+                },
+            ),
+        ],
+    }
+}
+
+fn sharing(value: serde_json::Value) -> Sharing {
+    let mut s: Sharing = serde_json::from_value(value).unwrap();
+    s.apply_defaults();
+    s
+}
+
+fn mps(pct: u8, default: Option<&str>, per_device: serde_json::Value) -> Sharing {
+    let mut limit = json!({"perDevice": per_device});
+    if let Some(d) = default {
+        limit["default"] = json!(d);
+    }
+    sharing(
+        json!({"strategy": "MPS", "mps": {"activeThreadPercentage": pct, "pinnedMemoryLimit": limit}}),
+    )
+}
+
+fn timeslice(interval: &str) -> Sharing {
+    sharing(json!({"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}))
+}
+
+fn whole(minor: u32, uuid: &str, s: Sharing) -> SharingDevice {
+    SharingDevice {
+        device_name: format!("gpu-{minor}"),
+        kind: DeviceKind::Gpu,
+        uuid: uuid.into(),
+        gpu_uuid: uuid.into(),
+        sharing: s,
+    }
+}
+
+fn mig_device(s: Sharing) -> SharingDevice {
+    SharingDevice {
+        device_name: "gpu-3-mig-1g10gb-0".into(),
+        kind: DeviceKind::Mig,
+        uuid: MIG_1.into(),
+        gpu_uuid: GPU_MIG.into(),
+        sharing: s,
+    }
+}
+
+fn state_of(edits: &cleave_driver::prepare::SharingEdits) -> SharingState {
+    serde_json::from_value(edits.state.clone().unwrap()).unwrap()
+}
+
+fn daemon_pid(edits: &cleave_driver::prepare::SharingEdits) -> u32 {
+    state_of(edits).mps.unwrap().daemon.unwrap().pid
+}
+
+fn mode(path: &Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+fn ts_config(interval: &str) -> serde_json::Value {
+    json!({"index": 0, "source": "FromClaim", "config": {
+        "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}})
+}
+
+fn record(uid: &str, gpu: &str, minor: u32, config: Option<serde_json::Value>) -> ClaimRecord {
+    ClaimRecord {
+        uid: uid.into(),
+        namespace: "ns".into(),
+        name: uid.into(),
+        state: ClaimState::Prepared,
+        devices: vec![DeviceRecord {
+            name: format!("gpu-{minor}"),
+            pool: "node".into(),
+            request_names: vec!["gpu".into()],
+            kind: RecordKind::Gpu,
+            gpu_uuid: gpu.into(),
+            gpu_minor: minor,
+            mig: None,
+            config,
+            cdi_device_ids: vec![],
+        }],
+        sharing: None,
+    }
+}
+
+fn store_checkpoint(world: &World, records: Vec<ClaimRecord>) {
+    let mut data = CheckpointData {
+        boot_id: "boot-1".into(),
+        ..CheckpointData::default()
+    };
+    for r in records {
+        data.claims.insert(r.uid.clone(), r);
+    }
+    CheckpointStore::in_dir(&world.state).store(&data).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// MPS
+
+fn two_claims_get_own_daemons_limits_and_edits() {
+    let world = World::new();
+    let m = world.manager(&[]);
+    let a = m
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(25, Some("10Gi"), json!({})))],
+        )
+        .unwrap();
+    let b = m
+        .apply_claim(
+            "claim-b",
+            &[whole(
+                1,
+                GPU_B,
+                mps(50, Some("8Gi"), json!({ "0": "1536Mi" })),
+            )],
+        )
+        .unwrap();
+
+    // Two daemons, one per claim, each seeing only its claim's GPU.
+    let (pa, pb) = (daemon_pid(&a), daemon_pid(&b));
+    assert_ne!(pa, pb);
+    assert!(alive(pa) && alive(pb));
+    let starts: Vec<String> = world
+        .mps_lines()
+        .into_iter()
+        .filter(|l| l.starts_with("start "))
+        .collect();
+    assert_eq!(starts.len(), 2, "{starts:?}");
+    assert!(
+        starts[0].ends_with(&format!("/claim-a/pipe devices={GPU_A}")),
+        "{starts:?}"
+    );
+    assert!(
+        starts[1].ends_with(&format!("/claim-b/pipe devices={GPU_B}")),
+        "{starts:?}"
+    );
+
+    // Each daemon got its claim's limits (per-device override wins over the default).
+    assert_eq!(
+        world.commands("claim-a"),
+        [
+            "get_default_active_thread_percentage",
+            "set_default_active_thread_percentage 25",
+            "set_default_device_pinned_mem_limit 0 10G",
+            "get_default_active_thread_percentage",
+        ]
+    );
+    assert_eq!(
+        world.commands("claim-b")[1..3],
+        [
+            "set_default_active_thread_percentage 50".to_owned(),
+            "set_default_device_pinned_mem_limit 0 1536M".to_owned(),
+        ]
+    );
+
+    // CDI edits: the claim's own pipe dir and the client env.
+    let pipe_a = world.claim_dir("claim-a").join("pipe");
+    assert_eq!(a.claim_edits.mounts.len(), 1);
+    assert_eq!(
+        a.claim_edits.mounts[0].host_path,
+        pipe_a.display().to_string()
+    );
+    assert_eq!(a.claim_edits.mounts[0].container_path, "/tmp/nvidia-mps");
+    assert_eq!(
+        a.claim_edits.env,
+        [
+            "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G",
+        ]
+    );
+    assert!(
+        b.claim_edits
+            .env
+            .contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1536M".to_owned())
+    );
+    assert_ne!(
+        a.claim_edits.mounts[0].host_path,
+        b.claim_edits.mounts[0].host_path
+    );
+    assert!(a.device_edits.is_empty());
+
+    // Directory modes: claim dir closed to other host users, pipe dir usable by containers.
+    assert_eq!(mode(&world.claim_dir("claim-a")), 0o700);
+    assert_eq!(mode(&pipe_a), 0o777);
+    assert_eq!(mode(&world.claim_dir("claim-a").join("log")), 0o700);
+
+    // Compute modes.
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("EXCLUSIVE_PROCESS")
+    );
+    assert_eq!(
+        world.smi_setting(GPU_B, "computeMode").as_deref(),
+        Some("EXCLUSIVE_PROCESS")
+    );
+    let timings = m.last_mps_timings().unwrap();
+    assert!(timings.launch > Duration::ZERO && timings.total >= timings.launch);
+
+    // Release: daemon gone, directories gone, compute mode back to DEFAULT.
+    m.release_claim("claim-a", a.state.as_ref()).unwrap();
+    assert!(wait_dead(pa, Duration::from_secs(5)));
+    assert!(
+        alive(pb),
+        "releasing claim-a must not touch claim-b's daemon"
+    );
+    assert!(!world.claim_dir("claim-a").exists());
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+    assert!(world.commands("claim-a").last().unwrap() == "quit");
+    m.release_claim("claim-b", b.state.as_ref()).unwrap();
+    world.assert_nothing_left();
+    // Releasing again is a no-op.
+    m.release_claim("claim-b", b.state.as_ref()).unwrap();
+}
+
+fn repeated_apply_is_idempotent_and_changed_settings_restart() {
+    let world = World::new();
+    let m = world.manager(&[]);
+    let devices = [whole(0, GPU_A, mps(40, None, json!({})))];
+    let first = m.apply_claim("claim-a", &devices).unwrap();
+    let smi_calls = world.smi_lines().len();
+    let second = m.apply_claim("claim-a", &devices).unwrap();
+    assert_eq!(first, second);
+    assert_eq!(world.started_pids().len(), 1, "no second daemon");
+    assert_eq!(world.smi_lines().len(), smi_calls, "no nvidia-smi call");
+    assert_eq!(
+        first.claim_edits.env,
+        [
+            "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40",
+        ]
+    );
+
+    // Different settings for the same claim: the old daemon goes, a new one comes.
+    let changed = m
+        .apply_claim("claim-a", &[whole(0, GPU_A, mps(60, None, json!({})))])
+        .unwrap();
+    let (old, new) = (daemon_pid(&first), daemon_pid(&changed));
+    assert_ne!(old, new);
+    assert!(wait_dead(old, Duration::from_secs(5)));
+    assert!(alive(new));
+    assert!(
+        world
+            .commands("claim-a")
+            .contains(&"set_default_active_thread_percentage 60".to_owned())
+    );
+    m.release_claim("claim-a", changed.state.as_ref()).unwrap();
+    world.assert_nothing_left();
+}
+
+fn restart_refinds_live_daemons_and_stops_gone_claims() {
+    let world = World::new();
+    let (a, b) = {
+        let m = world.manager(&[]);
+        let a = m
+            .apply_claim(
+                "claim-a",
+                &[whole(0, GPU_A, mps(30, Some("4Gi"), json!({})))],
+            )
+            .unwrap();
+        let b = m
+            .apply_claim("claim-b", &[whole(1, GPU_B, mps(30, None, json!({})))])
+            .unwrap();
+        (a, b)
+        // The manager (the "plugin") goes away; the daemons must not.
+    };
+    let (pa, pb) = (daemon_pid(&a), daemon_pid(&b));
+    assert!(alive(pa) && alive(pb), "daemons outlive the manager");
+
+    let m = world.manager(&[]);
+    let live: BTreeSet<String> = ["claim-a".to_owned()].into();
+    let report = m.reconcile(&live);
+    assert_eq!(report.kept, ["claim-a"]);
+    assert_eq!(report.stopped, ["claim-b"]);
+    assert!(
+        report.restarted.is_empty() && report.failed.is_empty(),
+        "{report:?}"
+    );
+    assert!(alive(pa));
+    assert!(wait_dead(pb, Duration::from_secs(5)));
+    assert!(!world.claim_dir("claim-b").exists());
+    assert_eq!(
+        world.smi_setting(GPU_B, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+
+    // The daemon of a live claim dies: the next reconcile starts it again with its limits.
+    Command::new("kill")
+        .args(["-9", &pa.to_string()])
+        .status()
+        .unwrap();
+    assert!(wait_dead(pa, Duration::from_secs(5)));
+    let report = m.reconcile(&live);
+    assert_eq!(report.restarted, ["claim-a"], "{report:?}");
+    let pids = world.started_pids();
+    let restarted = *pids.last().unwrap();
+    assert_ne!(restarted, pa);
+    assert!(alive(restarted));
+    let cmds = world.commands("claim-a");
+    assert_eq!(
+        cmds.iter()
+            .filter(|c| *c == "set_default_device_pinned_mem_limit 0 4G")
+            .count(),
+        2,
+        "{cmds:?}"
+    );
+
+    // Nothing live any more: everything goes.
+    let report = m.reconcile(&BTreeSet::new());
+    assert_eq!(report.stopped, ["claim-a"]);
+    world.assert_nothing_left();
+}
+
+fn failed_start_leaves_nothing() {
+    let world = World::new();
+    let m = world.manager(&[("FAKE_MPS_FAIL_START", "1")]);
+    let err = m
+        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .unwrap_err();
+    assert!(matches!(err, SharingFailure::DaemonStart { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("claim-a") && msg.contains("start failure requested"),
+        "{msg}"
+    );
+    assert!(!world.claim_dir("claim-a").exists());
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+    world.assert_nothing_left();
+}
+
+fn silent_daemon_times_out_and_is_removed() {
+    let world = World::new();
+    let mut config = world.config(&[("FAKE_MPS_NO_ANSWER", "1")]);
+    config.ready_timeout = Duration::from_millis(800);
+    config.command_timeout = Duration::from_millis(200);
+    config.stop_timeout = Duration::from_millis(300);
+    let m = world.manager_with(config);
+    let started = Instant::now();
+    let err = m
+        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(err, SharingFailure::DaemonNotReady { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("did not answer within"), "{err}");
+    assert_eq!(world.started_pids().len(), 1, "the daemon did start");
+    world.assert_nothing_left();
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+}
+
+fn daemon_ignoring_quit_is_killed() {
+    let world = World::new();
+    let mut config = world.config(&[("FAKE_MPS_IGNORE_QUIT", "1")]);
+    config.stop_timeout = Duration::from_millis(300);
+    let m = world.manager_with(config);
+    let edits = m
+        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .unwrap();
+    let pid = daemon_pid(&edits);
+    m.release_claim("claim-a", edits.state.as_ref()).unwrap();
+    assert!(world.commands("claim-a").contains(&"quit".to_owned()));
+    assert!(!alive(pid));
+    world.assert_nothing_left();
+}
+
+fn compute_mode_failure_names_the_gpu_and_leaves_nothing() {
+    let world = World::new();
+    let m = world.manager(&[("FAKE_NVIDIA_SMI_FAIL", "-c EXCLUSIVE_PROCESS")]);
+    let err = m
+        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, SharingFailure::Tool { .. }), "{msg}");
+    assert!(
+        msg.contains(GPU_A) && msg.contains("EXCLUSIVE_PROCESS"),
+        "{msg}"
+    );
+    assert!(world.started_pids().is_empty());
+    world.assert_nothing_left();
+}
+
+fn invalid_limits_and_unsupported_gpus_fail_before_anything_runs() {
+    let world = World::new();
+    let m = world.manager(&[]);
+    let cases: Vec<(SharingDevice, &str)> = vec![
+        (
+            whole(0, GPU_A, mps(50, Some("100Gi"), json!({}))),
+            "larger than the device's memory",
+        ),
+        (
+            whole(0, GPU_A, mps(50, Some("1Gi"), json!({ GPU_A: "81Gi" }))),
+            "81Gi",
+        ),
+        (
+            whole(0, GPU_A, mps(50, Some("1000Ki"), json!({}))),
+            "below 1Mi",
+        ),
+        (
+            mig_device(mps(50, Some("10Gi"), json!({}))),
+            "gpu-3-mig-1g10gb-0",
+        ),
+        (
+            whole(2, GPU_OLD, mps(50, None, json!({}))),
+            "MPS is not supported on GPU GPU-cccccccc",
+        ),
+    ];
+    for (device, want) in cases {
+        let err = m.apply_claim("claim-x", &[device]).unwrap_err();
+        assert!(err.to_string().contains(want), "{err} (wanted {want:?})");
+    }
+    let mixed = m
+        .apply_claim(
+            "claim-x",
+            &[
+                whole(0, GPU_A, mps(50, None, json!({}))),
+                whole(1, GPU_B, mps(60, None, json!({}))),
+            ],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(mixed, SharingFailure::MixedMpsSettings { .. }),
+        "{mixed}"
+    );
+    let unknown = m
+        .apply_claim(
+            "claim-x",
+            &[whole(
+                9,
+                "GPU-99999999-0000-0000-0000-000000000009",
+                mps(50, None, json!({})),
+            )],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(unknown, SharingFailure::UnknownGpu { .. }),
+        "{unknown}"
+    );
+    assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
+    assert!(world.started_pids().is_empty());
+    world.assert_nothing_left();
+}
+
+fn mig_device_gets_mps_without_compute_mode() {
+    let world = World::new();
+    let m = world.manager(&[]);
+    let edits = m
+        .apply_claim("claim-m", &[mig_device(mps(20, Some("8Gi"), json!({})))])
+        .unwrap();
+    let starts: Vec<String> = world
+        .mps_lines()
+        .into_iter()
+        .filter(|l| l.starts_with("start "))
+        .collect();
+    assert!(
+        starts[0].ends_with(&format!("devices={MIG_1}")),
+        "{starts:?}"
+    );
+    assert!(
+        world
+            .commands("claim-m")
+            .contains(&"set_default_device_pinned_mem_limit 0 8G".to_owned())
+    );
+    assert!(
+        world.smi_lines().is_empty(),
+        "no compute mode for MIG: {:?}",
+        world.smi_lines()
+    );
+    m.release_claim("claim-m", edits.state.as_ref()).unwrap();
+    world.assert_nothing_left();
+}
+
+fn release_without_state_finds_the_daemon_on_disk() {
+    // A prepare interrupted after the daemon started but before its state reached the
+    // checkpoint: release gets no state and must still stop the daemon.
+    let world = World::new();
+    let m = world.manager(&[]);
+    let edits = m
+        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .unwrap();
+    let pid = daemon_pid(&edits);
+    let m2 = world.manager(&[]);
+    m2.release_claim("claim-a", None).unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+    world.assert_nothing_left();
+
+    // Only the directories exist (crash before the first record write), and a daemon was
+    // started there by hand: it is found through its pid file and stopped.
+    let dir = world.claim_dir("claim-b");
+    std::fs::create_dir_all(dir.join("pipe")).unwrap();
+    std::fs::create_dir_all(dir.join("log")).unwrap();
+    let status = Command::new(world.root.join("bin/nvidia-cuda-mps-control"))
+        .arg("-d")
+        .env("CUDA_MPS_PIPE_DIRECTORY", dir.join("pipe"))
+        .env("CUDA_MPS_LOG_DIRECTORY", dir.join("log"))
+        .env("FAKE_MPS_RECORD", &world.mps_record)
+        .env("FAKE_MPS_IDLE_EXIT_SECS", "120")
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !dir.join("pipe/nvidia-cuda-mps-control.pid").exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    m2.release_claim("claim-b", None).unwrap();
+    world.assert_nothing_left();
+}
+
+// ---------------------------------------------------------------------------------------
+// Time-slicing
+
+fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
+    let world = World::new();
+    let m = world.manager(&[]);
+    let a = m
+        .apply_claim("claim-a", &[whole(0, GPU_A, timeslice("Long"))])
+        .unwrap();
+    assert_eq!(
+        world.smi_lines(),
+        [format!("compute-policy -i {GPU_A} --set-timeslice=3")]
+    );
+    assert!(a.claim_edits.is_empty());
+    assert_eq!(state_of(&a).time_slicing.len(), 1);
+
+    // Claims a and b both recorded as needing Long on GPU A (b prepared by an earlier run).
+    store_checkpoint(
+        &world,
+        vec![
+            record("claim-a", GPU_A, 0, Some(ts_config("Long"))),
+            record("claim-b", GPU_A, 0, Some(ts_config("Long"))),
+        ],
+    );
+    m.release_claim("claim-a", a.state.as_ref()).unwrap();
+    assert_eq!(world.smi_lines().len(), 1, "b still needs Long: no restore");
+    assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("3"));
+
+    // a is gone from the checkpoint; releasing b (even without state, as after an
+    // interrupted prepare) restores the default, found from b's recorded config.
+    store_checkpoint(
+        &world,
+        vec![record("claim-b", GPU_A, 0, Some(ts_config("Long")))],
+    );
+    m.release_claim("claim-b", None).unwrap();
+    assert_eq!(
+        world.smi_lines().last().unwrap(),
+        &format!("compute-policy -i {GPU_A} --set-timeslice=0")
+    );
+    assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("0"));
+
+    // Default interval: set, and nothing to restore.
+    let d = m
+        .apply_claim("claim-d", &[whole(1, GPU_B, timeslice("Default"))])
+        .unwrap();
+    let n = world.smi_lines().len();
+    m.release_claim("claim-d", d.state.as_ref()).unwrap();
+    assert_eq!(world.smi_lines().len(), n);
+
+    // nvidia-smi failing: a clear error naming the GPU, nothing recorded as set.
+    let failing = world.manager(&[("FAKE_NVIDIA_SMI_FAIL", "1")]);
+    let err = failing
+        .apply_claim("claim-e", &[whole(1, GPU_B, timeslice("Short"))])
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(GPU_B) && err.to_string().contains("--set-timeslice=1"),
+        "{err}"
+    );
+}
+
+fn time_slicing_on_mig_and_conflicts() {
+    let world = World::new();
+    let m = world.manager(&[]);
+    // MIG device with Default: nothing to do (it runs in the parent's slice).
+    let edits = m
+        .apply_claim("claim-m", &[mig_device(timeslice("Default"))])
+        .unwrap();
+    assert!(world.smi_lines().is_empty());
+    m.release_claim("claim-m", edits.state.as_ref()).unwrap();
+    assert!(world.smi_lines().is_empty());
+    // MIG device with another interval: a clear error.
+    let err = m
+        .apply_claim("claim-m", &[mig_device(timeslice("Long"))])
+        .unwrap_err();
+    assert!(
+        matches!(err, SharingFailure::TimeSlicingOnMig { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains(MIG_1), "{err}");
+
+    // Another recorded claim needs a different slice on the GPU.
+    store_checkpoint(
+        &world,
+        vec![record("claim-b", GPU_A, 0, Some(ts_config("Long")))],
+    );
+    let err = m
+        .apply_claim("claim-c", &[whole(0, GPU_A, timeslice("Short"))])
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("claim-b") && msg.contains("Long") && msg.contains("Short"),
+        "{msg}"
+    );
+    // The same slice is fine.
+    m.apply_claim("claim-c", &[whole(0, GPU_A, timeslice("Long"))])
+        .unwrap();
+
+    // Mixing strategies in one claim is refused.
+    let err = m
+        .apply_claim(
+            "claim-x",
+            &[
+                whole(0, GPU_A, timeslice("Long")),
+                whole(1, GPU_B, mps(50, None, json!({}))),
+            ],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, SharingFailure::MixedStrategies { .. }),
+        "{err}"
+    );
+    world.assert_nothing_left();
+}

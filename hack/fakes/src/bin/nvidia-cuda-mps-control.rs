@@ -1,0 +1,6 @@
+//! Fake `nvidia-cuda-mps-control`; see `cleave_fakes::mps_control`.
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    std::process::exit(cleave_fakes::mps_control::run(&args));
+}
