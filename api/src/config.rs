@@ -441,11 +441,14 @@ fn check_string_field<'a>(
     name: &str,
     accepted: &[&str],
 ) -> Result<&'a str, ConfigError> {
-    let expected = accepted
-        .iter()
-        .map(|a| format!("{a:?}"))
-        .collect::<Vec<_>>()
-        .join(" or ");
+    // Built only on the error path: decoding is on the prepare path.
+    let expected = || {
+        accepted
+            .iter()
+            .map(|a| format!("{a:?}"))
+            .collect::<Vec<_>>()
+            .join(" or ")
+    };
     let decode = |path: &str, message: String| ConfigError::Decode {
         path: path.to_owned(),
         message,
@@ -455,11 +458,11 @@ fn check_string_field<'a>(
         Some(Value::String(s)) if accepted.contains(&s.as_str()) => Ok(s),
         Some(Value::String(s)) => Err(decode(
             name,
-            format!("unsupported value {s:?}, expected {expected}"),
+            format!("unsupported value {s:?}, expected {}", expected()),
         )),
         Some(other) => Err(decode(
             name,
-            format!("invalid type: {}, expected {expected}", describe(other)),
+            format!("invalid type: {}, expected {}", describe(other), expected()),
         )),
     }
 }
