@@ -11,18 +11,23 @@ use std::collections::BTreeSet;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_api::config::{DeviceKind, Sharing};
+use cleave_api::names::DRIVER_NAME;
+use cleave_driver::backend::{BackendError, GpuBackend};
 use cleave_driver::checkpoint::{
     CheckpointData, CheckpointStore, ClaimRecord, ClaimState, DeviceKind as RecordKind,
     DeviceRecord,
 };
-use cleave_driver::model::{GpuInfo, MigProfile, MigState, NodeInventory, Placement};
-use cleave_driver::prepare::SharingDevice;
+use cleave_driver::driver_root::DriverRootConfig;
+use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
+use cleave_driver::prepare::{DriverConfig, NodeDriver, SharingDevice};
 use cleave_driver::sharing::{
     SharingBinaries, SharingConfig, SharingFailure, SharingManager, SharingState,
 };
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 
 const GPU_A: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000001";
@@ -86,6 +91,10 @@ fn main() {
         (
             "time_slicing_on_mig_and_conflicts",
             time_slicing_on_mig_and_conflicts,
+        ),
+        (
+            "node_driver_prepares_and_unprepares_mps_claims",
+            node_driver_prepares_and_unprepares_mps_claims,
         ),
     ];
     let mut failed = Vec::new();
@@ -985,4 +994,171 @@ fn time_slicing_on_mig_and_conflicts() {
         "{err}"
     );
     world.assert_nothing_left();
+}
+
+// ---------------------------------------------------------------------------------------
+// Through the prepare state machine
+
+/// Inventory only: the claims here need no MIG changes.
+struct StaticBackend;
+
+impl GpuBackend for StaticBackend {
+    fn inventory(&self) -> Result<NodeInventory, BackendError> {
+        Ok(inventory())
+    }
+    fn create_mig(&self, gpu: &str, _: u32, _: Placement) -> Result<MigInstance, BackendError> {
+        Err(BackendError::Other(format!(
+            "no MIG changes in this test ({gpu})"
+        )))
+    }
+    fn destroy_mig(&self, gpu: &str, _: u32, _: u32) -> Result<(), BackendError> {
+        Err(BackendError::Other(format!(
+            "no MIG changes in this test ({gpu})"
+        )))
+    }
+    fn list_mig(&self, _: &str) -> Result<Vec<MigInstance>, BackendError> {
+        Ok(Vec::new())
+    }
+}
+
+fn driver_config(world: &World) -> DriverConfig {
+    let driver_root = world.root.join("driver-root");
+    std::fs::create_dir_all(&driver_root).unwrap();
+    DriverConfig {
+        driver_name: DRIVER_NAME.into(),
+        pool_name: "node-a".into(),
+        state_dir: world.state.clone(),
+        cdi_root: world.root.join("cdi"),
+        driver_root: DriverRootConfig {
+            root: driver_root.clone(),
+            host_root: None,
+            dev_root: Some(driver_root),
+            proc_root: world.root.join("proc"),
+        },
+        dynamic_mig: false,
+        boot_id_path: world.root.join("boot_id"),
+    }
+}
+
+fn mps_claim(uid: &str, device: &str, pct: u8, limit: &str) -> ResourceClaim {
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": format!("claim-{uid}"), "namespace": "default", "uid": uid},
+        "spec": {"devices": {}},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": "gpu", "driver": DRIVER_NAME, "pool": "node-a", "device": device}],
+            "config": [{"source": "FromClaim", "requests": ["gpu"], "opaque": {
+                "driver": DRIVER_NAME,
+                "parameters": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                    "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": pct,
+                        "pinnedMemoryLimit": {"default": limit}}}}}}]
+        }}}
+    }))
+    .unwrap()
+}
+
+fn start_driver(world: &World, knobs: &[(&str, &str)]) -> (NodeDriver, Arc<SharingManager>) {
+    let manager =
+        Arc::new(SharingManager::new(world.config(knobs)).with_backend(Arc::new(StaticBackend)));
+    let driver = NodeDriver::start_with_sharing(
+        driver_config(world),
+        Arc::new(StaticBackend),
+        manager.clone(),
+    )
+    .unwrap();
+    (driver, manager)
+}
+
+fn node_driver_prepares_and_unprepares_mps_claims() {
+    let world = World::new();
+    let uid = "0f1e2d3c-0000-4000-8000-000000000001";
+    let (driver, _manager) = start_driver(&world, &[]);
+    let prepared = driver
+        .prepare(&mps_claim(uid, "gpu-0", 25, "10Gi"))
+        .unwrap();
+    assert_eq!(prepared.devices.len(), 1);
+
+    // The claim's CDI spec carries the pipe mount and the client env.
+    let spec_path = world
+        .root
+        .join("cdi")
+        .join(cleave_driver::cdi::spec_file_name(uid));
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_path).unwrap()).unwrap();
+    let text = spec.to_string();
+    let pipe = world.claim_dir(uid).join("pipe");
+    assert!(
+        text.contains(&format!("\"hostPath\":\"{}\"", pipe.display())),
+        "{text}"
+    );
+    assert!(
+        text.contains("\"containerPath\":\"/tmp/nvidia-mps\""),
+        "{text}"
+    );
+    assert!(
+        text.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"),
+        "{text}"
+    );
+    assert!(
+        text.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G"),
+        "{text}"
+    );
+
+    // The checkpoint records the daemon.
+    let data = CheckpointStore::in_dir(&world.state).load().unwrap();
+    let state: SharingState =
+        serde_json::from_value(data.claims[uid].sharing.clone().unwrap()).unwrap();
+    let pid = state.mps.unwrap().daemon.unwrap().pid;
+    assert!(alive(pid));
+
+    // Plugin restart: the daemon is kept, found again and left running.
+    drop(driver);
+    let (driver, manager) = start_driver(&world, &[]);
+    let live: BTreeSet<String> = driver
+        .prepared_claims()
+        .into_iter()
+        .map(|c| c.uid)
+        .collect();
+    let report = manager.reconcile(&live);
+    assert_eq!(report.kept, [uid], "{report:?}");
+    assert!(alive(pid));
+
+    driver.unprepare(uid).unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    assert!(!spec_path.exists());
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+    world.assert_nothing_left();
+
+    // A daemon that cannot start: prepare fails, nothing is left or recorded.
+    let (driver, _manager) = start_driver(&world, &[("FAKE_MPS_FAIL_START", "1")]);
+    let uid2 = "0f1e2d3c-0000-4000-8000-000000000002";
+    let err = driver
+        .prepare(&mps_claim(uid2, "gpu-1", 50, "1Gi"))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("starting MPS control daemon"),
+        "{err}"
+    );
+    assert!(driver.prepared_claims().is_empty());
+    assert!(
+        !world
+            .root
+            .join("cdi")
+            .join(cleave_driver::cdi::spec_file_name(uid2))
+            .exists()
+    );
+    world.assert_nothing_left();
+
+    // A limit larger than the GPU: a clear error before anything starts.
+    let err = driver
+        .prepare(&mps_claim(uid2, "gpu-1", 50, "100Gi"))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("larger than the device's memory"),
+        "{err}"
+    );
 }
