@@ -1112,9 +1112,19 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
     let pid = state.mps.unwrap().daemon.unwrap().pid;
     assert!(alive(pid));
 
-    // Plugin restart: the daemon is kept, found again and left running.
+    // A claim the checkpoint no longer holds (its record was lost), with a daemon running.
+    let orphan = world.manager(&[]);
+    let orphan_edits = orphan
+        .apply_claim("orphan-claim", &[whole(1, GPU_B, mps(50, None, json!({})))])
+        .unwrap();
+    let orphan_pid = daemon_pid(&orphan_edits);
+
+    // Plugin restart: start reconciles by itself; the live claim's daemon is kept, the
+    // orphan's stopped.
     drop(driver);
     let (driver, manager) = start_driver(&world, &[]);
+    assert!(wait_dead(orphan_pid, Duration::from_secs(5)));
+    assert!(!world.claim_dir("orphan-claim").exists());
     let live: BTreeSet<String> = driver
         .prepared_claims()
         .into_iter()

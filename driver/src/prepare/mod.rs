@@ -347,6 +347,8 @@ impl NodeDriver {
         }
         driver.checkpoint.store(&data)?;
         driver.sweep_cdi_root(&data);
+        let live: BTreeSet<String> = data.claims.keys().cloned().collect();
+        driver.sharing.reconcile(&live);
 
         let inventory = driver
             .backend

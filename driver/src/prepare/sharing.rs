@@ -8,7 +8,7 @@
 //! strategy and sets nothing up: devices are then used exclusively by the claim's containers
 //! (which still share the device through the GPU's default scheduler).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use cleave_api::config::{DeviceKind, Sharing};
 
@@ -92,6 +92,12 @@ pub trait SharingHandler: Send + Sync {
         claim_uid: &str,
         state: Option<&serde_json::Value>,
     ) -> Result<(), SharingError>;
+
+    /// Called once at start, after interrupted prepares were rolled back, with the UIDs of
+    /// the claims the checkpoint still holds: re-find what outlived the previous plugin
+    /// process (MPS daemons), start again what died for live claims, stop what belongs to
+    /// claims that are gone. Failures are logged, never fatal. Default: nothing to do.
+    fn reconcile(&self, _live_claims: &BTreeSet<String>) {}
 }
 
 /// Accepts every sharing config and sets nothing up (until the strategies are implemented).

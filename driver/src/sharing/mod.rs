@@ -1104,4 +1104,18 @@ impl SharingHandler for SharingManager {
                 message: e.to_string(),
             })
     }
+
+    fn reconcile(&self, live_claims: &BTreeSet<String>) {
+        let report = SharingManager::reconcile(self, live_claims);
+        tracing::info!(
+            kept = report.kept.len(),
+            restarted = report.restarted.len(),
+            stopped = report.stopped.len(),
+            failed = report.failed.len(),
+            "reconciled MPS daemons"
+        );
+        for (claim, error) in &report.failed {
+            tracing::error!(claim = %claim, error = %error, "reconciling the MPS daemon failed");
+        }
+    }
 }
