@@ -138,3 +138,34 @@ async fn shutdown_and_drop_stop_serving() {
     }
     assert!(closed, "listener closed after drop");
 }
+
+#[tokio::test]
+async fn dropping_the_server_ends_open_watches() {
+    use futures::StreamExt;
+    use kube::api::WatchParams;
+    let s = StandIn::start(StandInOptions::default()).await.unwrap();
+    let api: Api<ResourceSlice> = Api::all(s.client_without_retry().unwrap());
+    let mut stream = api
+        .watch(&WatchParams::default(), "0")
+        .await
+        .unwrap()
+        .boxed();
+    s.put(&slice("a", "n1", 1)).unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_secs(5), stream.next())
+            .await
+            .unwrap()
+            .is_some()
+    );
+    drop(s);
+    // The stream ends (or errors) instead of hanging.
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), stream.next())
+            .await
+            .expect("watch ended after drop")
+        {
+            None | Some(Err(_)) => break,
+            Some(Ok(_)) => {}
+        }
+    }
+}
