@@ -1119,3 +1119,43 @@ impl SharingHandler for SharingManager {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tools_are_found_under_the_driver_root_or_given() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("bin")).unwrap();
+        std::fs::write(root.path().join("bin/nvidia-smi"), "").unwrap();
+        let found = SharingBinaries::under_driver_root(root.path());
+        assert_eq!(found.nvidia_smi, root.path().join("bin/nvidia-smi"));
+        // Missing: the usual place, so that an error names where it was expected.
+        assert_eq!(
+            found.mps_control,
+            root.path().join("usr/bin/nvidia-cuda-mps-control")
+        );
+        let given = found.with_overrides(Some("/opt/mps".into()), None);
+        assert_eq!(given.mps_control, PathBuf::from("/opt/mps"));
+        assert_eq!(given.nvidia_smi, root.path().join("bin/nvidia-smi"));
+    }
+
+    #[test]
+    fn mount_source_is_the_host_view_of_the_state_dir() {
+        let mut config = SharingConfig::new(
+            "/var/lib/kubelet/plugins/gpu.cleave.dev",
+            SharingBinaries::under_driver_root(Path::new("/")),
+        );
+        config.host_state_dir = Some("/host/plugins/gpu.cleave.dev".into());
+        let m = SharingManager::new(config);
+        assert_eq!(
+            m.host_pipe_dir("uid-1"),
+            PathBuf::from("/host/plugins/gpu.cleave.dev/mps/uid-1/pipe")
+        );
+        assert_eq!(
+            m.spec("uid-1", vec![]).pipe_dir,
+            PathBuf::from("/var/lib/kubelet/plugins/gpu.cleave.dev/mps/uid-1/pipe")
+        );
+    }
+}
