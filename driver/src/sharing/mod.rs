@@ -18,6 +18,10 @@
 //! process launcher: MPS clients and server exchange memory through `/dev/shm`, so the
 //! claim's containers must share the daemon's `/dev/shm`; the pod launcher (later step)
 //! gives each daemon a per-claim `/dev/shm` and mounts the same into the claim's containers.
+//! Likewise, the control daemon starts each MPS server with the UID of its client; on the
+//! host that server must reach the pipe and log directories through the 0700 claim
+//! directory, so with the process launcher only root clients are served (in the pod
+//! launcher the daemon sees the directories at paths of its own mount namespace).
 
 pub mod mps;
 mod process;
