@@ -216,6 +216,7 @@ impl StandIn {
             latency_ms: AtomicU64::new(0),
             unavailable: AtomicBool::new(false),
             shutdown: shutdown_rx.clone(),
+            watch_epoch: watch::channel(0).0,
         });
         let url = format!("http://{addr}");
         let client =
@@ -516,6 +517,20 @@ impl StandIn {
                 Ok(_) => {}
             }
         }
+    }
+
+    /// Ends every open watch stream (as an API server restart or a watch timeout would);
+    /// clients resume from their last resourceVersion without relisting.
+    pub fn close_watches(&self) {
+        self.shared.watch_epoch.send_modify(|e| *e += 1);
+    }
+
+    /// Compacts the change history past the current resourceVersion and ends every open
+    /// watch: each watcher's resume gets `410 Gone` and it must relist (as after etcd
+    /// compaction while it was disconnected).
+    pub fn expire_watches(&self) {
+        self.shared.store.expire();
+        self.close_watches();
     }
 
     /// The current (latest) resourceVersion.

@@ -52,6 +52,8 @@ pub(crate) struct Shared {
     pub latency_ms: AtomicU64,
     pub unavailable: AtomicBool,
     pub shutdown: watch::Receiver<bool>,
+    /// Bumped to end every open watch stream.
+    pub watch_epoch: watch::Sender<u64>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -733,6 +735,7 @@ fn start_watch(shared: &Arc<Shared>, route: &Route, params: &Params) -> Result<R
         interval: shared.bookmark_interval,
         deadline: Instant::now() + timeout,
         shutdown: shared.shutdown.clone(),
+        epoch: shared.watch_epoch.subscribe(),
         counter: counter.clone(),
         meta_only: params.meta_only,
     };
@@ -755,6 +758,7 @@ struct WatchTask {
     interval: Duration,
     deadline: Instant,
     shutdown: watch::Receiver<bool>,
+    epoch: watch::Receiver<u64>,
     counter: Arc<AtomicUsize>,
     meta_only: bool,
 }
@@ -794,6 +798,7 @@ impl WatchTask {
         loop {
             let line = tokio::select! {
                 _ = self.shutdown.changed() => return,
+                _ = self.epoch.changed() => return,
                 _ = self.tx.closed() => return,
                 _ = tokio::time::sleep_until(self.deadline) => return,
                 r = rx.recv() => match r {

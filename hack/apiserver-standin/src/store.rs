@@ -318,6 +318,15 @@ impl Store {
         self.tx.subscribe()
     }
 
+    /// Advances the resourceVersion without a change and forgets the history, so a watch
+    /// from any earlier resourceVersion gets 410 Gone.
+    pub fn expire(&self) {
+        let mut inner = self.lock();
+        inner.rv += 1;
+        inner.history.clear();
+        inner.compacted = inner.rv;
+    }
+
     /// Current resourceVersion.
     pub fn current_rv(&self) -> u64 {
         self.lock().rv

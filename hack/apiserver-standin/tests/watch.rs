@@ -248,3 +248,45 @@ async fn wait_for_wakes_on_changes_and_times_out() {
     assert_eq!(missed.unwrap_err().len(), 2);
     assert!(t.elapsed() >= Duration::from_millis(100));
 }
+
+#[tokio::test]
+async fn close_watches_resumes_and_expire_watches_forces_relist() {
+    let s = start().await;
+    let api: Api<ResourceSlice> = Api::all(s.client());
+    s.put(&slice("a", "n1", 1)).unwrap();
+    let mut w = watcher(api.clone(), watcher::Config::default()).boxed();
+    let mut inits = 0;
+    // An object put during a relist arrives as InitApply.
+    let wait_for_apply = async |w: &mut _, want: &str, inits: &mut usize| loop {
+        match next_event(w).await {
+            watcher::Event::Apply(o) | watcher::Event::InitApply(o) if name(&o) == want => return,
+            watcher::Event::Init => *inits += 1,
+            _ => {}
+        }
+    };
+    // Initial list.
+    while !matches!(next_event(&mut w).await, watcher::Event::InitDone) {}
+    // Closed streams are resumed without a relist.
+    s.close_watches();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    s.put(&slice("b", "n1", 1)).unwrap();
+    wait_for_apply(&mut w, "b", &mut inits).await;
+    assert_eq!(inits, 0, "resume must not relist");
+    // Expired history forces a relist (Init again), and the new object still arrives.
+    s.expire_watches();
+    let mut saw_init = false;
+    while !saw_init {
+        match timeout(WAIT, w.next())
+            .await
+            .expect("event in time")
+            .unwrap()
+        {
+            Ok(watcher::Event::Init) => saw_init = true,
+            Ok(_) => {}
+            Err(watcher::Error::WatchError(e)) => assert_eq!(e.code, 410),
+            Err(e) => panic!("unexpected watcher error {e:?}"),
+        }
+    }
+    s.put(&slice("c", "n1", 1)).unwrap();
+    wait_for_apply(&mut w, "c", &mut inits).await;
+}
