@@ -45,7 +45,21 @@ fn main() {
     if let Some(code) = cleave_fakes::dispatch(&args) {
         std::process::exit(code);
     }
-    let filter = args.iter().skip(1).find(|a| !a.starts_with('-')).cloned();
+    // libtest-style arguments: a name filter; flags (and the values of those that take
+    // one) are ignored, `--list` lists the tests.
+    let mut filter = None;
+    let mut list = false;
+    let mut rest = args.iter().skip(1);
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--list" => list = true,
+            "--test-threads" | "--skip" | "--format" | "--color" | "--logfile" | "-Z" => {
+                rest.next();
+            }
+            a if a.starts_with('-') => {}
+            a => filter = Some(a.to_owned()),
+        }
+    }
     let tests: &[(&str, fn())] = &[
         (
             "two_claims_get_own_daemons_limits_and_edits",
@@ -97,6 +111,12 @@ fn main() {
             node_driver_prepares_and_unprepares_mps_claims,
         ),
     ];
+    if list {
+        for (name, _) in tests {
+            println!("{name}: test");
+        }
+        return;
+    }
     let mut failed = Vec::new();
     let mut ran = 0;
     for (name, test) in tests {
