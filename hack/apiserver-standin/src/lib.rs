@@ -6,6 +6,20 @@
 //! (bookmarks, streaming lists, 410 on expired versions) and ResourceSlice validation
 //! semantics, plus test controls: request records, fault injection and direct store access.
 //!
+//! Test controls on [`StandIn`]: [`StandIn::requests`]/[`StandIn::count`] (request records),
+//! [`StandIn::fail_next`], [`StandIn::set_unavailable`], [`StandIn::set_latency`] (faults),
+//! [`StandIn::put`]/[`StandIn::get`]/[`StandIn::list`]/[`StandIn::delete`] (foreign writes that
+//! watchers see), [`StandIn::wait_for`], [`StandIn::close_watches`]/[`StandIn::expire_watches`],
+//! [`StandIn::write_kubeconfig`] (for child processes) and [`StandIn::start_detached`].
+//!
+//! Known differences from a real API server: no authentication, RBAC, admission or
+//! namespace checks; deletes are immediate (finalizers and grace periods are ignored); lists
+//! ignore `resourceVersion`/`resourceVersionMatch` and return the current state; server-side
+//! apply is approximated by a merge patch (creating a missing object); JSON patch answers 415;
+//! core and `events.k8s.io` Events are stored separately; field selectors accept any dotted
+//! path; 1.35+ cross-slice counter references are not checked per request (see
+//! [`validate_pools`]); quantities and taint keys are only checked for presence.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use cleave_apiserver_standin::{StandIn, StandInOptions};
