@@ -15,10 +15,12 @@
 //! bumped and every slice is rewritten with the new one. A pool with no slices left
 //! (first publish, kubelet wipe) always gets a new generation.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::resource::v1::{ResourcePool, ResourceSlice, ResourceSliceSpec};
-use serde_json::Value;
+use k8s_openapi::api::resource::v1::{
+    Counter, Device, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::plan::SliceSpec;
 
@@ -115,44 +117,82 @@ pub(crate) fn canonical_quantity(s: &str) -> Option<String> {
     Some(format!("q{sign}{mantissa}e{p10}"))
 }
 
-/// Keys whose string values are quantities in resource.k8s.io/v1 specs.
-const QUANTITY_KEYS: &[&str] = &["value", "default", "min", "max", "step", "validValues"];
-
-fn normalize(v: Value, quantity: bool) -> Option<Value> {
-    match v {
-        Value::Null => None,
-        Value::String(s) if quantity => Some(Value::String(canonical_quantity(&s).unwrap_or(s))),
-        Value::Array(a) => {
-            let a: Vec<Value> = a
-                .into_iter()
-                .map(|x| normalize(x, quantity).unwrap_or(Value::Null))
-                .collect();
-            (!a.is_empty()).then_some(Value::Array(a))
-        }
-        Value::Object(m) => {
-            let m: serde_json::Map<String, Value> = m
-                .into_iter()
-                // Server-set (taints get timeAdded when the driver leaves it empty).
-                .filter(|(k, _)| k != "timeAdded")
-                .filter_map(|(k, v)| {
-                    let q = QUANTITY_KEYS.contains(&k.as_str());
-                    normalize(v, q).map(|v| (k, v))
-                })
-                .collect();
-            (!m.is_empty()).then_some(Value::Object(m))
-        }
-        other => Some(other),
+fn quantity(q: &mut Quantity) {
+    if let Some(c) = canonical_quantity(&q.0) {
+        q.0 = c;
     }
 }
 
-/// Semantic form of a spec without its pool (the pool is compared on its own).
-/// Attribute and capacity maps are keyed by name, so order there never matters; device
-/// and counter-set order does.
-pub(crate) fn content_key(spec: &ResourceSliceSpec) -> Value {
+/// `Some(empty)` -> `None`: the server drops empty lists and maps.
+fn drop_empty<T: IsEmpty>(o: &mut Option<T>) {
+    if o.as_ref().is_some_and(IsEmpty::is_empty) {
+        *o = None;
+    }
+}
+
+trait IsEmpty {
+    fn is_empty(&self) -> bool;
+}
+impl<T> IsEmpty for Vec<T> {
+    fn is_empty(&self) -> bool {
+        Vec::is_empty(self)
+    }
+}
+impl<K, V> IsEmpty for BTreeMap<K, V> {
+    fn is_empty(&self) -> bool {
+        BTreeMap::is_empty(self)
+    }
+}
+
+fn normalize_counters(counters: &mut BTreeMap<String, Counter>) {
+    counters.values_mut().for_each(|c| quantity(&mut c.value));
+}
+
+fn normalize_device(d: &mut Device) {
+    drop_empty(&mut d.attributes);
+    drop_empty(&mut d.capacity);
+    for c in d.capacity.iter_mut().flat_map(BTreeMap::values_mut) {
+        quantity(&mut c.value);
+        if let Some(p) = &mut c.request_policy {
+            p.default.iter_mut().for_each(quantity);
+            p.valid_values.iter_mut().flatten().for_each(quantity);
+            drop_empty(&mut p.valid_values);
+            if let Some(r) = &mut p.valid_range {
+                quantity(&mut r.min);
+                r.max.iter_mut().for_each(quantity);
+                r.step.iter_mut().for_each(quantity);
+            }
+        }
+    }
+    drop_empty(&mut d.consumes_counters);
+    d.consumes_counters
+        .iter_mut()
+        .flatten()
+        .for_each(|c| normalize_counters(&mut c.counters));
+    // The server stamps timeAdded on taints that lack it.
+    d.taints
+        .iter_mut()
+        .flatten()
+        .for_each(|t| t.time_added = None);
+    drop_empty(&mut d.taints);
+    drop_empty(&mut d.binding_conditions);
+    drop_empty(&mut d.binding_failure_conditions);
+}
+
+/// Semantic form of a spec without its pool (the pool is compared on its own): quantities
+/// canonical, empty lists and maps absent, taint times ignored. Attribute and capacity
+/// maps are keyed by name, so order there never matters; device and counter-set order does.
+pub(crate) fn content_key(spec: &ResourceSliceSpec) -> ResourceSliceSpec {
     let mut spec = spec.clone();
     spec.pool = ResourcePool::default();
-    let v = serde_json::to_value(&spec).unwrap_or(Value::Null);
-    normalize(v, false).unwrap_or(Value::Null)
+    drop_empty(&mut spec.devices);
+    spec.devices.iter_mut().flatten().for_each(normalize_device);
+    drop_empty(&mut spec.shared_counters);
+    spec.shared_counters
+        .iter_mut()
+        .flatten()
+        .for_each(|c| normalize_counters(&mut c.counters));
+    spec
 }
 
 fn names(spec: &ResourceSliceSpec) -> BTreeSet<String> {
@@ -171,8 +211,8 @@ fn names(spec: &ResourceSliceSpec) -> BTreeSet<String> {
 
 /// Computes the writes that turn `existing` (this driver's slices on this node) into
 /// `desired` for pool `target.node`.
-pub fn diff(
-    existing: &[ResourceSlice],
+pub fn diff<'a>(
+    existing: impl IntoIterator<Item = &'a ResourceSlice>,
     desired: &[SliceSpec],
     target: &PoolTarget<'_>,
 ) -> SyncPlan {
@@ -202,8 +242,8 @@ pub fn diff(
         .iter()
         .map(|d| d.to_spec(target.driver, target.node, ResourcePool::default()))
         .collect();
-    let desired_keys: Vec<Value> = desired_specs.iter().map(content_key).collect();
-    let existing_keys: Vec<Value> = ours.iter().map(|s| content_key(&s.spec)).collect();
+    let desired_keys: Vec<ResourceSliceSpec> = desired_specs.iter().map(content_key).collect();
+    let existing_keys: Vec<ResourceSliceSpec> = ours.iter().map(|s| content_key(&s.spec)).collect();
     let desired_names: Vec<BTreeSet<String>> = desired_specs.iter().map(names).collect();
     let existing_names: Vec<BTreeSet<String>> = ours.iter().map(|s| names(&s.spec)).collect();
 

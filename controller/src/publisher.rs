@@ -645,13 +645,12 @@ impl Worker {
         let mut replans = 0;
         let mut applied_once = false;
         loop {
-            let existing: Vec<ResourceSlice> = self.cache.values().cloned().collect();
             let target = PoolTarget {
                 driver: &self.config.driver_name,
                 node: &self.config.node_name,
                 min_generation: self.last_generation,
             };
-            let plan = diff(&existing, &desired, &target);
+            let plan = diff(self.cache.values(), &desired, &target);
             if plan.is_empty() {
                 self.last_generation = plan.generation;
                 return Ok((plan.generation, desired.len()));
