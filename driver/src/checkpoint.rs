@@ -93,8 +93,9 @@ pub enum CheckpointError {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckpointData {
-    /// Boot ID of the kernel when this was written; a different boot means all MIG instances
-    /// and CDI files of the records are gone.
+    /// Boot ID of the kernel when this was written; a different boot means all MIG instances,
+    /// MPS daemons, time slices and CDI files of the records are gone (start then marks the
+    /// prepared claims [`ClaimState::NeedsRecreate`] and recreates them).
     #[serde(default)]
     pub boot_id: String,
     /// Claims by UID.
@@ -110,6 +111,13 @@ pub enum ClaimState {
     PrepareStarted,
     /// Prepared and answered; stays until unprepare.
     Prepared,
+    /// Prepared and answered once, but its hardware state (MIG instances, MPS daemon, time
+    /// slices, CDI spec) is gone: the node rebooted, or an instance vanished. Start and every
+    /// prepare of the claim recreate it at the recorded placements; until that succeeds,
+    /// prepare fails. The MIG records of such a claim carry a UUID only for instances
+    /// created (or found, for static ones) in the current boot. Written by releases that
+    /// recreate after a reboot; older releases do not read a file holding this state.
+    NeedsRecreate,
 }
 
 /// One claim prepared (or being prepared) on this node.

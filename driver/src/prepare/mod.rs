@@ -20,6 +20,49 @@
 //! and changes nothing. Unprepare destroys the MIG instances the claim created (checked by
 //! UUID first, so a reused GPU-instance ID is never destroyed by mistake), deletes the CDI
 //! spec and drops the record; an unknown claim succeeds.
+//!
+//! # Reboots and vanished instances
+//!
+//! The checkpoint records the kernel boot ID (`DriverConfig::boot_id_path`) of the boot its
+//! hardware state belongs to, for the whole file. When [`NodeDriver::start`] finds another
+//! boot ID, nothing the records describe exists any more (MIG instances, MPS daemons, time
+//! slices, and usually the CDI specs, which live on a tmpfs), and nothing is assumed to:
+//! - every MIG record loses its UUID and GPU/compute-instance IDs (those IDs may now belong
+//!   to someone else's instance; nothing is ever destroyed by them);
+//! - `Prepared` claims become [`ClaimState::NeedsRecreate`]; `PrepareStarted` claims are
+//!   rolled back without any MIG destroy (their MIG records are dropped): sharing released,
+//!   CDI spec removed, record dropped;
+//! - the new boot ID is stored before anything is created.
+//!
+//! Start without a new boot checks once, cheaply, that the instances recorded for `Prepared`
+//! claims still exist (one `list_mig` per GPU that has any); a claim whose instance vanished
+//! (someone destroyed it) loses that instance's IDs and becomes `NeedsRecreate` too. A GPU
+//! that cannot be listed is skipped with a warning.
+//!
+//! Recreation (eagerly at start, best effort and logged per claim; and again on every
+//! prepare of a `NeedsRecreate` claim, which the kubelet replays after a reboot):
+//! 1. per MIG device in record order: an instance recorded in this boot that still exists is
+//!    kept; an instance cleave created is created again with exactly the recorded profile and
+//!    placement (`create_mig`) and recorded at once; a static instance (not created by
+//!    cleave) must exist again with the recorded profile and placement, else the claim fails
+//!    with [`PrepareError::StaticMigMissing`] naming the device;
+//! 2. sharing is applied again ([`SharingHandler::apply`] with the device UUIDs of now: MPS
+//!    daemon started again, time slices set again);
+//! 3. the CDI spec is rewritten: the same CDI device names and IDs, new per-device values
+//!    (MIG UUIDs change);
+//! 4. the record becomes `Prepared` with the new UUIDs and IDs.
+//!
+//! A failed recreation keeps the claim `NeedsRecreate` (with what it did create, recorded by
+//! UUID), removes its CDI spec, and keeps the error (see [`NodeDriver::claims_needing_recreate`]);
+//! prepare then fails with that error and never answers for a claim whose hardware is
+//! missing. Start passes only claims that are not `NeedsRecreate` to
+//! [`SharingHandler::reconcile`], so a daemon of a claim still waiting is stopped rather than
+//! restarted with stale device UUIDs. Unprepare of a `NeedsRecreate` claim releases sharing,
+//! destroys only instances recorded in this boot (by UUID) and drops the record. Known limit:
+//! a crash between creating an instance and recording it leaves that instance unrecorded; the
+//! next recreation then fails at that placement (NVML: insufficient resources) until an
+//! administrator removes it, because an instance found at the placement may equally be one a
+//! boot-time MIG configuration made.
 
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]
@@ -150,6 +193,40 @@ pub enum PrepareError {
     /// GPU discovery failed.
     #[error("GPU discovery: {0}")]
     Discovery(#[source] BackendError),
+    /// Recreating a MIG instance of a prepared claim (after a reboot, or after it vanished)
+    /// failed.
+    #[error(
+        "claim {claim}: recreating MIG device {device} (profile {profile}, placement start {} size {}) after a reboot or loss: {source}",
+        placement.start, placement.size
+    )]
+    MigRecreate {
+        /// `namespace/name`.
+        claim: String,
+        /// Device name.
+        device: String,
+        /// Profile name.
+        profile: String,
+        /// The recorded placement.
+        placement: crate::model::Placement,
+        /// The backend error.
+        source: Box<BackendError>,
+    },
+    /// A static MIG device (not created by cleave) of a prepared claim does not exist after a
+    /// reboot or loss.
+    #[error(
+        "claim {claim}: MIG device {device} (profile {profile}, placement start {} size {}) was not created by cleave and does not exist any more (node rebooted or instance destroyed); create it again (nvidia-smi mig -cgi) or unprepare the claim",
+        placement.start, placement.size
+    )]
+    StaticMigMissing {
+        /// `namespace/name`.
+        claim: String,
+        /// Device name.
+        device: String,
+        /// Profile name.
+        profile: String,
+        /// The recorded placement.
+        placement: crate::model::Placement,
+    },
     /// Setting up or releasing sharing failed.
     #[error(transparent)]
     Sharing(#[from] SharingError),
@@ -219,6 +296,17 @@ pub struct ClaimRecordSummary {
 struct State {
     inventory: NodeInventory,
     data: CheckpointData,
+    /// Last recreation error of `NeedsRecreate` claims, by UID (this process only).
+    recreate_errors: BTreeMap<String, String>,
+}
+
+/// A claim whose hardware state is waiting to be recreated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingRecreate {
+    /// The claim.
+    pub claim: ClaimRecordSummary,
+    /// The last recreation error seen by this process, if any attempt failed.
+    pub error: Option<String>,
 }
 
 /// The node side of the driver: prepare/unprepare with durable state.
@@ -266,8 +354,9 @@ impl NodeDriver {
     }
 
     /// Starts the node side: finds the driver files, loads the checkpoint, rolls back
-    /// half-done prepares (and drops everything recorded in an earlier boot), removes CDI
-    /// files of unrecorded claims, and discovers the inventory.
+    /// half-done prepares, recreates the hardware state of prepared claims after a reboot or
+    /// a vanished instance (see the module docs), removes CDI files of unrecorded claims,
+    /// reconciles sharing, and discovers the inventory.
     pub fn start_with_sharing(
         config: DriverConfig,
         backend: Arc<dyn GpuBackend>,
@@ -305,25 +394,42 @@ impl NodeDriver {
                     gpus: Vec::new(),
                 },
                 data: CheckpointData::default(),
+                recreate_errors: BTreeMap::new(),
             }),
         };
 
-        if !data.boot_id.is_empty() && data.boot_id != boot_id {
-            // MIG instances do not survive a reboot and /var/run/cdi is a tmpfs: what the
-            // records describe is gone. Instances present now were made by someone else
-            // (e.g. a boot-time MIG config) and must not be touched.
+        let rebooted = !data.boot_id.is_empty() && data.boot_id != boot_id;
+        if rebooted {
+            // MIG instances, MPS daemons and time slices do not survive a reboot, and the CDI
+            // root is usually a tmpfs. Instances present now were made by someone else (e.g.
+            // a boot-time MIG config), possibly with the recorded IDs: forget every ID.
             tracing::info!(
                 claims = data.claims.len(),
-                "boot ID changed since the checkpoint was written; forgetting prepared claims"
+                old = %data.boot_id,
+                new = %boot_id,
+                "boot ID changed since the checkpoint was written; recreating the hardware state of prepared claims"
             );
-            for uid in data.claims.keys() {
-                if let Err(e) = driver.cdi.remove_claim_spec(uid) {
-                    tracing::warn!(claim = %uid, error = %e, "removing CDI spec of a previous boot");
+            for record in data.claims.values_mut() {
+                match record.state {
+                    ClaimState::PrepareStarted => {
+                        // Nothing of it exists; its rollback must destroy nothing.
+                        for d in &mut record.devices {
+                            if d.mig.as_ref().is_some_and(|m| m.created_by_cleave) {
+                                d.mig = None;
+                            }
+                        }
+                    }
+                    ClaimState::Prepared | ClaimState::NeedsRecreate => {
+                        forget_instances_of(record);
+                        record.state = ClaimState::NeedsRecreate;
+                    }
                 }
             }
-            data.claims.clear();
+        } else {
+            driver.mark_vanished(&mut data);
         }
         data.boot_id = boot_id;
+        driver.checkpoint.store(&data)?;
 
         let half_done: Vec<String> = data
             .claims
@@ -346,8 +452,33 @@ impl NodeDriver {
             }
         }
         driver.checkpoint.store(&data)?;
+
+        let pending: Vec<String> = data
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::NeedsRecreate)
+            .map(|r| r.uid.clone())
+            .collect();
+        let mut recreate_errors = BTreeMap::new();
+        for uid in pending {
+            match driver.recreate(&uid, &mut data) {
+                Ok(()) => {
+                    tracing::info!(claim = %uid, "recreated the hardware state of a prepared claim")
+                }
+                Err(e) => {
+                    tracing::error!(claim = %uid, error = %e, "recreating a prepared claim failed; retried at its next prepare");
+                    recreate_errors.insert(uid, e.to_string());
+                }
+            }
+        }
+
         driver.sweep_cdi_root(&data);
-        let live: BTreeSet<String> = data.claims.keys().cloned().collect();
+        let live: BTreeSet<String> = data
+            .claims
+            .values()
+            .filter(|r| r.state != ClaimState::NeedsRecreate)
+            .map(|r| r.uid.clone())
+            .collect();
         driver.sharing.reconcile(&live);
 
         let inventory = driver
@@ -358,6 +489,7 @@ impl NodeDriver {
             let mut state = driver.lock();
             state.inventory = inventory;
             state.data = data;
+            state.recreate_errors = recreate_errors;
         }
         Ok(driver)
     }
@@ -448,6 +580,32 @@ impl NodeDriver {
         if let Some(record) = state.data.claims.get(uid) {
             match record.state {
                 ClaimState::Prepared => return Ok(answer(record)),
+                ClaimState::NeedsRecreate => {
+                    // The kubelet replays prepare after a reboot: answer only once the
+                    // hardware state exists again.
+                    let state = &mut *state;
+                    let result = self.recreate(uid, &mut state.data);
+                    match self.backend.inventory() {
+                        Ok(inventory) => state.inventory = inventory,
+                        Err(e) => tracing::warn!(error = %e, "rediscovering GPUs after recreation"),
+                    }
+                    return match result {
+                        Ok(()) => {
+                            state.recreate_errors.remove(uid);
+                            tracing::info!("recreated the hardware state of a prepared claim");
+                            state.data.claims.get(uid).map(answer).ok_or_else(|| {
+                                PrepareError::InvalidClaim {
+                                    claim: label.clone(),
+                                    reason: "record vanished during recreation".into(),
+                                }
+                            })
+                        }
+                        Err(e) => {
+                            state.recreate_errors.insert(uid.to_owned(), e.to_string());
+                            Err(e)
+                        }
+                    };
+                }
                 ClaimState::PrepareStarted => {
                     // Only left behind when a rollback failed; try it again first.
                     let record = record.clone();
@@ -851,6 +1009,28 @@ impl NodeDriver {
         };
 
         // CDI spec.
+        self.write_cdi(uid, record, &edits)?;
+
+        // Durable record, then the answer.
+        record.state = ClaimState::Prepared;
+        let previous = state.data.claims.insert(uid.to_owned(), record.clone());
+        if let Err(e) = self.checkpoint.store(&state.data) {
+            match previous {
+                Some(p) => state.data.claims.insert(uid.to_owned(), p),
+                None => state.data.claims.remove(uid),
+            };
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Writes the claim's CDI spec from its record and the sharing edits.
+    fn write_cdi(
+        &self,
+        uid: &str,
+        record: &ClaimRecord,
+        edits: &SharingEdits,
+    ) -> Result<(), PrepareError> {
         let devices: Vec<CdiDevice> = record
             .devices
             .iter()
@@ -883,15 +1063,154 @@ impl NodeDriver {
                 claim: uid.to_owned(),
                 source,
             })?;
+        Ok(())
+    }
 
-        // Durable record, then the answer.
-        record.state = ClaimState::Prepared;
-        let previous = state.data.claims.insert(uid.to_owned(), record.clone());
-        if let Err(e) = self.checkpoint.store(&state.data) {
-            match previous {
-                Some(p) => state.data.claims.insert(uid.to_owned(), p),
-                None => state.data.claims.remove(uid),
+    /// Marks `Prepared` claims whose recorded MIG instances no longer exist as
+    /// `NeedsRecreate` and forgets the vanished instances' IDs (one `list_mig` per GPU).
+    fn mark_vanished(&self, data: &mut CheckpointData) {
+        let mut listed: BTreeMap<String, Option<Vec<crate::model::MigInstance>>> = BTreeMap::new();
+        for record in data
+            .claims
+            .values_mut()
+            .filter(|r| r.state == ClaimState::Prepared)
+        {
+            let mut vanished = Vec::new();
+            for d in &mut record.devices {
+                let Some(mig) = d.mig.as_mut() else { continue };
+                let Some(uuid) = mig.uuid.clone() else {
+                    continue;
+                };
+                let list = listed.entry(d.gpu_uuid.clone()).or_insert_with(|| {
+                    match self.backend.list_mig(&d.gpu_uuid) {
+                        Ok(list) => Some(list),
+                        Err(e) => {
+                            tracing::warn!(gpu = %d.gpu_uuid, error = %e, "listing MIG devices to check prepared claims; not checked");
+                            None
+                        }
+                    }
+                });
+                let Some(list) = list else { continue };
+                if !list.iter().any(|i| i.uuid == uuid) {
+                    vanished.push(d.name.clone());
+                    mig.uuid = None;
+                    mig.gi_id = None;
+                    mig.ci_id = None;
+                }
+            }
+            if !vanished.is_empty() {
+                tracing::warn!(claim = %record.uid, devices = ?vanished, "MIG devices of a prepared claim vanished; recreating them");
+                record.state = ClaimState::NeedsRecreate;
+            }
+        }
+    }
+
+    /// Recreates the hardware state of the `NeedsRecreate` claim `uid` (see the module
+    /// docs) and records it `Prepared`. On failure the claim stays `NeedsRecreate` with what
+    /// was created recorded, and its CDI spec is removed.
+    fn recreate(&self, uid: &str, data: &mut CheckpointData) -> Result<(), PrepareError> {
+        let Some(mut record) = data.claims.get(uid).cloned() else {
+            return Ok(());
+        };
+        let result = self.recreate_record(&mut record, data);
+        if let Err(e) = &result {
+            if let Some(r) = data.claims.get_mut(uid) {
+                r.state = ClaimState::NeedsRecreate;
+            }
+            tracing::warn!(claim = %uid, error = %e, "recreation failed");
+            if let Err(cdi_err) = self.cdi.remove_claim_spec(uid) {
+                tracing::warn!(claim = %uid, error = %cdi_err, "removing the CDI spec of a claim waiting for recreation");
+            }
+        }
+        result
+    }
+
+    fn recreate_record(
+        &self,
+        record: &mut ClaimRecord,
+        data: &mut CheckpointData,
+    ) -> Result<(), PrepareError> {
+        let uid = record.uid.clone();
+        let label = format!("{}/{}", record.namespace, record.name);
+        let mut listed: BTreeMap<String, Vec<crate::model::MigInstance>> = BTreeMap::new();
+        for i in 0..record.devices.len() {
+            let d = &record.devices[i];
+            let Some(mig) = d.mig.clone() else { continue };
+            let (gpu, name) = (d.gpu_uuid.clone(), d.name.clone());
+            let recreate_err = |source| PrepareError::MigRecreate {
+                claim: label.clone(),
+                device: name.clone(),
+                profile: mig.profile_name.clone(),
+                placement: mig.placement,
+                source: Box::new(source),
             };
+            if !listed.contains_key(&gpu) {
+                let list = self.backend.list_mig(&gpu).map_err(recreate_err)?;
+                listed.insert(gpu.clone(), list);
+            }
+            let list = listed.entry(gpu.clone()).or_default();
+            // An instance recorded in this boot that still exists is kept.
+            let kept = mig
+                .uuid
+                .as_ref()
+                .and_then(|u| list.iter().find(|i| &i.uuid == u))
+                .cloned();
+            let inst = match kept {
+                Some(inst) => inst,
+                None if mig.created_by_cleave => {
+                    let inst = self
+                        .backend
+                        .create_mig(&gpu, mig.profile_id, mig.placement)
+                        .map_err(recreate_err)?;
+                    tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
+                    list.push(inst.clone());
+                    inst
+                }
+                None => list
+                    .iter()
+                    .find(|i| i.profile_id == mig.profile_id && i.placement == mig.placement)
+                    .cloned()
+                    .ok_or_else(|| PrepareError::StaticMigMissing {
+                        claim: label.clone(),
+                        device: name.clone(),
+                        profile: mig.profile_name.clone(),
+                        placement: mig.placement,
+                    })?,
+            };
+            let changed = mig.uuid.as_deref() != Some(inst.uuid.as_str());
+            if let Some(m) = record.devices[i].mig.as_mut() {
+                m.uuid = Some(inst.uuid.clone());
+                m.gi_id = Some(inst.gi_id);
+                m.ci_id = Some(inst.ci_id);
+            }
+            if changed && mig.created_by_cleave {
+                // Recorded at once, so that unprepare or a retry finds it by UUID.
+                data.claims.insert(uid.clone(), record.clone());
+                self.checkpoint.store(data)?;
+            }
+        }
+
+        let shared = recorded_sharing(record);
+        let edits = if shared.is_empty() {
+            SharingEdits::default()
+        } else {
+            let claim = SharingClaim {
+                uid: &uid,
+                namespace: &record.namespace,
+                name: &record.name,
+            };
+            let edits = self.sharing.apply(&claim, &shared)?;
+            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+            edits
+        };
+        self.write_cdi(&uid, record, &edits)?;
+
+        record.state = ClaimState::Prepared;
+        let previous = data.claims.insert(uid.clone(), record.clone());
+        if let Err(e) = self.checkpoint.store(data) {
+            if let Some(p) = previous {
+                data.claims.insert(uid, p);
+            }
             return Err(e.into());
         }
         Ok(())
@@ -899,14 +1218,21 @@ impl NodeDriver {
 
     /// Undoes everything a record describes, except the checkpoint entry: sharing, MIG
     /// instances cleave created (verified against NVML first), the CDI spec. Idempotent.
+    /// An instance without a recorded UUID is looked for by profile and placement only for
+    /// an interrupted prepare of this boot (`PrepareStarted`); never for a claim waiting for
+    /// recreation, whose unrecorded instances do not exist.
     fn release_record(&self, record: &ClaimRecord) -> Result<(), PrepareError> {
         if record.sharing.is_some() {
             self.sharing.release(&record.uid, record.sharing.as_ref())?;
         }
+        let by_placement = record.state == ClaimState::PrepareStarted;
         for d in record.devices.iter().rev() {
             let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
                 continue;
             };
+            if mig.uuid.is_none() && !by_placement {
+                continue;
+            }
             self.destroy_owned(&record.uid, d, mig)?;
         }
         self.cdi
@@ -1005,6 +1331,26 @@ impl NodeDriver {
         Ok(())
     }
 
+    /// Claims whose hardware state is waiting to be recreated (after a reboot or a vanished
+    /// instance), with the last recreation error of this process.
+    pub fn claims_needing_recreate(&self) -> Vec<PendingRecreate> {
+        let state = self.lock_for_view();
+        state
+            .data
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::NeedsRecreate)
+            .map(|r| PendingRecreate {
+                claim: ClaimRecordSummary {
+                    uid: r.uid.clone(),
+                    namespace: r.namespace.clone(),
+                    name: r.name.clone(),
+                },
+                error: state.recreate_errors.get(&r.uid).cloned(),
+            })
+            .collect()
+    }
+
     /// Claims recorded as prepared or being prepared (the shell unprepares those the API
     /// server no longer has).
     pub fn prepared_claims(&self) -> Vec<ClaimRecordSummary> {
@@ -1064,6 +1410,44 @@ fn device_uuid(record: &DeviceRecord) -> String {
         .as_ref()
         .and_then(|m| m.uuid.clone())
         .unwrap_or_else(|| record.gpu_uuid.clone())
+}
+
+/// Forgets the IDs of every MIG instance of a record (after a reboot none of them exists).
+fn forget_instances_of(record: &mut ClaimRecord) {
+    for m in record.devices.iter_mut().filter_map(|d| d.mig.as_mut()) {
+        m.uuid = None;
+        m.gi_id = None;
+        m.ci_id = None;
+    }
+}
+
+/// The sharing devices of a record, from the effective configs it recorded.
+fn recorded_sharing(record: &ClaimRecord) -> Vec<SharingDevice> {
+    record
+        .devices
+        .iter()
+        .filter_map(|r| {
+            let resolved: ResolvedConfig = match serde_json::from_value(r.config.clone()?) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(claim = %record.uid, device = %r.name, error = %e, "recorded config does not decode; no sharing");
+                    return None;
+                }
+            };
+            let sharing = resolved.config.sharing()?.clone();
+            Some(SharingDevice {
+                device_name: r.name.clone(),
+                kind: if r.kind == DeviceKind::Mig {
+                    ConfigKind::Mig
+                } else {
+                    ConfigKind::Gpu
+                },
+                uuid: device_uuid(r),
+                gpu_uuid: r.gpu_uuid.clone(),
+                sharing,
+            })
+        })
+        .collect()
 }
 
 /// The kubelet answer for a recorded claim.

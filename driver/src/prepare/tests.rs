@@ -632,28 +632,323 @@ fn interrupted_prepare_is_rolled_back_at_start() {
 }
 
 #[test]
-fn prepared_claims_survive_restart_and_a_new_boot_forgets_them() {
+fn prepared_claims_survive_restart_and_a_new_boot_recreates_them() {
     let node = Node::new(true, vec![mig_gpu(0)]);
-    node.driver
-        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
-        .unwrap();
+    let claim = node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-3")]);
+    let first = node.driver.prepare(&claim).unwrap();
     let node = node.restart();
     assert_eq!(node.driver.prepared_claims().len(), 1);
     assert_eq!(node.driver.owned_mig_uuids().len(), 1);
     node.fake.clear_calls();
     // Idempotent across a restart too.
+    node.driver.prepare(&claim).unwrap();
+    assert_eq!(node.fake.calls(), []);
+
+    let old = simulate_reboot(&node);
+    // After the reboot an administrator's instance gets the old GI id.
+    let admin = node
+        .fake
+        .add_instance(&gpu_uuid(0), 19, Placement { start: 5, size: 1 })
+        .unwrap();
+    assert_eq!(admin.gi_id, old[0].gi_id);
+    let node = node.restart();
+    // Recreated at exactly the recorded profile and placement; nothing destroyed.
+    assert_eq!(
+        node.fake.mutations(),
+        [Call::CreateMig {
+            gpu_uuid: gpu_uuid(0),
+            profile_id: 19,
+            placement: Placement { start: 3, size: 1 },
+        }]
+    );
+    let now = node.fake.instances(&gpu_uuid(0));
+    let ours = now.iter().find(|i| i.placement.start == 3).unwrap().clone();
+    assert_ne!(ours.uuid, old[0].uuid);
+    assert!(now.contains(&admin));
+    let data = node.checkpoint();
+    assert_eq!(data.boot_id, "new-boot");
+    let record = &data.claims[UID_A];
+    assert_eq!(record.state, ClaimState::Prepared);
+    let mig = record.devices[0].mig.as_ref().unwrap();
+    assert_eq!(
+        (mig.uuid.as_deref(), mig.gi_id, mig.ci_id),
+        (Some(ours.uuid.as_str()), Some(ours.gi_id), Some(ours.ci_id))
+    );
+    assert_eq!(node.driver.owned_mig_uuids(), [ours.uuid.clone()].into());
+    // The CDI spec is back with the same device names, pointing at the new instance.
+    let spec = cdi_json(&node.cdi_path(UID_A));
+    assert_eq!(
+        spec["devices"][0]["name"],
+        format!("{UID_A}-gpu-0-mig-1g5gb-3")
+    );
+    let text = spec.to_string();
+    assert!(
+        text.contains(&ours.uuid) && !text.contains(&old[0].uuid),
+        "{text}"
+    );
+    assert!(node.driver.claims_needing_recreate().is_empty());
+
+    // The replayed prepare answers the same IDs and creates nothing.
+    node.fake.clear_calls();
+    assert_eq!(node.driver.prepare(&claim).unwrap(), first);
+    assert_eq!(node.fake.calls(), []);
+    // Unprepare destroys ours (by its new IDs) and never the administrator's.
+    node.driver.unprepare(UID_A).unwrap();
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), [admin]);
+}
+
+/// What a reboot does to the fake hardware: every instance is gone, the boot ID is new.
+/// Returns the instances that existed.
+fn simulate_reboot(node: &Node) -> Vec<crate::model::MigInstance> {
+    let mut old = Vec::new();
+    for gpu in node.fake.inventory().unwrap().gpus {
+        for inst in node.fake.instances(&gpu.uuid) {
+            node.fake
+                .destroy_mig(&gpu.uuid, inst.gi_id, inst.ci_id)
+                .unwrap();
+            old.push(inst);
+        }
+    }
+    std::fs::write(&node.driver.config().boot_id_path, "new-boot\n").unwrap();
+    for f in node.cdi_files() {
+        std::fs::remove_file(node.driver.config().cdi_root.join(f)).unwrap();
+    }
+    node.fake.clear_calls();
+    old
+}
+
+#[test]
+fn failed_recreation_keeps_the_claim_and_prepare_retries_it() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    let claim = node_claim(UID_A, &[("mig", "gpu-0-mig-2g10gb-2")]);
+    let first = node.driver.prepare(&claim).unwrap();
+    simulate_reboot(&node);
+    node.fake.fail_next_create(BackendError::Nvml {
+        call: "nvmlDeviceCreateGpuInstanceWithPlacement",
+        target: gpu_uuid(0),
+        message: "Insufficient Resources".into(),
+        code: 23,
+    });
+    let node = node.restart();
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), []);
+    let pending = node.driver.claims_needing_recreate();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].claim.uid, UID_A);
+    let error = pending[0].error.clone().unwrap();
+    assert!(
+        error.contains("gpu-0-mig-2g10gb-2") && error.contains("23"),
+        "{error}"
+    );
+    assert_eq!(
+        node.checkpoint().claims[UID_A].state,
+        ClaimState::NeedsRecreate
+    );
+    assert!(!node.cdi_path(UID_A).exists());
+    // Still recorded as prepared: its device is busy for other claims.
+    assert_eq!(node.driver.prepared_claims().len(), 1);
+
+    // A replayed prepare while the hardware refuses: a clear error, never an answer.
+    node.fake.fail_next_create(BackendError::Nvml {
+        call: "nvmlDeviceCreateGpuInstanceWithPlacement",
+        target: gpu_uuid(0),
+        message: "Insufficient Resources".into(),
+        code: 23,
+    });
+    let e = node.driver.prepare(&claim).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::MigRecreate { .. }), "{msg}");
+    assert!(
+        msg.contains("gpu-0-mig-2g10gb-2") && msg.contains("after a reboot"),
+        "{msg}"
+    );
+    assert!(!node.cdi_path(UID_A).exists());
+    // Once the hardware takes it, the replayed prepare recreates and answers the same IDs.
+    node.fake.clear_calls();
+    assert_eq!(node.driver.prepare(&claim).unwrap(), first);
+    assert_eq!(
+        node.fake.mutations(),
+        [Call::CreateMig {
+            gpu_uuid: gpu_uuid(0),
+            profile_id: 14,
+            placement: Placement { start: 2, size: 2 },
+        }]
+    );
+    assert!(node.cdi_path(UID_A).exists());
+    assert_eq!(node.checkpoint().claims[UID_A].state, ClaimState::Prepared);
+    assert!(node.driver.claims_needing_recreate().is_empty());
+    node.fake.clear_calls();
+    node.driver.prepare(&claim).unwrap();
+    assert_eq!(node.fake.calls(), []);
+}
+
+#[test]
+fn unprepare_before_recreation_destroys_nothing() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
     node.driver
         .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
         .unwrap();
-    assert_eq!(node.fake.calls(), []);
-
-    std::fs::write(&node.driver.config().boot_id_path, "new-boot\n").unwrap();
+    // An interrupted prepare of the old boot, too.
+    let mut data = node.checkpoint();
+    let mut started = data.claims[UID_A].clone();
+    started.uid = UID_B.into();
+    started.state = ClaimState::PrepareStarted;
+    started.devices[0].name = "gpu-0-mig-1g5gb-1".into();
+    started.devices[0].mig.as_mut().unwrap().placement = Placement { start: 1, size: 1 };
+    data.claims.insert(UID_B.into(), started);
+    CheckpointStore::in_dir(&node.driver.config().state_dir)
+        .store(&data)
+        .unwrap();
+    simulate_reboot(&node);
+    node.fake
+        .fail_next_create(BackendError::GpuNotFound(gpu_uuid(0)));
     let node = node.restart();
-    assert!(node.driver.prepared_claims().is_empty());
-    assert!(!node.cdi_path(UID_A).exists());
-    // Nothing is destroyed on a new boot: instances present now are not ours.
+    // The interrupted prepare is dropped without destroying anything.
+    assert_eq!(node.driver.prepared_claims().len(), 1);
+    assert_eq!(
+        node.checkpoint().claims[UID_A].state,
+        ClaimState::NeedsRecreate
+    );
+    // Someone now creates instances exactly at both recorded placements.
+    let theirs = node
+        .fake
+        .add_instance(&gpu_uuid(0), 19, Placement { start: 0, size: 1 })
+        .unwrap();
+    let theirs_b = node
+        .fake
+        .add_instance(&gpu_uuid(0), 19, Placement { start: 1, size: 1 })
+        .unwrap();
+    node.fake.clear_calls();
+    node.driver.unprepare(UID_A).unwrap();
     assert_eq!(node.fake.mutations(), []);
-    assert_eq!(node.checkpoint().boot_id, "new-boot");
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), [theirs, theirs_b]);
+    assert!(node.checkpoint().claims.is_empty());
+    assert!(node.driver.claims_needing_recreate().is_empty());
+}
+
+#[test]
+fn a_vanished_instance_is_recreated_at_start() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    node.driver
+        .prepare(&node_claim(
+            UID_A,
+            &[("a", "gpu-0-mig-1g5gb-0"), ("b", "gpu-0-mig-1g5gb-1")],
+        ))
+        .unwrap();
+    let before = node.fake.instances(&gpu_uuid(0));
+    // Someone destroys one of them; the other stays.
+    node.fake
+        .destroy_mig(&gpu_uuid(0), before[1].gi_id, before[1].ci_id)
+        .unwrap();
+    node.fake.clear_calls();
+    let node = node.restart();
+    assert_eq!(
+        node.fake.mutations(),
+        [Call::CreateMig {
+            gpu_uuid: gpu_uuid(0),
+            profile_id: 19,
+            placement: Placement { start: 1, size: 1 },
+        }]
+    );
+    let now = node.fake.instances(&gpu_uuid(0));
+    assert_eq!(now.len(), 2);
+    assert_eq!(now[0], before[0]);
+    let record = node.checkpoint().claims[UID_A].clone();
+    assert_eq!(record.state, ClaimState::Prepared);
+    assert_eq!(
+        record.devices[1].mig.as_ref().unwrap().uuid.as_deref(),
+        Some(now[1].uuid.as_str())
+    );
+    // A start with everything in place only lists (once per GPU) and creates nothing.
+    node.fake.clear_calls();
+    let node = node.restart();
+    assert_eq!(node.fake.mutations(), []);
+    let lists = node
+        .fake
+        .calls()
+        .iter()
+        .filter(|c| matches!(c, Call::ListMig { .. }))
+        .count();
+    assert_eq!(lists, 1);
+}
+
+#[test]
+fn static_mig_missing_after_reboot_is_a_clear_error_until_it_exists_again() {
+    let node = Node::new(false, vec![mig_gpu(0)]);
+    node.fake
+        .add_instance(&gpu_uuid(0), 9, Placement { start: 4, size: 4 })
+        .unwrap();
+    node.driver.refresh_inventory().unwrap();
+    let claim = node_claim(UID_A, &[("mig", "gpu-0-mig-3g20gb-4")]);
+    let first = node.driver.prepare(&claim).unwrap();
+    simulate_reboot(&node);
+    let node = node.restart();
+    assert_eq!(node.fake.mutations(), []);
+    let e = node.driver.prepare(&claim).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::StaticMigMissing { .. }), "{msg}");
+    assert!(
+        msg.contains("gpu-0-mig-3g20gb-4") && msg.contains("not created by cleave"),
+        "{msg}"
+    );
+    // The administrator's boot-time configuration makes it again.
+    let again = node
+        .fake
+        .add_instance(&gpu_uuid(0), 9, Placement { start: 4, size: 4 })
+        .unwrap();
+    node.fake.clear_calls();
+    assert_eq!(node.driver.prepare(&claim).unwrap(), first);
+    assert_eq!(node.fake.mutations(), []);
+    let record = node.checkpoint().claims[UID_A].clone();
+    assert_eq!(
+        record.devices[0].mig.as_ref().unwrap().uuid.as_deref(),
+        Some(again.uuid.as_str())
+    );
+    node.driver.unprepare(UID_A).unwrap();
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), [again]);
+}
+
+#[test]
+fn sharing_is_applied_again_after_a_reboot_with_the_new_uuids() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Arc::new(FakeBackend::new(inventory(vec![mig_gpu(0), plain_gpu(1)])));
+    let sharing = Arc::new(RecordingSharing::default());
+    let config = config_in(dir.path(), true);
+    let driver =
+        NodeDriver::start_with_sharing(config.clone(), fake.clone(), sharing.clone()).unwrap();
+    let mps = json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "MigConfig",
+               "sharing": {"strategy": "MPS"}});
+    let claim = with_config(
+        node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-6")]),
+        "FromClaim",
+        DRIVER,
+        &[],
+        mps,
+    );
+    let first = driver.prepare(&claim).unwrap();
+    let old = fake.instances(&gpu_uuid(0))[0].clone();
+    drop(driver);
+    fake.destroy_mig(&gpu_uuid(0), old.gi_id, old.ci_id)
+        .unwrap();
+    std::fs::write(&config.boot_id_path, "new-boot\n").unwrap();
+    let driver =
+        NodeDriver::start_with_sharing(config.clone(), fake.clone(), sharing.clone()).unwrap();
+    let new = fake.instances(&gpu_uuid(0))[0].clone();
+    assert_ne!(new.uuid, old.uuid);
+    assert_eq!(
+        *sharing.applied.lock().unwrap(),
+        [
+            (UID_A.to_owned(), vec![old.uuid.clone()]),
+            (UID_A.to_owned(), vec![new.uuid.clone()])
+        ]
+    );
+    let spec = cdi_json(&config.cdi_root.join(cdi::spec_file_name(UID_A)));
+    let env = spec["containerEdits"]["env"].as_array().unwrap();
+    assert!(
+        env.contains(&json!("CUDA_MPS_PIPE_DIRECTORY=/mps/pipe")),
+        "{env:?}"
+    );
+    assert_eq!(driver.prepare(&claim).unwrap(), first);
+    assert_eq!(sharing.applied.lock().unwrap().len(), 2);
 }
 
 #[test]
