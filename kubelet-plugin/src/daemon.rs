@@ -200,6 +200,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
 
+    if let Some(addr) = args.metrics_addr {
+        warn!(%addr, "--metrics-addr given, but metrics are not served yet");
+    }
     let plugin = start(&args, client).await?;
     let mut registration = plugin.server.registration_state();
     let mut published = plugin.publisher.status();

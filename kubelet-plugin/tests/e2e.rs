@@ -390,3 +390,105 @@ async fn restart_releases_claims_deleted_while_down() {
     );
     assert!(plugin.terminate().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_update_two_instances_share_the_node_state() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    for (name, uid, device) in [
+        ("a", "uid-a", "gpu-0"),
+        ("b", "uid-b", "gpu-1"),
+        ("c", "uid-c", "gpu-2"),
+        ("d", "uid-d", "gpu-1"),
+    ] {
+        put_claim(&standin, name, uid, &[("gpu", device)], &[]);
+    }
+    let old = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            pod_uid: Some("old"),
+            ..PluginOptions::default()
+        },
+    );
+    let new = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            pod_uid: Some("new"),
+            ..PluginOptions::default()
+        },
+    );
+    let mut old_dra = dra_v1(&old.dra_socket).await;
+    let mut new_dra = dra_v1(&new.dra_socket).await;
+
+    // Both instances prepare at the same time; the node lock serialises them.
+    let (ra, rb) = tokio::join!(
+        prepare(&mut old_dra, vec![claim("a", "uid-a")]),
+        prepare(&mut new_dra, vec![claim("b", "uid-b")]),
+    );
+    assert_eq!(ra.claims["uid-a"].error, "");
+    assert_eq!(rb.claims["uid-b"].error, "");
+    let rc = prepare(&mut old_dra, vec![claim("c", "uid-c")]).await;
+    assert_eq!(rc.claims["uid-c"].error, "");
+    // The old instance knows that the new one gave gpu-1 to claim b.
+    let rd = prepare(&mut old_dra, vec![claim("d", "uid-d")]).await;
+    assert!(
+        rd.claims["uid-d"]
+            .error
+            .contains("already prepared for claim"),
+        "{:?}",
+        rd.claims["uid-d"]
+    );
+
+    // Unprepare may reach the other instance than the prepare did.
+    let ua = unprepare(&mut new_dra, vec![claim("a", "uid-a")]).await;
+    assert_eq!(ua.claims["uid-a"].error, "");
+    let checkpoint = std::fs::read_to_string(dirs.checkpoint()).unwrap();
+    assert!(!checkpoint.contains("uid-a"), "{checkpoint}");
+    assert!(
+        checkpoint.contains("uid-b") && checkpoint.contains("uid-c"),
+        "{checkpoint}"
+    );
+    assert_eq!(dirs.cdi_files().len(), 2, "{:?}", dirs.cdi_files());
+
+    // The old pod goes away; the new one keeps serving and can release everything.
+    let (old_reg, old_dra_sock) = (old.registration_socket.clone(), old.dra_socket.clone());
+    assert!(old.terminate().success());
+    assert!(!old_reg.exists() && !old_dra_sock.exists());
+    assert!(new.registration_socket.exists() && new.dra_socket.exists());
+    let done = unprepare(&mut new_dra, vec![claim("b", "uid-b"), claim("c", "uid-c")]).await;
+    assert!(done.claims.values().all(|r| r.error.is_empty()), "{done:?}");
+    assert!(dirs.cdi_files().is_empty(), "{:?}", dirs.cdi_files());
+    assert!(new.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uninstall_removes_this_nodes_slices_and_exits() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let published = wait_for_slices(&standin).await.len();
+    assert!(plugin.terminate().success());
+    assert_eq!(
+        standin.list_as::<ResourceSlice>("resourceslices").len(),
+        published
+    );
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["run", "--uninstall"])
+        .env("NODE_NAME", NODE)
+        .env("KUBECONFIG", dirs.kubeconfig())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        standin
+            .list_as::<ResourceSlice>("resourceslices")
+            .is_empty()
+    );
+    // Nothing was served: no sockets created by the uninstall run.
+    assert!(!dirs.registrar().join("gpu.cleave.dev-reg.sock").exists());
+}
