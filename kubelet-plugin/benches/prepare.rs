@@ -75,6 +75,9 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
             cdi_root: dir.join("cdi"),
             driver_root: dir.join("driver-root"),
             dynamic_mig: false,
+            host_driver_root: None,
+            mps_control_bin: None,
+            nvidia_smi_bin: None,
         },
         nvml: NvmlArgs {
             nvml_lib: Some(lib),

@@ -25,6 +25,8 @@ pub struct Cli {
 }
 
 /// Subcommands.
+// Parsed once per process; boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the node daemon: publish devices, register with the kubelet, serve DRA.
@@ -109,6 +111,17 @@ pub struct DriverArgs {
     /// Where the NVIDIA driver's files are mounted (libraries, binaries, device nodes).
     #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
     pub driver_root: PathBuf,
+    /// The driver root as the host (the container runtime) sees it, when it differs from
+    /// --driver-root (e.g. `/run/nvidia/driver` mounted at `/driver-root`); CDI mount
+    /// sources start here.
+    #[arg(long, env = "HOST_DRIVER_ROOT")]
+    pub host_driver_root: Option<PathBuf>,
+    /// `nvidia-cuda-mps-control` to run for MPS claims (default: under the driver root).
+    #[arg(long, env = "MPS_CONTROL_BIN")]
+    pub mps_control_bin: Option<PathBuf>,
+    /// `nvidia-smi` for time-slicing and compute mode (default: under the driver root).
+    #[arg(long, env = "NVIDIA_SMI_BIN")]
+    pub nvidia_smi_bin: Option<PathBuf>,
     /// Publish every MIG placement and create MIG instances on prepare (needs the
     /// cluster's partitionable-devices support).
     #[arg(long, env = "DYNAMIC_MIG")]

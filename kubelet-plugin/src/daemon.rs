@@ -17,6 +17,7 @@ use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::pool::{PoolOptions, build_pool};
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
+use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager};
 use tracing::{info, warn};
 
 use crate::cli::RunArgs;
@@ -52,9 +53,25 @@ pub fn driver_config(args: &RunArgs, plugin: &PluginConfig) -> DriverConfig {
         pool_name: args.node_name.clone(),
         state_dir: plugin.data_dir(),
         cdi_root: args.driver.cdi_root.clone(),
-        driver_root: DriverRootConfig::at(args.driver.driver_root.clone()),
+        driver_root: DriverRootConfig {
+            host_root: args.driver.host_driver_root.clone(),
+            ..DriverRootConfig::at(args.driver.driver_root.clone())
+        },
         dynamic_mig: args.driver.dynamic_mig,
         boot_id_path: PathBuf::from(BOOT_ID_PATH),
+    }
+}
+
+/// The sharing (MPS, time-slicing) settings `run` derives from its flags: tools under
+/// the driver root unless given explicitly, state in the driver's state directory.
+pub fn sharing_config(args: &RunArgs, driver: &DriverConfig) -> SharingConfig {
+    let binaries = SharingBinaries::under_driver_root(&args.driver.driver_root).with_overrides(
+        args.driver.mps_control_bin.clone(),
+        args.driver.nvidia_smi_bin.clone(),
+    );
+    SharingConfig {
+        boot_id_path: driver.boot_id_path.clone(),
+        ..SharingConfig::new(driver.state_dir.clone(), binaries)
     }
 }
 
@@ -124,10 +141,16 @@ pub async fn start(args: &RunArgs, client: kube::Client) -> anyhow::Result<Runni
             .context("loading NVML")?,
     );
     let config = driver_config(args, &plugin);
+    let sharing = Arc::new(
+        SharingManager::new(sharing_config(args, &config)).with_backend(Arc::clone(&backend)),
+    );
     let driver = {
         let backend = Arc::clone(&backend);
         serializer
-            .run(move || NodeDriver::start(config, backend).map_err(anyhow::Error::from))
+            .run(move || {
+                NodeDriver::start_with_sharing(config, backend, sharing)
+                    .map_err(anyhow::Error::from)
+            })
             .await?
             .context("starting the node driver")?
     };
@@ -233,4 +256,56 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     plugin.shutdown().await?;
     info!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    fn run_args(extra: &[&str]) -> RunArgs {
+        let mut argv = vec![
+            "x",
+            "run",
+            "--node-name",
+            "n1",
+            "--driver-root",
+            "/driver-root",
+        ];
+        argv.extend_from_slice(extra);
+        match crate::cli::Cli::try_parse_from(argv).unwrap().command {
+            crate::cli::Command::Run(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn driver_and_sharing_settings_follow_the_flags() {
+        let args = run_args(&[
+            "--host-driver-root",
+            "/run/nvidia/driver",
+            "--nvidia-smi-bin",
+            "/opt/smi",
+        ]);
+        let plugin = args.kubelet.plugin_config();
+        let driver = driver_config(&args, &plugin);
+        assert_eq!(driver.pool_name, "n1");
+        assert_eq!(
+            driver.state_dir,
+            Path::new("/var/lib/kubelet/plugins/gpu.cleave.dev")
+        );
+        assert_eq!(driver.driver_root.root, Path::new("/driver-root"));
+        assert_eq!(
+            driver.driver_root.host_root.as_deref(),
+            Some(Path::new("/run/nvidia/driver"))
+        );
+        assert_eq!(driver.boot_id_path, Path::new(BOOT_ID_PATH));
+        let sharing = sharing_config(&args, &driver);
+        assert_eq!(sharing.state_dir, driver.state_dir);
+        assert_eq!(sharing.binaries.nvidia_smi, Path::new("/opt/smi"));
+        assert_eq!(
+            sharing.binaries.mps_control,
+            Path::new("/driver-root/usr/bin/nvidia-cuda-mps-control")
+        );
+    }
 }

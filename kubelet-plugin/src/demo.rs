@@ -126,6 +126,9 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             cdi_root: dir.join("cdi"),
             driver_root: dir.join("driver-root"),
             dynamic_mig: true,
+            host_driver_root: None,
+            mps_control_bin: None,
+            nvidia_smi_bin: None,
         },
         nvml: NvmlArgs {
             nvml_lib: Some(nvml_lib),
