@@ -14,6 +14,13 @@
 //! error rather than a guess. Writes are atomic: temp file in the same directory, fsync,
 //! rename, fsync of the directory.
 //!
+//! Additions to layout 1 since its first release (old files read unchanged): the claim state
+//! `NeedsRecreate` (a prepared claim whose hardware state is gone after a reboot or a
+//! vanished instance, see [`crate::prepare`]). A release from before it rejects a file that
+//! holds a claim in that state as corrupt (unknown variant); such a claim exists only between
+//! a reboot and a successful recreation, so a downgrade in that window needs that claim
+//! unprepared first.
+//!
 //! Recovery from a damaged file (bad checksum, truncated, not JSON, unknown version): the
 //! error names the path. Make sure no pod on the node still uses a claim of this driver (or
 //! accept that their devices are unprepared by hand), then move the file aside
@@ -473,6 +480,18 @@ mod tests {
             damaged[i] = damaged[i].wrapping_add(delta);
             proptest::prop_assert!(decode(Path::new("x"), &damaged).is_err());
         }
+    }
+
+    #[test]
+    fn needs_recreate_round_trips_by_name() {
+        let mut data = sample();
+        if let Some(c) = data.claims.get_mut("uid-1") {
+            c.state = ClaimState::NeedsRecreate;
+        }
+        let bytes = encode(&data).unwrap();
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        assert!(text.contains("\"state\": \"NeedsRecreate\""), "{text}");
+        assert_eq!(decode(Path::new("x"), &bytes).unwrap(), data);
     }
 
     #[test]
