@@ -146,7 +146,7 @@ pub struct RunArgs {
     /// Kubeconfig file (default: in-cluster configuration, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// Address for Prometheus metrics (not served yet).
+    /// Address for `/metrics` (Prometheus), `/healthz` and `/readyz`; none: not served.
     #[arg(long, env = "METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
     /// Delete this node's ResourceSlices of this driver and exit.

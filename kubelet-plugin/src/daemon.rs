@@ -21,7 +21,9 @@ use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager};
 use tracing::{info, warn};
 
 use crate::cli::RunArgs;
+use crate::grpc::RegistrationState;
 use crate::kube_handler::{KubeClaimHandler, release_orphaned_claims};
+use crate::metrics::{HealthState, Metrics};
 use crate::serialize::Serializer;
 use crate::server::{PluginConfig, PluginServer};
 
@@ -128,6 +130,15 @@ impl std::fmt::Debug for RunningPlugin {
 /// reconcile, under the node lock), release of claims deleted while down, pool, slice
 /// publisher, then the DRA and registration servers.
 pub async fn start(args: &RunArgs, client: kube::Client) -> anyhow::Result<RunningPlugin> {
+    start_with_metrics(args, client, None).await
+}
+
+/// [`start`], recording DRA calls in `metrics`.
+pub async fn start_with_metrics(
+    args: &RunArgs,
+    client: kube::Client,
+    metrics: Option<Arc<Metrics>>,
+) -> anyhow::Result<RunningPlugin> {
     let plugin = args.kubelet.plugin_config();
     plugin
         .prepare_dirs()
@@ -187,7 +198,7 @@ pub async fn start(args: &RunArgs, client: kube::Client) -> anyhow::Result<Runni
         Arc::clone(&driver),
         serializer.clone(),
     ));
-    let server = PluginServer::start(&plugin, handler)
+    let server = PluginServer::start_with_metrics(&plugin, handler, metrics)
         .await
         .context("starting the plugin servers")?;
     Ok(RunningPlugin {
@@ -223,19 +234,37 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
 
-    if let Some(addr) = args.metrics_addr {
-        warn!(%addr, "--metrics-addr given, but metrics are not served yet");
-    }
-    let plugin = start(&args, client).await?;
+    let metrics = args.metrics_addr.map(|_| Arc::new(Metrics::new()));
+    let plugin = start_with_metrics(&args, client, metrics.clone()).await?;
     let mut registration = plugin.server.registration_state();
     let mut published = plugin.publisher.status();
+    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
+    let http = match (args.metrics_addr, &metrics) {
+        (Some(addr), Some(m)) => {
+            let state = HealthState {
+                metrics: Arc::clone(m),
+                registration: registration.clone(),
+                published: ready_rx,
+            };
+            let (local, task) = crate::metrics::start(addr, state)
+                .await
+                .with_context(|| format!("serving metrics on {addr}"))?;
+            info!(addr = %local, "serving /metrics, /healthz and /readyz");
+            Some(task)
+        }
+        _ => None,
+    };
     let mut last_error: Option<String> = None;
     let mut was_published = false;
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
             Ok(()) = registration.changed() => {
-                info!(state = ?*registration.borrow_and_update(), "registration state changed");
+                let state = registration.borrow_and_update().clone();
+                info!(state = ?state, "registration state changed");
+                if let Some(m) = &metrics {
+                    m.set_registered(state == RegistrationState::Registered);
+                }
             }
             Ok(()) = published.changed() => {
                 let s = published.borrow_and_update().clone();
@@ -245,6 +274,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     }
                     last_error = s.last_error.clone();
                 }
+                if s.published {
+                    ready_tx.send_replace(true);
+                    if let Some(m) = &metrics {
+                        m.set_slices_published(s.slices);
+                    }
+                }
                 if s.published && !was_published {
                     info!(slices = s.slices, generation = s.generation, writes = s.writes, "ResourceSlices published");
                 }
@@ -253,6 +288,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     };
     info!(signal, "shutting down");
+    if let Some(task) = http {
+        task.abort();
+    }
     plugin.shutdown().await?;
     info!("stopped");
     Ok(ExitCode::SUCCESS)

@@ -34,6 +34,7 @@ pub const DRA_RESOURCE_HEALTH_V1ALPHA1: &str = "v1alpha1.DRAResourceHealth";
 pub struct DraService<H> {
     handler: Arc<H>,
     requests: Arc<AtomicU64>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl<H> Clone for DraService<H> {
@@ -41,6 +42,7 @@ impl<H> Clone for DraService<H> {
         Self {
             handler: Arc::clone(&self.handler),
             requests: Arc::clone(&self.requests),
+            metrics: self.metrics.clone(),
         }
     }
 }
@@ -51,7 +53,14 @@ impl<H: ClaimHandler> DraService<H> {
         Self {
             handler,
             requests: Arc::new(AtomicU64::new(0)),
+            metrics: None,
         }
+    }
+
+    /// Records every batch in `metrics`.
+    pub fn with_metrics(mut self, metrics: Option<Arc<crate::metrics::Metrics>>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// The tonic service for `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`.
@@ -68,6 +77,7 @@ impl<H: ClaimHandler> DraService<H> {
     pub async fn prepare(&self, claims: Vec<v1::Claim>) -> v1::NodePrepareResourcesResponse {
         let id = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
         let span = info_span!("prepare", request = id, claims = claims.len());
+        let started = std::time::Instant::now();
         async {
             let (valid, mut out) = validate(claims, |error| v1::NodePrepareResourceResponse {
                 devices: Vec::new(),
@@ -98,6 +108,9 @@ impl<H: ClaimHandler> DraService<H> {
                 out.insert(uid, entry);
             }
             let failed = out.values().filter(|r| !r.error.is_empty()).count();
+            if let Some(m) = &self.metrics {
+                m.record_batch("prepare", started.elapsed(), out.len() - failed, failed);
+            }
             if failed > 0 {
                 warn!(failed, "NodePrepareResources finished with errors");
             } else {
@@ -115,6 +128,7 @@ impl<H: ClaimHandler> DraService<H> {
     pub async fn unprepare(&self, claims: Vec<v1::Claim>) -> v1::NodeUnprepareResourcesResponse {
         let id = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
         let span = info_span!("unprepare", request = id, claims = claims.len());
+        let started = std::time::Instant::now();
         async {
             let (valid, mut out) =
                 validate(claims, |error| v1::NodeUnprepareResourceResponse { error });
@@ -134,6 +148,9 @@ impl<H: ClaimHandler> DraService<H> {
                 out.insert(uid, v1::NodeUnprepareResourceResponse { error });
             }
             let failed = out.values().filter(|r| !r.error.is_empty()).count();
+            if let Some(m) = &self.metrics {
+                m.record_batch("unprepare", started.elapsed(), out.len() - failed, failed);
+            }
             if failed > 0 {
                 warn!(failed, "NodeUnprepareResources finished with errors");
             }

@@ -13,6 +13,7 @@ pub mod grpc;
 pub mod handler;
 pub mod inspect;
 pub mod kube_handler;
+pub mod metrics;
 pub mod mock;
 pub mod proto;
 pub mod serialize;

@@ -313,11 +313,20 @@ impl PluginServer {
         config: &PluginConfig,
         handler: Arc<H>,
     ) -> Result<Self, ServerError> {
+        Self::start_with_metrics(config, handler, None).await
+    }
+
+    /// [`PluginServer::start`], recording every DRA batch in `metrics`.
+    pub async fn start_with_metrics<H: ClaimHandler>(
+        config: &PluginConfig,
+        handler: Arc<H>,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+    ) -> Result<Self, ServerError> {
         config.prepare_dirs()?;
         let dra_socket = absolute(&config.dra_socket());
         let registration_socket = absolute(&config.registration_socket());
 
-        let dra_service = DraService::new(handler);
+        let dra_service = DraService::new(handler).with_metrics(metrics);
         let (listener, identity) = bind(&dra_socket)?;
         let router = tonic::transport::Server::builder()
             .add_service(dra_service.v1_svc())

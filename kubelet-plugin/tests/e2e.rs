@@ -492,3 +492,57 @@ async fn uninstall_removes_this_nodes_slices_and_exits() {
     // Nothing was served: no sockets created by the uninstall run.
     assert!(!dirs.registrar().join("gpu.cleave.dev-reg.sock").exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_health_endpoints() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "m", "uid-m", &[("gpu", "gpu-0")], &[]);
+    let port = free_port();
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            metrics_port: Some(port),
+            ..PluginOptions::default()
+        },
+    );
+    let started = std::time::Instant::now();
+    loop {
+        match http_get(port, "/readyz") {
+            Some((200, body)) => {
+                assert!(body.contains("ready"), "{body}");
+                break;
+            }
+            other => {
+                assert!(
+                    started.elapsed() < TIMEOUT,
+                    "not ready: {other:?}\n{}",
+                    dirs.log()
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    }
+    assert_eq!(http_get(port, "/healthz").unwrap().0, 200);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(
+        &mut dra,
+        vec![claim("m", "uid-m"), claim("missing", "uid-x")],
+    )
+    .await;
+    assert_eq!(r.claims["uid-m"].error, "");
+    let (status, metrics) = http_get(port, "/metrics").unwrap();
+    assert_eq!(status, 200);
+    for line in [
+        r#"cleave_kubelet_plugin_claims_total{operation="prepare",result="ok"} 1"#,
+        r#"cleave_kubelet_plugin_claims_total{operation="prepare",result="error"} 1"#,
+        r#"cleave_kubelet_plugin_request_duration_seconds_count{operation="prepare"} 1"#,
+    ] {
+        assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    }
+    assert!(
+        metrics.contains("cleave_kubelet_plugin_slices_published "),
+        "{metrics}"
+    );
+    assert!(plugin.terminate().success());
+}

@@ -104,6 +104,8 @@ pub struct PluginOptions {
     pub mig: &'static str,
     pub dynamic_mig: bool,
     pub pod_uid: Option<&'static str>,
+    /// Serve metrics and health on 127.0.0.1 at this port.
+    pub metrics_port: Option<u16>,
 }
 
 impl Default for PluginOptions {
@@ -113,6 +115,7 @@ impl Default for PluginOptions {
             mig: "off",
             dynamic_mig: false,
             pod_uid: None,
+            metrics_port: None,
         }
     }
 }
@@ -146,6 +149,9 @@ impl Plugin {
             .stderr(log_file(dirs));
         if opts.dynamic_mig {
             cmd.arg("--dynamic-mig");
+        }
+        if let Some(port) = opts.metrics_port {
+            cmd.arg(format!("--metrics-addr=127.0.0.1:{port}"));
         }
         let (reg, dra) = match opts.pod_uid {
             Some(uid) => {
@@ -239,4 +245,30 @@ pub fn claim(name: &str, uid: &str) -> v1::Claim {
         name: name.into(),
         uid: uid.into(),
     }
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A plain HTTP/1.1 GET; returns (status code, body), or None if nothing listens yet.
+pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+    Some((status, body))
 }

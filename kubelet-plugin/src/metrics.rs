@@ -1,0 +1,283 @@
+//! Prometheus metrics and the health endpoints (`/metrics`, `/healthz`, `/readyz`) on
+//! `--metrics-addr`.
+//!
+//! `/healthz` answers 200 while the process serves HTTP; `/readyz` answers 200 once the
+//! gRPC servers run and the node's ResourceSlices were published at least once (503 with
+//! the reason before), so a rolling update waits for the new pod to be useful.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Request, Response, StatusCode};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+use crate::grpc::RegistrationState;
+
+/// Labels of per-claim results.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClaimLabels {
+    /// `prepare` or `unprepare`.
+    pub operation: &'static str,
+    /// `ok` or `error`.
+    pub result: &'static str,
+}
+
+/// Labels of gRPC batch durations.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OperationLabels {
+    /// `prepare` or `unprepare`.
+    pub operation: &'static str,
+}
+
+fn duration_histogram() -> Histogram {
+    // 0.5 ms .. ~16 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// The plugin's metrics, prefixed `cleave_kubelet_plugin_`.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    claims: Family<ClaimLabels, Counter>,
+    durations: Family<OperationLabels, Histogram, fn() -> Histogram>,
+    registered: Gauge,
+    slices_published: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers all metrics.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("cleave_kubelet_plugin");
+        let claims = Family::<ClaimLabels, Counter>::default();
+        registry.register(
+            "claims",
+            "Claims handled by NodePrepareResources / NodeUnprepareResources, by result",
+            claims.clone(),
+        );
+        let durations: Family<OperationLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(duration_histogram);
+        registry.register(
+            "request_duration_seconds",
+            "Duration of NodePrepareResources / NodeUnprepareResources calls",
+            durations.clone(),
+        );
+        let registered = Gauge::default();
+        registry.register(
+            "registered",
+            "1 when the kubelet accepted the plugin's registration",
+            registered.clone(),
+        );
+        let slices_published = Gauge::default();
+        registry.register(
+            "slices_published",
+            "ResourceSlices of this node as last published (0 before the first publish)",
+            slices_published.clone(),
+        );
+        Self {
+            registry,
+            claims,
+            durations,
+            registered,
+            slices_published,
+        }
+    }
+
+    /// Records one gRPC batch: its duration and each claim's result.
+    pub fn record_batch(
+        &self,
+        operation: &'static str,
+        elapsed: Duration,
+        ok: usize,
+        failed: usize,
+    ) {
+        self.durations
+            .get_or_create(&OperationLabels { operation })
+            .observe(elapsed.as_secs_f64());
+        for (result, n) in [("ok", ok), ("error", failed)] {
+            if n > 0 {
+                self.claims
+                    .get_or_create(&ClaimLabels { operation, result })
+                    .inc_by(n as u64);
+            }
+        }
+    }
+
+    /// Sets the registration gauge.
+    pub fn set_registered(&self, registered: bool) {
+        self.registered.set(i64::from(registered));
+    }
+
+    /// Sets the published-slices gauge.
+    pub fn set_slices_published(&self, slices: usize) {
+        self.slices_published
+            .set(i64::try_from(slices).unwrap_or(i64::MAX));
+    }
+
+    /// The metrics in Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            warn!(error = %e, "encoding metrics");
+        }
+        out
+    }
+}
+
+/// What the health endpoints look at.
+#[derive(Debug, Clone)]
+pub struct HealthState {
+    /// The metrics to serve.
+    pub metrics: Arc<Metrics>,
+    /// The kubelet's registration verdicts.
+    pub registration: watch::Receiver<RegistrationState>,
+    /// True once the node's slices were published at least once.
+    pub published: watch::Receiver<bool>,
+}
+
+fn respond(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r
+}
+
+fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
+    match path {
+        "/healthz" => respond(StatusCode::OK, "ok\n".into()),
+        "/readyz" => {
+            let published = *state.published.borrow();
+            let registration = state.registration.borrow().clone();
+            if published {
+                respond(
+                    StatusCode::OK,
+                    format!("ready (registration: {registration:?})\n"),
+                )
+            } else {
+                respond(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "not ready: ResourceSlices not published yet\n".into(),
+                )
+            }
+        }
+        "/metrics" => {
+            let mut r = respond(StatusCode::OK, state.metrics.encode());
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            r
+        }
+        _ => respond(StatusCode::NOT_FOUND, "not found\n".into()),
+    }
+}
+
+/// Serves the endpoints on `listener` until the task is aborted.
+pub async fn serve(listener: tokio::net::TcpListener, state: HealthState) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "accepting a metrics connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let resp = handle(&state, req.uri().path());
+                async move { Ok::<_, std::convert::Infallible>(resp) }
+            });
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await
+            {
+                debug!(%peer, error = %e, "metrics connection ended");
+            }
+        });
+    }
+}
+
+/// Binds `addr` and serves the endpoints in a background task.
+pub async fn start(
+    addr: SocketAddr,
+    state: HealthState,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    Ok((local, tokio::spawn(serve(listener, state))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_encode_batches() {
+        let m = Metrics::new();
+        m.record_batch("prepare", Duration::from_millis(3), 2, 1);
+        m.set_registered(true);
+        m.set_slices_published(4);
+        let text = m.encode();
+        assert!(
+            text.contains(
+                r#"cleave_kubelet_plugin_claims_total{operation="prepare",result="ok"} 2"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"cleave_kubelet_plugin_claims_total{operation="prepare",result="error"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "cleave_kubelet_plugin_request_duration_seconds_count{operation=\"prepare\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("cleave_kubelet_plugin_registered 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("cleave_kubelet_plugin_slices_published 4"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn readyz_waits_for_publish() {
+        let (_reg_tx, registration) = watch::channel(RegistrationState::Pending);
+        let (pub_tx, published) = watch::channel(false);
+        let state = HealthState {
+            metrics: Arc::new(Metrics::new()),
+            registration,
+            published,
+        };
+        assert_eq!(handle(&state, "/healthz").status(), StatusCode::OK);
+        assert_eq!(
+            handle(&state, "/readyz").status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        pub_tx.send_replace(true);
+        assert_eq!(handle(&state, "/readyz").status(), StatusCode::OK);
+        assert_eq!(handle(&state, "/nope").status(), StatusCode::NOT_FOUND);
+    }
+}
