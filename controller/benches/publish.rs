@@ -7,10 +7,11 @@
 use std::time::{Duration, Instant};
 
 use cleave_apiserver_standin::{KubeVersion, RequestRecord, StandIn, StandInOptions};
+use cleave_controller::diff::{PoolTarget, diff};
 use cleave_controller::fixtures::{on_demand_mig_group, on_demand_mig_pool};
 use cleave_controller::{ApiStats, PublisherConfig, SliceLayout, SlicePublisher, plan_slices};
 use k8s_openapi::api::resource::v1::{ResourcePool, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 const DRIVER: &str = "gpu.cleave.dev";
 const NODE: &str = "node-a";
@@ -99,6 +100,23 @@ async fn bench(version: KubeVersion) {
     );
     p.shutdown().await;
 
+    // Floor for a change: one PUT of a slice, same client, same server, no publisher.
+    let api: Api<ResourceSlice> = Api::all(s.client());
+    let mut obj = s.list_as::<ResourceSlice>("resourceslices").remove(0);
+    let name = obj.metadata.name.clone().unwrap();
+    let mut puts = Vec::new();
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        obj = api
+            .replace(&name, &PostParams::default(), &obj)
+            .await
+            .unwrap();
+        puts.push(t.elapsed());
+    }
+    puts.sort();
+    let put_p50 = pct(&puts, 0.5);
+    println!("floor: one slice PUT p50 {put_p50:.2?} (same client and server, no publisher)");
+
     // 2. Restart with nothing changed.
     s.reset_counts();
     let t = Instant::now();
@@ -125,6 +143,11 @@ async fn bench(version: KubeVersion) {
         times.push(t.elapsed());
     }
     times.sort();
+    let floor = cfg.debounce + put_p50;
+    println!(
+        "  converge p50 / (debounce + PUT p50 = {floor:.2?}): ratio {:.2}",
+        pct(&times, 0.5).as_secs_f64() / floor.as_secs_f64()
+    );
     let (reqs, bin, _, verbs) = summary(&s.requests());
     println!(
         "one GPU's MIG state changes ({ROUNDS} rounds): p50 {:.2?}, p90 {:.2?}, max {:.2?} (includes the {:?} debounce); {:.2} requests/change [{verbs}], {} bytes sent/change; minimum 1 update: ratio {:.2}",
@@ -137,8 +160,25 @@ async fn bench(version: KubeVersion) {
         reqs as f64 / ROUNDS as f64
     );
 
+    // CPU of one sync without I/O: plan + diff against the stored state (a sync runs
+    // the diff twice: before writing and to confirm).
+    let stored = s.list_as::<ResourceSlice>("resourceslices");
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        let desired = plan_slices(&on_demand_mig_pool(8), layout).unwrap();
+        let target = PoolTarget {
+            driver: DRIVER,
+            node: NODE,
+            min_generation: 0,
+        };
+        std::hint::black_box(diff(&stored, &desired, &target));
+    }
+    println!(
+        "  CPU per sync: pool build + plan + diff {:.2?}",
+        t.elapsed() / ROUNDS as u32
+    );
+
     // 4. Foreign deletion of one slice -> restored.
-    let api: Api<ResourceSlice> = Api::all(s.client());
     let mut times = Vec::new();
     s.reset_counts();
     for _ in 0..ROUNDS {

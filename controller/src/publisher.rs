@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::backoff::{Backoff, BackoffConfig};
-use crate::diff::{PoolTarget, SyncPlan, diff};
+use crate::diff::{PoolTarget, SyncPlan, content_key, diff};
 use crate::plan::{PlanError, SliceLayout, plan_slices};
 use crate::stats::ApiObserver;
 
@@ -431,7 +431,10 @@ fn generate_name(node: &str, driver: &str) -> String {
 
 /// Outcome of applying one plan.
 enum Applied {
-    Done,
+    Done {
+        /// Some object came back different from what was written.
+        altered: bool,
+    },
     /// A write hit a conflict or a vanished object; the cache was refreshed: re-plan.
     Replan(String),
 }
@@ -452,6 +455,11 @@ struct Worker {
     last_generation: i64,
     status: watch::Sender<PublisherStatus>,
     desired: watch::Receiver<Desired>,
+}
+
+/// Whether the server stored `written` differently (semantically) from how it was sent.
+fn stored_differs(stored: &ResourceSlice, written: &ResourceSlice) -> bool {
+    stored.spec.pool != written.spec.pool || content_key(&stored.spec) != content_key(&written.spec)
 }
 
 fn rv(s: &ResourceSlice) -> Option<&str> {
@@ -643,7 +651,6 @@ impl Worker {
         let layout = self.layout().await?;
         let desired = plan_slices(pool, layout)?;
         let mut replans = 0;
-        let mut applied_once = false;
         loop {
             let target = PoolTarget {
                 driver: &self.config.driver_name,
@@ -655,10 +662,6 @@ impl Worker {
                 self.last_generation = plan.generation;
                 return Ok((plan.generation, desired.len()));
             }
-            if applied_once {
-                // Our writes were accepted yet the stored objects differ from what we wrote.
-                return Err(Error::ServerAlteredSlices);
-            }
             debug!(
                 generation = plan.generation,
                 deletes = plan.deletes.len(),
@@ -666,8 +669,17 @@ impl Worker {
                 creates = plan.creates.len(),
                 "syncing ResourceSlices"
             );
+            let generation = plan.generation;
             match self.apply(plan).await? {
-                Applied::Done => applied_once = true,
+                // Every write came back as written: the server now holds `desired`
+                // (the cache has the returned objects), no second diff needed.
+                Applied::Done { altered: false } => {
+                    self.last_generation = generation;
+                    return Ok((generation, desired.len()));
+                }
+                // Accepted, yet stored differently (a field dropped): a re-diff would only
+                // write again.
+                Applied::Done { altered: true } => return Err(Error::ServerAlteredSlices),
                 Applied::Replan(name) => {
                     replans += 1;
                     if replans > self.config.backoff.conflict_retries {
@@ -704,6 +716,7 @@ impl Worker {
     }
 
     async fn apply(&mut self, plan: SyncPlan) -> Result<Applied, Error> {
+        let mut altered = false;
         for s in plan.deletes {
             let name = s.metadata.name.clone().unwrap_or_default();
             let dp = DeleteParams {
@@ -738,6 +751,7 @@ impl Worker {
             self.count_write();
             match r {
                 Ok(o) => {
+                    altered |= stored_differs(&o, &s);
                     self.cache.insert(name, o);
                 }
                 Err(e) if matches!(status_code(&e), Some(404 | 409)) => {
@@ -773,6 +787,7 @@ impl Worker {
                 self.count_write();
                 match r {
                     Ok(o) => {
+                        altered |= stored_differs(&o, &obj);
                         if let Some(name) = o.metadata.name.clone() {
                             self.cache.insert(name, o);
                         }
@@ -786,7 +801,7 @@ impl Worker {
                 }
             }
         }
-        Ok(Applied::Done)
+        Ok(Applied::Done { altered })
     }
 }
 

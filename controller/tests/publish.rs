@@ -384,25 +384,63 @@ async fn shutdown_keeps_slices() {
 
 #[tokio::test]
 async fn wrong_layout_is_rejected_and_reported() {
-    // The 1.34 layout (devices + counters in one slice) is invalid on 1.35.
+    // Each layout is invalid on the other version: 1.35 forbids devices and counters in
+    // one slice, 1.34 needs consumers beside their counter set.
+    for (version, layout) in [
+        (KubeVersion::V1_35, SliceLayout::CountersWithDevices),
+        (KubeVersion::V1_34, SliceLayout::SeparateCounterSlices),
+    ] {
+        let s = standin(version).await;
+        let stats = ApiStats::new();
+        let mut p = SlicePublisher::start(
+            s.client(),
+            PublisherConfig {
+                layout: Some(layout),
+                ..config(&stats)
+            },
+        );
+        p.publish(on_demand_mig_pool(1));
+        let mut rx = p.status();
+        let st = tokio::time::timeout(WAIT, rx.wait_for(|st| st.last_error.is_some()))
+            .await
+            .unwrap()
+            .unwrap()
+            .clone();
+        assert!(!st.published);
+        assert!(st.last_error.unwrap().contains("creating"), "{version}");
+        assert_eq!(
+            s.count("get", "version"),
+            0,
+            "an explicit layout skips /version"
+        );
+        p.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn unpublishable_pool_is_reported_without_writes() {
     let s = standin(KubeVersion::V1_35).await;
     let stats = ApiStats::new();
-    let mut p = SlicePublisher::start(
-        s.client(),
-        PublisherConfig {
-            layout: Some(SliceLayout::CountersWithDevices),
-            ..config(&stats)
-        },
-    );
-    p.publish(on_demand_mig_pool(1));
+    let mut p = SlicePublisher::start(s.client(), config(&stats));
+    let mut pool = whole_gpu_pool(1);
+    pool.groups[0].devices[0].name = "Not_A_Label".into();
+    p.publish(pool);
     let mut rx = p.status();
     let st = tokio::time::timeout(WAIT, rx.wait_for(|st| st.last_error.is_some()))
         .await
         .unwrap()
         .unwrap()
         .clone();
-    assert!(!st.published);
-    assert!(st.last_error.unwrap().contains("creating"));
-    assert!(slices(&s).is_empty());
+    assert!(st.last_error.unwrap().contains("planning"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(writes(&s), 0);
+    assert_eq!(
+        p.status().borrow().syncs,
+        1,
+        "a plan error waits for the next publish, no retry loop"
+    );
+    // A good pool afterwards is published.
+    p.publish(whole_gpu_pool(1));
+    p.wait_published(WAIT).await.unwrap();
     p.shutdown().await;
 }
