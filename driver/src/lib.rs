@@ -13,6 +13,7 @@ pub mod driver_root;
 pub mod inspect;
 pub mod model;
 pub mod nvml;
+pub mod packing;
 pub mod pool;
 pub mod prepare;
 pub mod sharing;

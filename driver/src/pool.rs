@@ -32,6 +32,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
+use crate::packing::PlacementOrder;
 
 /// How to publish the node's devices.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -110,12 +111,11 @@ pub fn order_profiles(profiles: &mut [&MigProfile]) {
     });
 }
 
-/// The publishing order of one profile's placements. Hook for a packing-optimised order
-/// (to be chosen by simulation); the default is descending start: small instances fill
-/// the GPU from the top, keeping the low slices, where the big profiles must start
-/// (`4g` and `7g` only at 0), free for as long as possible.
-pub fn order_placements(_profile: &MigProfile, placements: &mut [Placement]) {
-    placements.sort_by(|a, b| b.start.cmp(&a.start).then(a.size.cmp(&b.size)));
+/// The publishing order of one profile's placements: [`PlacementOrder::DEFAULT`], the
+/// candidate that admits the most requests when the scheduler takes the first fitting
+/// device (simulated against the exact optimum in [`crate::packing`]).
+pub fn order_placements(profile: &MigProfile, placements: &mut [Placement]) {
+    PlacementOrder::DEFAULT.sort(profile, placements);
 }
 
 fn on_demand_group(
