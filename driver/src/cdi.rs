@@ -335,10 +335,13 @@ impl CdiStore {
     ) -> Result<PathBuf, CdiError> {
         let bytes = self.render(claim_uid, devices, claim_edits)?;
         let path = self.spec_path(claim_uid)?;
-        write_file_atomic(&path, &bytes).map_err(|source| CdiError::Write {
-            path: path.clone(),
-            source,
-        })?;
+        crate::fault::io_point("cdi.write")
+            .and_then(|()| write_file_atomic(&path, &bytes))
+            .map_err(|source| CdiError::Write {
+                path: path.clone(),
+                source,
+            })?;
+        crate::fault::point("cdi.after_write");
         Ok(path)
     }
 
@@ -347,7 +350,10 @@ impl CdiStore {
     pub fn remove_claim_spec(&self, claim_uid: &str) -> Result<bool, CdiError> {
         let path = self.spec_path(claim_uid)?;
         match std::fs::remove_file(&path) {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                crate::fault::point("cdi.after_remove");
+                Ok(true)
+            }
             // A root that is missing or not a directory holds no spec either.
             Err(e)
                 if matches!(

@@ -294,6 +294,7 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
         file.write_all(bytes)?;
         file.sync_all()?;
         drop(file);
+        crate::fault::point("file.before_rename");
         fs::rename(&tmp, path)?;
         File::open(dir)?.sync_all()
     })();
@@ -345,10 +346,14 @@ impl CheckpointStore {
             path: self.path.clone(),
             source,
         })?;
-        write_file_atomic(&self.path, &bytes).map_err(|source| CheckpointError::Write {
-            path: self.path.clone(),
-            source,
-        })
+        crate::fault::io_point("checkpoint.write")
+            .and_then(|()| write_file_atomic(&self.path, &bytes))
+            .map_err(|source| CheckpointError::Write {
+                path: self.path.clone(),
+                source,
+            })?;
+        crate::fault::point("checkpoint.after_store");
+        Ok(())
     }
 }
 

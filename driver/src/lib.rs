@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cdi;
 pub mod checkpoint;
 pub mod driver_root;
+pub mod fault;
 pub mod inspect;
 pub mod model;
 pub mod nvml;

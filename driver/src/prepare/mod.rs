@@ -444,6 +444,7 @@ impl NodeDriver {
             tracing::info!(claim = %uid, "rolling back an interrupted prepare");
             match driver.release_record(&record) {
                 Ok(()) => {
+                    crate::fault::point("start.after_rollback");
                     data.claims.remove(&uid);
                 }
                 // Keep serving: the record stays (its devices count as busy) and the next
@@ -959,6 +960,7 @@ impl NodeDriver {
                     device: d.name.clone(),
                     source,
                 })?;
+            crate::fault::point("prepare.after_mig_create");
             if let Some(m) = record.devices[i].mig.as_mut() {
                 m.uuid = Some(inst.uuid.clone());
                 m.gi_id = Some(inst.gi_id);
@@ -1004,6 +1006,7 @@ impl NodeDriver {
                 name: &record.name,
             };
             let edits = self.sharing.apply(&claim, &shared)?;
+            crate::fault::point("prepare.after_sharing_apply");
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
             edits
         };
@@ -1162,6 +1165,7 @@ impl NodeDriver {
                         .backend
                         .create_mig(&gpu, mig.profile_id, mig.placement)
                         .map_err(recreate_err)?;
+                    crate::fault::point("recreate.after_mig_create");
                     tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
                     list.push(inst.clone());
                     inst
@@ -1200,6 +1204,7 @@ impl NodeDriver {
                 name: &record.name,
             };
             let edits = self.sharing.apply(&claim, &shared)?;
+            crate::fault::point("recreate.after_sharing_apply");
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
             edits
         };
@@ -1224,6 +1229,7 @@ impl NodeDriver {
     fn release_record(&self, record: &ClaimRecord) -> Result<(), PrepareError> {
         if record.sharing.is_some() {
             self.sharing.release(&record.uid, record.sharing.as_ref())?;
+            crate::fault::point("release.after_sharing_release");
         }
         let by_placement = record.state == ClaimState::PrepareStarted;
         for d in record.devices.iter().rev() {
@@ -1275,6 +1281,7 @@ impl NodeDriver {
         self.backend
             .destroy_mig(&device.gpu_uuid, inst.gi_id, inst.ci_id)
             .map_err(err)?;
+        crate::fault::point("release.after_mig_destroy");
         tracing::info!(device = %device.name, mig = %inst.uuid, "destroyed MIG device");
         Ok(())
     }

@@ -229,6 +229,9 @@ pub enum SharingFailure {
     /// The checkpoint could not be read.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// A claim UID that cannot name a directory (it would leave the MPS directory).
+    #[error(transparent)]
+    InvalidClaim(#[from] crate::cdi::CdiError),
 }
 
 /// Paths of the two tools.
@@ -496,6 +499,7 @@ impl SharingManager {
         claim_uid: &str,
         devices: &[SharingDevice],
     ) -> Result<SharingEdits, SharingFailure> {
+        crate::cdi::validate_claim_uid(claim_uid)?;
         let _ops = lock(&self.ops);
         let mut mps_devices = Vec::new();
         let mut ts_devices = Vec::new();
@@ -563,6 +567,7 @@ impl SharingManager {
         claim_uid: &str,
         state: Option<&serde_json::Value>,
     ) -> Result<(), SharingFailure> {
+        crate::cdi::validate_claim_uid(claim_uid)?;
         let _ops = lock(&self.ops);
         let state: SharingState = state
             .and_then(|v| serde_json::from_value(v.clone()).ok())
@@ -885,9 +890,11 @@ impl SharingManager {
         let result = (|| {
             mps::create_dirs(&dir, &record.spec)?;
             mps::store_record(&dir, &record)?;
+            crate::fault::point("mps.after_record");
             for gpu in &record.exclusive_gpus {
                 self.smi
                     .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)?;
+                crate::fault::point("mps.after_compute_mode");
             }
             let setup = started.elapsed();
             let mut timings = self.launch_and_configure(&dir, &mut record)?;
@@ -928,6 +935,7 @@ impl SharingManager {
         let handle = self
             .launcher
             .start(&record.spec, self.config.ready_timeout)?;
+        crate::fault::point("mps.after_launch");
         record.daemon = Some(handle);
         mps::store_record(dir, record)?;
         let launch = t0.elapsed();
@@ -963,6 +971,7 @@ impl SharingManager {
             });
         }
         let ready = t1.elapsed();
+        crate::fault::point("mps.after_ready");
 
         let t2 = Instant::now();
         let answer = self.launcher.control(
@@ -1022,10 +1031,12 @@ impl SharingManager {
             .or_else(|| self.launcher.find(&record.spec));
         if let Some(h) = handle {
             self.stop_daemon(&record.spec, &h)?;
+            crate::fault::point("mps.after_stop");
         }
         for gpu in &record.exclusive_gpus {
             // Kept on failure: the directory (and record) stay so that a retry restores it.
             self.smi.set_compute_mode(gpu, ComputeMode::Default)?;
+            crate::fault::point("mps.after_compute_mode_restore");
         }
         remove_dir(&self.claim_dir(&record.spec.claim_uid))
     }

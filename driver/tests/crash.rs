@@ -1,0 +1,787 @@
+//! Crash consistency: the driver is killed (SIGKILL, a real crash) at every fault point of
+//! prepare, unprepare, start-up rollback and post-reboot recreation, restarted, and the
+//! kubelet's call is replayed; then the hardware (mock NVML state file), the MPS daemons
+//! (fake tools), the CDI root and the checkpoint must agree with each other and with the set
+//! of claims that should be prepared: nothing orphaned, nothing lost. Every recovered state
+//! is then unprepared and must leave nothing behind.
+//!
+//! Points are not hard-coded: each scenario runs once with `CLEAVE_FAULT_LIST` set, and every
+//! `(point, n-th hit)` it reports becomes one kill run (`CLEAVE_FAULT_KILL_AT=point#n`). One
+//! "world" (temp dir: state dir, CDI root, mock NVML state, fake tools) per kill run; children
+//! are this executable (roles chosen by `CRASH_ROLE`), which also plays the fake
+//! `nvidia-cuda-mps-control` and `nvidia-smi` (`cleave_fakes::dispatch`). Prints
+//! `kill points exercised: N, invariants checked: M`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cleave_api::names::DRIVER_NAME;
+use cleave_driver::cdi;
+use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
+use cleave_driver::driver_root::DriverRootConfig;
+use cleave_driver::fault;
+use cleave_driver::nvml::NvmlBackend;
+use cleave_driver::prepare::{DriverConfig, NodeDriver};
+use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager, SharingState};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::json;
+
+const ROLE_ENV: &str = "CRASH_ROLE";
+const WORLD_ENV: &str = "CRASH_WORLD";
+const SCENARIO_ENV: &str = "CRASH_SCENARIO";
+const PROFILE: &str = "h100-80gb-x8";
+const CHILD_TIMEOUT: Duration = Duration::from_secs(60);
+const WORKERS: usize = 3;
+
+const WHOLE: &str = "c0000001-0000-4000-8000-000000000001";
+const MIG: &str = "c0000002-0000-4000-8000-000000000002";
+const MPS: &str = "c0000003-0000-4000-8000-000000000003";
+
+// ---------------------------------------------------------------------------------------
+// Scenarios
+
+/// A claim: UID, (request, device) pairs, opaque parameters (one config for all requests).
+struct ClaimDef {
+    uid: &'static str,
+    devices: &'static [(&'static str, &'static str)],
+    mps: bool,
+}
+
+const CLAIMS: [ClaimDef; 3] = [
+    ClaimDef {
+        uid: WHOLE,
+        devices: &[("gpu", "gpu-0")],
+        mps: false,
+    },
+    ClaimDef {
+        uid: MIG,
+        devices: &[
+            ("small", "gpu-1-mig-1g10gb-0"),
+            ("big", "gpu-1-mig-3g40gb-4"),
+        ],
+        mps: false,
+    },
+    ClaimDef {
+        uid: MPS,
+        devices: &[("gpu", "gpu-2-mig-2g20gb-2")],
+        mps: true,
+    },
+];
+
+fn claim_def(uid: &str) -> &'static ClaimDef {
+    CLAIMS.iter().find(|c| c.uid == uid).unwrap()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Prepare,
+    Unprepare,
+    /// Node rebooted after `setup`; the kubelet replays prepare.
+    PrepareAfterReboot,
+}
+
+struct Scenario {
+    name: &'static str,
+    claims: &'static [&'static str],
+    action: Action,
+}
+
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "prepare-whole-gpu",
+        claims: &[WHOLE],
+        action: Action::Prepare,
+    },
+    Scenario {
+        name: "prepare-mig-1g-3g",
+        claims: &[MIG],
+        action: Action::Prepare,
+    },
+    Scenario {
+        name: "prepare-mps",
+        claims: &[MPS],
+        action: Action::Prepare,
+    },
+    Scenario {
+        name: "unprepare-whole-gpu",
+        claims: &[WHOLE],
+        action: Action::Unprepare,
+    },
+    Scenario {
+        name: "unprepare-mig-1g-3g",
+        claims: &[MIG],
+        action: Action::Unprepare,
+    },
+    Scenario {
+        name: "unprepare-mps",
+        claims: &[MPS],
+        action: Action::Unprepare,
+    },
+    Scenario {
+        name: "recreate-after-reboot",
+        claims: &[MIG, MPS],
+        action: Action::PrepareAfterReboot,
+    },
+];
+
+fn scenario(name: &str) -> &'static Scenario {
+    SCENARIOS.iter().find(|s| s.name == name).unwrap()
+}
+
+fn claim(def: &ClaimDef) -> ResourceClaim {
+    let results: Vec<_> = def
+        .devices
+        .iter()
+        .map(|(request, device)| {
+            json!({"request": request, "driver": DRIVER_NAME, "pool": "node-a", "device": device})
+        })
+        .collect();
+    let requests: Vec<_> = def.devices.iter().map(|(r, _)| *r).collect();
+    let config = if def.mps {
+        json!([{"source": "FromClaim", "requests": requests, "opaque": {
+            "driver": DRIVER_NAME, "parameters": {
+                "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "MigConfig",
+                "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 25}}}}}])
+    } else {
+        json!([])
+    };
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": format!("claim-{}", &def.uid[..8]), "namespace": "default", "uid": def.uid},
+        "spec": {"devices": {}},
+        "status": {"allocation": {"devices": {"results": results, "config": config}}}
+    }))
+    .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------
+// A world: one node in a temp dir
+
+struct World {
+    root: PathBuf,
+}
+
+impl World {
+    fn create(root: PathBuf) -> Self {
+        let bin = root.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let exe = std::env::current_exe().unwrap();
+        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
+            std::os::unix::fs::symlink(&exe, bin.join(tool)).unwrap();
+        }
+        std::fs::create_dir_all(root.join("driver-root")).unwrap();
+        std::fs::write(root.join("boot_id"), "boot-1\n").unwrap();
+        World { root }
+    }
+
+    fn state(&self) -> PathBuf {
+        self.root.join("state")
+    }
+    fn cdi(&self) -> PathBuf {
+        self.root.join("cdi")
+    }
+    fn nvml_state(&self) -> PathBuf {
+        self.root.join("nvml-state.json")
+    }
+    fn mps_record(&self) -> PathBuf {
+        self.root.join("mps-record.log")
+    }
+    fn boot(&self) -> String {
+        std::fs::read_to_string(self.root.join("boot_id"))
+            .unwrap()
+            .trim()
+            .to_owned()
+    }
+
+    fn driver_config(&self) -> DriverConfig {
+        let driver_root = self.root.join("driver-root");
+        DriverConfig {
+            driver_name: DRIVER_NAME.into(),
+            pool_name: "node-a".into(),
+            state_dir: self.state(),
+            cdi_root: self.cdi(),
+            driver_root: DriverRootConfig {
+                root: driver_root.clone(),
+                host_root: None,
+                dev_root: Some(driver_root),
+                proc_root: self.root.join("proc"),
+            },
+            dynamic_mig: true,
+            boot_id_path: self.root.join("boot_id"),
+        }
+    }
+
+    fn sharing_config(&self) -> SharingConfig {
+        let binaries = SharingBinaries::under_driver_root(Path::new("/nonexistent"))
+            .with_overrides(
+                Some(self.root.join("bin/nvidia-cuda-mps-control")),
+                Some(self.root.join("bin/nvidia-smi")),
+            );
+        let mut config = SharingConfig::new(self.state(), binaries);
+        config.boot_id_path = self.root.join("boot_id");
+        config.ready_timeout = Duration::from_secs(10);
+        config.stop_timeout = Duration::from_secs(3);
+        config.extra_env = [
+            ("FAKE_MPS_RECORD", self.mps_record()),
+            ("FAKE_NVIDIA_SMI_RECORD", self.root.join("smi-record.log")),
+            ("FAKE_NVIDIA_SMI_STATE", self.root.join("smi-state")),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.display().to_string()))
+        .chain([("FAKE_MPS_IDLE_EXIT_SECS".to_owned(), "60".to_owned())])
+        .collect();
+        config
+    }
+
+    /// PIDs of every daemon the fake started in this world.
+    fn started_pids(&self) -> Vec<u32> {
+        std::fs::read_to_string(self.mps_record())
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("start pid=")?
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    }
+
+    fn kill_daemons(&self) {
+        for pid in self.started_pids() {
+            if alive(pid) {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+                wait_dead(pid, Duration::from_secs(5));
+            }
+        }
+    }
+
+    /// Simulates a reboot: processes end, GPU settings reset, MIG instances (new mock boot
+    /// ID) and CDI specs (tmpfs) are gone, the kernel boot ID changes.
+    fn reboot(&self) {
+        self.kill_daemons();
+        let _ = std::fs::remove_file(self.root.join("smi-state"));
+        if let Ok(entries) = std::fs::read_dir(self.cdi()) {
+            for e in entries.flatten() {
+                std::fs::remove_file(e.path()).unwrap();
+            }
+        }
+        std::fs::write(self.root.join("boot_id"), "boot-2\n").unwrap();
+    }
+
+    /// Runs this executable as `role` in this world; returns its exit status and output.
+    fn run(&self, role: &str, scenario: &str, extra: &[(&str, String)]) -> (ExitStatus, String) {
+        let log = self.root.join(format!("{role}.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.env(ROLE_ENV, role)
+            .env(WORLD_ENV, &self.root)
+            .env(SCENARIO_ENV, scenario)
+            .env("MOCK_NVML_LIB", mock_nvml::locate::cdylib_path().unwrap())
+            .env("MOCK_NVML_STATE", self.nvml_state())
+            .env("MOCK_NVML_PROFILE", PROFILE)
+            .env("MOCK_NVML_BOOT_ID", self.boot())
+            .env_remove("MOCK_NVML_CONFIG")
+            .env_remove("MOCK_NVML_FAIL")
+            .env_remove("MOCK_NVML_CONTROL")
+            .env_remove("MOCK_NVML_MIG")
+            .env_remove(fault::KILL_AT_ENV)
+            .env_remove(fault::LIST_ENV)
+            .env_remove(fault::ERROR_AT_ENV)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out);
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let deadline = Instant::now() + CHILD_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{scenario} {role} timed out after {CHILD_TIMEOUT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        (status, std::fs::read_to_string(&log).unwrap_or_default())
+    }
+
+    fn run_ok(&self, role: &str, scenario: &str) {
+        let (status, output) = self.run(role, scenario, &[]);
+        assert!(
+            status.success(),
+            "{scenario}: {role} failed ({status})\n{output}"
+        );
+    }
+}
+
+/// Running and not a zombie.
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 1..];
+            rest.split_whitespace()
+                .next()
+                .map(|st| st != "Z" && st != "X")
+        })
+        .unwrap_or(false)
+}
+
+fn wait_dead(pid: u32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if !alive(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    !alive(pid)
+}
+
+// ---------------------------------------------------------------------------------------
+// Child roles
+
+fn child(role: &str) {
+    let world = World {
+        root: PathBuf::from(std::env::var(WORLD_ENV).unwrap()),
+    };
+    let scenario = scenario(&std::env::var(SCENARIO_ENV).unwrap());
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .try_init();
+    let backend =
+        Arc::new(NvmlBackend::open(Some(&mock_nvml::locate::cdylib_path().unwrap())).unwrap());
+    let manager =
+        Arc::new(SharingManager::new(world.sharing_config()).with_backend(backend.clone()));
+    let driver = NodeDriver::start_with_sharing(world.driver_config(), backend, manager).unwrap();
+    let prepare_all = || {
+        for uid in scenario.claims {
+            let def = claim_def(uid);
+            let answer = driver.prepare(&claim(def)).unwrap();
+            let ids: Vec<String> = answer
+                .devices
+                .iter()
+                .flat_map(|d| d.cdi_device_ids.clone())
+                .collect();
+            let want: Vec<String> = def
+                .devices
+                .iter()
+                .map(|(_, d)| cdi::qualified_device_id(uid, d))
+                .collect();
+            assert_eq!(ids, want, "{uid}");
+        }
+    };
+    let unprepare_all = || {
+        for uid in scenario.claims {
+            driver.unprepare(uid).unwrap();
+        }
+    };
+    match (role, scenario.action) {
+        ("setup", _) => prepare_all(),
+        ("act" | "replay", Action::Prepare | Action::PrepareAfterReboot) => prepare_all(),
+        ("act" | "replay", Action::Unprepare) => unprepare_all(),
+        ("cleanup", _) => unprepare_all(),
+        other => panic!("unknown role {other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Invariants
+
+/// Checks that hardware, daemons, CDI root and checkpoint agree with `expected` (claim
+/// UIDs that must be prepared). Returns the number of invariants checked.
+fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usize {
+    let mut checked = 0;
+    let mut check = |ok: bool, what: String| {
+        assert!(ok, "{ctx}: {what}");
+        checked += 1;
+    };
+
+    // Checkpoint: exactly the expected claims, all prepared.
+    let data = CheckpointStore::in_dir(&world.state()).load().unwrap();
+    let recorded: BTreeSet<&str> = data.claims.keys().map(String::as_str).collect();
+    check(
+        &recorded == expected,
+        format!("checkpoint claims {recorded:?} != expected {expected:?}"),
+    );
+    check(
+        data.claims
+            .values()
+            .all(|c| c.state == ClaimState::Prepared),
+        format!(
+            "checkpoint states {:?}",
+            data.claims
+                .values()
+                .map(|c| (&c.uid, c.state))
+                .collect::<Vec<_>>()
+        ),
+    );
+
+    // Hardware: every MIG device (compute instance) is one recorded by a claim, at the
+    // recorded placement, and every recorded one exists; no GPU instance without its CI.
+    let hw = mock_nvml::state::read_state_file(&world.nvml_state())
+        .unwrap()
+        .unwrap_or_default();
+    let mut on_hw: BTreeMap<String, (u32, u32, u32)> = BTreeMap::new();
+    let mut bare_gis = 0;
+    // A state file of an older boot holds instances the "hardware" no longer has.
+    let gpus = if hw.boot_id == world.boot() {
+        hw.gpus.as_slice()
+    } else {
+        &[]
+    };
+    for (index, gpu) in gpus.iter().enumerate() {
+        for gi in &gpu.gpu_instances {
+            if gi.compute_instances.is_empty() {
+                bare_gis += 1;
+            }
+            for ci in &gi.compute_instances {
+                on_hw.insert(ci.uuid.clone(), (index as u32, gi.start, gi.size));
+            }
+        }
+    }
+    check(
+        bare_gis == 0,
+        format!("{bare_gis} GPU instances without a compute instance"),
+    );
+    let mut in_checkpoint: BTreeMap<String, (u32, u32, u32)> = BTreeMap::new();
+    for c in data.claims.values() {
+        for d in &c.devices {
+            if let Some(m) = &d.mig {
+                let uuid = m.uuid.clone().unwrap_or_default();
+                in_checkpoint.insert(uuid, (d.gpu_minor, m.placement.start, m.placement.size));
+            }
+        }
+    }
+    check(
+        on_hw == in_checkpoint,
+        format!("MIG devices on the hardware {on_hw:?} != recorded {in_checkpoint:?}"),
+    );
+
+    // CDI root: one spec per prepared claim, nothing else; each names the recorded UUIDs.
+    let files: BTreeSet<String> = std::fs::read_dir(world.cdi())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let want: BTreeSet<String> = expected.iter().map(|u| cdi::spec_file_name(u)).collect();
+    check(files == want, format!("CDI files {files:?} != {want:?}"));
+    for c in data.claims.values() {
+        let text = std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(&c.uid)))
+            .unwrap_or_default();
+        for d in &c.devices {
+            let uuid = d
+                .mig
+                .as_ref()
+                .and_then(|m| m.uuid.clone())
+                .unwrap_or_else(|| d.gpu_uuid.clone());
+            check(
+                text.contains(&uuid),
+                format!("CDI spec of {} lacks {uuid}", c.uid),
+            );
+        }
+    }
+
+    // MPS: a running daemon (and its directory) for each prepared MPS claim, nothing else.
+    let mps_dirs: BTreeSet<String> = std::fs::read_dir(world.state().join("mps"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let want_mps: BTreeSet<String> = expected
+        .iter()
+        .filter(|u| claim_def(u).mps)
+        .map(|u| (*u).to_owned())
+        .collect();
+    check(
+        mps_dirs == want_mps,
+        format!("MPS directories {mps_dirs:?} != {want_mps:?}"),
+    );
+    let mut recorded_pids = BTreeSet::new();
+    for uid in &want_mps {
+        let sharing: SharingState =
+            serde_json::from_value(data.claims[uid].sharing.clone().unwrap()).unwrap();
+        let pid = sharing.mps.unwrap().daemon.unwrap().pid;
+        recorded_pids.insert(pid);
+    }
+    let running: BTreeSet<u32> = world
+        .started_pids()
+        .into_iter()
+        .filter(|p| alive(*p))
+        .collect();
+    check(
+        running == recorded_pids,
+        format!("running MPS daemons {running:?} != recorded {recorded_pids:?}"),
+    );
+    checked
+}
+
+// ---------------------------------------------------------------------------------------
+// Harness
+
+struct Totals {
+    kill_points: AtomicUsize,
+    invariants: AtomicUsize,
+    known_limit: Mutex<Vec<String>>,
+    failures: Mutex<Vec<String>>,
+}
+
+fn new_world(base: &Path, name: &str) -> World {
+    World::create(base.join(name))
+}
+
+fn prepared_after(s: &Scenario) -> BTreeSet<&'static str> {
+    match s.action {
+        Action::Prepare | Action::PrepareAfterReboot => s.claims.iter().copied().collect(),
+        Action::Unprepare => BTreeSet::new(),
+    }
+}
+
+fn before_act(world: &World, s: &Scenario) {
+    if s.action != Action::Prepare {
+        world.run_ok("setup", s.name);
+    }
+    if s.action == Action::PrepareAfterReboot {
+        world.reboot();
+    }
+}
+
+/// Runs the scenario once with the point list on; returns `(point, n)` for every hit.
+fn discover(base: &Path, s: &Scenario, totals: &Totals) -> Vec<(String, u64)> {
+    let world = new_world(base, &format!("{}-discover", s.name));
+    before_act(&world, s);
+    let list = world.root.join("points.txt");
+    let (status, output) = world.run(
+        "act",
+        s.name,
+        &[(fault::LIST_ENV, list.display().to_string())],
+    );
+    assert!(status.success(), "{}: act failed\n{output}", s.name);
+    let n = check_invariants(
+        &world,
+        &prepared_after(s),
+        &format!("{} (no crash)", s.name),
+    );
+    totals.invariants.fetch_add(n, Ordering::Relaxed);
+    world.run_ok("cleanup", s.name);
+    let n = check_invariants(&world, &BTreeSet::new(), &format!("{} cleanup", s.name));
+    totals.invariants.fetch_add(n, Ordering::Relaxed);
+    world.kill_daemons();
+    let mut counts: BTreeMap<String, u64> = BTreeMap::new();
+    let mut order = Vec::new();
+    for line in std::fs::read_to_string(&list).unwrap_or_default().lines() {
+        let n = counts.entry(line.to_owned()).or_insert(0);
+        *n += 1;
+        order.push((line.to_owned(), *n));
+    }
+    order
+}
+
+/// The documented known limit of recreation (see `cleave_driver::prepare`, "Known limit"):
+/// a crash between creating an instance and recording it leaves the instance unrecorded, and
+/// the next recreation fails at that placement. Checked as documented: the replayed prepare
+/// fails naming the placement (NVML code 23), the claim waits as `NeedsRecreate`.
+fn is_known_recreation_limit(s: &Scenario, output: &str, world: &World) -> bool {
+    if s.action != Action::PrepareAfterReboot
+        || !output.contains("recreating MIG device")
+        || !output.contains("NVML return code 23")
+    {
+        return false;
+    }
+    let data = CheckpointStore::in_dir(&world.state()).load().unwrap();
+    data.claims
+        .values()
+        .any(|c| c.state == ClaimState::NeedsRecreate)
+}
+
+/// What one kill run found.
+enum Outcome {
+    /// Everything recovered; this many invariants held.
+    Recovered(usize),
+    /// The documented recreation limit was hit (behaviour as documented).
+    KnownLimit,
+}
+
+fn kill_run(base: &Path, s: &Scenario, point: &str, n: u64, idx: usize) -> Outcome {
+    let world = new_world(base, &format!("{}-{idx}", s.name));
+    let ctx = format!("{} killed at {point}#{n}", s.name);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        before_act(&world, s);
+        let (status, output) = world.run(
+            "act",
+            s.name,
+            &[(fault::KILL_AT_ENV, format!("{point}#{n}"))],
+        );
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGKILL),
+            "{ctx}: act was not killed ({status})\n{output}"
+        );
+        let (status, output) = world.run("replay", s.name, &[]);
+        if !status.success() && is_known_recreation_limit(s, &output, &world) {
+            return Outcome::KnownLimit;
+        }
+        assert!(
+            status.success(),
+            "{ctx}: replay failed ({status})\n{output}"
+        );
+        let mut checked = check_invariants(&world, &prepared_after(s), &ctx);
+        world.run_ok("cleanup", s.name);
+        checked += check_invariants(&world, &BTreeSet::new(), &format!("{ctx}, then cleanup"));
+        Outcome::Recovered(checked)
+    }));
+    world.kill_daemons();
+    match result {
+        Ok(outcome) => {
+            let _ = std::fs::remove_dir_all(&world.root);
+            outcome
+        }
+        Err(e) => std::panic::resume_unwind(e),
+    }
+}
+
+fn run_harness() -> bool {
+    let started = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().to_owned();
+    let totals = Totals {
+        kill_points: AtomicUsize::new(0),
+        invariants: AtomicUsize::new(0),
+        known_limit: Mutex::new(Vec::new()),
+        failures: Mutex::new(Vec::new()),
+    };
+    let mut jobs: Vec<(&'static Scenario, String, u64)> = Vec::new();
+    let mut distinct: BTreeSet<String> = BTreeSet::new();
+    for s in SCENARIOS {
+        let points = discover(&base, s, &totals);
+        println!("{}: {} kill points", s.name, points.len());
+        for (p, n) in points {
+            distinct.insert(p.clone());
+            jobs.push((s, p, n));
+        }
+    }
+    let queue = Mutex::new(jobs.into_iter().enumerate().collect::<Vec<_>>());
+    std::thread::scope(|scope| {
+        for _ in 0..WORKERS {
+            scope.spawn(|| {
+                loop {
+                    let Some((idx, (s, point, n))) = queue.lock().unwrap().pop() else {
+                        break;
+                    };
+                    match std::panic::catch_unwind(|| kill_run(&base, s, &point, n, idx)) {
+                        Ok(Outcome::Recovered(checked)) => {
+                            totals.kill_points.fetch_add(1, Ordering::Relaxed);
+                            totals.invariants.fetch_add(checked, Ordering::Relaxed);
+                        }
+                        Ok(Outcome::KnownLimit) => {
+                            totals.kill_points.fetch_add(1, Ordering::Relaxed);
+                            totals
+                                .known_limit
+                                .lock()
+                                .unwrap()
+                                .push(format!("{} {point}#{n}", s.name));
+                        }
+                        Err(e) => {
+                            let msg = e
+                                .downcast_ref::<String>()
+                                .cloned()
+                                .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                                .unwrap_or_default();
+                            totals
+                                .failures
+                                .lock()
+                                .unwrap()
+                                .push(format!("{} {point}#{n}: {msg}", s.name));
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let failures = totals.failures.into_inner().unwrap();
+    println!(
+        "kill points exercised: {}, invariants checked: {} ({} distinct points: {}) in {:.1?}",
+        totals.kill_points.load(Ordering::Relaxed),
+        totals.invariants.load(Ordering::Relaxed),
+        distinct.len(),
+        distinct.iter().cloned().collect::<Vec<_>>().join(", "),
+        started.elapsed()
+    );
+    let mut known = totals.known_limit.into_inner().unwrap();
+    known.sort();
+    println!(
+        "known limit (instance created by recreation, crash before it was recorded; documented in cleave_driver::prepare): {} kill points: {}",
+        known.len(),
+        known.join(", ")
+    );
+    for f in &failures {
+        println!("FAILED: {f}");
+    }
+    // The known limit only arises inside recreation; anywhere else it is a failure.
+    failures.is_empty()
+        && known
+            .iter()
+            .all(|k| k.starts_with("recreate-after-reboot "))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = cleave_fakes::dispatch(&args) {
+        std::process::exit(code);
+    }
+    if let Ok(role) = std::env::var(ROLE_ENV) {
+        child(&role);
+        return;
+    }
+    const NAME: &str = "crash_consistency_at_every_fault_point";
+    let mut filter = None;
+    let mut list = false;
+    let mut rest = args.iter().skip(1);
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--list" => list = true,
+            "--test-threads" | "--skip" | "--format" | "--color" | "--logfile" | "-Z" => {
+                rest.next();
+            }
+            a if a.starts_with('-') => {}
+            a => filter = Some(a.to_owned()),
+        }
+    }
+    if list {
+        println!("{NAME}: test");
+        return;
+    }
+    if filter.is_some_and(|f| !NAME.contains(f.as_str())) {
+        println!("\ntest result: ok. 0 passed; 0 failed");
+        return;
+    }
+    let ok = run_harness();
+    println!(
+        "\ntest result: {}. {} passed; {} failed",
+        if ok { "ok" } else { "FAILED" },
+        usize::from(ok),
+        usize::from(!ok)
+    );
+    if !ok {
+        std::process::exit(101);
+    }
+}
