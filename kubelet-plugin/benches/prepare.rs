@@ -170,6 +170,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         }
     }
     plugin.shutdown().await.unwrap();
+    let startup = startup_and_memory(&standin, dir).await;
     standin.shutdown().await;
 
     let (p50, p99) = (
@@ -208,4 +209,141 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         p50.as_secs_f64() / f50.as_secs_f64(),
         p99.as_secs_f64() / f99.as_secs_f64()
     );
+    println!("plugin binary (separate process, same mock node and stand-in)");
+    println!(
+        "  start -> registration socket {:.1} ms, -> first ResourceSlices {:.1} ms (target: 200 ms)",
+        ms(startup.registered),
+        ms(startup.published)
+    );
+    println!(
+        "  resident memory: {} KiB after start, {} KiB after {} prepare/unprepare cycles (target: 15 MiB)",
+        startup.rss_start_kib, startup.rss_after_kib, startup.cycles
+    );
+}
+
+struct Startup {
+    registered: Duration,
+    published: Duration,
+    rss_start_kib: u64,
+    rss_after_kib: u64,
+    cycles: usize,
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Starts the real binary against the same stand-in (another node name) and measures
+/// how long registration and the first publish take, and its resident memory.
+async fn startup_and_memory(standin: &StandIn, dir: &Path) -> Startup {
+    const NODE2: &str = "bench-node-2";
+    let root = dir.join("binary");
+    std::fs::create_dir_all(root.join("driver-root")).unwrap();
+    standin.put(&fixtures::node(NODE2)).unwrap();
+    let kubeconfig = root.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: {}\nusers:\n- name: u\n  user: {{}}\ncontexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n",
+            standin.url()
+        ),
+    )
+    .unwrap();
+    let lib = cleave_kubelet_plugin::mock::find_library(&std::env::current_exe().unwrap()).unwrap();
+    let reg = root.join("registry").join("gpu.cleave.dev-reg.sock");
+    let dra_sock = root.join("plugins").join("gpu.cleave.dev").join("dra.sock");
+    let started = Instant::now();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .arg("run")
+        .env_clear()
+        .env("NODE_NAME", NODE2)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("NVML_LIB", &lib)
+        .env("MOCK_NVML_PROFILE", "h100-80gb-x8")
+        .env("MOCK_NVML_MIG", "off")
+        .env("MOCK_NVML_STATE", root.join("mock.json"))
+        .env("KUBELET_REGISTRAR_DIRECTORY_PATH", root.join("registry"))
+        .env("KUBELET_PLUGINS_DIRECTORY_PATH", root.join("plugins"))
+        .env("CDI_ROOT", root.join("cdi"))
+        .env("NVIDIA_DRIVER_ROOT", root.join("driver-root"))
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let mut registered = None;
+    let mut published = None;
+    while published.is_none() || registered.is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "plugin did not start"
+        );
+        if registered.is_none() && reg.exists() {
+            registered = Some(started.elapsed());
+        }
+        if published.is_none()
+            && standin
+                .list_as::<k8s_openapi::api::resource::v1::ResourceSlice>("resourceslices")
+                .iter()
+                .any(|s| s.spec.node_name.as_deref() == Some(NODE2))
+        {
+            published = Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    }
+    let pid = child.id();
+    let rss_start_kib = rss_kib(pid);
+    let mut dra = v1::dra_plugin_client::DraPluginClient::new(
+        cleave_kubelet_plugin::connect_unix(&dra_sock)
+            .await
+            .unwrap(),
+    );
+    let cycles = 100;
+    for i in 0..cycles {
+        let uid = format!("11111111-0000-4000-8000-{i:012}");
+        let name = format!("mem-{i}");
+        let device = format!("gpu-{}", i % 8);
+        standin
+            .put(&fixtures::resource_claim(
+                "default",
+                &name,
+                &uid,
+                cleave_api::names::DRIVER_NAME,
+                NODE2,
+                &[("gpu", device.as_str())],
+                &[],
+            ))
+            .unwrap();
+        let c = v1::Claim {
+            namespace: "default".into(),
+            name,
+            uid: uid.clone(),
+        };
+        let r = dra
+            .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                claims: vec![c.clone()],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.claims[&uid].error, "");
+        dra.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims: vec![c] })
+            .await
+            .unwrap();
+    }
+    let rss_after_kib = rss_kib(pid);
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let _ = child.wait();
+    Startup {
+        registered: registered.unwrap_or_default(),
+        published: published.unwrap_or_default(),
+        rss_start_kib,
+        rss_after_kib,
+        cycles,
+    }
 }
