@@ -9,9 +9,10 @@
 //! - `CLEAVE_FAULT_LIST=<file>`: every point reached appends its name and a newline to
 //!   `<file>`, so a harness discovers the points (and how often each is hit) by running the
 //!   call once, instead of hard-coding them.
-//! - `CLEAVE_FAULT_ERROR_AT=<point>=<errno>` (`ENOSPC`, `EROFS`, `EIO`, `EACCES`, `EDQUOT`
-//!   or a number): [`io_point`] at `<point>` fails with that OS error every time, to test
-//!   disk full or a read-only file system where the test cannot make one.
+//! - `CLEAVE_FAULT_ERROR_AT=<point>[#<n>]=<errno>` (`ENOSPC`, `EROFS`, `EIO`, `EACCES`,
+//!   `EDQUOT` or a number): [`io_point`] at `<point>` fails with that OS error from its `n`-th
+//!   hit on (default: every hit), to test disk full or a read-only file system where the
+//!   test cannot make one.
 //!
 //! Production never sets these variables; the kubelet plugin does not document them.
 
@@ -32,7 +33,7 @@ pub const ERROR_AT_ENV: &str = "CLEAVE_FAULT_ERROR_AT";
 struct Config {
     kill_at: Option<(String, u64)>,
     list: Option<PathBuf>,
-    error_at: Option<(String, i32)>,
+    error_at: Option<((String, u64), i32)>,
     hits: Mutex<BTreeMap<&'static str, u64>>,
 }
 
@@ -72,8 +73,8 @@ pub fn parse_kill_at(value: &str) -> (String, u64) {
     }
 }
 
-/// Parses `<point>=<errno name or number>`.
-pub fn parse_error_at(value: &str) -> Option<(String, i32)> {
+/// Parses `<point>[#<n>]=<errno name or number>`.
+pub fn parse_error_at(value: &str) -> Option<((String, u64), i32)> {
     let (name, errno) = value.rsplit_once('=')?;
     let code = match errno {
         "ENOSPC" => libc::ENOSPC,
@@ -83,12 +84,17 @@ pub fn parse_error_at(value: &str) -> Option<(String, i32)> {
         "EDQUOT" => libc::EDQUOT,
         other => other.parse().ok()?,
     };
-    Some((name.to_owned(), code))
+    Some((parse_kill_at(name), code))
 }
 
 /// A named step was reached: lists it and kills the process if it is the chosen one.
 pub fn point(name: &'static str) {
-    let Some(config) = config() else { return };
+    hit(name);
+}
+
+/// Counts, lists and maybe kills; returns how often `name` was reached (0: injection off).
+fn hit(name: &'static str) -> u64 {
+    let Some(config) = config() else { return 0 };
     let hit = {
         let mut hits = config.hits.lock().unwrap_or_else(|p| p.into_inner());
         let n = hits.entry(name).or_insert(0);
@@ -115,14 +121,17 @@ pub fn point(name: &'static str) {
             libc::kill(libc::getpid(), libc::SIGKILL);
         }
     }
+    hit
 }
 
 /// Like [`point`], and fails with the injected OS error when `CLEAVE_FAULT_ERROR_AT` names
 /// this point.
 pub fn io_point(name: &'static str) -> std::io::Result<()> {
-    point(name);
+    let n = hit(name);
     match config().and_then(|c| c.error_at.as_ref()) {
-        Some((at, code)) if at == name => Err(std::io::Error::from_raw_os_error(*code)),
+        Some(((at, from), code)) if at == name && n >= *from => {
+            Err(std::io::Error::from_raw_os_error(*code))
+        }
         _ => Ok(()),
     }
 }
@@ -138,9 +147,13 @@ mod tests {
         assert_eq!(parse_kill_at("a.b#x"), ("a.b".into(), 1));
         assert_eq!(
             parse_error_at("cdi.write=ENOSPC"),
-            Some(("cdi.write".into(), libc::ENOSPC))
+            Some((("cdi.write".into(), 1), libc::ENOSPC))
         );
-        assert_eq!(parse_error_at("x=5"), Some(("x".into(), 5)));
+        assert_eq!(
+            parse_error_at("checkpoint.write#3=EROFS"),
+            Some((("checkpoint.write".into(), 3), libc::EROFS))
+        );
+        assert_eq!(parse_error_at("x=5"), Some((("x".into(), 1), 5)));
         assert_eq!(parse_error_at("x=EWHAT"), None);
         assert_eq!(parse_error_at("x"), None);
     }
