@@ -546,3 +546,34 @@ async fn metrics_and_health_endpoints() {
     );
     assert!(plugin.terminate().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_wiped_by_a_restarting_kubelet_come_back() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let before = wait_for_slices(&standin).await;
+    // A kubelet that starts (or loses the plugin for 30 s) deletes the node's slices.
+    for s in &before {
+        standin
+            .delete("resourceslices", "", s.metadata.name.as_deref().unwrap())
+            .unwrap();
+    }
+    assert!(
+        standin
+            .list_as::<ResourceSlice>("resourceslices")
+            .is_empty()
+    );
+    let after = wait_for_slices(&standin).await;
+    let devices = |slices: &[ResourceSlice]| -> Vec<String> {
+        let mut v: Vec<String> = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+            .map(|d| d.name)
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(devices(&after), devices(&before));
+    assert!(plugin.terminate().success());
+}
