@@ -11,21 +11,29 @@
 //! not matter for such requests (other profiles' devices never match); the order of each
 //! profile's *placements* does: it decides which slices stay free for later requests.
 //!
-//! **Simulation** ([`compare`]): a node of `gpus` identical GPUs and a random stream of
-//! requests drawn from a [`Mix`] (weights per profile kind), each admitted by first fit in
-//! published order or rejected:
-//! - *arrivals only*: requests arrive until their compute demand is 1.5x the node's and
-//!   nothing leaves. The reference is the **exact offline optimum**: the largest number of
-//!   the stream's requests that can exist together on the node (see below).
-//! - *churn*: every request has a random lifetime and leaves when it ends (if admitted);
-//!   offered load is about 1.2x the node. The reference is a **repacking oracle** that
-//!   admits a request whenever the live requests plus it fit on the node when re-placed
-//!   from scratch (as if instances could move). It is not an optimum over time (admitting
-//!   greedily can block later requests), so first fit can score slightly above 1.
+//! **Simulation** ([`compare`]): a node of `gpus` identical GPUs (8 in the bench) and
+//! random streams of requests drawn from a [`Mix`] (weights per profile kind), each
+//! admitted by first fit in published order or rejected. Three [`Mode`]s:
+//! - *fill*: arrivals only, until the first rejection; reference: the longest prefix of the
+//!   stream that fits on the node at once (exact). Measures fragmentation alone.
+//! - *count*: arrivals only, the whole stream (compute demand 1.5x the node), rejected
+//!   requests skipped; reference: the most requests of the stream that fit at once (exact,
+//!   the offline optimum for the same multiset). It rewards rejecting big requests, so it
+//!   is reported but does not choose the order.
+//! - *churn*: random lifetimes, offered load about 1.2x the node; compute slices admitted
+//!   against a **repacking oracle** that admits whenever the live requests plus the new one
+//!   fit when re-placed from scratch (as if instances could move). Not an optimum over
+//!   time (admitting greedily can block later requests).
 //!
-//! **Exact optimum.** All valid placement sets of one GPU are enumerated (at most 2^25 on
-//! these tables, pruned by overlap: a few hundred) and reduced to the maximal vectors of
-//! instance counts per profile ([`GpuShape::configurations`]). Whether a multiset of
+//! The order is chosen by [`selection_score`] (fill and churn, A100-40GB and H100, three
+//! mixes) and published by [`crate::pool::order_placements`] as [`PlacementOrder::DEFAULT`];
+//! a unit test fails if another candidate scores higher. On these tables the lower half
+//! (slices 0-3) is mirror-symmetric for every profile that fits in it, so orders that
+//! differ only by that mirror (descending start and upper-half-first) score the same.
+//!
+//! **Exact optimum.** All valid placement sets of one GPU are enumerated (include or skip
+//! each of the 25 devices, pruned by the counters) and reduced to the maximal vectors of
+//! instance counts per profile ([`GpuShape::configurations`]; 44 on A100/H100/H200). Whether a multiset of
 //! requests fits on `n` GPUs ([`GpuShape::fits`]) is an exhaustive depth-first search that
 //! gives one GPU a configuration at a time, memoised on (GPUs left, demand left) and pruned
 //! by compute and memory totals: exact, because every packing of a GPU is covered by some
@@ -53,7 +61,7 @@ pub enum PackingError {
     /// More memory slices than the bit masks hold, or none.
     #[error("GPU with {0} memory slices cannot be simulated (1..=32)")]
     MemorySlices(u32),
-    /// No profile, or more than [`MAX_PROFILES`].
+    /// No profile, or more than 8 (counts are packed one byte per profile).
     #[error("{0} profiles cannot be simulated (1..=8)")]
     ProfileCount(usize),
     /// A placement reaches past the last memory slice.
