@@ -60,7 +60,7 @@ MOCK_PROFILES = {"a100-40gb-x8", "a100-80gb-x4", "h100-80gb-x8", "h200-141gb-x8"
 # Flags of `cleave-kubelet-plugin run` (each also settable from the environment).
 PLUGIN_FLAGS = {
     "--node-name", "--driver-name", "--kubelet-registrar-directory-path",
-    "--kubelet-plugins-directory-path", "--cdi-root", "--driver-root", "--nvml-lib",
+    "--kubelet-plugins-directory-path", "--cdi-root", "--driver-root", "--host-driver-root", "--nvml-lib",
     "--dynamic-mig", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
 }
 # The least privilege the plugin needs: (apiGroup, resource) -> verbs.
@@ -573,10 +573,12 @@ def rbac_matches_controller_doc() -> None:
     text = doc.read_text()
     for (group, res), verbs in RBAC.items():
         assert res in text, f"controller/RBAC.md does not mention {res}"
-    # The verbs on the doc's lines that name resourceslices must be exactly the chart's.
-    lines = [line for line in text.splitlines() if "resourceslices" in line]
-    verb_re = r"\b(get|list|watch|create|update|patch|delete|deletecollection)\b"
-    doc_verbs = {v for line in lines for v in re.findall(verb_re, line)}
+    # The verb column of the doc's table rows for resourceslices must be exactly the chart's.
+    doc_verbs = set()
+    for line in text.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and len(cells) >= 3 and cells[1] == "resourceslices":
+            doc_verbs.add(cells[2])
     if not doc_verbs:
         raise Skip("controller/RBAC.md names resourceslices but no verbs on those lines")
     want = RBAC[("resource.k8s.io", "resourceslices")]
