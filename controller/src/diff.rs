@@ -15,6 +15,7 @@
 //! bumped and every slice is rewritten with the new one. A pool with no slices left
 //! (first publish, kubelet wipe) always gets a new generation.
 
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::resource::v1::{
@@ -195,6 +196,28 @@ pub(crate) fn content_key(spec: &ResourceSliceSpec) -> ResourceSliceSpec {
     spec
 }
 
+/// Plain equality of everything but the pool (the fast path: what we wrote usually comes
+/// back unchanged).
+fn same_raw(a: &ResourceSliceSpec, b: &ResourceSliceSpec) -> bool {
+    let ResourceSliceSpec {
+        all_nodes,
+        devices,
+        driver,
+        node_name,
+        node_selector,
+        per_device_node_selection,
+        pool: _,
+        shared_counters,
+    } = a;
+    *all_nodes == b.all_nodes
+        && *devices == b.devices
+        && *driver == b.driver
+        && *node_name == b.node_name
+        && *node_selector == b.node_selector
+        && *per_device_node_selection == b.per_device_node_selection
+        && *shared_counters == b.shared_counters
+}
+
 fn names(spec: &ResourceSliceSpec) -> BTreeSet<String> {
     let devices = spec
         .devices
@@ -242,10 +265,23 @@ pub fn diff<'a>(
         .iter()
         .map(|d| d.to_spec(target.driver, target.node, ResourcePool::default()))
         .collect();
-    let desired_keys: Vec<ResourceSliceSpec> = desired_specs.iter().map(content_key).collect();
-    let existing_keys: Vec<ResourceSliceSpec> = ours.iter().map(|s| content_key(&s.spec)).collect();
-    let desired_names: Vec<BTreeSet<String>> = desired_specs.iter().map(names).collect();
-    let existing_names: Vec<BTreeSet<String>> = ours.iter().map(|s| names(&s.spec)).collect();
+    // Normalized forms and name sets are computed lazily: in the steady state nearly
+    // every slice is found by plain equality, and only changed ones need normalizing.
+    let desired_keys: Vec<OnceCell<ResourceSliceSpec>> =
+        desired.iter().map(|_| OnceCell::new()).collect();
+    let existing_keys: Vec<OnceCell<ResourceSliceSpec>> =
+        ours.iter().map(|_| OnceCell::new()).collect();
+    let desired_names: Vec<OnceCell<BTreeSet<String>>> =
+        desired.iter().map(|_| OnceCell::new()).collect();
+    let existing_names: Vec<OnceCell<BTreeSet<String>>> =
+        ours.iter().map(|_| OnceCell::new()).collect();
+    let dn = |d: usize| desired_names[d].get_or_init(|| names(&desired_specs[d]));
+    let en = |e: usize| existing_names[e].get_or_init(|| names(&ours[e].spec));
+    let same_content = |d: usize, e: usize| {
+        same_raw(&desired_specs[d], &ours[e].spec)
+            || desired_keys[d].get_or_init(|| content_key(&desired_specs[d]))
+                == existing_keys[e].get_or_init(|| content_key(&ours[e].spec))
+    };
 
     // pairs[d] = index into `ours`.
     let mut pairs: Vec<Option<usize>> = vec![None; desired.len()];
@@ -264,11 +300,10 @@ pub fn diff<'a>(
         }
     };
     pair_by(&mut pairs, &mut taken, &|d, e| {
-        desired_keys[d] == existing_keys[e]
+        same_raw(&desired_specs[d], &ours[e].spec)
     });
-    pair_by(&mut pairs, &mut taken, &|d, e| {
-        desired_names[d] == existing_names[e]
-    });
+    pair_by(&mut pairs, &mut taken, &same_content);
+    pair_by(&mut pairs, &mut taken, &|d, e| dn(d) == en(e));
     // Largest overlap first, greedily.
     loop {
         let best = pairs
@@ -276,13 +311,7 @@ pub fn diff<'a>(
             .enumerate()
             .filter(|(_, p)| p.is_none())
             .flat_map(|(d, _)| (0..taken.len()).filter(|&e| !taken[e]).map(move |e| (d, e)))
-            .map(|(d, e)| {
-                (
-                    desired_names[d].intersection(&existing_names[e]).count(),
-                    d,
-                    e,
-                )
-            })
+            .map(|(d, e)| (dn(d).intersection(en(e)).count(), d, e))
             .filter(|(n, _, _)| *n > 0)
             .max_by_key(|(n, d, e)| (*n, std::cmp::Reverse(*d), std::cmp::Reverse(*e)));
         let Some((_, d, e)) = best else { break };
@@ -298,7 +327,7 @@ pub fn diff<'a>(
         resource_slice_count: count,
     };
     let needs_update = |d: usize, e: usize, generation: i64| {
-        desired_keys[d] != existing_keys[e] || ours[e].spec.pool != pool_at(generation)
+        ours[e].spec.pool != pool_at(generation) || !same_content(d, e)
     };
     let changed = pairs
         .iter()
@@ -309,15 +338,17 @@ pub fn diff<'a>(
     // Creating slices needs a new generation unless each one only restores content that
     // vanished (someone deleted it): same slice count, and none of its devices or
     // counter sets is published in another slice now (nothing moves between slices).
-    let existing_all: BTreeSet<&String> = existing_names.iter().flatten().collect();
-    let creates_restore_only = ours
-        .iter()
-        .all(|s| s.spec.pool.resource_slice_count == count)
-        && pairs
+    let creating: Vec<usize> = (0..pairs.len()).filter(|&d| pairs[d].is_none()).collect();
+    let creates_restore_only = creating.is_empty()
+        || (ours
             .iter()
-            .enumerate()
-            .filter(|(_, p)| p.is_none())
-            .all(|(d, _)| desired_names[d].iter().all(|n| !existing_all.contains(n)));
+            .all(|s| s.spec.pool.resource_slice_count == count)
+            && {
+                let existing_all: BTreeSet<&String> = (0..ours.len()).flat_map(en).collect();
+                creating
+                    .iter()
+                    .all(|&d| dn(d).iter().all(|n| !existing_all.contains(n)))
+            });
     let bump = ours.is_empty() || deleting || changed > 1 || !creates_restore_only;
     plan.generation = if bump {
         base_generation + 1
