@@ -9,6 +9,7 @@
 pub mod cli;
 pub mod daemon;
 pub mod demo;
+pub mod events;
 pub mod grpc;
 pub mod handler;
 pub mod inspect;

@@ -1,0 +1,158 @@
+//! Kubernetes Events from the plugin, about any object (the Node, a ResourceClaim, ...).
+//!
+//! [`EventReporter`] wraps kube's `events.k8s.io/v1` [`Recorder`] (repeats of the same
+//! reason on the same object become one Event with a series count). Publishing never fails
+//! the caller: an Event that cannot be written is logged and dropped, because an Event is a
+//! report, not state. RBAC: `events.k8s.io` `events` `create` and `patch` (the patch
+//! updates a series).
+
+use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use kube::Resource as _;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use tracing::{debug, warn};
+
+/// The `reportingController` of cleave's node Events.
+pub const REPORTING_CONTROLLER: &str = "gpu.cleave.dev/kubelet-plugin";
+
+/// Events longer than this are cut (the API server rejects notes above 1 kB).
+pub const MAX_NOTE_BYTES: usize = 1024;
+
+/// Publishes Events about any object; cheap to clone.
+#[derive(Clone)]
+pub struct EventReporter {
+    recorder: std::sync::Arc<Recorder>,
+}
+
+impl std::fmt::Debug for EventReporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventReporter").finish_non_exhaustive()
+    }
+}
+
+/// Whether an Event reports trouble.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    /// Informational.
+    Normal,
+    /// Something needs attention.
+    Warning,
+}
+
+impl EventReporter {
+    /// A reporter whose Events name `instance` (e.g. the node name or pod name) as the
+    /// reporting instance.
+    pub fn new(client: kube::Client, instance: impl Into<String>) -> Self {
+        let reporter = Reporter {
+            controller: REPORTING_CONTROLLER.to_owned(),
+            instance: Some(instance.into()),
+        };
+        Self {
+            recorder: std::sync::Arc::new(Recorder::new(client, reporter)),
+        }
+    }
+
+    /// Publishes one Event about `regarding`; `reason` is PascalCase, `action` a short
+    /// PascalCase verb (e.g. `Start`, `Prepare`), `note` the human-readable message (cut to
+    /// [`MAX_NOTE_BYTES`]). Failures are logged, never returned.
+    pub async fn publish(
+        &self,
+        regarding: &ObjectReference,
+        severity: Severity,
+        reason: &str,
+        action: &str,
+        note: &str,
+    ) {
+        let event = Event {
+            type_: match severity {
+                Severity::Normal => EventType::Normal,
+                Severity::Warning => EventType::Warning,
+            },
+            reason: reason.to_owned(),
+            note: Some(truncate(note, MAX_NOTE_BYTES)),
+            action: action.to_owned(),
+            secondary: None,
+        };
+        match self.recorder.publish(&event, regarding).await {
+            Ok(()) => debug!(reason, object = ?regarding.name, "published Event"),
+            Err(e) => warn!(
+                reason,
+                kind = ?regarding.kind,
+                object = ?regarding.name,
+                error = %e,
+                "could not publish Event"
+            ),
+        }
+    }
+}
+
+/// A reference to the Node `name` (with its UID when the Node can be read, so
+/// `kubectl describe node` lists the Event).
+pub async fn node_reference(client: &kube::Client, name: &str) -> ObjectReference {
+    let nodes: kube::Api<Node> = kube::Api::all(client.clone());
+    match nodes.get(name).await {
+        Ok(node) => node.object_ref(&()),
+        Err(e) => {
+            debug!(node = name, error = %e, "reading the Node for an Event reference");
+            ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: Some(name.to_owned()),
+                ..ObjectReference::default()
+            }
+        }
+    }
+}
+
+/// A reference to any object already read (e.g. a `ResourceClaim`).
+pub fn object_reference<K: kube::Resource<DynamicType = ()>>(obj: &K) -> ObjectReference {
+    obj.object_ref(&())
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max.saturating_sub(3);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notes_are_cut_on_char_boundaries() {
+        assert_eq!(truncate("short", 10), "short");
+        let long = "é".repeat(600);
+        let cut = truncate(&long, MAX_NOTE_BYTES);
+        assert!(cut.len() <= MAX_NOTE_BYTES, "{}", cut.len());
+        assert!(cut.ends_with("..."));
+    }
+
+    #[tokio::test]
+    async fn events_about_a_node_reach_the_api_server() {
+        crate::install_crypto_provider();
+        let standin = cleave_apiserver_standin::StandIn::start(Default::default())
+            .await
+            .unwrap();
+        standin
+            .put(&cleave_apiserver_standin::fixtures::node("n1"))
+            .unwrap();
+        let client = standin.client();
+        let node = node_reference(&client, "n1").await;
+        assert!(node.uid.is_some(), "{node:?}");
+        let reporter = EventReporter::new(client, "n1");
+        reporter
+            .publish(&node, Severity::Warning, "Testing", "Start", "hello")
+            .await;
+        let events = standin.list("events.events.k8s.io");
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0]["reason"], "Testing");
+        assert_eq!(events[0]["type"], "Warning");
+        assert_eq!(events[0]["regarding"]["kind"], "Node");
+        assert_eq!(events[0]["note"], "hello");
+    }
+}
