@@ -11,6 +11,7 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod driver_root;
 pub mod fault;
+pub mod health;
 pub mod inspect;
 pub mod model;
 pub mod nvml;
