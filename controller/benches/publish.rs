@@ -82,7 +82,7 @@ async fn bench(version: KubeVersion) {
 
     // 1. First publish.
     let t = Instant::now();
-    let mut p = SlicePublisher::start(s.client(), cfg.clone());
+    let p = SlicePublisher::start(s.client(), cfg.clone());
     p.publish(on_demand_mig_pool(8));
     wait_quiet(&p).await;
     let first = t.elapsed();
@@ -120,7 +120,7 @@ async fn bench(version: KubeVersion) {
     // 2. Restart with nothing changed.
     s.reset_counts();
     let t = Instant::now();
-    let mut p = SlicePublisher::start(s.client(), cfg.clone());
+    let p = SlicePublisher::start(s.client(), cfg.clone());
     p.publish(on_demand_mig_pool(8));
     wait_quiet(&p).await;
     let restart = t.elapsed();

@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use cleave_api::pool::PoolDevices;
@@ -239,7 +240,7 @@ pub struct SlicePublisher {
     task: Option<tokio::task::JoinHandle<()>>,
     client: Client,
     config: PublisherConfig,
-    version: u64,
+    version: AtomicU64,
 }
 
 impl std::fmt::Debug for SlicePublisher {
@@ -283,18 +284,23 @@ impl SlicePublisher {
             task: Some(task),
             client,
             config,
-            version: 0,
+            version: AtomicU64::new(0),
         }
     }
 
     /// Replaces the desired state (any time; e.g. MIG state changed, a GPU vanished).
     /// Returns its sequence number, which [`PublisherStatus::published_version`]
     /// reaches once it is on the server.
-    pub fn publish(&mut self, pool: PoolDevices) -> u64 {
-        self.version += 1;
-        let v = self.version;
-        self.desired.send_replace(Some((v, Arc::new(pool))));
-        v
+    pub fn publish(&self, pool: PoolDevices) -> u64 {
+        let pool = Arc::new(pool);
+        let mut version = 0;
+        // Numbering inside send_modify keeps versions and values in the same order when
+        // several tasks publish at once.
+        self.desired.send_modify(|d| {
+            version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
+            *d = Some((version, pool));
+        });
+        version
     }
 
     /// Status updates, for readiness probes (`published`) and metrics.
@@ -304,7 +310,7 @@ impl SlicePublisher {
 
     /// Waits until the latest [`publish`](Self::publish) is on the server.
     pub async fn wait_published(&self, timeout: Duration) -> Result<PublisherStatus, Error> {
-        let want = self.version;
+        let want = self.version.load(Ordering::SeqCst);
         let mut rx = self.status.clone();
         let wait = rx.wait_for(|s| s.published && s.published_version >= want);
         match tokio::time::timeout(timeout, wait).await {

@@ -96,7 +96,7 @@ fn matches_plan(s: &StandIn, pool: &PoolDevices, layout: SliceLayout) -> bool {
 }
 
 async fn publish_and_wait(s: &StandIn, stats: &Arc<ApiStats>, pool: PoolDevices) -> SlicePublisher {
-    let mut p = SlicePublisher::start(s.client(), config(stats));
+    let p = SlicePublisher::start(s.client(), config(stats));
     p.publish(pool);
     let st = p
         .wait_published(WAIT)
@@ -185,7 +185,7 @@ async fn one_gpu_mig_change_updates_one_slice() {
     for version in [KubeVersion::V1_34, KubeVersion::V1_35] {
         let s = standin(version).await;
         let stats = ApiStats::new();
-        let mut p = publish_and_wait(&s, &stats, on_demand_mig_pool(8)).await;
+        let p = publish_and_wait(&s, &stats, on_demand_mig_pool(8)).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         s.reset_counts();
         let mut pool = on_demand_mig_pool(8);
@@ -206,7 +206,7 @@ async fn one_gpu_mig_change_updates_one_slice() {
 async fn gpu_disappearing_bumps_generation_once() {
     let s = standin(KubeVersion::V1_34).await;
     let stats = ApiStats::new();
-    let mut p = publish_and_wait(&s, &stats, on_demand_mig_pool(8)).await;
+    let p = publish_and_wait(&s, &stats, on_demand_mig_pool(8)).await;
     s.reset_counts();
     let mut pool = on_demand_mig_pool(8);
     pool.groups.remove(5);
@@ -296,7 +296,7 @@ async fn kubelet_wipe_is_republished_promptly() {
 async fn conflict_is_reread_and_retried() {
     let s = standin(KubeVersion::V1_34).await;
     let stats = ApiStats::new();
-    let mut p = publish_and_wait(&s, &stats, on_demand_mig_pool(2)).await;
+    let p = publish_and_wait(&s, &stats, on_demand_mig_pool(2)).await;
     s.reset_counts();
     s.fail_next("update", "resourceslices", 1, 409);
     let mut pool = on_demand_mig_pool(2);
@@ -319,7 +319,7 @@ async fn unavailable_server_is_backed_off_then_recovered() {
     let s = standin(KubeVersion::V1_35).await;
     let stats = ApiStats::new();
     let client = s.client_without_retry().unwrap();
-    let mut p = SlicePublisher::start(client, config(&stats));
+    let p = SlicePublisher::start(client, config(&stats));
     p.publish(whole_gpu_pool(2));
     p.wait_published(WAIT).await.unwrap();
 
@@ -392,7 +392,7 @@ async fn wrong_layout_is_rejected_and_reported() {
     ] {
         let s = standin(version).await;
         let stats = ApiStats::new();
-        let mut p = SlicePublisher::start(
+        let p = SlicePublisher::start(
             s.client(),
             PublisherConfig {
                 layout: Some(layout),
@@ -421,7 +421,7 @@ async fn wrong_layout_is_rejected_and_reported() {
 async fn unpublishable_pool_is_reported_without_writes() {
     let s = standin(KubeVersion::V1_35).await;
     let stats = ApiStats::new();
-    let mut p = SlicePublisher::start(s.client(), config(&stats));
+    let p = SlicePublisher::start(s.client(), config(&stats));
     let mut pool = whole_gpu_pool(1);
     pool.groups[0].devices[0].name = "Not_A_Label".into();
     p.publish(pool);

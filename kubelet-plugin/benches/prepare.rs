@@ -84,6 +84,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
             mock_profile: None,
             mock: None,
         },
+        lifecycle: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
         uninstall: false,

@@ -35,6 +35,59 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Run the whole plugin in-process against mock GPUs and an API server stand-in.
     Demo(DemoArgs),
+    /// Checkpoint maintenance (recovery from an unreadable checkpoint).
+    #[command(subcommand)]
+    Checkpoint(CheckpointCommand),
+}
+
+/// `checkpoint` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CheckpointCommand {
+    /// Move an unreadable checkpoint aside (`checkpoint.json.corrupt-<unix seconds>`),
+    /// printing what it held when it can be decoded; the plugin then starts with no
+    /// prepared claims. Make sure no pod on the node uses a claim of this driver first.
+    Reset(CheckpointResetArgs),
+}
+
+/// Arguments of `checkpoint reset`.
+#[derive(Debug, Clone, Args)]
+pub struct CheckpointResetArgs {
+    /// Kubelet plugins directory (the checkpoint is `<this>/<driver name>/checkpoint.json`).
+    #[arg(
+        long = "plugins-dir",
+        env = "KUBELET_PLUGINS_DIRECTORY_PATH",
+        default_value = "/var/lib/kubelet/plugins"
+    )]
+    pub plugins_dir: PathBuf,
+    /// DRA driver name.
+    #[arg(long, env = "DRIVER_NAME", default_value = cleave_api::names::DRIVER_NAME)]
+    pub driver_name: String,
+}
+
+/// Start-up retries and what counts as a usable node.
+#[derive(Debug, Clone, Args)]
+pub struct LifecycleArgs {
+    /// First wait (ms) before retrying a start-up blocked by a missing NVIDIA driver or an
+    /// unreadable checkpoint; doubled per failure.
+    #[arg(long, env = "RETRY_INITIAL_MS", default_value_t = 1000)]
+    pub retry_initial_ms: u64,
+    /// Longest wait (ms) between those retries.
+    #[arg(long, env = "RETRY_MAX_MS", default_value_t = 30000)]
+    pub retry_max_ms: u64,
+    /// Start (and publish an empty pool) when NVML loads but finds no GPU; without it, zero
+    /// GPUs is treated as "driver not ready" and retried.
+    #[arg(long, env = "ALLOW_NO_GPUS")]
+    pub allow_no_gpus: bool,
+}
+
+impl Default for LifecycleArgs {
+    fn default() -> Self {
+        Self {
+            retry_initial_ms: 1000,
+            retry_max_ms: 30000,
+            allow_no_gpus: false,
+        }
+    }
 }
 
 /// Log format and level.
@@ -143,6 +196,9 @@ pub struct RunArgs {
     /// NVML library.
     #[command(flatten)]
     pub nvml: NvmlArgs,
+    /// Start-up retries.
+    #[command(flatten)]
+    pub lifecycle: LifecycleArgs,
     /// Kubeconfig file (default: in-cluster configuration, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -228,6 +284,7 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     match &mut cli.command {
         Command::Run(a) => a.nvml.resolve_mock()?,
         Command::Inspect(a) => a.nvml.resolve_mock()?,
+        Command::Checkpoint(_) => {}
         Command::Demo(a) => {
             let exe = std::env::current_exe()?;
             let lib = crate::mock::find_library(&exe).ok_or_else(|| {
@@ -257,11 +314,29 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     match &cli.command {
         Command::Run(args) => runtime.block_on(crate::daemon::run(args.clone())),
         Command::Inspect(args) => crate::inspect::run(args),
+        Command::Checkpoint(CheckpointCommand::Reset(args)) => checkpoint_reset(args),
         Command::Demo(args) => match demo {
             Some((dir, lib)) => runtime.block_on(crate::demo::run(args, dir.path(), lib)),
             None => anyhow::bail!("demo: no working directory"),
         },
     }
+}
+
+fn checkpoint_reset(args: &CheckpointResetArgs) -> anyhow::Result<ExitCode> {
+    let state_dir = args.plugins_dir.join(&args.driver_name);
+    match crate::lifecycle::reset_checkpoint(&state_dir)? {
+        crate::lifecycle::ResetOutcome::Missing => {
+            println!("no checkpoint in {}: nothing to reset", state_dir.display());
+        }
+        crate::lifecycle::ResetOutcome::MovedAside { moved_to, held } => {
+            println!("the checkpoint held: {held}");
+            println!(
+                "moved to {}; the plugin starts with no prepared claims (it picks this up on its next retry)",
+                moved_to.display()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[cfg(test)]

@@ -1,5 +1,10 @@
 //! `run`: the node daemon.
 //!
+//! `run` first serves `/healthz`, `/readyz` and `/metrics`, then starts through
+//! [`crate::lifecycle::start_when_possible`] (retrying while the NVIDIA driver is missing or
+//! the checkpoint is unreadable), then checks for other GPU managers on the node
+//! ([`crate::coexistence`]).
+//!
 //! Start order: load NVML -> start the node driver (checkpoint load and reconcile) ->
 //! release checkpointed claims the API server no longer has -> build the pool -> start
 //! the slice publisher -> serve DRA, then registration -> wait for SIGTERM/SIGINT.
@@ -21,8 +26,10 @@ use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager};
 use tracing::{info, warn};
 
 use crate::cli::RunArgs;
+use crate::events::EventReporter;
 use crate::grpc::RegistrationState;
 use crate::kube_handler::{KubeClaimHandler, release_orphaned_claims};
+use crate::lifecycle::{Heartbeat, StartContext, start_when_possible};
 use crate::metrics::{HealthState, Metrics};
 use crate::serialize::Serializer;
 use crate::server::{PluginConfig, PluginServer};
@@ -139,18 +146,30 @@ pub async fn start_with_metrics(
     client: kube::Client,
     metrics: Option<Arc<Metrics>>,
 ) -> anyhow::Result<RunningPlugin> {
-    let plugin = args.kubelet.plugin_config();
-    plugin
-        .prepare_dirs()
-        .context("preparing plugin directories")?;
-    let serializer = Serializer::new(plugin.lock_file());
-
     let nvml_lib = args.nvml.nvml_lib.clone();
     let backend: Arc<dyn GpuBackend> = Arc::new(
         tokio::task::spawn_blocking(move || NvmlBackend::open(nvml_lib.as_deref()))
             .await?
             .context("loading NVML")?,
     );
+    start_with_backend(args, client, metrics, backend).await
+}
+
+/// [`start_with_metrics`] on an already loaded backend (see
+/// [`crate::lifecycle::start_when_possible`], which retries while NVML or the checkpoint
+/// is not usable).
+pub async fn start_with_backend(
+    args: &RunArgs,
+    client: kube::Client,
+    metrics: Option<Arc<Metrics>>,
+    backend: Arc<dyn GpuBackend>,
+) -> anyhow::Result<RunningPlugin> {
+    let plugin = args.kubelet.plugin_config();
+    plugin
+        .prepare_dirs()
+        .context("preparing plugin directories")?;
+    let serializer = Serializer::new(plugin.lock_file());
+
     let config = driver_config(args, &plugin);
     let sharing = Arc::new(
         SharingManager::new(sharing_config(args, &config)).with_backend(Arc::clone(&backend)),
@@ -235,16 +254,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
 
     let metrics = args.metrics_addr.map(|_| Arc::new(Metrics::new()));
-    let plugin = start_with_metrics(&args, client, metrics.clone()).await?;
-    let mut registration = plugin.server.registration_state();
-    let mut published = plugin.publisher.status();
+    // Health is served before start-up, which may wait for the NVIDIA driver or a readable
+    // checkpoint (crate::lifecycle); /readyz names what it waits for.
+    let (registration_tx, registration_rx) =
+        tokio::sync::watch::channel(RegistrationState::Pending);
     let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
+    let blocker = Arc::new(tokio::sync::watch::channel(Some("starting".to_owned())).0);
+    let heartbeat = Arc::new(Heartbeat::default());
+    heartbeat.beat();
+    let heartbeat_task = heartbeat.spawn();
     let http = match (args.metrics_addr, &metrics) {
         (Some(addr), Some(m)) => {
             let state = HealthState {
                 metrics: Arc::clone(m),
-                registration: registration.clone(),
+                registration: registration_rx,
                 published: ready_rx,
+                blocker: blocker.subscribe(),
+                heartbeat: Arc::clone(&heartbeat),
             };
             let (local, task) = crate::metrics::start(addr, state)
                 .await
@@ -254,6 +280,40 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
         _ => None,
     };
+    let events = EventReporter::new(client.clone(), args.node_name.clone());
+    let ctx = StartContext {
+        client: client.clone(),
+        metrics: metrics.clone(),
+        blocker,
+        events: events.clone(),
+    };
+    let plugin = tokio::select! {
+        s = signals.recv() => {
+            info!(signal = s, "shutting down before start-up finished");
+            heartbeat_task.abort();
+            if let Some(task) = http {
+                task.abort();
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        r = start_when_possible(&args, &ctx) => r?,
+    };
+    let coexistence = tokio::spawn(crate::coexistence::check_and_report(
+        client,
+        args.node_name.clone(),
+        args.kubelet.driver_name.clone(),
+        plugin
+            .driver
+            .inventory()
+            .gpus
+            .iter()
+            .map(|g| g.uuid.clone())
+            .collect(),
+        events,
+    ));
+    let mut registration = plugin.server.registration_state();
+    registration_tx.send_replace(registration.borrow().clone());
+    let mut published = plugin.publisher.status();
     let mut last_error: Option<String> = None;
     let mut was_published = false;
     let signal = loop {
@@ -265,6 +325,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 if let Some(m) = &metrics {
                     m.set_registered(state == RegistrationState::Registered);
                 }
+                registration_tx.send_replace(state);
             }
             Ok(()) = published.changed() => {
                 let s = published.borrow_and_update().clone();
@@ -288,6 +349,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     };
     info!(signal, "shutting down");
+    heartbeat_task.abort();
+    coexistence.abort();
     if let Some(task) = http {
         task.abort();
     }

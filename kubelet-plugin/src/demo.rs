@@ -135,6 +135,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             mock_profile: Some(args.profile.clone()),
             mock: None,
         },
+        lifecycle: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
         uninstall: false,

@@ -7,6 +7,7 @@
 //! driver (`cleave-driver`) and the slice publisher (`cleave-controller`).
 
 pub mod cli;
+pub mod coexistence;
 pub mod daemon;
 pub mod demo;
 pub mod events;
@@ -14,6 +15,7 @@ pub mod grpc;
 pub mod handler;
 pub mod inspect;
 pub mod kube_handler;
+pub mod lifecycle;
 pub mod metrics;
 pub mod mock;
 pub mod proto;

@@ -1,9 +1,14 @@
 //! Prometheus metrics and the health endpoints (`/metrics`, `/healthz`, `/readyz`) on
 //! `--metrics-addr`.
 //!
-//! `/healthz` answers 200 while the process serves HTTP; `/readyz` answers 200 once the
-//! gRPC servers run and the node's ResourceSlices were published at least once (503 with
-//! the reason before), so a rolling update waits for the new pod to be useful.
+//! `/healthz` (liveness) answers 200 while the process serves HTTP and the runtime's
+//! heartbeat task beat within [`HEARTBEAT_STALE`] (503 otherwise: a runtime that stopped
+//! scheduling tasks). It stays 200 while start-up waits for the NVIDIA driver or a readable
+//! checkpoint, because a restart would not help. `/readyz` answers 200 only when nothing
+//! blocks start-up ([`crate::lifecycle`]), the kubelet confirmed the registration
+//! (NotifyRegistrationStatus registered=true) and the node's ResourceSlices were published
+//! at least once; 503 with the reason before, so a rolling update waits for the new pod to
+//! be useful.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,6 +27,10 @@ use tokio::sync::watch;
 use tracing::{debug, warn};
 
 use crate::grpc::RegistrationState;
+use crate::lifecycle::{Heartbeat, LifecycleMetrics};
+
+/// `/healthz` fails when the heartbeat is older than this.
+pub const HEARTBEAT_STALE: Duration = Duration::from_secs(30);
 
 /// Labels of per-claim results.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -52,6 +61,8 @@ pub struct Metrics {
     durations: Family<OperationLabels, Histogram, fn() -> Histogram>,
     registered: Gauge,
     slices_published: Gauge,
+    /// Start-up state: NVML availability, checkpoint health (see [`crate::lifecycle`]).
+    pub lifecycle: LifecycleMetrics,
 }
 
 impl Default for Metrics {
@@ -89,12 +100,14 @@ impl Metrics {
             "ResourceSlices of this node as last published (0 before the first publish)",
             slices_published.clone(),
         );
+        let lifecycle = LifecycleMetrics::register(&mut registry);
         Self {
             registry,
             claims,
             durations,
             registered,
             slices_published,
+            lifecycle,
         }
     }
 
@@ -148,6 +161,10 @@ pub struct HealthState {
     pub registration: watch::Receiver<RegistrationState>,
     /// True once the node's slices were published at least once.
     pub published: watch::Receiver<bool>,
+    /// What blocks start-up (missing NVIDIA driver, unreadable checkpoint); None: nothing.
+    pub blocker: watch::Receiver<Option<String>>,
+    /// Beats while the runtime schedules tasks.
+    pub heartbeat: Arc<Heartbeat>,
 }
 
 fn respond(status: StatusCode, body: String) -> Response<Full<Bytes>> {
@@ -158,19 +175,39 @@ fn respond(status: StatusCode, body: String) -> Response<Full<Bytes>> {
 
 fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
     match path {
-        "/healthz" => respond(StatusCode::OK, "ok\n".into()),
-        "/readyz" => {
-            let published = *state.published.borrow();
-            let registration = state.registration.borrow().clone();
-            if published {
-                respond(
-                    StatusCode::OK,
-                    format!("ready (registration: {registration:?})\n"),
-                )
+        "/healthz" => {
+            let age = state.heartbeat.age();
+            if age <= HEARTBEAT_STALE {
+                respond(StatusCode::OK, "ok\n".into())
             } else {
                 respond(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "not ready: ResourceSlices not published yet\n".into(),
+                    format!("unhealthy: runtime heartbeat {} s old\n", age.as_secs()),
+                )
+            }
+        }
+        "/readyz" => {
+            let published = *state.published.borrow();
+            let registration = state.registration.borrow().clone();
+            let blocker = state.blocker.borrow().clone();
+            let unavailable = |why: String| {
+                respond(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("not ready: {why}\n"),
+                )
+            };
+            if let Some(why) = blocker {
+                unavailable(why)
+            } else if registration != RegistrationState::Registered {
+                unavailable(format!(
+                    "the kubelet has not confirmed the registration (registration: {registration:?})"
+                ))
+            } else if !published {
+                unavailable("ResourceSlices not published yet".into())
+            } else {
+                respond(
+                    StatusCode::OK,
+                    format!("ready (registration: {registration:?})\n"),
                 )
             }
         }
@@ -262,22 +299,61 @@ mod tests {
         );
     }
 
+    fn body(r: Response<Full<Bytes>>) -> String {
+        use http_body_util::BodyExt as _;
+        let bytes = futures_executor_block_on(r.into_body().collect())
+            .unwrap()
+            .to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    fn futures_executor_block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
     #[test]
-    fn readyz_waits_for_publish() {
-        let (_reg_tx, registration) = watch::channel(RegistrationState::Pending);
+    fn readyz_waits_for_start_registration_and_publish() {
+        let (reg_tx, registration) = watch::channel(RegistrationState::Pending);
         let (pub_tx, published) = watch::channel(false);
+        let (block_tx, blocker) = watch::channel(Some("NVIDIA driver not ready: x".to_owned()));
+        let heartbeat = Arc::new(Heartbeat::default());
+        heartbeat.beat();
         let state = HealthState {
             metrics: Arc::new(Metrics::new()),
             registration,
             published,
+            blocker,
+            heartbeat,
         };
         assert_eq!(handle(&state, "/healthz").status(), StatusCode::OK);
-        assert_eq!(
-            handle(&state, "/readyz").status(),
-            StatusCode::SERVICE_UNAVAILABLE
-        );
+        let r = handle(&state, "/readyz");
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body(r).contains("NVIDIA driver not ready"));
+        block_tx.send_replace(None);
         pub_tx.send_replace(true);
+        let r = handle(&state, "/readyz");
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body(r).contains("registration"));
+        reg_tx.send_replace(RegistrationState::Registered);
         assert_eq!(handle(&state, "/readyz").status(), StatusCode::OK);
         assert_eq!(handle(&state, "/nope").status(), StatusCode::NOT_FOUND);
+    }
+
+    #[test]
+    fn lifecycle_metrics_are_exported() {
+        let m = Metrics::new();
+        m.lifecycle.nvml_available.set(1);
+        m.lifecycle.checkpoint_errors.inc();
+        let text = m.encode();
+        for line in [
+            "cleave_kubelet_plugin_nvml_available 1",
+            "cleave_kubelet_plugin_checkpoint_healthy 1",
+            "cleave_kubelet_plugin_checkpoint_errors_total 1",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 }
