@@ -565,6 +565,48 @@ def rbac_is_least_privilege() -> None:
             assert o["metadata"]["namespace"] == "cleave-system", o["metadata"]
 
 
+# What the code calls beyond cleave_controller::RBAC_RULES: kube's event Recorder (used by
+# kubelet-plugin/src when it records events) creates events.k8s.io/v1 Events and patches them
+# to count repeats.
+RECORDER_RULES = {("events.k8s.io", "events"): {"create", "patch"}}
+# Granted by the chart although no code calls it. core/v1 events: kube's Recorder writes only
+# events.k8s.io/v1. Remove from the chart, then from here.
+CHART_UNUSED_ALLOWED = {("", "events"): {"create", "patch"}}
+
+
+def rust_rbac_rules() -> dict[tuple[str, str], set[str]]:
+    """cleave_controller::RBAC_RULES, read from controller/src/lib.rs."""
+    text = (ROOT / "controller" / "src" / "lib.rs").read_text()
+    m = re.search(r"pub const RBAC_RULES: [^=]*= &\[(.*?)\n\];", text, re.S)
+    assert m, "controller/src/lib.rs: RBAC_RULES not found"
+    rules: dict[tuple[str, str], set[str]] = {}
+    for group, res, verbs in re.findall(r'\(\s*"([^"]*)",\s*"([^"]+)",\s*&\[([^\]]*)\],?\s*\)', m.group(1)):
+        rules.setdefault((group, res), set()).update(re.findall(r'"([^"]+)"', verbs))
+    assert rules, "RBAC_RULES parsed empty"
+    return rules
+
+
+@check
+def rbac_is_exactly_what_the_code_calls() -> None:
+    need = rust_rbac_rules()
+    plugin_src = "\n".join(p.read_text() for p in (ROOT / "kubelet-plugin" / "src").rglob("*.rs"))
+    if "kube::runtime::events" in plugin_src and "Recorder" in plugin_src:
+        for k, v in RECORDER_RULES.items():
+            need.setdefault(k, set()).update(v)
+    role = one(render(), "ClusterRole")
+    got: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                got.setdefault((group, res), set()).update(rule["verbs"])
+    missing = {k: sorted(v - got.get(k, set())) for k, v in need.items() if v - got.get(k, set())}
+    assert not missing, f"the code calls what the ClusterRole does not grant: {missing}"
+    extra = {k: v - need.get(k, set()) for k, v in got.items() if v - need.get(k, set())}
+    unexplained = {k: sorted(v - CHART_UNUSED_ALLOWED.get(k, set()))
+                   for k, v in extra.items() if v - CHART_UNUSED_ALLOWED.get(k, set())}
+    assert not unexplained, f"the ClusterRole grants what no code calls: {unexplained}"
+
+
 @check
 def rbac_matches_controller_doc() -> None:
     doc = ROOT / "controller" / "RBAC.md"
