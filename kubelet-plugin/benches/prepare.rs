@@ -87,6 +87,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         lifecycle: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
+        health: Default::default(),
         uninstall: false,
     };
     std::fs::create_dir_all(&args.driver.driver_root).unwrap();

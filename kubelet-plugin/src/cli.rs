@@ -196,6 +196,9 @@ pub struct RunArgs {
     /// NVML library.
     #[command(flatten)]
     pub nvml: NvmlArgs,
+    /// Device health checks.
+    #[command(flatten)]
+    pub health: crate::health::HealthArgs,
     /// Start-up retries.
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,

@@ -209,7 +209,16 @@ pub async fn start_with_backend(
         "discovered devices"
     );
     let publisher_config = PublisherConfig::new(plugin.driver_name.clone(), args.node_name.clone());
-    let mut publisher = SlicePublisher::start(client.clone(), publisher_config);
+    let health = crate::health::start_for_plugin(
+        &args.health,
+        args.nvml.nvml_lib.as_deref(),
+        &args.node_name,
+        &pool,
+        &inventory,
+        &driver,
+        metrics.clone(),
+    );
+    let publisher = SlicePublisher::start(client.clone(), publisher_config);
     publisher.publish(pool);
 
     let handler = Arc::new(KubeClaimHandler::new(
@@ -217,7 +226,7 @@ pub async fn start_with_backend(
         Arc::clone(&driver),
         serializer.clone(),
     ));
-    let server = PluginServer::start_with_metrics(&plugin, handler, metrics)
+    let server = PluginServer::start_with_health(&plugin, handler, metrics, health)
         .await
         .context("starting the plugin servers")?;
     Ok(RunningPlugin {
@@ -316,9 +325,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut published = plugin.publisher.status();
     let mut last_error: Option<String> = None;
     let mut was_published = false;
+    let mut health_changes = plugin.server.health().map(|h| h.subscribe());
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
+            Some(()) = async {
+                match health_changes.as_mut() {
+                    Some(rx) => rx.changed().await.ok(),
+                    None => std::future::pending().await,
+                }
+            } => {
+                // A device became unhealthy or healthy again: taint or drop it.
+                if let Some(h) = plugin.server.health() {
+                    plugin.publisher.publish(h.pool_to_publish());
+                }
+            }
             Ok(()) = registration.changed() => {
                 let state = registration.borrow_and_update().clone();
                 info!(state = ?state, "registration state changed");

@@ -138,6 +138,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         lifecycle: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
+        health: Default::default(),
         uninstall: false,
     };
     fake_driver_root(&run_args.driver.driver_root)?;

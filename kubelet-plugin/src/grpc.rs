@@ -360,6 +360,12 @@ impl RegistrationService {
         }
     }
 
+    /// Advertises one more service version (after those already listed).
+    pub fn with_supported_version(mut self, version: &str) -> Self {
+        self.info.supported_versions.push(version.to_owned());
+        self
+    }
+
     /// What `GetInfo` answers.
     pub fn info(&self) -> &PluginInfo {
         &self.info

@@ -13,6 +13,7 @@ pub mod demo;
 pub mod events;
 pub mod grpc;
 pub mod handler;
+pub mod health;
 pub mod inspect;
 pub mod kube_handler;
 pub mod lifecycle;

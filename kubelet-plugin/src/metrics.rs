@@ -61,6 +61,8 @@ pub struct Metrics {
     durations: Family<OperationLabels, Histogram, fn() -> Histogram>,
     registered: Gauge,
     slices_published: Gauge,
+    /// Device health events and unhealthy devices (see [`crate::health`]).
+    pub health: crate::health::HealthMetrics,
     /// Start-up state: NVML availability, checkpoint health (see [`crate::lifecycle`]).
     pub lifecycle: LifecycleMetrics,
 }
@@ -100,6 +102,7 @@ impl Metrics {
             "ResourceSlices of this node as last published (0 before the first publish)",
             slices_published.clone(),
         );
+        let health = crate::health::HealthMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
         Self {
             registry,
@@ -107,6 +110,7 @@ impl Metrics {
             durations,
             registered,
             slices_published,
+            health,
             lifecycle,
         }
     }

@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::grpc::{DraService, RegistrationService, RegistrationState};
 use crate::handler::ClaimHandler;
+use crate::health::{DeviceHealth, HEALTH_V1, HEALTH_V1ALPHA1, HealthService};
 
 /// How long shutdown waits for in-flight calls before it aborts a server.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -292,6 +293,7 @@ fn serve(
 pub struct PluginServer {
     registration: Option<ServedSocket>,
     dra: Option<ServedSocket>,
+    health: Option<Arc<DeviceHealth>>,
     state: watch::Receiver<RegistrationState>,
     dra_socket: PathBuf,
     registration_socket: PathBuf,
@@ -322,6 +324,18 @@ impl PluginServer {
         handler: Arc<H>,
         metrics: Option<Arc<crate::metrics::Metrics>>,
     ) -> Result<Self, ServerError> {
+        Self::start_with_health(config, handler, metrics, None).await
+    }
+
+    /// [`PluginServer::start_with_metrics`], also serving the device health stream
+    /// (`v1alpha1` and `v1` `DRAResourceHealth`) on the DRA socket when `health` is given,
+    /// advertised after the DRA versions.
+    pub async fn start_with_health<H: ClaimHandler>(
+        config: &PluginConfig,
+        handler: Arc<H>,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+        health: Option<Arc<DeviceHealth>>,
+    ) -> Result<Self, ServerError> {
         config.prepare_dirs()?;
         let dra_socket = absolute(&config.dra_socket());
         let registration_socket = absolute(&config.registration_socket());
@@ -330,11 +344,26 @@ impl PluginServer {
         let (listener, identity) = bind(&dra_socket)?;
         let router = tonic::transport::Server::builder()
             .add_service(dra_service.v1_svc())
-            .add_service(dra_service.v1beta1_svc());
+            .add_service(dra_service.v1beta1_svc())
+            .add_optional_service(
+                health
+                    .as_ref()
+                    .map(|h| HealthService(Arc::clone(h)).v1alpha1_svc()),
+            )
+            .add_optional_service(
+                health
+                    .as_ref()
+                    .map(|h| HealthService(Arc::clone(h)).v1_svc()),
+            );
         let dra = serve(dra_socket.clone(), identity, listener, router);
         info!(path = %dra_socket.display(), "serving DRA service");
 
-        let registration_service = RegistrationService::new(&config.driver_name, &dra_socket);
+        let mut registration_service = RegistrationService::new(&config.driver_name, &dra_socket);
+        if health.is_some() {
+            registration_service = registration_service
+                .with_supported_version(HEALTH_V1ALPHA1)
+                .with_supported_version(HEALTH_V1);
+        }
         let state = registration_service.state();
         let (listener, identity) = bind(&registration_socket)?;
         let router = tonic::transport::Server::builder().add_service(registration_service.svc());
@@ -344,6 +373,7 @@ impl PluginServer {
         Ok(Self {
             registration: Some(registration),
             dra: Some(dra),
+            health,
             state,
             dra_socket,
             registration_socket,
@@ -360,6 +390,11 @@ impl PluginServer {
         &self.registration_socket
     }
 
+    /// The device health state served on the health stream, if any.
+    pub fn health(&self) -> Option<&Arc<DeviceHealth>> {
+        self.health.as_ref()
+    }
+
     /// Follows the kubelet's registration verdicts.
     pub fn registration_state(&self) -> watch::Receiver<RegistrationState> {
         self.state.clone()
@@ -372,6 +407,10 @@ impl PluginServer {
             Some(s) => s.stop().await,
             None => Ok(()),
         };
+        // Health streams never end by themselves: end them so the DRA server can stop.
+        if let Some(h) = self.health.take() {
+            h.close();
+        }
         let dra = match self.dra.take() {
             Some(s) => s.stop().await,
             None => Ok(()),

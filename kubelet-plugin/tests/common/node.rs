@@ -106,6 +106,8 @@ pub struct PluginOptions {
     pub pod_uid: Option<&'static str>,
     /// Serve metrics and health on 127.0.0.1 at this port.
     pub metrics_port: Option<u16>,
+    /// More environment variables (e.g. `MOCK_NVML_CONTROL`, `DEVICE_TAINTS`).
+    pub env: Vec<(&'static str, String)>,
 }
 
 impl Default for PluginOptions {
@@ -116,6 +118,7 @@ impl Default for PluginOptions {
             dynamic_mig: false,
             pod_uid: None,
             metrics_port: None,
+            env: Vec::new(),
         }
     }
 }
@@ -147,6 +150,9 @@ impl Plugin {
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stderr(log_file(dirs));
+        for (k, v) in &opts.env {
+            cmd.env(k, v);
+        }
         if opts.dynamic_mig {
             cmd.arg("--dynamic-mig");
         }
