@@ -221,11 +221,12 @@ pub async fn start_with_backend(
     let publisher = SlicePublisher::start(client.clone(), publisher_config);
     publisher.publish(pool);
 
-    let handler = Arc::new(KubeClaimHandler::new(
-        client,
-        Arc::clone(&driver),
-        serializer.clone(),
-    ));
+    let events = crate::events::EventReporter::new(client.clone(), args.node_name.clone());
+    let handler = Arc::new(
+        KubeClaimHandler::new(client, Arc::clone(&driver), serializer.clone())
+            .with_health(health.clone(), &plugin.driver_name)
+            .with_events(events),
+    );
     let server = PluginServer::start_with_health(&plugin, handler, metrics, health)
         .await
         .context("starting the plugin servers")?;

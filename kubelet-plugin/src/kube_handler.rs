@@ -9,12 +9,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cleave_driver::prepare::NodeDriver;
+use cleave_driver::prepare::{NodeDriver, PrepareError};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use tracing::{debug, info, info_span, warn};
 
+use crate::events::{EventReporter, Severity};
 use crate::handler::{ClaimHandler, ClaimRef, PrepareResult, PreparedDevice, UnprepareResult};
+use crate::health::DeviceHealth;
 use crate::serialize::Serializer;
 
 /// Prepares claims by reading them from the API server and calling the node driver.
@@ -23,6 +25,10 @@ pub struct KubeClaimHandler {
     client: kube::Client,
     driver: Arc<NodeDriver>,
     serializer: Serializer,
+    /// Device health: claims of unhealthy devices are refused (see [`Self::with_health`]).
+    health: Option<(Arc<DeviceHealth>, String)>,
+    /// Warning Events on claims whose prepare failed for a reason the user can act on.
+    events: Option<EventReporter>,
 }
 
 impl std::fmt::Debug for KubeClaimHandler {
@@ -42,6 +48,61 @@ impl KubeClaimHandler {
             client,
             driver,
             serializer,
+            health: None,
+            events: None,
+        }
+    }
+
+    /// Refuses to prepare a claim (not prepared before) that has a device of `driver_name`
+    /// that `health` reports unhealthy.
+    pub fn with_health(mut self, health: Option<Arc<DeviceHealth>>, driver_name: &str) -> Self {
+        self.health = health.map(|h| (h, driver_name.to_owned()));
+        self
+    }
+
+    /// Publishes a Warning Event `PrepareFailed` on the claim when a prepare fails for a
+    /// reason its owner can act on (invalid config, unknown or unhealthy device).
+    pub fn with_events(mut self, events: EventReporter) -> Self {
+        self.events = Some(events);
+        self
+    }
+
+    /// The first allocated device of this driver and pool that is unhealthy, with why.
+    fn unhealthy_device(&self, object: &ResourceClaim) -> Option<(String, String)> {
+        let (health, driver) = self.health.as_ref()?;
+        let results = object
+            .status
+            .as_ref()?
+            .allocation
+            .as_ref()?
+            .devices
+            .as_ref()?
+            .results
+            .as_ref()?;
+        results
+            .iter()
+            .filter(|r| &r.driver == driver && r.pool == health.pool_name())
+            .find_map(|r| {
+                health
+                    .condition(&r.device)
+                    .map(|c| (r.device.clone(), c.message))
+            })
+    }
+
+    fn report(&self, object: &ResourceClaim, note: String) {
+        if let Some(events) = self.events.clone() {
+            let regarding = crate::events::object_reference(object);
+            tokio::spawn(async move {
+                events
+                    .publish(
+                        &regarding,
+                        Severity::Warning,
+                        "PrepareFailed",
+                        "Prepare",
+                        &note,
+                    )
+                    .await;
+            });
         }
     }
 
@@ -92,9 +153,38 @@ impl ClaimHandler for KubeClaimHandler {
         let fetched = futures::future::join_all(claims.iter().map(|c| self.fetch(c))).await;
         let mut results = BTreeMap::new();
         let mut work = Vec::new();
+        let prepared: std::collections::BTreeSet<String> = if self.health.is_some() {
+            self.driver
+                .prepared_claims()
+                .into_iter()
+                .map(|r| r.uid)
+                .collect()
+        } else {
+            Default::default()
+        };
+        let mut objects: BTreeMap<String, ResourceClaim> = BTreeMap::new();
         for (claim, object) in claims.into_iter().zip(fetched) {
             match object {
-                Ok(object) => work.push((claim, object)),
+                Ok(object) => {
+                    // A claim prepared before stays prepared (idempotent repeats after a
+                    // kubelet restart); new claims of an unhealthy device are refused.
+                    if !prepared.contains(&claim.uid)
+                        && let Some((device, why)) = self.unhealthy_device(&object)
+                    {
+                        let e = format!(
+                            "claim {}/{}: device {device} is unhealthy ({why}); not preparing it",
+                            claim.namespace, claim.name
+                        );
+                        warn!(namespace = %claim.namespace, name = %claim.name, uid = %claim.uid, error = %e, "prepare refused");
+                        self.report(&object, e.clone());
+                        results.insert(claim.uid, Err(e));
+                        continue;
+                    }
+                    if self.events.is_some() {
+                        objects.insert(claim.uid.clone(), object.clone());
+                    }
+                    work.push((claim, object));
+                }
                 Err(e) => {
                     warn!(namespace = %claim.namespace, name = %claim.name, uid = %claim.uid, error = %e, "prepare failed");
                     results.insert(claim.uid, Err(e));
@@ -130,10 +220,18 @@ impl ClaimHandler for KubeClaimHandler {
                                     })
                                     .collect::<Vec<_>>()
                             })
-                            .map_err(|e| e.to_string());
+                            .map_err(|e| {
+                                let actionable = matches!(
+                                    e,
+                                    PrepareError::InvalidConfig { .. }
+                                        | PrepareError::UnknownDevice { .. }
+                                        | PrepareError::InvalidClaim { .. }
+                                );
+                                (actionable, e.to_string())
+                            });
                         match &result {
                             Ok(devices) => info!(devices = devices.len(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "prepared"),
-                            Err(e) => warn!(error = %e, "prepare failed"),
+                            Err((_, e)) => warn!(error = %e, "prepare failed"),
                         }
                         (claim.uid, result)
                     })
@@ -141,7 +239,17 @@ impl ClaimHandler for KubeClaimHandler {
             })
             .await;
         match batch {
-            Ok(done) => results.extend(done),
+            Ok(done) => {
+                for (uid, result) in done {
+                    let result = result.map_err(|(actionable, e)| {
+                        if actionable && let Some(object) = objects.get(&uid) {
+                            self.report(object, e.clone());
+                        }
+                        e
+                    });
+                    results.insert(uid, result);
+                }
+            }
             Err(e) => {
                 let msg = format!("preparing claims: {e}");
                 warn!(error = %msg, "prepare batch failed");

@@ -287,6 +287,41 @@ async fn xid_marks_device_unhealthy_on_stream_slices_and_metrics() {
     assert_eq!(d["gpu-2"]["taints"][0]["effect"], "NoSchedule");
     assert!(d["gpu-1"].get("taints").is_none_or(Value::is_null), "{d:?}");
 
+    // A new claim of the unhealthy device is refused, with a Warning Event on the claim;
+    // the claim prepared before stays prepared.
+    put_claim(&standin, "sick", "uid-sick", &[("gpu", "gpu-2")], &[]);
+    let r = dra
+        .node_prepare_resources(
+            cleave_kubelet_plugin::proto::dra::v1::NodePrepareResourcesRequest {
+                claims: vec![claim("sick", "uid-sick"), claim("m", "uid-m")],
+            },
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    let e = &r.claims["uid-sick"].error;
+    assert!(
+        e.contains("gpu-2 is unhealthy") && e.contains("Xid 79"),
+        "{e}"
+    );
+    assert_eq!(r.claims["uid-m"].error, "");
+    let events = standin
+        .wait_for("events.events.k8s.io", TIMEOUT, |items| {
+            items.iter().any(|e| e["regarding"]["name"] == "sick")
+        })
+        .await
+        .expect("no Event on the claim");
+    let ev = events
+        .iter()
+        .find(|e| e["regarding"]["name"] == "sick")
+        .unwrap();
+    assert_eq!(ev["reason"], "PrepareFailed");
+    assert_eq!(ev["type"], "Warning");
+    assert_eq!(ev["regarding"]["kind"], "ResourceClaim");
+    assert_eq!(ev["reportingController"], "gpu.cleave.dev/kubelet-plugin");
+    assert_eq!(ev["reportingInstance"], NODE);
+    assert!(ev["note"].as_str().unwrap().contains("unhealthy"));
+
     let s = scrape(port);
     assert_eq!(
         sample(
