@@ -275,6 +275,12 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<CheckpointData, CheckpointErr
 /// fsync of the directory. The temp name ends in neither `.json` nor `.yaml`, so CDI
 /// runtimes never read a half-written spec.
 pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_file_atomic_mode(path, bytes, 0o644)
+}
+
+/// [`write_file_atomic`] creating the file with permission bits `mode` (before umask).
+pub fn write_file_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
@@ -286,10 +292,15 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     tmp_name.push(".tmp");
     let tmp = dir.join(tmp_name);
     let result = (|| {
+        // A temp file left by a crash keeps its old mode: remove it first.
+        match fs::remove_file(&tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         let mut file = OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .mode(mode)
             .open(&tmp)?;
         file.write_all(bytes)?;
         file.sync_all()?;
@@ -340,14 +351,14 @@ impl CheckpointStore {
         }
     }
 
-    /// Stores the checkpoint durably.
+    /// Stores the checkpoint durably, readable by root only (mode 0600).
     pub fn store(&self, data: &CheckpointData) -> Result<(), CheckpointError> {
         let bytes = encode(data).map_err(|source| CheckpointError::Encode {
             path: self.path.clone(),
             source,
         })?;
         crate::fault::io_point("checkpoint.write")
-            .and_then(|()| write_file_atomic(&self.path, &bytes))
+            .and_then(|()| write_file_atomic_mode(&self.path, &bytes, 0o600))
             .map_err(|source| CheckpointError::Write {
                 path: self.path.clone(),
                 source,

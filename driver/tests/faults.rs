@@ -257,17 +257,23 @@ fn unwritable_cdi_root_fails_prepare_cleanly() {
     }
 }
 
-/// A full disk. Real ENOSPC: the temp file of the next checkpoint or CDI write is a symlink
-/// to `/dev/full` (the atomic write opens it, and the write fails). Injected ENOSPC for the
-/// final checkpoint write. Prepare fails naming the file; nothing is left on the hardware;
-/// a record the failure could not remove stays `PrepareStarted` and the next start rolls it
-/// back.
+/// A full disk (ENOSPC injected at the write: the atomic writer removes a planted temp file
+/// and creates its own, so `/dev/full` cannot stand in). Intent record, CDI spec, or final
+/// record: prepare fails naming the file; nothing is left on the hardware; a record the
+/// failure could not remove stays `PrepareStarted` and the next start rolls it back.
 #[test]
 fn disk_full_fails_prepare_without_residue() {
     let Some(case) = scenario() else {
-        for case in ["checkpoint-dev-full", "cdi-dev-full"] {
-            run("disk_full_fails_prepare_without_residue", case, &[]);
-        }
+        run(
+            "disk_full_fails_prepare_without_residue",
+            "intent-checkpoint-enospc",
+            &[("CLEAVE_FAULT_ERROR_AT", "checkpoint.write#3=ENOSPC")],
+        );
+        run(
+            "disk_full_fails_prepare_without_residue",
+            "cdi-enospc",
+            &[("CLEAVE_FAULT_ERROR_AT", "cdi.write=ENOSPC")],
+        );
         // Start writes the checkpoint twice; the third write is prepare's intent record, the
         // fourth its final record. The second child (no injection: space is back) shares
         // the node's directory and "hardware".
@@ -301,23 +307,10 @@ fn disk_full_fails_prepare_without_residue() {
         assert_clean(&dir, &nvml, &case);
         return;
     }
-    let full = Path::new("/dev/full");
-    match case.as_str() {
-        "checkpoint-dev-full" => {
-            std::os::unix::fs::symlink(full, dir.join("state/.checkpoint.json.tmp")).unwrap()
-        }
-        "cdi-dev-full" => std::os::unix::fs::symlink(
-            full,
-            dir.join("cdi")
-                .join(format!(".{}.tmp", cdi::spec_file_name(UID))),
-        )
-        .unwrap(),
-        _ => {}
-    }
     let e = driver.prepare(&claim(UID, MIG_DEVICE)).unwrap_err();
     let msg = e.to_string();
     assert!(msg.contains("No space left on device"), "{case}: {msg}");
-    let named = if case == "cdi-dev-full" {
+    let named = if case == "cdi-enospc" {
         dir.join("cdi").join(cdi::spec_file_name(UID))
     } else {
         dir.join("state/checkpoint.json")
@@ -405,4 +398,43 @@ fn damaged_checkpoint_refuses_start_with_path_and_recovery() {
     std::fs::rename(&path, cfg.state_dir.join("checkpoint.json.corrupt")).unwrap();
     let driver = NodeDriver::start(cfg, nvml).unwrap();
     assert!(driver.prepared_claims().is_empty());
+}
+
+/// Least privilege on disk: the state directory is 0700 and the checkpoint 0600 (root only);
+/// CDI specs are 0644 (the runtime reads them). A temp-file name planted as a symlink is not
+/// followed: the write replaces it and the target is untouched.
+#[test]
+fn state_is_root_only_and_planted_symlinks_are_not_followed() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(_) = scenario() else {
+        run(
+            "state_is_root_only_and_planted_symlinks_are_not_followed",
+            "h100",
+            &[],
+        );
+        return;
+    };
+    let dir = node_dir();
+    let cfg = config(&dir);
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    std::fs::create_dir_all(&cfg.cdi_root).unwrap();
+    let planted = cfg
+        .cdi_root
+        .join(format!(".{}.tmp", cdi::spec_file_name(UID)));
+    std::os::unix::fs::symlink(&victim, &planted).unwrap();
+    let driver = NodeDriver::start(cfg.clone(), backend()).unwrap();
+    // Start sweeps stray temp files of the CDI root; plant one again for prepare.
+    let _ = std::fs::remove_file(&planted);
+    std::os::unix::fs::symlink(&victim, &planted).unwrap();
+    std::os::unix::fs::symlink(&victim, cfg.state_dir.join(".checkpoint.json.tmp")).unwrap();
+    driver.prepare(&claim(UID, MIG_DEVICE)).unwrap();
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&cfg.state_dir), 0o700);
+    assert_eq!(mode(&cfg.state_dir.join("checkpoint.json")), 0o600);
+    let spec = mode(&cfg.cdi_root.join(cdi::spec_file_name(UID)));
+    assert_eq!(spec & 0o022, 0, "spec writable by others: {spec:o}");
+    assert!(!planted.exists() && std::fs::symlink_metadata(&planted).is_err());
+    driver.unprepare(UID).unwrap();
 }

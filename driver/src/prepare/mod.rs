@@ -368,6 +368,15 @@ impl NodeDriver {
                 source,
             })?;
         }
+        // The state directory (checkpoint, MPS records) is root's alone.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&config.state_dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|source| PrepareError::CreateDir {
+                    path: config.state_dir.clone(),
+                    source,
+                })?;
+        }
         let files = DriverFiles::discover(&config.driver_root)?;
         let cdi = CdiStore::new(&config.cdi_root, files.common_edits());
         let checkpoint = CheckpointStore::in_dir(&config.state_dir);
