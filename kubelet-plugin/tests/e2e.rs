@@ -506,6 +506,14 @@ async fn metrics_and_health_endpoints() {
             ..PluginOptions::default()
         },
     );
+    // Ready needs the kubelet's confirmation of the registration (and a publish).
+    let mut reg = registration(&plugin.registration_socket).await;
+    reg.notify_registration_status(RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await
+    .unwrap();
     let started = std::time::Instant::now();
     loop {
         match http_get(port, "/readyz") {
