@@ -411,3 +411,61 @@ async fn device_plugin_and_other_driver_on_the_same_gpus_are_reported() {
     }
     assert!(plugin.terminate().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mps_on_a_gpu_that_cannot_do_it_fails_that_claim_only() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    // gpu-0: a Pascal-era part (compute capability 6.1), gpu-1: an L4 (8.9).
+    let config = dirs.path().join("old-gpu.yaml");
+    std::fs::write(
+        &config,
+        "name: old-gpu\ngpus:\n  - product: l4\n    name: Tesla P4\n    computeCapability: \"6.1\"\n  - product: l4\n",
+    )
+    .unwrap();
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            env: vec![("MOCK_NVML_CONFIG", config.display().to_string())],
+            ..PluginOptions::default()
+        },
+    );
+    let mps = cleave_apiserver_standin::fixtures::opaque_config(
+        "FromClaim",
+        &["gpu"],
+        DRIVER,
+        serde_json::json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 50}}}),
+    );
+    put_claim(
+        &standin,
+        "mps-old",
+        "uid-mps-old",
+        &[("gpu", "gpu-0")],
+        &[mps],
+    );
+    put_claim(&standin, "plain", "uid-plain", &[("gpu", "gpu-1")], &[]);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(
+        &mut dra,
+        vec![claim("mps-old", "uid-mps-old"), claim("plain", "uid-plain")],
+    )
+    .await;
+    let err = &r.claims["uid-mps-old"].error;
+    assert!(err.contains("MPS is not supported"), "{err}");
+    assert!(err.contains("compute capability 6.1"), "{err}");
+    assert!(
+        err.contains("Tesla P4") && err.contains("GPU-"),
+        "names the GPU: {err}"
+    );
+    assert_eq!(
+        r.claims["uid-plain"].error, "",
+        "the other claim is unaffected"
+    );
+    // Nothing of the failed claim stays: gpu-0 is free for a plain claim.
+    assert!(!dirs.cdi_files().iter().any(|f| f.contains("uid-mps-old")));
+    put_claim(&standin, "plain0", "uid-plain0", &[("gpu", "gpu-0")], &[]);
+    let r = prepare(&mut dra, vec![claim("plain0", "uid-plain0")]).await;
+    assert_eq!(r.claims["uid-plain0"].error, "", "{}", dirs.log());
+    assert!(plugin.terminate().success());
+}
