@@ -353,6 +353,12 @@ impl CheckpointStore {
 
     /// Stores the checkpoint durably, readable by root only (mode 0600).
     pub fn store(&self, data: &CheckpointData) -> Result<(), CheckpointError> {
+        crate::timing::timed(crate::timing::step::CHECKPOINT_WRITE, || {
+            self.store_untimed(data)
+        })
+    }
+
+    fn store_untimed(&self, data: &CheckpointData) -> Result<(), CheckpointError> {
         let bytes = encode(data).map_err(|source| CheckpointError::Encode {
             path: self.path.clone(),
             source,

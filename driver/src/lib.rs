@@ -19,3 +19,4 @@ pub mod packing;
 pub mod pool;
 pub mod prepare;
 pub mod sharing;
+pub mod timing;

@@ -208,7 +208,12 @@ pub async fn start_with_backend(
         dynamic_mig = args.driver.dynamic_mig,
         "discovered devices"
     );
-    let publisher_config = PublisherConfig::new(plugin.driver_name.clone(), args.node_name.clone());
+    let mut publisher_config =
+        PublisherConfig::new(plugin.driver_name.clone(), args.node_name.clone());
+    if let Some(m) = &metrics {
+        publisher_config.observer = Some(m.observability.api_observer());
+        m.observability.set_published(&pool);
+    }
     let health = crate::health::start_for_plugin(
         &args.health,
         args.nvml.nvml_lib.as_deref(),
@@ -264,6 +269,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
 
     let metrics = args.metrics_addr.map(|_| Arc::new(Metrics::new()));
+    if let Some(m) = &metrics {
+        m.observability.install_driver_observer();
+    }
     // Health is served before start-up, which may wait for the NVIDIA driver or a readable
     // checkpoint (crate::lifecycle); /readyz names what it waits for.
     let (registration_tx, registration_rx) =
@@ -338,7 +346,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             } => {
                 // A device became unhealthy or healthy again: taint or drop it.
                 if let Some(h) = plugin.server.health() {
-                    plugin.publisher.publish(h.pool_to_publish());
+                    let pool = h.pool_to_publish();
+                    if let Some(m) = &metrics {
+                        m.observability.set_published(&pool);
+                    }
+                    plugin.publisher.publish(pool);
                 }
             }
             Ok(()) = registration.changed() => {

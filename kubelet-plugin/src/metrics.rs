@@ -63,6 +63,8 @@ pub struct Metrics {
     slices_published: Gauge,
     /// Device health events and unhealthy devices (see [`crate::health`]).
     pub health: crate::health::HealthMetrics,
+    /// Call latency by result, API requests, published devices (see [`crate::observability`]).
+    pub observability: crate::observability::ObservabilityMetrics,
     /// Start-up state: NVML availability, checkpoint health (see [`crate::lifecycle`]).
     pub lifecycle: LifecycleMetrics,
 }
@@ -103,6 +105,7 @@ impl Metrics {
             slices_published.clone(),
         );
         let health = crate::health::HealthMetrics::register(&mut registry);
+        let observability = crate::observability::ObservabilityMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
         Self {
             registry,
@@ -111,6 +114,7 @@ impl Metrics {
             registered,
             slices_published,
             health,
+            observability,
             lifecycle,
         }
     }
@@ -126,6 +130,7 @@ impl Metrics {
         self.durations
             .get_or_create(&OperationLabels { operation })
             .observe(elapsed.as_secs_f64());
+        self.observability.observe_call(operation, elapsed, failed);
         for (result, n) in [("ok", ok), ("error", failed)] {
             if n > 0 {
                 self.claims

@@ -253,7 +253,46 @@ async fn xid_marks_device_unhealthy_on_stream_slices_and_metrics() {
         .unwrap()
         .into_inner();
     assert_eq!(r.claims["uid-m"].error, "");
-    assert_eq!(count(&scrape(port)), count(&before) + 1.0);
+    let after = scrape(port);
+    assert_eq!(count(&after), count(&before) + 1.0);
+    let by_result = |s: &[Sample]| {
+        sample(
+            s,
+            "cleave_kubelet_plugin_operation_duration_seconds_count",
+            &[("operation", "prepare"), ("result", "ok")],
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(by_result(&after), by_result(&before) + 1.0);
+    // Driver steps: CDI and checkpoint writes of that prepare.
+    for step in ["cdi_write", "checkpoint_write"] {
+        assert!(
+            sample(
+                &after,
+                "cleave_kubelet_plugin_driver_step_duration_seconds_count",
+                &[("step", step)]
+            )
+            .is_some_and(|n| n >= 1.0),
+            "{step}"
+        );
+    }
+    // The publisher's API requests and the published devices by type.
+    assert!(
+        sample(
+            &after,
+            "cleave_kubelet_plugin_api_requests_total",
+            &[("verb", "create"), ("result", "ok")]
+        )
+        .is_some_and(|n| n >= 1.0)
+    );
+    assert_eq!(
+        sample(
+            &after,
+            "cleave_kubelet_plugin_devices_published",
+            &[("type", "gpu")]
+        ),
+        Some(8.0)
+    );
 
     // An application Xid (31) on GPU 1 is counted and changes nothing; a fatal one (79)
     // on GPU 2 marks gpu-2 unhealthy.

@@ -961,14 +961,15 @@ impl NodeDriver {
             let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
                 continue;
             };
-            let inst = self
-                .backend
-                .create_mig(&d.gpu.uuid, mig.profile_id, mig.placement)
-                .map_err(|source| PrepareError::MigCreate {
-                    claim: label.to_owned(),
-                    device: d.name.clone(),
-                    source,
-                })?;
+            let inst = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
+                self.backend
+                    .create_mig(&d.gpu.uuid, mig.profile_id, mig.placement)
+            })
+            .map_err(|source| PrepareError::MigCreate {
+                claim: label.to_owned(),
+                device: d.name.clone(),
+                source,
+            })?;
             crate::fault::point("prepare.after_mig_create");
             if let Some(m) = record.devices[i].mig.as_mut() {
                 m.uuid = Some(inst.uuid.clone());
@@ -1014,14 +1015,18 @@ impl NodeDriver {
                 namespace: &record.namespace,
                 name: &record.name,
             };
-            let edits = self.sharing.apply(&claim, &shared)?;
+            let edits = crate::timing::timed(crate::timing::step::SHARING_APPLY, || {
+                self.sharing.apply(&claim, &shared)
+            })?;
             crate::fault::point("prepare.after_sharing_apply");
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
             edits
         };
 
         // CDI spec.
-        self.write_cdi(uid, record, &edits)?;
+        crate::timing::timed(crate::timing::step::CDI_WRITE, || {
+            self.write_cdi(uid, record, &edits)
+        })?;
 
         // Durable record, then the answer.
         record.state = ClaimState::Prepared;
@@ -1287,9 +1292,11 @@ impl NodeDriver {
             tracing::info!(device = %device.name, "MIG device already gone");
             return Ok(());
         };
-        self.backend
-            .destroy_mig(&device.gpu_uuid, inst.gi_id, inst.ci_id)
-            .map_err(err)?;
+        crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
+            self.backend
+                .destroy_mig(&device.gpu_uuid, inst.gi_id, inst.ci_id)
+        })
+        .map_err(err)?;
         crate::fault::point("release.after_mig_destroy");
         tracing::info!(device = %device.name, mig = %inst.uuid, "destroyed MIG device");
         Ok(())
