@@ -35,14 +35,21 @@ impl Drop for Spawned {
 }
 
 fn spawn(dirs: &NodeDirs, nvml_lib: &Path, port: u16) -> Spawned {
+    Spawned {
+        child: command(dirs, nvml_lib, port).spawn().unwrap(),
+    }
+}
+
+/// The plugin's command line on this node, serving metrics on `port`.
+fn command(dirs: &NodeDirs, nvml_lib: &Path, port: u16) -> Command {
     std::fs::create_dir_all(dirs.driver_root()).unwrap();
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(dirs.path().join("plugin.log"))
         .unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
-        .arg("run")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"));
+    cmd.arg("run")
         .arg(format!("--metrics-addr=127.0.0.1:{port}"))
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
@@ -59,10 +66,8 @@ fn spawn(dirs: &NodeDirs, nvml_lib: &Path, port: u16) -> Spawned {
         .env("RUST_LOG", "info")
         .envs(RETRY)
         .stdin(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    Spawned { child }
+        .stderr(log);
+    cmd
 }
 
 fn reg_socket(dirs: &NodeDirs) -> PathBuf {
@@ -468,4 +473,43 @@ async fn mps_on_a_gpu_that_cannot_do_it_fails_that_claim_only() {
     let r = prepare(&mut dra, vec![claim("plain0", "uid-plain0")]).await;
     assert_eq!(r.claims["uid-plain0"].error, "", "{}", dirs.log());
     assert!(plugin.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_gpus_waits_unless_allowed() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let config = dirs.path().join("empty.yaml");
+    std::fs::write(&config, "name: empty\ngpus: []\n").unwrap();
+    let port = free_port();
+    let spawn_with = |allow: bool| {
+        let mut cmd = command(&dirs, &mock_lib(), port);
+        cmd.env("MOCK_NVML_CONFIG", &config);
+        if allow {
+            cmd.arg("--allow-no-gpus");
+        }
+        Spawned {
+            child: cmd.spawn().unwrap(),
+        }
+    };
+
+    let plugin = spawn_with(false);
+    let body = wait_some("readyz 503: no GPU", &dirs, || {
+        http_get(port, "/readyz")
+            .and_then(|(s, b)| (s == 503 && b.contains("NVML found no GPU")).then_some(b))
+    })
+    .await;
+    assert!(body.contains("--allow-no-gpus"), "{body}");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!reg_socket(&dirs).exists());
+    assert!(slices(&standin).is_empty(), "an empty pool was published");
+    drop(plugin);
+
+    let _plugin = spawn_with(true);
+    register_and_wait_ready(&dirs, port).await;
+    let devices: usize = slices(&standin)
+        .iter()
+        .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(devices, 0);
 }
