@@ -272,6 +272,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     if let Some(m) = &metrics {
         m.observability.install_driver_observer();
     }
+    let taint_client = client.clone();
     // Health is served before start-up, which may wait for the NVIDIA driver or a readable
     // checkpoint (crate::lifecycle); /readyz names what it waits for.
     let (registration_tx, registration_rx) =
@@ -350,7 +351,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     if let Some(m) = &metrics {
                         m.observability.set_published(&pool);
                     }
-                    plugin.publisher.publish(pool);
+                    let version = plugin.publisher.publish(pool);
+                    if h.needs_taint_check() {
+                        tokio::spawn(Arc::clone(h).verify_taints(
+                            taint_client.clone(),
+                            args.kubelet.driver_name.clone(),
+                            version,
+                            plugin.publisher.status(),
+                        ));
+                    }
                 }
             }
             Ok(()) = registration.changed() => {

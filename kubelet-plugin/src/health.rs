@@ -58,6 +58,9 @@ pub enum TaintMode {
     /// Remove them from the published pool (works on every cluster).
     #[default]
     Off,
+    /// Taint them, check that the stored ResourceSlice kept the taint, and remove
+    /// unhealthy devices instead when the API server dropped it (feature gate off).
+    Auto,
 }
 
 /// Health check flags of `run`.
@@ -73,7 +76,8 @@ pub struct HealthArgs {
     /// (comma list; wins over the ignore lists).
     #[arg(long, env = "XIDS_TO_CHECK", value_delimiter = ',')]
     pub xids_to_check: Vec<u64>,
-    /// How unhealthy devices are published: `on` = NoSchedule taint, `off` = removed.
+    /// How unhealthy devices are published: `on` = NoSchedule taint, `off` = removed,
+    /// `auto` = taint, falling back to removal when the API server drops device taints.
     #[arg(long, env = "DEVICE_TAINTS", value_enum, default_value_t = TaintMode::Off)]
     pub device_taints: TaintMode,
     /// Seconds after which an Xid or ECC mark clears by itself; 0 = until restart.
@@ -194,6 +198,10 @@ pub struct DeviceHealth {
     pool_name: String,
     base_pool: PoolDevices,
     taints: TaintMode,
+    /// Taints in use now (`on`, or `auto` until the server showed it drops them).
+    use_taints: std::sync::atomic::AtomicBool,
+    /// `auto`: the server kept a taint once, no more checks needed.
+    taints_verified: std::sync::atomic::AtomicBool,
     xid_duration: Option<Duration>,
     inner: Mutex<Inner>,
     changed: watch::Sender<u64>,
@@ -211,6 +219,8 @@ impl DeviceHealth {
             pool_name: pool_name.into(),
             base_pool: pool,
             taints: args.device_taints,
+            use_taints: std::sync::atomic::AtomicBool::new(args.device_taints != TaintMode::Off),
+            taints_verified: std::sync::atomic::AtomicBool::new(false),
             xid_duration: (args.xid_unhealthy_duration > 0)
                 .then(|| Duration::from_secs(args.xid_unhealthy_duration)),
             inner: Mutex::new(Inner {
@@ -372,9 +382,14 @@ impl DeviceHealth {
     pub fn pool_to_publish(&self) -> PoolDevices {
         let inner = self.lock();
         let mut pool = self.base_pool.clone();
+        let taints = self.use_taints.load(std::sync::atomic::Ordering::SeqCst);
         for group in &mut pool.groups {
-            match self.taints {
-                TaintMode::Off => group
+            match if taints {
+                TaintMode::On
+            } else {
+                TaintMode::Off
+            } {
+                TaintMode::Off | TaintMode::Auto => group
                     .devices
                     .retain(|d| !inner.conditions.contains_key(&d.name)),
                 TaintMode::On => {
@@ -391,6 +406,91 @@ impl DeviceHealth {
             }
         }
         pool
+    }
+
+    /// True while `--device-taints=auto` has not yet seen whether the API server keeps
+    /// device taints and some device is tainted: call [`Self::verify_taints`].
+    pub fn needs_taint_check(&self) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.taints == TaintMode::Auto
+            && self.use_taints.load(SeqCst)
+            && !self.taints_verified.load(SeqCst)
+            && !self.lock().conditions.is_empty()
+    }
+
+    /// `--device-taints=auto`: waits until the publisher stored version `version`, reads
+    /// this node's ResourceSlices back and, if a tainted device came back without its
+    /// taint (the `DRADeviceTaints` gate is off), switches to removing unhealthy devices
+    /// (a change: the daemon republishes). Returns true when taints were kept.
+    pub async fn verify_taints(
+        self: Arc<Self>,
+        client: kube::Client,
+        driver_name: String,
+        version: u64,
+        mut status: watch::Receiver<cleave_controller::PublisherStatus>,
+    ) -> Option<bool> {
+        use k8s_openapi::api::resource::v1::ResourceSlice;
+        use std::sync::atomic::Ordering::SeqCst;
+        let stored = matches!(
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                status.wait_for(|s| s.published_version >= version),
+            )
+            .await,
+            Ok(Ok(_))
+        );
+        if !stored {
+            warn!("device taints: publication not confirmed; checking later");
+            return None;
+        }
+        let tainted: Vec<(String, String)> = self
+            .lock()
+            .conditions
+            .iter()
+            .map(|(d, c)| (d.clone(), c.taint().key))
+            .collect();
+        let api: kube::Api<ResourceSlice> = kube::Api::all(client);
+        let params = kube::api::ListParams::default().fields(&format!(
+            "spec.nodeName={},spec.driver={driver_name}",
+            self.pool_name
+        ));
+        let slices = match api.list(&params).await {
+            Ok(l) => l.items,
+            Err(e) => {
+                warn!(error = %e, "device taints: cannot read ResourceSlices back");
+                return None;
+            }
+        };
+        let devices: BTreeMap<&str, &k8s_openapi::api::resource::v1::Device> = slices
+            .iter()
+            .filter_map(|s| s.spec.devices.as_ref())
+            .flatten()
+            .map(|d| (d.name.as_str(), d))
+            .collect();
+        let mut checked = false;
+        for (name, key) in &tainted {
+            let Some(d) = devices.get(name.as_str()) else {
+                continue;
+            };
+            checked = true;
+            let kept = d
+                .taints
+                .as_ref()
+                .is_some_and(|t| t.iter().any(|t| &t.key == key));
+            if !kept {
+                warn!(device = %name, "the API server dropped the device taint (DRADeviceTaints feature gate off?); removing unhealthy devices from the pool instead");
+                self.use_taints.store(false, SeqCst);
+                self.taints_verified.store(true, SeqCst);
+                self.changed.send_modify(|v| *v += 1);
+                return Some(false);
+            }
+        }
+        if checked {
+            info!("the API server keeps device taints");
+            self.taints_verified.store(true, SeqCst);
+            return Some(true);
+        }
+        None
     }
 
     /// Ends every health stream and stops the NVML watcher.
