@@ -39,9 +39,14 @@ const PROFILE: &str = "h100-80gb-x8";
 const CHILD_TIMEOUT: Duration = Duration::from_secs(60);
 const WORKERS: usize = 3;
 
+/// The mock NVML library, copied once into the harness's temp dir (so a rebuild of the
+/// original during the run does not disturb it).
+static MOCK_LIB: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
 const WHOLE: &str = "c0000001-0000-4000-8000-000000000001";
 const MIG: &str = "c0000002-0000-4000-8000-000000000002";
 const MPS: &str = "c0000003-0000-4000-8000-000000000003";
+const MPS_WHOLE: &str = "c0000004-0000-4000-8000-000000000004";
 
 // ---------------------------------------------------------------------------------------
 // Scenarios
@@ -53,7 +58,7 @@ struct ClaimDef {
     mps: bool,
 }
 
-const CLAIMS: [ClaimDef; 3] = [
+const CLAIMS: [ClaimDef; 4] = [
     ClaimDef {
         uid: WHOLE,
         devices: &[("gpu", "gpu-0")],
@@ -72,6 +77,12 @@ const CLAIMS: [ClaimDef; 3] = [
         devices: &[("gpu", "gpu-2-mig-2g20gb-2")],
         mps: true,
     },
+    // On a node without MIG: MPS on a whole GPU switches its compute mode.
+    ClaimDef {
+        uid: MPS_WHOLE,
+        devices: &[("gpu", "gpu-3")],
+        mps: true,
+    },
 ];
 
 fn claim_def(uid: &str) -> &'static ClaimDef {
@@ -84,12 +95,17 @@ enum Action {
     Unprepare,
     /// Node rebooted after `setup`; the kubelet replays prepare.
     PrepareAfterReboot,
+    /// `setup` was killed in the middle of prepare; the restart must roll it back (and may
+    /// crash while doing so), then the kubelet replays prepare.
+    PrepareAfterCrash,
 }
 
 struct Scenario {
     name: &'static str,
     claims: &'static [&'static str],
     action: Action,
+    /// Mock NVML settings of the node.
+    env: &'static [(&'static str, &'static str)],
 }
 
 const SCENARIOS: &[Scenario] = &[
@@ -97,38 +113,67 @@ const SCENARIOS: &[Scenario] = &[
         name: "prepare-whole-gpu",
         claims: &[WHOLE],
         action: Action::Prepare,
+        env: &[],
     },
     Scenario {
         name: "prepare-mig-1g-3g",
         claims: &[MIG],
         action: Action::Prepare,
+        env: &[],
     },
     Scenario {
         name: "prepare-mps",
         claims: &[MPS],
         action: Action::Prepare,
+        env: &[],
     },
     Scenario {
         name: "unprepare-whole-gpu",
         claims: &[WHOLE],
         action: Action::Unprepare,
+        env: &[],
     },
     Scenario {
         name: "unprepare-mig-1g-3g",
         claims: &[MIG],
         action: Action::Unprepare,
+        env: &[],
     },
     Scenario {
         name: "unprepare-mps",
         claims: &[MPS],
         action: Action::Unprepare,
+        env: &[],
     },
     Scenario {
         name: "recreate-after-reboot",
         claims: &[MIG, MPS],
         action: Action::PrepareAfterReboot,
+        env: &[],
+    },
+    Scenario {
+        name: "prepare-mps-whole-gpu-no-mig",
+        claims: &[MPS_WHOLE],
+        action: Action::Prepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "unprepare-mps-whole-gpu-no-mig",
+        claims: &[MPS_WHOLE],
+        action: Action::Unprepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "restart-after-crash-in-prepare",
+        claims: &[MIG, MPS],
+        action: Action::PrepareAfterCrash,
+        env: &[],
     },
 ];
+
+fn scenario_index(s: &Scenario) -> usize {
+    SCENARIOS.iter().position(|x| x.name == s.name).unwrap()
+}
 
 fn scenario(name: &str) -> &'static Scenario {
     SCENARIOS.iter().find(|s| s.name == name).unwrap()
@@ -143,10 +188,15 @@ fn claim(def: &ClaimDef) -> ResourceClaim {
         })
         .collect();
     let requests: Vec<_> = def.devices.iter().map(|(r, _)| *r).collect();
+    let kind = if def.devices[0].1.contains("-mig-") {
+        "MigConfig"
+    } else {
+        "GpuConfig"
+    };
     let config = if def.mps {
         json!([{"source": "FromClaim", "requests": requests, "opaque": {
             "driver": DRIVER_NAME, "parameters": {
-                "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "MigConfig",
+                "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": kind,
                 "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 25}}}}}])
     } else {
         json!([])
@@ -285,7 +335,7 @@ impl World {
         cmd.env(ROLE_ENV, role)
             .env(WORLD_ENV, &self.root)
             .env(SCENARIO_ENV, scenario)
-            .env("MOCK_NVML_LIB", mock_nvml::locate::cdylib_path().unwrap())
+            .env("MOCK_NVML_LIB", MOCK_LIB.get().unwrap())
             .env("MOCK_NVML_STATE", self.nvml_state())
             .env("MOCK_NVML_PROFILE", PROFILE)
             .env("MOCK_NVML_BOOT_ID", self.boot())
@@ -293,6 +343,7 @@ impl World {
             .env_remove("MOCK_NVML_FAIL")
             .env_remove("MOCK_NVML_CONTROL")
             .env_remove("MOCK_NVML_MIG")
+            .envs(self::scenario(scenario).env.iter().copied())
             .env_remove(fault::KILL_AT_ENV)
             .env_remove(fault::LIST_ENV)
             .env_remove(fault::ERROR_AT_ENV)
@@ -364,8 +415,8 @@ fn child(role: &str) {
         .with_ansi(false)
         .with_max_level(tracing::Level::INFO)
         .try_init();
-    let backend =
-        Arc::new(NvmlBackend::open(Some(&mock_nvml::locate::cdylib_path().unwrap())).unwrap());
+    let lib = PathBuf::from(std::env::var("MOCK_NVML_LIB").unwrap());
+    let backend = Arc::new(NvmlBackend::open(Some(&lib)).unwrap());
     let manager =
         Arc::new(SharingManager::new(world.sharing_config()).with_backend(backend.clone()));
     let driver = NodeDriver::start_with_sharing(world.driver_config(), backend, manager).unwrap();
@@ -393,7 +444,10 @@ fn child(role: &str) {
     };
     match (role, scenario.action) {
         ("setup", _) => prepare_all(),
-        ("act" | "replay", Action::Prepare | Action::PrepareAfterReboot) => prepare_all(),
+        (
+            "act" | "replay",
+            Action::Prepare | Action::PrepareAfterReboot | Action::PrepareAfterCrash,
+        ) => prepare_all(),
         ("act" | "replay", Action::Unprepare) => unprepare_all(),
         ("cleanup", _) => unprepare_all(),
         other => panic!("unknown role {other:?}"),
@@ -532,6 +586,26 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         running == recorded_pids,
         format!("running MPS daemons {running:?} != recorded {recorded_pids:?}"),
     );
+
+    // Compute modes: EXCLUSIVE_PROCESS exactly on whole GPUs of prepared MPS claims.
+    let smi = cleave_fakes::nvidia_smi::read_state(&world.root.join("smi-state"));
+    let exclusive: BTreeSet<String> = smi
+        .iter()
+        .filter(|((_, key), value)| key == "computeMode" && *value == "EXCLUSIVE_PROCESS")
+        .map(|((gpu, _), _)| gpu.clone())
+        .collect();
+    let want_exclusive: BTreeSet<String> = data
+        .claims
+        .values()
+        .filter(|c| claim_def(&c.uid).mps)
+        .flat_map(|c| &c.devices)
+        .filter(|d| d.mig.is_none())
+        .map(|d| d.gpu_uuid.clone())
+        .collect();
+    check(
+        exclusive == want_exclusive,
+        format!("EXCLUSIVE_PROCESS GPUs {exclusive:?} != {want_exclusive:?}"),
+    );
     checked
 }
 
@@ -551,23 +625,42 @@ fn new_world(base: &Path, name: &str) -> World {
 
 fn prepared_after(s: &Scenario) -> BTreeSet<&'static str> {
     match s.action {
-        Action::Prepare | Action::PrepareAfterReboot => s.claims.iter().copied().collect(),
+        Action::Prepare | Action::PrepareAfterReboot | Action::PrepareAfterCrash => {
+            s.claims.iter().copied().collect()
+        }
         Action::Unprepare => BTreeSet::new(),
     }
 }
 
 fn before_act(world: &World, s: &Scenario) {
-    if s.action != Action::Prepare {
+    if matches!(s.action, Action::Unprepare | Action::PrepareAfterReboot) {
         world.run_ok("setup", s.name);
     }
     if s.action == Action::PrepareAfterReboot {
         world.reboot();
     }
+    if s.action == Action::PrepareAfterCrash {
+        // Killed after its MPS daemon started, before the answer: the second claim's prepare
+        // leaves a MIG device, a daemon and a PrepareStarted record.
+        let (status, output) = world.run(
+            "setup",
+            s.name,
+            &[(fault::KILL_AT_ENV, "prepare.after_sharing_apply".to_owned())],
+        );
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGKILL),
+            "{}: setup not killed ({status})\n{output}",
+            s.name
+        );
+    }
 }
 
 /// Runs the scenario once with the point list on; returns `(point, n)` for every hit.
 fn discover(base: &Path, s: &Scenario, totals: &Totals) -> Vec<(String, u64)> {
-    let world = new_world(base, &format!("{}-discover", s.name));
+    // Short names: the fake daemon's socket path (…/mps/<uid>/pipe/control) must fit the
+    // 108 bytes of a unix socket address.
+    let world = new_world(base, &format!("d{}", scenario_index(s)));
     before_act(&world, s);
     let list = world.root.join("points.txt");
     let (status, output) = world.run(
@@ -622,7 +715,7 @@ enum Outcome {
 }
 
 fn kill_run(base: &Path, s: &Scenario, point: &str, n: u64, idx: usize) -> Outcome {
-    let world = new_world(base, &format!("{}-{idx}", s.name));
+    let world = new_world(base, &format!("k{idx}"));
     let ctx = format!("{} killed at {point}#{n}", s.name);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         before_act(&world, s);
@@ -663,6 +756,9 @@ fn run_harness() -> bool {
     let started = Instant::now();
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().to_owned();
+    let lib = base.join("libmock_nvml.so");
+    std::fs::copy(mock_nvml::locate::cdylib_path().unwrap(), &lib).unwrap();
+    MOCK_LIB.set(lib).unwrap();
     let totals = Totals {
         kill_points: AtomicUsize::new(0),
         invariants: AtomicUsize::new(0),
