@@ -176,6 +176,24 @@ pub fn checkpoint_error(e: &anyhow::Error) -> Option<&CheckpointError> {
     })
 }
 
+/// The path and what is wrong, without the long recovery text of the error's message.
+fn short_reason(e: &CheckpointError) -> String {
+    match e {
+        CheckpointError::Corrupt { path, reason } => {
+            format!("{} is corrupt: {reason}", path.display())
+        }
+        CheckpointError::UnsupportedVersion { path, version } => format!(
+            "{} has layout version {version}, this release reads up to {}",
+            path.display(),
+            cleave_driver::checkpoint::FORMAT_VERSION
+        ),
+        CheckpointError::Read { path, source } => {
+            format!("{} cannot be read: {source}", path.display())
+        }
+        other => other.to_string(),
+    }
+}
+
 /// Loads NVML and checks it sees GPUs; the error says why the driver is not usable yet.
 pub async fn open_backend(
     nvml_lib: Option<PathBuf>,
@@ -273,7 +291,7 @@ pub async fn start_when_possible(
                 let Some(ce) = checkpoint_error(&e) else {
                     return Err(e);
                 };
-                let reason = ce.to_string();
+                let reason = short_reason(ce);
                 if let Some(m) = lm {
                     m.checkpoint_healthy.set(0);
                     m.checkpoint_errors.inc();
@@ -283,11 +301,11 @@ pub async fn start_when_possible(
                     &args.kubelet.driver_name,
                 );
                 let delay = backoff.next_delay();
-                warn!(error = %reason, recovery = %command, retry_in_ms = delay.as_millis() as u64, "checkpoint unreadable; not registering, not serving prepares, retrying");
+                warn!(error = %ce, recovery = %command, retry_in_ms = delay.as_millis() as u64, "checkpoint unreadable; not registering, not serving prepares, retrying");
                 if last_checkpoint_reason.as_deref() != Some(reason.as_str()) {
                     let node = crate::events::node_reference(&ctx.client, &args.node_name).await;
                     let note = format!(
-                        "{reason}. The plugin stays not ready and retries. Recovery (after making sure no pod on this node uses a claim of this driver): {command}"
+                        "checkpoint {reason}. Recovery, after making sure no pod on this node uses a claim of this driver: {command} (the plugin stays not ready and picks the fix up on its next retry)"
                     );
                     ctx.events
                         .publish(
@@ -416,6 +434,20 @@ mod tests {
             panic!("not moved")
         };
         assert!(held.contains("claim ns/c uid u1 state Prepared"), "{held}");
+    }
+
+    #[test]
+    fn short_reasons_name_the_path_without_the_recovery_text() {
+        let e = CheckpointError::UnsupportedVersion {
+            path: "/s/checkpoint.json".into(),
+            version: 7,
+        };
+        let r = short_reason(&e);
+        assert_eq!(
+            r,
+            "/s/checkpoint.json has layout version 7, this release reads up to 1"
+        );
+        assert!(!r.contains("mv "), "{r}");
     }
 
     #[test]
