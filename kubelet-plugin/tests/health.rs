@@ -427,3 +427,87 @@ async fn lost_gpu_is_removed_without_taints_and_comes_back() {
     wait_until("gpu-3 back", &dirs, || slice_devices(&standin).len() == 8).await;
     assert!(plugin.terminate().success(), "{}", dirs.log());
 }
+
+/// On-demand MIG: an Xid attributed to a created instance (GI/CI ids) marks only that MIG
+/// device; a GPU-wide Xid marks the whole GPU and every placement of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_xid_marks_only_its_instance_gpu_wide_marks_all_placements() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(
+        &standin,
+        "mig",
+        "uid-mig",
+        &[("gpu", "gpu-0-mig-1g10gb-0")],
+        &[],
+    );
+    let control = dirs.path().join("nvml-control");
+    std::fs::write(&control, "").unwrap();
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            mig: "on",
+            dynamic_mig: true,
+            env: vec![("MOCK_NVML_CONTROL", control.display().to_string())],
+            ..PluginOptions::default()
+        },
+    );
+    wait_until("slices", &dirs, || slice_devices(&standin).len() > 8).await;
+    let mut stream = watch_v1(&plugin.dra_socket).await;
+    let all = next_v1(&mut stream).await.unwrap();
+    assert!(all.len() > 8 && all.values().all(|(h, _)| *h));
+
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = dra
+        .node_prepare_resources(
+            cleave_kubelet_plugin::proto::dra::v1::NodePrepareResourcesRequest {
+                claims: vec![claim("mig", "uid-mig")],
+            },
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.claims["uid-mig"].error, "", "{}", dirs.log());
+    // Placement 0 of a 1g profile is GPU instance 7 (MIG-FACTS §6), compute instance 0.
+    let unhealthy = |h: &Health| -> Vec<String> {
+        h.iter()
+            .filter(|(_, (ok, _))| !ok)
+            .map(|(n, _)| n.clone())
+            .collect()
+    };
+    std::fs::write(&control, "xid 0 79 7 0\n").unwrap();
+    let h = loop {
+        let h = next_v1(&mut stream).await.unwrap();
+        if !unhealthy(&h).is_empty() {
+            break h;
+        }
+    };
+    assert_eq!(unhealthy(&h), ["gpu-0-mig-1g10gb-0"]);
+
+    std::fs::write(&control, "xid 0 79 7 0\nxid 1 79\n").unwrap();
+    let h = loop {
+        let h = next_v1(&mut stream).await.unwrap();
+        if unhealthy(&h).len() > 1 {
+            break h;
+        }
+    };
+    let gpu1: Vec<String> = all
+        .keys()
+        .filter(|n| *n == "gpu-1" || n.starts_with("gpu-1-"))
+        .cloned()
+        .collect();
+    assert!(gpu1.len() > 1);
+    let mut expected = gpu1;
+    expected.push("gpu-0-mig-1g10gb-0".into());
+    expected.sort();
+    assert_eq!(unhealthy(&h), expected);
+    // Removed from the published pool (default --device-taints=off).
+    wait_until("gpu-1 removed", &dirs, || {
+        let d = slice_devices(&standin);
+        !d.keys().any(|n| n == "gpu-1" || n.starts_with("gpu-1-"))
+            && !d.contains_key("gpu-0-mig-1g10gb-0")
+            && d.contains_key("gpu-0")
+    })
+    .await;
+    assert!(plugin.terminate().success(), "{}", dirs.log());
+}
