@@ -292,8 +292,15 @@ impl DriverFiles {
             BINARIES.contains(&name)
         })?;
 
-        let caps_major = read_optional(&config.proc_root.join("devices"))?
-            .and_then(|text| parse_char_major(&text, "nvidia-caps"));
+        // The kernel's table first; a driver root that carries its own `proc/devices` (a
+        // simulated node such as the plugin's `demo`) fills in when the kernel has no entry.
+        let caps_major = match read_optional(&config.proc_root.join("devices"))?
+            .and_then(|text| parse_char_major(&text, "nvidia-caps"))
+        {
+            Some(major) => Some(major),
+            None => read_optional(&root.join("proc/devices"))?
+                .and_then(|text| parse_char_major(&text, "nvidia-caps")),
+        };
         let mig_minors_path = Path::new("proc/driver/nvidia-caps/mig-minors");
         let mig_minors = match read_optional(&root.join(mig_minors_path))? {
             Some(text) => Some(text),
@@ -608,6 +615,40 @@ mod tests {
         assert_eq!(
             files.libraries[0].host_path,
             root.join("usr/lib/x86_64-linux-gnu/libcuda.so.1")
+        );
+    }
+
+    #[test]
+    fn caps_major_from_the_kernel_first_then_the_driver_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let kernel = dir.path().join("kernel-proc");
+        fs::create_dir_all(&kernel).unwrap();
+        fs::write(kernel.join("devices"), "Character devices:\n  1 mem\n").unwrap();
+        touch(&root.join("proc/devices"));
+        fs::write(
+            root.join("proc/devices"),
+            "Character devices:\n236 nvidia-caps\n",
+        )
+        .unwrap();
+        let config = DriverRootConfig {
+            proc_root: kernel.clone(),
+            ..DriverRootConfig::at(&root)
+        };
+        // The kernel has no nvidia-caps: the driver root's table fills in.
+        assert_eq!(
+            DriverFiles::discover(&config).unwrap().caps_major,
+            Some(236)
+        );
+        // The kernel's entry wins when it has one.
+        fs::write(
+            kernel.join("devices"),
+            "Character devices:\n241 nvidia-caps\n",
+        )
+        .unwrap();
+        assert_eq!(
+            DriverFiles::discover(&config).unwrap().caps_major,
+            Some(241)
         );
     }
 }

@@ -1,17 +1,21 @@
 //! `demo`: the whole plugin in one process on a simulated node, as a guided tour.
 //!
-//! The mock NVML library plays an 8-GPU node, the API server stand-in plays the
-//! cluster, and the demo plays the kubelet: it talks to the plugin over its unix sockets
-//! exactly as the kubelet would. Every step is checked; any failure makes the exit code
-//! non-zero.
+//! The mock NVML library plays an 8-GPU node (MIG on GPUs 0-5, off on 6-7), the API
+//! server stand-in plays the cluster, this very binary plays `nvidia-cuda-mps-control` and
+//! `nvidia-smi` (the fakes of `cleave-fakes`, behind the hidden first argument `__fake`),
+//! and the demo plays the kubelet: it talks to the plugin over its unix sockets exactly as
+//! the kubelet would. Every step is checked; any failure makes the exit code non-zero, and
+//! no MPS daemon outlives the demo whatever happens.
 
 use std::fmt::Write as _;
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
+use cleave_driver::driver_root::{ci_access_minor_formula, gi_access_minor_formula};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 
 use crate::cli::{DemoArgs, DriverArgs, KubeletArgs, NvmlArgs, RunArgs};
@@ -24,6 +28,14 @@ const NODE: &str = "demo-node";
 /// Namespace of the example claims.
 const NAMESPACE: &str = "default";
 
+/// GPUs of the demo node whose MIG mode starts disabled (the others have MIG on).
+const PLAIN_GPUS: u32 = 2;
+/// First argument that makes the binary play a fake NVIDIA tool (see [`play_fake_tool`]).
+pub const FAKE_TOOL_ARG: &str = "__fake";
+/// Seconds after which a forgotten fake MPS daemon exits by itself (a last resort: the
+/// demo stops every daemon it started on every path).
+const FAKE_DAEMON_IDLE_EXIT_SECS: &str = "60";
+
 /// One example claim: what a pod would ask for, and the device the scheduler picked.
 struct Example {
     title: &'static str,
@@ -31,15 +43,18 @@ struct Example {
     uid: &'static str,
     request: &'static str,
     device: &'static str,
+    /// Whether the claim carries the MPS `GpuConfig` of [`mps_config`].
+    mps: bool,
 }
 
-const EXAMPLES: [Example; 3] = [
+const EXAMPLES: [Example; 4] = [
     Example {
         title: "a whole GPU",
         name: "whole-gpu",
         uid: "5d2f0c1e-0000-4000-8000-000000000001",
         request: "gpu",
-        device: "gpu-0",
+        device: "gpu-6",
+        mps: false,
     },
     Example {
         title: "an on-demand MIG 1g.10gb",
@@ -47,6 +62,7 @@ const EXAMPLES: [Example; 3] = [
         uid: "5d2f0c1e-0000-4000-8000-000000000002",
         request: "mig",
         device: "gpu-1-mig-1g10gb-0",
+        mps: false,
     },
     Example {
         title: "an on-demand MIG 3g.40gb",
@@ -54,19 +70,162 @@ const EXAMPLES: [Example; 3] = [
         uid: "5d2f0c1e-0000-4000-8000-000000000003",
         request: "mig",
         device: "gpu-1-mig-3g40gb-4",
+        mps: false,
+    },
+    Example {
+        title: "a whole GPU shared with MPS, 25% of the SMs, 10Gi pinned memory",
+        name: "mps-shared",
+        uid: "5d2f0c1e-0000-4000-8000-000000000004",
+        request: "gpu",
+        device: "gpu-7",
+        mps: true,
     },
 ];
 
-/// Environment the mock library needs, set by `main` before any thread starts.
+/// The opaque `GpuConfig` of the MPS example, as a user writes it in the claim.
+fn mps_config() -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": cleave_api::names::CONFIG_API_VERSION,
+        "kind": cleave_api::names::KIND_GPU_CONFIG,
+        "sharing": {
+            "strategy": "MPS",
+            "mps": {
+                "activeThreadPercentage": 25,
+                "pinnedMemoryLimit": {"default": "10Gi"},
+            },
+        },
+    })
+}
+
+/// When `args` is `<exe> __fake <tool path> <args>...`, runs the fake tool of
+/// `cleave-fakes` named by the tool path's file name (`nvidia-cuda-mps-control`,
+/// `nvidia-smi`) and returns its exit code. The demo's tool wrappers call this, so the
+/// demo needs no other binary built. The fake MPS control daemon re-runs this executable
+/// as `<tool path> --daemon-loop` (its own `argv[0]`), which is played too. `None` for
+/// every other command line.
+pub fn play_fake_tool(args: &[String]) -> Option<ExitCode> {
+    let tool_args = match args.get(1).map(String::as_str) {
+        Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
+        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
+            if args.len() == 2
+                && args.first().and_then(|a| Path::new(a).file_name())
+                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
+        {
+            args
+        }
+        _ => return None,
+    };
+    Some(match cleave_fakes::dispatch(tool_args) {
+        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        None => {
+            eprintln!(
+                "{FAKE_TOOL_ARG}: no fake tool named {:?}",
+                tool_args.first()
+            );
+            ExitCode::from(2)
+        }
+    })
+}
+
+/// Environment the mock library and the fake tools need, set by `main` before any thread
+/// starts. The node description itself ([`NODE_FILE`]) is written by [`run`], before the
+/// library is loaded.
 pub fn mock_env(args: &DemoArgs, dir: &Path) -> Vec<(&'static str, String)> {
+    let path = |name: &str| dir.join(name).display().to_string();
     vec![
         ("MOCK_NVML_PROFILE", args.profile.clone()),
-        ("MOCK_NVML_MIG", "on".to_owned()),
+        ("MOCK_NVML_CONFIG", path(NODE_FILE)),
+        ("MOCK_NVML_STATE", path("mock-nvml-state.json")),
+        (cleave_fakes::mps_control::ENV_RECORD, path(MPS_RECORD)),
         (
-            "MOCK_NVML_STATE",
-            dir.join("mock-nvml-state.json").display().to_string(),
+            cleave_fakes::mps_control::ENV_IDLE_EXIT_SECS,
+            FAKE_DAEMON_IDLE_EXIT_SECS.to_owned(),
         ),
+        (cleave_fakes::nvidia_smi::ENV_RECORD, path(SMI_RECORD)),
+        (cleave_fakes::nvidia_smi::ENV_STATE, path(SMI_STATE)),
     ]
+}
+
+/// The mock node description in the demo directory.
+const NODE_FILE: &str = "node.yaml";
+/// What the fake `nvidia-cuda-mps-control` was told (daemon starts, commands, exits).
+const MPS_RECORD: &str = "fake-mps-record.log";
+/// What the fake `nvidia-smi` was told.
+const SMI_RECORD: &str = "fake-nvidia-smi-record.log";
+/// The settings the fake `nvidia-smi` left on each GPU.
+const SMI_STATE: &str = "fake-nvidia-smi-state";
+
+/// The demo node as a mock NVML YAML: the profile's GPUs, MIG enabled on all but the last
+/// [`PLAIN_GPUS`]. `h100-80gb-x8` -> product `h100-80gb`, 8 GPUs.
+fn node_yaml(profile: &str) -> anyhow::Result<String> {
+    let (product, count) = profile
+        .rsplit_once("-x")
+        .and_then(|(p, n)| Some((p, n.parse::<u32>().ok()?)))
+        .with_context(|| format!("profile {profile:?} is not <product>-x<count>"))?;
+    ensure!(
+        count > PLAIN_GPUS,
+        "profile {profile:?}: the demo needs more than {PLAIN_GPUS} GPUs"
+    );
+    Ok(format!(
+        "name: demo-{profile}\ngpus:\n  - product: {product}\n    count: {}\n    migEnabled: true\n  - product: {product}\n    count: {PLAIN_GPUS}\n    migEnabled: false\n",
+        count - PLAIN_GPUS
+    ))
+}
+
+/// PIDs of the MPS daemons the fake tool started, from its record.
+fn started_daemons(record: &Path) -> Vec<(u32, String)> {
+    std::fs::read_to_string(record)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("start pid=")?;
+            let (pid, rest) = rest.split_once(' ')?;
+            let pipe = rest.strip_prefix("pipe=")?.split(' ').next()?;
+            Some((pid.parse().ok()?, pipe.to_owned()))
+        })
+        .collect()
+}
+
+/// Running and not a zombie.
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let state = s.rsplit_once(')')?.1.split_whitespace().next()?.to_owned();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}
+
+/// Waits (bounded) until `pid` is gone.
+async fn wait_gone(pid: u32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while alive(pid) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
+/// Kills every MPS daemon the fake tool started that still runs, when dropped: the demo
+/// leaves no process behind, whichever step failed or returned early.
+struct Reaper {
+    record: PathBuf,
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for (pid, _) in started_daemons(&self.record) {
+            if alive(pid) {
+                eprintln!("demo: killing MPS daemon {pid} left by a failed step");
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
+    }
 }
 
 struct Tour {
@@ -100,9 +259,15 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         steps: 6,
         failures: 0,
     };
+    let reaper = Reaper {
+        record: dir.join(MPS_RECORD),
+    };
+    std::fs::write(dir.join(NODE_FILE), node_yaml(&args.profile)?)
+        .context("writing the mock node description")?;
     println!(
-        "cleave demo: mock node {:?} with MIG on, on-demand MIG, in-process API server stand-in",
-        args.profile
+        "cleave demo: mock node {:?} (MIG on, off on the last {PLAIN_GPUS} GPUs), on-demand MIG, \
+         MPS, in-process API server stand-in",
+        args.profile,
     );
     println!("  working directory {}", dir.display());
 
@@ -142,6 +307,11 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         uninstall: false,
     };
     fake_driver_root(&run_args.driver.driver_root)?;
+    println!(
+        "  driver root          {} (device nodes, libraries, nvidia-caps major {CAPS_MAJOR}, \
+         fake nvidia-smi and nvidia-cuda-mps-control)",
+        run_args.driver.driver_root.display()
+    );
     let t = Instant::now();
     let plugin = crate::daemon::start(&run_args, standin.client()).await?;
     let reg_socket = plugin.server.registration_socket().to_owned();
@@ -206,8 +376,18 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         .clone();
 
     // 3. Prepare.
-    tour.heading("Prepare three claims over gRPC, as the kubelet does before a pod starts");
+    tour.heading("Prepare four claims over gRPC, as the kubelet does before a pod starts");
     for e in &EXAMPLES {
+        let configs = if e.mps {
+            vec![fixtures::opaque_config(
+                "FromClaim",
+                &[],
+                cleave_api::names::DRIVER_NAME,
+                mps_config(),
+            )]
+        } else {
+            Vec::new()
+        };
         let claim = fixtures::resource_claim(
             NAMESPACE,
             e.name,
@@ -215,10 +395,11 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             cleave_api::names::DRIVER_NAME,
             NODE,
             &[(e.request, e.device)],
-            &[],
+            &configs,
         );
         standin.put(&claim)?;
     }
+    println!("  default/mps-shared carries: {}", mps_config()["sharing"]);
     let mut dra = v1::dra_plugin_client::DraPluginClient::new(connect_unix(&dra_socket).await?);
     let claims: Vec<v1::Claim> = EXAMPLES
         .iter()
@@ -278,27 +459,77 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
     tour.check(
         on_gpu1 == 2,
         &format!(
-            "3 claims prepared in {} ms; GPU 1 has the two MIG devices asked for",
+            "{} claims prepared in {} ms; GPU 1 has the two MIG devices asked for",
+            EXAMPLES.len(),
             elapsed.as_millis()
         ),
+    );
+    let daemons = started_daemons(&reaper.record);
+    let told: Vec<String> = std::fs::read_to_string(&reaper.record)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("cmd ")?
+                .split_once(' ')
+                .map(|(_, c)| c.to_owned())
+        })
+        .filter(|c| c.starts_with("set_"))
+        .collect();
+    for (pid, pipe) in &daemons {
+        println!("  MPS control daemon pid {pid}, pipe directory {pipe}");
+    }
+    for c in &told {
+        println!("    told: {c}");
+    }
+    let smi = std::fs::read_to_string(dir.join(SMI_RECORD)).unwrap_or_default();
+    for l in smi.lines() {
+        println!("  nvidia-smi {l}");
+    }
+    tour.check(
+        daemons.len() == 1
+            && daemons.iter().all(|(pid, _)| alive(*pid))
+            && told.contains(&"set_default_active_thread_percentage 25".to_owned())
+            && told
+                .iter()
+                .any(|c| c.starts_with("set_default_device_pinned_mem_limit 0 10G")),
+        "MPS daemon runs for default/mps-shared with 25% of the SMs and 10G pinned memory",
     );
 
     // 4. CDI.
     tour.heading("What each container gets (the claims' CDI specs)");
     let cdi_root = run_args.driver.cdi_root.clone();
-    for (i, e) in EXAMPLES.iter().enumerate() {
-        match describe_cdi(&cdi_root, e.uid, i == 0) {
+    let mut common = None;
+    let mut all_edits = String::new();
+    for e in &EXAMPLES {
+        match describe_cdi(&cdi_root, e.uid, &mut common) {
             Ok(text) => {
                 println!("  {NAMESPACE}/{}:", e.name);
                 print!("{text}");
+                all_edits.push_str(&text);
             }
             Err(err) => tour.check(false, &format!("{NAMESPACE}/{}: {err:#}", e.name)),
         }
     }
     let files = cdi_files(&cdi_root);
     tour.check(
-        files.len() == 3,
+        files.len() == EXAMPLES.len(),
         &format!("{} CDI spec files in {}", files.len(), cdi_root.display()),
+    );
+    let cap_nodes = all_edits.matches("/dev/nvidia-caps/nvidia-cap").count();
+    tour.check(
+        cap_nodes == 4,
+        &format!(
+            "the MIG devices get their GPU and compute instance capability nodes ({cap_nodes})"
+        ),
+    );
+    tour.check(
+        all_edits.contains("CUDA_MPS_PIPE_DIRECTORY=")
+            && all_edits.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25")
+            && all_edits.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G")
+            && daemons
+                .iter()
+                .all(|(_, pipe)| all_edits.contains(&format!("mount {pipe} "))),
+        "the MPS claim's containers get the daemon's pipe directory and its limits",
     );
 
     // 5. Unprepare.
@@ -315,9 +546,13 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         .map(|(uid, r)| format!("{uid}: {}", r.error))
         .collect();
     tour.check(
-        errors.is_empty() && unprepared.claims.len() == 3,
+        errors.is_empty() && unprepared.claims.len() == EXAMPLES.len(),
         &if errors.is_empty() {
-            format!("3 claims unprepared in {} ms", t.elapsed().as_millis())
+            format!(
+                "{} claims unprepared in {} ms",
+                EXAMPLES.len(),
+                t.elapsed().as_millis()
+            )
         } else {
             errors.join("; ")
         },
@@ -347,6 +582,33 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         instances == 0,
         &format!("MIG devices on the node: {instances}"),
     );
+    for (pid, pipe) in &daemons {
+        let gone = wait_gone(*pid, Duration::from_secs(5)).await;
+        let pipe_gone = !Path::new(pipe).exists();
+        tour.check(
+            gone && pipe_gone,
+            &format!(
+                "MPS daemon {pid}: {}; its pipe directory: {}",
+                if gone { "exited" } else { "STILL RUNS" },
+                if pipe_gone { "removed" } else { "STILL THERE" }
+            ),
+        );
+    }
+    let mps_dir = plugin.driver.config().state_dir.join("mps");
+    let mps_left = cdi_files(&mps_dir);
+    tour.check(
+        mps_left.is_empty(),
+        &format!("MPS claim directories: {}", mps_left.len()),
+    );
+    let modes: Vec<String> = cleave_fakes::nvidia_smi::read_state(&dir.join(SMI_STATE))
+        .into_iter()
+        .filter(|((_, key), _)| key == "computeMode")
+        .map(|((gpu, _), mode)| format!("{gpu} {mode}"))
+        .collect();
+    tour.check(
+        !modes.is_empty() && modes.iter().all(|m| m.ends_with(" DEFAULT")),
+        &format!("compute mode back to DEFAULT: {}", modes.join(", ")),
+    );
 
     plugin.shutdown().await?;
     standin.shutdown().await;
@@ -354,6 +616,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
     tour.check(sockets_gone, "plugin stopped; its sockets are removed");
 
     println!();
+    drop(reaper);
     if tour.failures == 0 {
         println!(
             "demo finished in {} ms: all checks passed",
@@ -366,8 +629,19 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
     }
 }
 
+/// Char major of `nvidia-caps` in the fake driver root's `proc/devices` (dynamic on a real
+/// node; 236 is a common value).
+const CAPS_MAJOR: u32 = 236;
+/// GPU instance IDs (0..15) and compute instance IDs (0..8) the driver numbers per GPU in
+/// `mig-minors` (MIG-FACTS §6).
+const MIG_MINOR_GIS: u32 = 15;
+const MIG_MINOR_CIS: u32 = 8;
+
 /// A driver root that looks like an installed NVIDIA driver (empty files in the right
-/// places), so the CDI specs show the device nodes and mounts a real node would get.
+/// places), so the CDI specs show the device nodes and mounts a real node would get:
+/// control and GPU nodes, libraries, `proc/devices` with the `nvidia-caps` major and
+/// `proc/driver/nvidia-caps/mig-minors` (for the MIG capability nodes), and the tools as
+/// wrappers that run this binary as the fakes of `cleave-fakes`.
 fn fake_driver_root(root: &Path) -> anyhow::Result<()> {
     let mut files: Vec<String> = ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
         .iter()
@@ -379,15 +653,58 @@ fn fake_driver_root(root: &Path) -> anyhow::Result<()> {
             .iter()
             .map(|l| format!("usr/lib/x86_64-linux-gnu/{l}")),
     );
-    files.push("usr/bin/nvidia-smi".to_owned());
     for f in files {
-        let path = root.join(f);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent)?;
+        write_file(&root.join(f), "")?;
+    }
+    write_file(
+        &root.join("proc/devices"),
+        &format!(
+            "Character devices:\n  1 mem\n195 nvidia-frontend\n{CAPS_MAJOR} nvidia-caps\n\
+             {} nvidia-caps-imex-channels\n\nBlock devices:\n  8 sd\n",
+            CAPS_MAJOR + 1
+        ),
+    )?;
+    let mut minors = String::from("config 1\nmonitor 2\n");
+    for gpu in 0..8 {
+        for gi in 0..MIG_MINOR_GIS {
+            let _ = writeln!(
+                minors,
+                "gpu{gpu}/gi{gi}/access {}",
+                gi_access_minor_formula(gpu, gi)
+            );
+            for ci in 0..MIG_MINOR_CIS {
+                let _ = writeln!(
+                    minors,
+                    "gpu{gpu}/gi{gi}/ci{ci}/access {}",
+                    ci_access_minor_formula(gpu, gi, ci)
+                );
+            }
         }
-        std::fs::write(&path, b"")?;
+    }
+    write_file(&root.join("proc/driver/nvidia-caps/mig-minors"), &minors)?;
+    let exe = std::env::current_exe().context("finding the demo's own executable")?;
+    let exe = exe.display().to_string().replace('\'', r"'\''");
+    for tool in [
+        cleave_fakes::mps_control::TOOL,
+        cleave_fakes::nvidia_smi::TOOL,
+    ] {
+        let path = root.join("usr/bin").join(tool);
+        write_file(
+            &path,
+            &format!("#!/bin/sh\nexec '{exe}' {FAKE_TOOL_ARG} \"$0\" \"$@\"\n"),
+        )?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("making {} executable", path.display()))?;
     }
     Ok(())
+}
+
+fn write_file(path: &Path, text: &str) -> anyhow::Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 fn slice_table(slices: &[ResourceSlice]) -> String {
@@ -459,9 +776,15 @@ fn cdi_files(root: &Path) -> Vec<String> {
     v
 }
 
-/// The CDI edits of one claim, readable: devices with their nodes and environment, and
-/// how many common edits (driver files) every device of the claim gets.
-fn describe_cdi(root: &Path, uid: &str, with_common: bool) -> anyhow::Result<String> {
+/// The CDI edits of one claim, readable: each device's nodes, environment and mounts, and
+/// the claim-wide edits. The driver's common edits (control nodes, libraries, tools) are
+/// listed in full for the first claim (`common` is `None`) and summed up afterwards; what
+/// a claim adds beyond them (an MPS pipe directory, its limits) is always listed.
+fn describe_cdi(
+    root: &Path,
+    uid: &str,
+    common: &mut Option<Vec<String>>,
+) -> anyhow::Result<String> {
     let path = root.join(cleave_driver::cdi::spec_file_name(uid));
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -479,53 +802,63 @@ fn describe_cdi(root: &Path, uid: &str, with_common: bool) -> anyhow::Result<Str
     ensure!(!devices.is_empty(), "{} has no devices", path.display());
     for d in devices {
         let _ = writeln!(out, "    device {}", d["name"].as_str().unwrap_or("?"));
-        let edits = &d["containerEdits"];
-        for n in edits["deviceNodes"].as_array().into_iter().flatten() {
+        for line in edit_lines(&d["containerEdits"]) {
+            let _ = writeln!(out, "      {line}");
+        }
+    }
+    let lines = edit_lines(&spec["containerEdits"]);
+    match common {
+        None => {
+            let _ = writeln!(out, "    claim-wide edits ({}):", lines.len());
+            for line in &lines {
+                let _ = writeln!(out, "      {line}");
+            }
+            *common = Some(lines);
+        }
+        Some(known) => {
+            let (shared, own): (Vec<&String>, Vec<&String>) =
+                lines.iter().partition(|l| known.contains(l));
             let _ = writeln!(
                 out,
-                "      device node {}",
-                n["path"].as_str().unwrap_or("?")
+                "    claim-wide edits: the driver's {} as above{}",
+                shared.len(),
+                if own.is_empty() { "" } else { ", and:" }
             );
+            for line in own {
+                let _ = writeln!(out, "      {line}");
+            }
         }
-        for e in edits["env"].as_array().into_iter().flatten() {
-            let _ = writeln!(out, "      env {}", e.as_str().unwrap_or("?"));
-        }
-    }
-    let common = &spec["containerEdits"];
-    let count = |k: &str| common[k].as_array().map_or(0, Vec::len);
-    if !with_common {
-        let _ = writeln!(
-            out,
-            "    common edits: the driver's {} device nodes and {} mounts, as above",
-            count("deviceNodes"),
-            count("mounts")
-        );
-        return Ok(out);
-    }
-    let _ = writeln!(
-        out,
-        "    common edits: {} env, {} device nodes, {} mounts, {} hooks",
-        count("env"),
-        count("deviceNodes"),
-        count("mounts"),
-        count("hooks")
-    );
-    for e in common["env"].as_array().into_iter().flatten() {
-        let _ = writeln!(out, "      env {}", e.as_str().unwrap_or("?"));
-    }
-    for n in common["deviceNodes"].as_array().into_iter().flatten() {
-        let _ = writeln!(
-            out,
-            "      device node {}",
-            n["path"].as_str().unwrap_or("?")
-        );
-    }
-    for m in common["mounts"].as_array().into_iter().flatten() {
-        let _ = writeln!(
-            out,
-            "      mount {}",
-            m["containerPath"].as_str().unwrap_or("?")
-        );
     }
     Ok(out)
+}
+
+/// One line per edit of a CDI `containerEdits` object.
+fn edit_lines(edits: &serde_json::Value) -> Vec<String> {
+    let list = |k: &str| edits[k].as_array().cloned().unwrap_or_default();
+    let mut out = Vec::new();
+    for n in list("deviceNodes") {
+        let mut line = format!("device node {}", n["path"].as_str().unwrap_or("?"));
+        if let (Some(major), Some(minor)) = (n["major"].as_u64(), n["minor"].as_u64()) {
+            let _ = write!(line, " (char {major}:{minor})");
+        }
+        out.push(line);
+    }
+    for e in list("env") {
+        out.push(format!("env {}", e.as_str().unwrap_or("?")));
+    }
+    for m in list("mounts") {
+        out.push(format!(
+            "mount {} -> {}",
+            m["hostPath"].as_str().unwrap_or("?"),
+            m["containerPath"].as_str().unwrap_or("?")
+        ));
+    }
+    for h in list("hooks") {
+        out.push(format!(
+            "hook {} {}",
+            h["hookName"].as_str().unwrap_or("?"),
+            h["path"].as_str().unwrap_or("?")
+        ));
+    }
+    out
 }
