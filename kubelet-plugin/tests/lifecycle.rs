@@ -503,7 +503,21 @@ async fn zero_gpus_waits_unless_allowed() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(!reg_socket(&dirs).exists());
     assert!(slices(&standin).is_empty(), "an empty pool was published");
-    drop(plugin);
+    // SIGTERM while waiting ends the process cleanly.
+    let mut plugin = plugin;
+    let pid = plugin.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = wait_some("exit after SIGTERM", &dirs, || {
+        plugin.child.try_wait().unwrap()
+    })
+    .await;
+    assert!(status.success(), "{status}");
 
     let _plugin = spawn_with(true);
     register_and_wait_ready(&dirs, port).await;
