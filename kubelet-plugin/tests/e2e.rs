@@ -87,9 +87,15 @@ async fn binary_registers_publishes_and_sigterm_removes_only_its_sockets() {
     assert_eq!(info.r#type, "DRAPlugin");
     assert_eq!(info.name, DRIVER);
     assert_eq!(info.endpoint, plugin.dra_socket.display().to_string());
+    // DRA versions first, then the device health stream's.
     assert_eq!(
         info.supported_versions,
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1alpha1.DRAResourceHealth",
+            "v1.DRAResourceHealth"
+        ]
     );
     reg.notify_registration_status(RegistrationStatus {
         plugin_registered: true,
