@@ -7,6 +7,7 @@
 //! the kubelet would. Every step is checked; any failure makes the exit code non-zero, and
 //! no MPS daemon outlives the demo whatever happens.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail, ensure};
 use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
 use cleave_driver::driver_root::{ci_access_minor_formula, gi_access_minor_formula};
+use cleave_driver::model::MigState;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 
 use crate::cli::{DemoArgs, DriverArgs, KubeletArgs, NvmlArgs, RunArgs};
@@ -349,7 +351,20 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         .await
         .context("waiting for ResourceSlices")?;
     let slices: Vec<ResourceSlice> = standin.list_as("resourceslices");
-    print!("{}", slice_table(&slices));
+    let inventory = plugin.driver.inventory();
+    let mig_modes: BTreeMap<String, &str> = inventory
+        .gpus
+        .iter()
+        .map(|g| {
+            let mode = match g.mig {
+                MigState::NotCapable => "-",
+                MigState::Disabled { .. } => "off",
+                _ => "on",
+            };
+            (format!("gpu-{}", g.minor), mode)
+        })
+        .collect();
+    print!("{}", slice_table(&slices, &mig_modes));
     let devices: usize = slices
         .iter()
         .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
@@ -366,7 +381,6 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             status.generation
         ),
     );
-    let inventory = plugin.driver.inventory();
     let gpu1 = inventory
         .gpus
         .iter()
@@ -707,8 +721,10 @@ fn write_file(path: &Path, text: &str) -> anyhow::Result<()> {
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
-fn slice_table(slices: &[ResourceSlice]) -> String {
-    let mut rows: Vec<[String; 4]> = slices
+/// One row per slice, in GPU order, with the MIG mode of its GPU (from `mig_modes`, keyed
+/// by the whole-GPU device name).
+fn slice_table(slices: &[ResourceSlice], mig_modes: &BTreeMap<String, &str>) -> String {
+    let mut rows: Vec<(u32, [String; 5])> = slices
         .iter()
         .map(|s| {
             let devices = s.spec.devices.as_deref().unwrap_or_default();
@@ -723,42 +739,53 @@ fn slice_table(slices: &[ResourceSlice]) -> String {
                 .map(|c| c.name.as_str())
                 .collect::<Vec<_>>()
                 .join(",");
-            [
-                s.metadata.name.clone().unwrap_or_default(),
-                devices.len().to_string(),
-                if devices.is_empty() {
-                    "-".into()
-                } else {
-                    format!("{first} .. {last}")
-                },
-                if counters.is_empty() {
-                    "-".into()
-                } else {
-                    counters
-                },
-            ]
+            let order = first
+                .strip_prefix("gpu-")
+                .and_then(|n| n.split('-').next()?.parse().ok())
+                .unwrap_or(u32::MAX);
+            let mig = mig_modes.get(first).copied().unwrap_or("-");
+            (
+                order,
+                [
+                    s.metadata.name.clone().unwrap_or_default(),
+                    mig.to_owned(),
+                    devices.len().to_string(),
+                    if devices.is_empty() {
+                        "-".into()
+                    } else {
+                        format!("{first} .. {last}")
+                    },
+                    if counters.is_empty() {
+                        "-".into()
+                    } else {
+                        counters
+                    },
+                ],
+            )
         })
         .collect();
     rows.sort();
-    let header = ["SLICE", "DEVICES", "RANGE", "COUNTER SETS"].map(String::from);
+    let header = ["SLICE", "MIG", "DEVICES", "RANGE", "COUNTER SETS"].map(String::from);
     let mut widths = header.clone().map(|h| h.len());
-    for r in &rows {
+    for (_, r) in &rows {
         for (w, c) in widths.iter_mut().zip(r) {
             *w = (*w).max(c.len());
         }
     }
     let mut out = String::new();
-    for r in std::iter::once(&header).chain(&rows) {
+    for r in std::iter::once(&header).chain(rows.iter().map(|(_, r)| r)) {
         let _ = writeln!(
             out,
-            "  {:<w0$}  {:>w1$}  {:<w2$}  {}",
+            "  {:<w0$}  {:<w1$}  {:>w2$}  {:<w3$}  {}",
             r[0],
             r[1],
             r[2],
             r[3],
+            r[4],
             w0 = widths[0],
             w1 = widths[1],
-            w2 = widths[2]
+            w2 = widths[2],
+            w3 = widths[3]
         );
     }
     out
