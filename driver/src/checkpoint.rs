@@ -23,9 +23,10 @@
 //!
 //! Recovery from a damaged file (bad checksum, truncated, not JSON, unknown version): the
 //! error names the path. Make sure no pod on the node still uses a claim of this driver (or
-//! accept that their devices are unprepared by hand), then move the file aside
-//! (`mv checkpoint.json checkpoint.json.corrupt`) and restart the plugin; it starts with no
-//! prepared claims. MIG instances cleave created for old claims then look like instances an
+//! accept that their devices are unprepared by hand), then run
+//! `cleave-kubelet-plugin checkpoint reset`, which moves the file aside (by hand:
+//! `mv checkpoint.json checkpoint.json.corrupt`); the waiting plugin picks that up and starts
+//! with no prepared claims. MIG instances cleave created for old claims then look like instances an
 //! administrator made: remove them with `nvidia-smi mig -dci` / `-dgi` if they are not in use.
 
 use std::collections::BTreeMap;
@@ -47,7 +48,7 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const DEFAULT_BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 /// How to recover from a damaged checkpoint; part of every corruption error.
-pub const RECOVERY: &str = "to recover: make sure no pod on this node still uses a claim of this driver, move the file aside (mv checkpoint.json checkpoint.json.corrupt) and restart the plugin; it starts with no prepared claims, and MIG instances it created for old claims must be removed with nvidia-smi if unused";
+pub const RECOVERY: &str = "to recover: make sure no pod on this node still uses a claim of this driver, then run `cleave-kubelet-plugin checkpoint reset` (it moves the file aside; by hand: mv checkpoint.json checkpoint.json.corrupt); the plugin picks that up and starts with no prepared claims, and MIG instances it created for old claims must be removed with nvidia-smi if unused";
 
 /// A checkpoint failure, naming the file.
 #[derive(Debug, thiserror::Error)]
