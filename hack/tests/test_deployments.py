@@ -68,7 +68,6 @@ RBAC = {
     ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "delete"},
     ("resource.k8s.io", "resourceclaims"): {"get"},
     ("", "nodes"): {"get"},
-    ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
 
@@ -571,7 +570,7 @@ def rbac_is_least_privilege() -> None:
 RECORDER_RULES = {("events.k8s.io", "events"): {"create", "patch"}}
 # Granted by the chart although no code calls it. core/v1 events: kube's Recorder writes only
 # events.k8s.io/v1. Remove from the chart, then from here.
-CHART_UNUSED_ALLOWED = {("", "events"): {"create", "patch"}}
+CHART_UNUSED_ALLOWED: dict[tuple[str, str], set[str]] = {}
 
 
 def rust_rbac_rules() -> dict[tuple[str, str], set[str]]:
