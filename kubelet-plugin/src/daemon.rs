@@ -37,6 +37,10 @@ use crate::server::{PluginConfig, PluginServer};
 /// The kernel's boot ID; the driver forgets prepared claims of an earlier boot.
 pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
+/// How often `mps_daemons_running` is re-read from the checkpoint besides after every DRA
+/// call (another plugin instance of a rolling update may have changed it).
+pub const MPS_GAUGE_REFRESH: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Builds a Kubernetes client from a kubeconfig file, or the in-cluster / default
 /// configuration when none is given.
 pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
@@ -213,6 +217,8 @@ pub async fn start_with_backend(
     if let Some(m) = &metrics {
         publisher_config.observer = Some(m.observability.api_observer());
         m.observability.set_published(&pool);
+        m.observability
+            .refresh_mps_daemons(&driver.config().state_dir);
     }
     let health = crate::health::start_for_plugin(
         &args.health,
@@ -230,7 +236,8 @@ pub async fn start_with_backend(
     let handler = Arc::new(
         KubeClaimHandler::new(client, Arc::clone(&driver), serializer.clone())
             .with_health(health.clone(), &plugin.driver_name)
-            .with_events(events),
+            .with_events(events)
+            .with_metrics(metrics.as_ref().map(|m| m.observability.clone())),
     );
     let server = PluginServer::start_with_health(&plugin, handler, metrics, health)
         .await
@@ -336,9 +343,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut last_error: Option<String> = None;
     let mut was_published = false;
     let mut health_changes = plugin.server.health().map(|h| h.subscribe());
+    let mut mps_refresh = tokio::time::interval(MPS_GAUGE_REFRESH);
+    mps_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
+            _ = mps_refresh.tick() => {
+                if let Some(m) = &metrics {
+                    m.observability.refresh_mps_daemons(&plugin.driver.config().state_dir);
+                }
+            }
             Some(()) = async {
                 match health_changes.as_mut() {
                     Some(rx) => rx.changed().await.ok(),

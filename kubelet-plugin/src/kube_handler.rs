@@ -17,6 +17,7 @@ use tracing::{debug, info, info_span, warn};
 use crate::events::{EventReporter, Severity};
 use crate::handler::{ClaimHandler, ClaimRef, PrepareResult, PreparedDevice, UnprepareResult};
 use crate::health::DeviceHealth;
+use crate::observability::ObservabilityMetrics;
 use crate::serialize::Serializer;
 
 /// Prepares claims by reading them from the API server and calling the node driver.
@@ -29,6 +30,8 @@ pub struct KubeClaimHandler {
     health: Option<(Arc<DeviceHealth>, String)>,
     /// Warning Events on claims whose prepare failed for a reason the user can act on.
     events: Option<EventReporter>,
+    /// Metrics whose `mps_daemons_running` is refreshed after every batch.
+    metrics: Option<ObservabilityMetrics>,
 }
 
 impl std::fmt::Debug for KubeClaimHandler {
@@ -50,6 +53,20 @@ impl KubeClaimHandler {
             serializer,
             health: None,
             events: None,
+            metrics: None,
+        }
+    }
+
+    /// Refreshes `mps_daemons_running` of `metrics` from the checkpoint after every
+    /// prepare and unprepare batch that reached the driver.
+    pub fn with_metrics(mut self, metrics: Option<ObservabilityMetrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    fn refresh_metrics(&self) {
+        if let Some(m) = &self.metrics {
+            m.refresh_mps_daemons(&self.driver.config().state_dir);
         }
     }
 
@@ -256,6 +273,7 @@ impl ClaimHandler for KubeClaimHandler {
                 results.extend(uids.into_iter().map(|u| (u, Err(msg.clone()))));
             }
         }
+        self.refresh_metrics();
         results
     }
 
@@ -280,14 +298,16 @@ impl ClaimHandler for KubeClaimHandler {
                     .collect::<Vec<_>>()
             })
             .await;
-        match batch {
+        let results = match batch {
             Ok(done) => done.into_iter().collect(),
             Err(e) => {
                 let msg = format!("unpreparing claims: {e}");
                 warn!(error = %msg, "unprepare batch failed");
                 uids.into_iter().map(|u| (u, Err(msg.clone()))).collect()
             }
-        }
+        };
+        self.refresh_metrics();
+        results
     }
 }
 

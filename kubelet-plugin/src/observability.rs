@@ -1,12 +1,17 @@
 //! Metrics beside the DRA call counters of [`crate::metrics`]: call latency by result,
 //! Kubernetes API requests of the slice publisher by verb and result, and published
-//! devices by type. Registered into the plugin's registry by [`crate::metrics::Metrics::new`].
+//! devices by type, MIG instances created and destroyed, and MPS daemons of prepared claims.
+//! Registered into the plugin's registry by [`crate::metrics::Metrics::new`].
 
+use std::path::Path;
 use std::time::Duration;
 
 use cleave_api::names::DeviceName;
 use cleave_api::pool::PoolDevices;
 use cleave_controller::ApiObserver;
+use cleave_driver::checkpoint::{CheckpointData, CheckpointStore, ClaimState};
+use cleave_driver::sharing::SharingState;
+use cleave_driver::timing::step;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -50,6 +55,9 @@ pub struct ObservabilityMetrics {
     api: Family<ApiLabels, Counter>,
     published: Family<DeviceType, Gauge>,
     steps: Family<StepLabels, Histogram, fn() -> Histogram>,
+    mig_created: Counter,
+    mig_destroyed: Counter,
+    mps_daemons: Gauge,
 }
 
 /// Labels of `driver_step_duration_seconds`.
@@ -69,7 +77,25 @@ impl ObservabilityMetrics {
             api: Family::default(),
             published: Family::default(),
             steps: Family::new_with_constructor(histogram),
+            mig_created: Counter::default(),
+            mig_destroyed: Counter::default(),
+            mps_daemons: Gauge::default(),
         };
+        registry.register(
+            "mig_instances_created",
+            "On-demand MIG instances this process created successfully (prepare and recreation)",
+            m.mig_created.clone(),
+        );
+        registry.register(
+            "mig_instances_destroyed",
+            "MIG instances created by cleave that this process destroyed successfully (unprepare and rollback)",
+            m.mig_destroyed.clone(),
+        );
+        registry.register(
+            "mps_daemons_running",
+            "MPS control daemons recorded in the checkpoint for prepared claims (updated after start, every prepare/unprepare call and periodically)",
+            m.mps_daemons.clone(),
+        );
         registry.register(
             "driver_step_duration_seconds",
             "Duration of successful driver steps: MIG instances created (mig_create) and destroyed (mig_destroy), CDI and checkpoint writes, sharing setup",
@@ -102,14 +128,46 @@ impl ObservabilityMetrics {
     }
 
     /// Points the driver's step timing ([`cleave_driver::timing`]) at
-    /// `driver_step_duration_seconds`; the first call in a process wins.
+    /// `driver_step_duration_seconds` and the MIG counters; the first call in a process wins.
     pub fn install_driver_observer(&self) -> bool {
-        let steps = self.steps.clone();
+        let m = self.clone();
         cleave_driver::timing::set_observer(Box::new(move |step, elapsed| {
-            steps
-                .get_or_create(&StepLabels { step })
-                .observe(elapsed.as_secs_f64());
+            m.observe_step(step, elapsed);
         }))
+    }
+
+    /// Records one successful driver step (the driver reports only successful ones): its
+    /// duration, and for MIG create/destroy the instance counters.
+    pub fn observe_step(&self, step: &'static str, elapsed: Duration) {
+        self.steps
+            .get_or_create(&StepLabels { step })
+            .observe(elapsed.as_secs_f64());
+        match step {
+            step::MIG_CREATE => {
+                self.mig_created.inc();
+            }
+            step::MIG_DESTROY => {
+                self.mig_destroyed.inc();
+            }
+            _ => {}
+        }
+    }
+
+    /// Sets `mps_daemons_running`.
+    pub fn set_mps_daemons(&self, daemons: usize) {
+        self.mps_daemons
+            .set(i64::try_from(daemons).unwrap_or(i64::MAX));
+    }
+
+    /// Sets `mps_daemons_running` from the checkpoint in `state_dir` (the driver writes it
+    /// atomically after every change, so reading it needs no lock). On a read error the
+    /// gauge keeps its value; the error is logged at debug level (start-up and the driver
+    /// report checkpoint errors themselves).
+    pub fn refresh_mps_daemons(&self, state_dir: &Path) {
+        match CheckpointStore::in_dir(state_dir).load() {
+            Ok(data) => self.set_mps_daemons(mps_daemons_in(&data)),
+            Err(e) => tracing::debug!(error = %e, "reading the checkpoint for mps_daemons_running"),
+        }
     }
 
     /// An observer for [`cleave_controller::PublisherConfig::observer`].
@@ -135,5 +193,168 @@ impl ObservabilityMetrics {
         self.published
             .get_or_create(&DeviceType { r#type: "mig" })
             .set(mig);
+    }
+}
+
+/// MPS daemons recorded for prepared claims: claims in state `Prepared` whose sharing state
+/// holds an MPS record (claims being prepared or waiting for recreation are not counted).
+pub fn mps_daemons_in(data: &CheckpointData) -> usize {
+    data.claims
+        .values()
+        .filter(|r| r.state == ClaimState::Prepared)
+        .filter_map(|r| r.sharing.as_ref())
+        .filter(|v| {
+            serde_json::from_value::<SharingState>((*v).clone()).is_ok_and(|s| s.mps.is_some())
+        })
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use cleave_driver::checkpoint::ClaimRecord;
+    use cleave_driver::sharing::{DaemonSpec, MpsRecord};
+
+    use super::*;
+
+    fn registered() -> (Registry, ObservabilityMetrics) {
+        let mut registry = Registry::with_prefix("cleave_kubelet_plugin");
+        let m = ObservabilityMetrics::register(&mut registry);
+        (registry, m)
+    }
+
+    fn encode(registry: &Registry) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, registry).unwrap();
+        out
+    }
+
+    fn mps_state(uid: &str) -> serde_json::Value {
+        let record = MpsRecord {
+            spec: DaemonSpec {
+                claim_uid: uid.to_owned(),
+                pipe_dir: "/state/mps/pipe".into(),
+                log_dir: "/state/mps/log".into(),
+                visible_devices: vec!["GPU-0".into()],
+            },
+            host_pipe_dir: "/state/mps/pipe".into(),
+            active_thread_percentage: 50,
+            pinned_limits: Vec::new(),
+            exclusive_gpus: Vec::new(),
+            daemon: None,
+        };
+        serde_json::to_value(SharingState {
+            mps: Some(record),
+            time_slicing: Vec::new(),
+        })
+        .unwrap()
+    }
+
+    fn claim(uid: &str, state: ClaimState, sharing: Option<serde_json::Value>) -> ClaimRecord {
+        ClaimRecord {
+            uid: uid.to_owned(),
+            namespace: "ns".into(),
+            name: uid.to_owned(),
+            state,
+            devices: Vec::new(),
+            sharing,
+        }
+    }
+
+    fn data(claims: Vec<ClaimRecord>) -> CheckpointData {
+        CheckpointData {
+            boot_id: "boot".into(),
+            claims: claims.into_iter().map(|c| (c.uid.clone(), c)).collect(),
+        }
+    }
+
+    #[test]
+    fn mig_counters_count_only_mig_steps() {
+        let (registry, m) = registered();
+        let text = encode(&registry);
+        assert!(
+            text.contains("cleave_kubelet_plugin_mig_instances_created_total 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("cleave_kubelet_plugin_mig_instances_destroyed_total 0"),
+            "{text}"
+        );
+        let ms = Duration::from_millis(1);
+        m.observe_step(step::MIG_CREATE, ms);
+        m.observe_step(step::MIG_CREATE, ms);
+        m.observe_step(step::MIG_DESTROY, ms);
+        m.observe_step(step::CDI_WRITE, ms);
+        m.observe_step(step::SHARING_APPLY, ms);
+        let text = encode(&registry);
+        for line in [
+            "cleave_kubelet_plugin_mig_instances_created_total 2",
+            "cleave_kubelet_plugin_mig_instances_destroyed_total 1",
+            r#"cleave_kubelet_plugin_driver_step_duration_seconds_count{step="mig_create"} 2"#,
+            r#"cleave_kubelet_plugin_driver_step_duration_seconds_count{step="cdi_write"} 1"#,
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn mps_daemons_counts_prepared_claims_with_an_mps_record() {
+        let d = data(vec![
+            claim("a", ClaimState::Prepared, Some(mps_state("a"))),
+            claim("b", ClaimState::Prepared, Some(mps_state("b"))),
+            // Time-slicing only / no sharing: no daemon.
+            claim(
+                "c",
+                ClaimState::Prepared,
+                Some(serde_json::to_value(SharingState::default()).unwrap()),
+            ),
+            claim("d", ClaimState::Prepared, None),
+            // Not prepared (rolled back at start) or waiting for recreation: not running.
+            claim("e", ClaimState::PrepareStarted, Some(mps_state("e"))),
+            claim("f", ClaimState::NeedsRecreate, Some(mps_state("f"))),
+            // Unreadable sharing state: not counted.
+            claim(
+                "g",
+                ClaimState::Prepared,
+                Some(serde_json::json!({"mps": 7})),
+            ),
+        ]);
+        assert_eq!(mps_daemons_in(&d), 2);
+        assert_eq!(mps_daemons_in(&CheckpointData::default()), 0);
+    }
+
+    #[test]
+    fn refresh_reads_the_checkpoint_and_keeps_the_value_on_errors() {
+        let (registry, m) = registered();
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::in_dir(dir.path());
+        // No checkpoint yet: an empty one.
+        m.set_mps_daemons(5);
+        m.refresh_mps_daemons(dir.path());
+        assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 0"));
+
+        store
+            .store(&data(vec![
+                claim("a", ClaimState::Prepared, Some(mps_state("a"))),
+                claim("b", ClaimState::Prepared, Some(mps_state("b"))),
+                claim("c", ClaimState::Prepared, None),
+            ]))
+            .unwrap();
+        m.refresh_mps_daemons(dir.path());
+        assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 2"));
+
+        store
+            .store(&data(vec![claim(
+                "a",
+                ClaimState::Prepared,
+                Some(mps_state("a")),
+            )]))
+            .unwrap();
+        m.refresh_mps_daemons(dir.path());
+        assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 1"));
+
+        // A damaged checkpoint: the last value stays.
+        std::fs::write(store.path(), b"not a checkpoint").unwrap();
+        m.refresh_mps_daemons(dir.path());
+        assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 1"));
     }
 }

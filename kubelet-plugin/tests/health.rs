@@ -429,7 +429,8 @@ async fn lost_gpu_is_removed_without_taints_and_comes_back() {
 }
 
 /// On-demand MIG: an Xid attributed to a created instance (GI/CI ids) marks only that MIG
-/// device; a GPU-wide Xid marks the whole GPU and every placement of it.
+/// device; a GPU-wide Xid marks the whole GPU and every placement of it. `/metrics` counts
+/// the instance created at prepare and destroyed at unprepare.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mig_xid_marks_only_its_instance_gpu_wide_marks_all_placements() {
     let dirs = NodeDirs::new();
@@ -443,16 +444,25 @@ async fn mig_xid_marks_only_its_instance_gpu_wide_marks_all_placements() {
     );
     let control = dirs.path().join("nvml-control");
     std::fs::write(&control, "").unwrap();
+    let port = free_port();
     let plugin = Plugin::start(
         &dirs,
         &PluginOptions {
             mig: "on",
             dynamic_mig: true,
+            metrics_port: Some(port),
             env: vec![("MOCK_NVML_CONTROL", control.display().to_string())],
             ..PluginOptions::default()
         },
     );
     wait_until("slices", &dirs, || slice_devices(&standin).len() > 8).await;
+    const CREATED: &str = "cleave_kubelet_plugin_mig_instances_created_total";
+    const DESTROYED: &str = "cleave_kubelet_plugin_mig_instances_destroyed_total";
+    const MPS: &str = "cleave_kubelet_plugin_mps_daemons_running";
+    let before = scrape(port);
+    assert_eq!(sample(&before, CREATED, &[]), Some(0.0));
+    assert_eq!(sample(&before, DESTROYED, &[]), Some(0.0));
+    assert_eq!(sample(&before, MPS, &[]), Some(0.0));
     let mut stream = watch_v1(&plugin.dra_socket).await;
     let all = next_v1(&mut stream).await.unwrap();
     assert!(all.len() > 8 && all.values().all(|(h, _)| *h));
@@ -468,6 +478,11 @@ async fn mig_xid_marks_only_its_instance_gpu_wide_marks_all_placements() {
         .unwrap()
         .into_inner();
     assert_eq!(r.claims["uid-mig"].error, "", "{}", dirs.log());
+    let prepared = scrape(port);
+    assert_eq!(sample(&prepared, CREATED, &[]), Some(1.0));
+    assert_eq!(sample(&prepared, DESTROYED, &[]), Some(0.0));
+    // No MPS config on the claim: no daemon.
+    assert_eq!(sample(&prepared, MPS, &[]), Some(0.0));
     // Placement 0 of a 1g profile is GPU instance 7 (MIG-FACTS §6), compute instance 0.
     let unhealthy = |h: &Health| -> Vec<String> {
         h.iter()
@@ -509,5 +524,20 @@ async fn mig_xid_marks_only_its_instance_gpu_wide_marks_all_placements() {
             && d.contains_key("gpu-0")
     })
     .await;
+
+    // Unprepare destroys the created instance (even though it is marked unhealthy).
+    let r = dra
+        .node_unprepare_resources(
+            cleave_kubelet_plugin::proto::dra::v1::NodeUnprepareResourcesRequest {
+                claims: vec![claim("mig", "uid-mig")],
+            },
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.claims["uid-mig"].error, "", "{}", dirs.log());
+    let unprepared = scrape(port);
+    assert_eq!(sample(&unprepared, CREATED, &[]), Some(1.0));
+    assert_eq!(sample(&unprepared, DESTROYED, &[]), Some(1.0));
     assert!(plugin.terminate().success(), "{}", dirs.log());
 }
