@@ -20,6 +20,8 @@
 //! holds a claim in that state as corrupt (unknown variant); such a claim exists only between
 //! a reboot and a successful recreation, so a downgrade in that window needs that claim
 //! unprepared first.
+//! The MIG record field `creatingInBoot` (recreation intent, written only while an instance
+//! is being recreated, omitted otherwise); older releases ignore it.
 //!
 //! Recovery from a damaged file (bad checksum, truncated, not JSON, unknown version): the
 //! error names the path. Make sure no pod on the node still uses a claim of this driver (or
@@ -213,6 +215,12 @@ pub struct MigRecord {
     /// True if cleave created the instance for this claim (and destroys it at unprepare);
     /// false for instances that existed before (never destroyed by cleave).
     pub created_by_cleave: bool,
+    /// Intent of a recreation: the boot ID in which cleave was about to create this instance
+    /// again (written durably before the create, cleared once the new IDs are recorded). An
+    /// instance found at exactly this profile and placement in that same boot, recorded for
+    /// no other claim, is the one a crash left unrecorded (see [`crate::prepare`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub creating_in_boot: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -403,6 +411,7 @@ mod tests {
                         gi_id: Some(10),
                         ci_id: Some(0),
                         created_by_cleave: true,
+                        creating_in_boot: None,
                     }),
                     config: None,
                     cdi_device_ids: vec![

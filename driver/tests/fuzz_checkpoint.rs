@@ -54,6 +54,7 @@ fn sample() -> CheckpointData {
                         gi_id: Some(10),
                         ci_id: Some(0),
                         created_by_cleave: true,
+                        creating_in_boot: None,
                     }),
                     config: Some(
                         json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "MigConfig"}),

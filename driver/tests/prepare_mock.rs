@@ -281,6 +281,7 @@ fn restart_rolls_back_interrupted_prepare_and_keeps_static_instances() {
                     gi_id: None,
                     ci_id: None,
                     created_by_cleave: true,
+                    creating_in_boot: None,
                 }),
                 config: None,
                 cdi_device_ids: vec![],

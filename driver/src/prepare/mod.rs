@@ -43,9 +43,10 @@
 //! prepare of a `NeedsRecreate` claim, which the kubelet replays after a reboot):
 //! 1. per MIG device in record order: an instance recorded in this boot that still exists is
 //!    kept; an instance cleave created is created again with exactly the recorded profile and
-//!    placement (`create_mig`) and recorded at once; a static instance (not created by
-//!    cleave) must exist again with the recorded profile and placement, else the claim fails
-//!    with [`PrepareError::StaticMigMissing`] naming the device;
+//!    placement (`create_mig`) and recorded at once, after its intent (`MigRecord::
+//!    creating_in_boot` = this boot ID) was recorded durably; a static instance (not created
+//!    by cleave) must exist again with the recorded profile and placement, else the claim
+//!    fails with [`PrepareError::StaticMigMissing`] naming the device;
 //! 2. sharing is applied again ([`SharingHandler::apply`] with the device UUIDs of now: MPS
 //!    daemon started again, time slices set again);
 //! 3. the CDI spec is rewritten: the same CDI device names and IDs, new per-device values
@@ -58,11 +59,22 @@
 //! missing. Start passes only claims that are not `NeedsRecreate` to
 //! [`SharingHandler::reconcile`], so a daemon of a claim still waiting is stopped rather than
 //! restarted with stale device UUIDs. Unprepare of a `NeedsRecreate` claim releases sharing,
-//! destroys only instances recorded in this boot (by UUID) and drops the record. Known limit:
-//! a crash between creating an instance and recording it leaves that instance unrecorded; the
-//! next recreation then fails at that placement (NVML: insufficient resources) until an
-//! administrator removes it, because an instance found at the placement may equally be one a
-//! boot-time MIG configuration made.
+//! destroys the instances recorded in this boot (by UUID) and those of a recreation intent of
+//! this boot (by profile and placement, as below), and drops the record.
+//!
+//! A crash between creating an instance and recording it leaves the instance unrecorded but
+//! its intent recorded. The next recreation (or unprepare) of the claim takes the instance at
+//! exactly the intended profile and placement as its own when the intent names the current
+//! boot and no claim records that instance's UUID: it adopts it (records its UUID and IDs)
+//! instead of creating again, which would fail with NVML's insufficient resources at that
+//! placement. The intent names the boot, so an instance a boot-time MIG configuration (or an
+//! administrator) made in a later boot is never taken: start clears every intent after a
+//! reboot, and only the boot that wrote an intent honours it. A create that fails clears its
+//! intent, so an instance someone else already holds at the placement (the usual cause of
+//! that failure) is never adopted by a retry. What remains is the same narrow window as for
+//! prepare's `PrepareStarted` rollback: an administrator who creates an identical instance at
+//! that placement in the same boot, after the crash and before the restart, has it taken
+//! (and destroyed at unprepare) as cleave's.
 
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]
@@ -451,7 +463,7 @@ impl NodeDriver {
                 continue;
             };
             tracing::info!(claim = %uid, "rolling back an interrupted prepare");
-            match driver.release_record(&record) {
+            match driver.release_record(&record, &data) {
                 Ok(()) => {
                     crate::fault::point("start.after_rollback");
                     data.claims.remove(&uid);
@@ -619,7 +631,7 @@ impl NodeDriver {
                 ClaimState::PrepareStarted => {
                     // Only left behind when a rollback failed; try it again first.
                     let record = record.clone();
-                    self.release_record(&record)?;
+                    self.release_record(&record, &state.data)?;
                     Self::forget_instances(&mut state.inventory, &record);
                     state.data.claims.remove(uid);
                     self.checkpoint.store(&state.data)?;
@@ -677,7 +689,7 @@ impl NodeDriver {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "prepare failed; rolling back");
-                match self.release_record(&record) {
+                match self.release_record(&record, &state.data) {
                     Ok(()) => {
                         Self::forget_instances(&mut state.inventory, &record);
                         if state.data.claims.remove(uid).is_some()
@@ -868,6 +880,7 @@ impl NodeDriver {
                             gi_id: None,
                             ci_id: None,
                             created_by_cleave: true,
+                            creating_in_boot: None,
                         }),
                     ))
                 }
@@ -908,6 +921,7 @@ impl NodeDriver {
                             gi_id: Some(inst.gi_id),
                             ci_id: Some(inst.ci_id),
                             created_by_cleave: false,
+                            creating_in_boot: None,
                         }),
                     ));
                 }
@@ -926,6 +940,7 @@ impl NodeDriver {
                         gi_id: None,
                         ci_id: None,
                         created_by_cleave: true,
+                        creating_in_boot: None,
                     }),
                 ))
             }
@@ -1175,14 +1190,75 @@ impl NodeDriver {
             let inst = match kept {
                 Some(inst) => inst,
                 None if mig.created_by_cleave => {
-                    let inst = self
-                        .backend
-                        .create_mig(&gpu, mig.profile_id, mig.placement)
-                        .map_err(recreate_err)?;
-                    crate::fault::point("recreate.after_mig_create");
-                    tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
-                    list.push(inst.clone());
-                    inst
+                    let adopted = if mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str())
+                    {
+                        // A crash of this boot came between our create and its record: the
+                        // instance at exactly this profile and placement, recorded for nothing
+                        // else, is ours.
+                        let taken = recorded_uuids(data, record);
+                        list.iter()
+                            .find(|i| {
+                                i.profile_id == mig.profile_id
+                                    && i.placement == mig.placement
+                                    && !taken.contains(&i.uuid)
+                            })
+                            .cloned()
+                    } else {
+                        None
+                    };
+                    match adopted {
+                        Some(inst) => {
+                            tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "adopted the MIG device an interrupted recreation created");
+                            inst
+                        }
+                        None => {
+                            // Intent first, so that a crash after the create leaves an
+                            // instance the next attempt recognises as ours.
+                            if mig.creating_in_boot.as_deref() != Some(data.boot_id.as_str()) {
+                                if let Some(m) = record.devices[i].mig.as_mut() {
+                                    m.creating_in_boot = Some(data.boot_id.clone());
+                                }
+                                data.claims.insert(uid.clone(), record.clone());
+                                if let Err(e) = self.checkpoint.store(data) {
+                                    // Not recorded and nothing created: no intent either.
+                                    if let Some(m) = data
+                                        .claims
+                                        .get_mut(&uid)
+                                        .and_then(|r| r.devices.get_mut(i))
+                                        .and_then(|d| d.mig.as_mut())
+                                    {
+                                        m.creating_in_boot = None;
+                                    }
+                                    return Err(e.into());
+                                }
+                                crate::fault::point("recreate.after_intent");
+                            }
+                            let inst = match self.backend.create_mig(
+                                &gpu,
+                                mig.profile_id,
+                                mig.placement,
+                            ) {
+                                Ok(inst) => inst,
+                                Err(e) => {
+                                    // Nothing was created: drop the intent, so that a later
+                                    // attempt never takes an instance someone else made at
+                                    // this placement (the usual cause of this failure).
+                                    if let Some(m) = record.devices[i].mig.as_mut() {
+                                        m.creating_in_boot = None;
+                                    }
+                                    data.claims.insert(uid.clone(), record.clone());
+                                    if let Err(store_err) = self.checkpoint.store(data) {
+                                        tracing::warn!(claim = %uid, error = %store_err, "recording a failed recreation");
+                                    }
+                                    return Err(recreate_err(e));
+                                }
+                            };
+                            crate::fault::point("recreate.after_mig_create");
+                            tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
+                            list.push(inst.clone());
+                            inst
+                        }
+                    }
                 }
                 None => list
                     .iter()
@@ -1195,11 +1271,16 @@ impl NodeDriver {
                         placement: mig.placement,
                     })?,
             };
-            let changed = mig.uuid.as_deref() != Some(inst.uuid.as_str());
+            let changed = mig.uuid.as_deref() != Some(inst.uuid.as_str())
+                || record.devices[i]
+                    .mig
+                    .as_ref()
+                    .is_some_and(|m| m.creating_in_boot.is_some());
             if let Some(m) = record.devices[i].mig.as_mut() {
                 m.uuid = Some(inst.uuid.clone());
                 m.gi_id = Some(inst.gi_id);
                 m.ci_id = Some(inst.ci_id);
+                m.creating_in_boot = None;
             }
             if changed && mig.created_by_cleave {
                 // Recorded at once, so that unprepare or a retry finds it by UUID.
@@ -1237,23 +1318,30 @@ impl NodeDriver {
 
     /// Undoes everything a record describes, except the checkpoint entry: sharing, MIG
     /// instances cleave created (verified against NVML first), the CDI spec. Idempotent.
-    /// An instance without a recorded UUID is looked for by profile and placement only for
-    /// an interrupted prepare of this boot (`PrepareStarted`); never for a claim waiting for
-    /// recreation, whose unrecorded instances do not exist.
-    fn release_record(&self, record: &ClaimRecord) -> Result<(), PrepareError> {
+    /// An instance without a recorded UUID is looked for by profile and placement (skipping
+    /// the UUIDs recorded in `data`) only for an interrupted prepare of this boot
+    /// (`PrepareStarted`) or a recreation intent of this boot; never otherwise for a claim
+    /// waiting for recreation, whose unrecorded instances do not exist.
+    fn release_record(
+        &self,
+        record: &ClaimRecord,
+        data: &CheckpointData,
+    ) -> Result<(), PrepareError> {
         if record.sharing.is_some() {
             self.sharing.release(&record.uid, record.sharing.as_ref())?;
             crate::fault::point("release.after_sharing_release");
         }
-        let by_placement = record.state == ClaimState::PrepareStarted;
+        let taken = recorded_uuids(data, record);
         for d in record.devices.iter().rev() {
             let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
                 continue;
             };
+            let by_placement = record.state == ClaimState::PrepareStarted
+                || mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str());
             if mig.uuid.is_none() && !by_placement {
                 continue;
             }
-            self.destroy_owned(&record.uid, d, mig)?;
+            self.destroy_owned(&record.uid, d, mig, &taken)?;
         }
         self.cdi
             .remove_claim_spec(&record.uid)
@@ -1265,13 +1353,15 @@ impl NodeDriver {
     }
 
     /// Destroys the instance cleave created for `device`, if it still exists. It is found by
-    /// its UUID, or (when prepare was interrupted before the UUID was recorded) by profile
-    /// and placement; an instance that is not ours (different UUID) is left alone.
+    /// its UUID, or (when prepare or recreation was interrupted before the UUID was recorded)
+    /// by profile and placement, never among `taken` (UUIDs recorded for claims); an instance
+    /// that is not ours (different UUID) is left alone.
     fn destroy_owned(
         &self,
         claim: &str,
         device: &DeviceRecord,
         mig: &MigRecord,
+        taken: &BTreeSet<String>,
     ) -> Result<(), PrepareError> {
         let err = |source| PrepareError::MigDestroy {
             claim: claim.to_owned(),
@@ -1286,7 +1376,11 @@ impl NodeDriver {
         };
         let target = existing.iter().find(|i| match &mig.uuid {
             Some(uuid) => &i.uuid == uuid,
-            None => i.profile_id == mig.profile_id && i.placement == mig.placement,
+            None => {
+                i.profile_id == mig.profile_id
+                    && i.placement == mig.placement
+                    && !taken.contains(&i.uuid)
+            }
         });
         let Some(inst) = target else {
             tracing::info!(device = %device.name, "MIG device already gone");
@@ -1341,7 +1435,7 @@ impl NodeDriver {
                 })?;
             return Ok(());
         };
-        self.release_record(&record)?;
+        self.release_record(&record, &state.data)?;
         Self::forget_instances(&mut state.inventory, &record);
         state.data.claims.remove(claim_uid);
         if let Err(e) = self.checkpoint.store(&state.data) {
@@ -1435,13 +1529,27 @@ fn device_uuid(record: &DeviceRecord) -> String {
         .unwrap_or_else(|| record.gpu_uuid.clone())
 }
 
-/// Forgets the IDs of every MIG instance of a record (after a reboot none of them exists).
+/// Forgets the IDs of every MIG instance of a record, and any recreation intent (after a
+/// reboot none of them exists).
 fn forget_instances_of(record: &mut ClaimRecord) {
     for m in record.devices.iter_mut().filter_map(|d| d.mig.as_mut()) {
         m.uuid = None;
         m.gi_id = None;
         m.ci_id = None;
+        m.creating_in_boot = None;
     }
+}
+
+/// UUIDs of the MIG instances recorded for any claim, `record` (the copy being recreated)
+/// included: an instance among them is never adopted by a recreation.
+fn recorded_uuids(data: &CheckpointData, record: &ClaimRecord) -> BTreeSet<String> {
+    data.claims
+        .values()
+        .filter(|r| r.uid != record.uid)
+        .chain(std::iter::once(record))
+        .flat_map(|r| &r.devices)
+        .filter_map(|d| d.mig.as_ref()?.uuid.clone())
+        .collect()
 }
 
 /// The sharing devices of a record, from the effective configs it recorded.

@@ -598,6 +598,7 @@ fn interrupted_prepare_is_rolled_back_at_start() {
                     gi_id: None,
                     ci_id: None,
                     created_by_cleave: true,
+                    creating_in_boot: None,
                 }),
                 config: None,
                 cdi_device_ids: vec![],
@@ -823,6 +824,130 @@ fn unprepare_before_recreation_destroys_nothing() {
     assert_eq!(node.fake.instances(&gpu_uuid(0)), [theirs, theirs_b]);
     assert!(node.checkpoint().claims.is_empty());
     assert!(node.driver.claims_needing_recreate().is_empty());
+}
+
+/// What a crash of the recreation after a reboot leaves behind between `create_mig` and its
+/// record: the claim `NeedsRecreate` with the intent naming `intent_boot`, no UUID, and the
+/// instance on the hardware. Returns that instance.
+fn crash_inside_recreation(node: &Node, intent_boot: &str) -> crate::model::MigInstance {
+    let mut data = node.checkpoint();
+    data.boot_id = "new-boot".into();
+    let record = data.claims.get_mut(UID_A).unwrap();
+    record.state = ClaimState::NeedsRecreate;
+    forget_instances_of(record);
+    let mig = record.devices[0].mig.as_mut().unwrap();
+    mig.creating_in_boot = Some(intent_boot.into());
+    let (profile_id, placement) = (mig.profile_id, mig.placement);
+    CheckpointStore::in_dir(&node.driver.config().state_dir)
+        .store(&data)
+        .unwrap();
+    node.fake
+        .add_instance(&gpu_uuid(0), profile_id, placement)
+        .unwrap()
+}
+
+#[test]
+fn an_instance_of_an_interrupted_recreation_is_adopted_not_created_again() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    let claim = node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-3")]);
+    let first = node.driver.prepare(&claim).unwrap();
+    simulate_reboot(&node);
+    let orphan = crash_inside_recreation(&node, "new-boot");
+    let node = node.restart();
+    // Adopted: nothing created (that would fail at the taken placement), nothing destroyed.
+    assert_eq!(node.fake.mutations(), []);
+    assert!(node.driver.claims_needing_recreate().is_empty());
+    let record = node.checkpoint().claims[UID_A].clone();
+    assert_eq!(record.state, ClaimState::Prepared);
+    let mig = record.devices[0].mig.clone().unwrap();
+    assert_eq!(
+        (
+            mig.uuid.as_deref(),
+            mig.gi_id,
+            mig.ci_id,
+            mig.creating_in_boot
+        ),
+        (
+            Some(orphan.uuid.as_str()),
+            Some(orphan.gi_id),
+            Some(orphan.ci_id),
+            None
+        )
+    );
+    assert!(
+        cdi_json(&node.cdi_path(UID_A))
+            .to_string()
+            .contains(&orphan.uuid)
+    );
+    assert_eq!(node.driver.prepare(&claim).unwrap(), first);
+    node.driver.unprepare(UID_A).unwrap();
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), []);
+}
+
+#[test]
+fn an_intent_of_another_boot_never_adopts_an_instance() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    let claim = node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-3")]);
+    node.driver.prepare(&claim).unwrap();
+    simulate_reboot(&node);
+    // The instance at the placement is someone else's (e.g. a boot-time MIG config).
+    let theirs = crash_inside_recreation(&node, "old-boot");
+    let node = node.restart();
+    assert_eq!(
+        node.fake.mutations(),
+        [Call::CreateMig {
+            gpu_uuid: gpu_uuid(0),
+            profile_id: 19,
+            placement: Placement { start: 3, size: 1 },
+        }]
+    );
+    assert_eq!(node.driver.claims_needing_recreate().len(), 1);
+    let record = node.checkpoint().claims[UID_A].clone();
+    assert_eq!(record.state, ClaimState::NeedsRecreate);
+    assert_eq!(record.devices[0].mig.as_ref().unwrap().uuid, None);
+    node.fake.clear_calls();
+    node.driver.unprepare(UID_A).unwrap();
+    assert_eq!(node.fake.mutations(), []);
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), [theirs]);
+}
+
+#[test]
+fn a_failed_recreation_drops_its_intent_so_a_retry_never_adopts_another_instance() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    let claim = node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-3")]);
+    node.driver.prepare(&claim).unwrap();
+    simulate_reboot(&node);
+    node.fake.fail_next_create(BackendError::Nvml {
+        call: "nvmlDeviceCreateGpuInstanceWithPlacement",
+        target: gpu_uuid(0),
+        message: "Insufficient Resources".into(),
+        code: 23,
+    });
+    let node = node.restart();
+    let record = node.checkpoint().claims[UID_A].clone();
+    assert_eq!(record.state, ClaimState::NeedsRecreate);
+    assert_eq!(
+        record.devices[0].mig.as_ref().unwrap().creating_in_boot,
+        None
+    );
+    // An administrator now creates an identical instance at the placement.
+    let theirs = node
+        .fake
+        .add_instance(&gpu_uuid(0), 19, Placement { start: 3, size: 1 })
+        .unwrap();
+    node.fake.clear_calls();
+    let e = node.driver.prepare(&claim).unwrap_err();
+    assert!(matches!(e, PrepareError::MigRecreate { .. }), "{e}");
+    assert_eq!(
+        node.checkpoint().claims[UID_A].devices[0]
+            .mig
+            .as_ref()
+            .unwrap()
+            .uuid,
+        None
+    );
+    node.driver.unprepare(UID_A).unwrap();
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), [theirs]);
 }
 
 #[test]
