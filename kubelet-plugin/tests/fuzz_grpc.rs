@@ -687,3 +687,92 @@ fn garbage_bodies_get_clean_errors_and_the_server_survives() {
     ));
     rt.block_on(server.shutdown()).unwrap();
 }
+
+/// Sends `body` as the raw HTTP/2 request body (gRPC framing included) and returns the
+/// `grpc-status` and `grpc-message` of the answer, from its headers or trailers.
+async fn raw_frame(chan: &Channel, path: &str, body: Vec<u8>) -> (String, String) {
+    use http_body_util::BodyExt as _;
+    use tower::ServiceExt as _;
+    let req = tonic::codegen::http::Request::builder()
+        .method("POST")
+        .uri(format!("http://localhost{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(tonic::body::Body::new(http_body_util::Full::new(
+            bytes::Bytes::from(body),
+        )))
+        .unwrap();
+    let fut = async {
+        let resp = chan.clone().oneshot(req).await.expect("transport error");
+        let (parts, body) = resp.into_parts();
+        let trailers = body
+            .collect()
+            .await
+            .expect("body error")
+            .trailers()
+            .cloned()
+            .unwrap_or_default();
+        let get = |name: &str| {
+            parts
+                .headers
+                .get(name)
+                .or_else(|| trailers.get(name))
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default()
+        };
+        (get("grpc-status"), get("grpc-message"))
+    };
+    tokio::time::timeout(CALL_TIMEOUT, fut)
+        .await
+        .unwrap_or_else(|_| panic!("raw frame to {path} hung"))
+}
+
+#[test]
+fn broken_grpc_framing_gets_an_error_status_and_the_server_survives() {
+    let rt = rt();
+    let dir = tempfile::tempdir().unwrap();
+    let handler = Arc::new(FakeHandler::default());
+    let server = rt
+        .block_on(PluginServer::start(
+            &config(dir.path()),
+            Arc::clone(&handler),
+        ))
+        .unwrap();
+    let chan = rt.block_on(channel(server.dra_socket()));
+    let frames: [(&str, Vec<u8>); 4] = [
+        // Compressed flag without a grpc-encoding header.
+        ("compressed", vec![1, 0, 0, 0, 2, 0x0a, 0x00]),
+        // The length prefix promises more than the body holds.
+        ("truncated", vec![0, 0, 0, 0, 10, 0x0a, 0x00]),
+        // A length far beyond the server's message size limit.
+        ("oversized", vec![0, 0xff, 0xff, 0xff, 0xff, 0x0a]),
+        // Half a frame header.
+        ("half header", vec![0, 0]),
+    ];
+    for path in PATHS {
+        // Control: an empty, well-framed request is answered with status 0.
+        let (status, _) = rt.block_on(raw_frame(&chan, path, vec![0, 0, 0, 0, 0]));
+        assert_eq!(status, "0", "{path}");
+        for (what, body) in &frames {
+            let (status, message) = rt.block_on(raw_frame(&chan, path, body.clone()));
+            assert!(
+                !status.is_empty() && status != "0",
+                "{what} frame to {path} accepted: status {status:?} {message:?}"
+            );
+            assert!(
+                !message.is_empty(),
+                "{what} frame to {path}: status {status} without a message"
+            );
+            if path == PATHS[0] {
+                eprintln!("{what}: grpc-status {status}, {message:?}");
+            }
+        }
+    }
+    assert!(handler.prepare_batches().is_empty());
+    assert!(handler.unprepare_batches().is_empty());
+    rt.block_on(still_serving(
+        server.registration_socket(),
+        server.dra_socket(),
+    ));
+    rt.block_on(server.shutdown()).unwrap();
+}
