@@ -573,7 +573,16 @@ impl Drop for StandIn {
     }
 }
 
+/// Installs rustls' ring provider for the process unless one is installed already. kube
+/// asks rustls for the process default, and when a workspace build enables both of
+/// rustls' providers (the CDI crate's jsonschema pulls in aws-lc-rs beside kube's ring)
+/// rustls cannot pick one by itself and building a client panics.
+pub fn ensure_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 fn config_for(url: &str) -> Result<kube::Config, StandInError> {
+    ensure_crypto_provider();
     let uri: http::Uri = url
         .parse()
         .map_err(|_| StandInError::Url(url.to_string()))?;
