@@ -85,6 +85,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
             mock: None,
         },
         lifecycle: Default::default(),
+        mps: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
         health: Default::default(),

@@ -38,6 +38,91 @@ pub enum Command {
     /// Checkpoint maintenance (recovery from an unreadable checkpoint).
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
+    /// Entry point of a per-claim MPS daemon pod (started by `run --mps-launcher=pod`):
+    /// starts the MPS control daemon, streams its log, and quits it on SIGTERM.
+    MpsDaemon(MpsDaemonArgs),
+}
+
+/// How claims' MPS control daemons are run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MpsLauncherKind {
+    /// As detached host processes of the plugin (local runs, tests).
+    Process,
+    /// Each in a pod of its own on this node, created through the API (clusters).
+    Pod,
+}
+
+/// Where and how per-claim MPS daemons run.
+#[derive(Debug, Clone, Args)]
+pub struct MpsArgs {
+    /// Run MPS control daemons as host processes or in pods of their own.
+    #[arg(long, env = "MPS_LAUNCHER", value_enum, default_value_t = MpsLauncherKind::Process)]
+    pub mps_launcher: MpsLauncherKind,
+    /// Image of the MPS daemon pods (holds this binary; the chart passes the plugin image).
+    #[arg(long, env = "MPS_DAEMON_IMAGE")]
+    pub mps_daemon_image: Option<String>,
+    /// Pull policy of the MPS daemon pods' image.
+    #[arg(
+        long,
+        env = "MPS_DAEMON_IMAGE_PULL_POLICY",
+        default_value = "IfNotPresent"
+    )]
+    pub mps_daemon_image_pull_policy: String,
+    /// Priority class of the MPS daemon pods (none: the namespace default).
+    #[arg(long, env = "MPS_DAEMON_PRIORITY_CLASS")]
+    pub mps_daemon_priority_class: Option<String>,
+    /// Service account of the MPS daemon pods (none: the namespace's default; they call
+    /// no API).
+    #[arg(long, env = "MPS_DAEMON_SERVICE_ACCOUNT")]
+    pub mps_daemon_service_account: Option<String>,
+    /// Namespace of this plugin's pod; MPS daemon pods are created there.
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Name of this plugin's pod: its controller (the DaemonSet) owns the MPS daemon pods,
+    /// so uninstalling removes them. Without it the Node owns them.
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    /// The kubelet's root directory on the host: a daemon pod's `/dev/shm` (a memory
+    /// emptyDir) lies under it and is mounted into the claim's containers.
+    #[arg(long, env = "KUBELET_ROOT_DIR", default_value = "/var/lib/kubelet")]
+    pub kubelet_root_dir: PathBuf,
+}
+
+impl Default for MpsArgs {
+    /// Host processes; the flag defaults otherwise.
+    fn default() -> Self {
+        Self {
+            mps_launcher: MpsLauncherKind::Process,
+            mps_daemon_image: None,
+            mps_daemon_image_pull_policy: "IfNotPresent".to_owned(),
+            mps_daemon_priority_class: None,
+            mps_daemon_service_account: None,
+            namespace: None,
+            pod_name: None,
+            kubelet_root_dir: PathBuf::from("/var/lib/kubelet"),
+        }
+    }
+}
+
+/// Arguments of `mps-daemon` (set by the pod the plugin creates, not by hand).
+#[derive(Debug, Clone, Args)]
+pub struct MpsDaemonArgs {
+    /// The NVIDIA driver root as mounted in this container.
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/driver-root")]
+    pub driver_root: PathBuf,
+    /// `nvidia-cuda-mps-control` to run (default: under --driver-root).
+    #[arg(long, env = "MPS_CONTROL_BIN")]
+    pub mps_control_bin: Option<PathBuf>,
+    /// Scratch directory for links to the driver's libraries (the tool loads them from
+    /// there, never the host's C library).
+    #[arg(long, default_value = "/run/cleave-mps/lib")]
+    pub lib_dir: PathBuf,
+    /// How long the daemon may take to start (seconds).
+    #[arg(long, default_value_t = 30)]
+    pub start_timeout_secs: u64,
+    /// How long the daemon may take to exit after `quit` before it is killed (seconds).
+    #[arg(long, default_value_t = 20)]
+    pub stop_timeout_secs: u64,
 }
 
 /// `checkpoint` subcommands.
@@ -202,6 +287,9 @@ pub struct RunArgs {
     /// Start-up retries.
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,
+    /// MPS daemons.
+    #[command(flatten)]
+    pub mps: MpsArgs,
     /// Kubeconfig file (default: in-cluster configuration, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -287,7 +375,7 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     match &mut cli.command {
         Command::Run(a) => a.nvml.resolve_mock()?,
         Command::Inspect(a) => a.nvml.resolve_mock()?,
-        Command::Checkpoint(_) => {}
+        Command::Checkpoint(_) | Command::MpsDaemon(_) => {}
         Command::Demo(a) => {
             let exe = std::env::current_exe()?;
             let lib = crate::mock::find_library(&exe).ok_or_else(|| {
@@ -318,6 +406,7 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
         Command::Run(args) => runtime.block_on(crate::daemon::run(args.clone())),
         Command::Inspect(args) => crate::inspect::run(args),
         Command::Checkpoint(CheckpointCommand::Reset(args)) => checkpoint_reset(args),
+        Command::MpsDaemon(args) => runtime.block_on(crate::mps_pod::run_daemon(args.clone())),
         Command::Demo(args) => match demo {
             Some((dir, lib)) => runtime.block_on(crate::demo::run(args, dir.path(), lib)),
             None => anyhow::bail!("demo: no working directory"),

@@ -22,10 +22,10 @@ use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::pool::{PoolOptions, build_pool};
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
-use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager};
+use cleave_driver::sharing::{ProcessLauncher, SharingBinaries, SharingConfig, SharingManager};
 use tracing::{info, warn};
 
-use crate::cli::RunArgs;
+use crate::cli::{MpsLauncherKind, RunArgs};
 use crate::events::EventReporter;
 use crate::grpc::RegistrationState;
 use crate::kube_handler::{KubeClaimHandler, release_orphaned_claims};
@@ -86,6 +86,70 @@ pub fn sharing_config(args: &RunArgs, driver: &DriverConfig) -> SharingConfig {
         boot_id_path: driver.boot_id_path.clone(),
         ..SharingConfig::new(driver.state_dir.clone(), binaries)
     }
+}
+
+/// The sharing manager `run` uses: daemons as host processes, or (`--mps-launcher=pod`) in
+/// pods of their own created through `client`.
+pub async fn sharing_manager(
+    args: &RunArgs,
+    driver: &DriverConfig,
+    client: &kube::Client,
+) -> anyhow::Result<SharingManager> {
+    let config = sharing_config(args, driver);
+    if args.mps.mps_launcher == MpsLauncherKind::Process {
+        return Ok(SharingManager::new(config));
+    }
+    let mps = &args.mps;
+    let namespace = mps
+        .namespace
+        .clone()
+        .context("--mps-launcher=pod needs --namespace (POD_NAMESPACE)")?;
+    let image = mps
+        .mps_daemon_image
+        .clone()
+        .context("--mps-launcher=pod needs --mps-daemon-image")?;
+    let owner =
+        crate::mps_pod::resolve_owner(client, &namespace, mps.pod_name.as_deref(), &args.node_name)
+            .await
+            .context("finding the owner of MPS daemon pods")?;
+    info!(namespace = %namespace, image = %image, owner = %format!("{}/{}", owner.kind, owner.name), "MPS daemons run in pods");
+    let launcher = crate::mps_pod::PodLauncher::new(
+        crate::mps_pod::PodLauncherConfig {
+            namespace,
+            node_name: args.node_name.clone(),
+            image,
+            image_pull_policy: mps.mps_daemon_image_pull_policy.clone(),
+            priority_class: mps.mps_daemon_priority_class.clone(),
+            service_account: mps.mps_daemon_service_account.clone(),
+            owner,
+            state_dir: config.state_dir.clone(),
+            host_state_dir: config
+                .host_state_dir
+                .clone()
+                .unwrap_or_else(|| config.state_dir.clone()),
+            host_driver_root: args
+                .driver
+                .host_driver_root
+                .clone()
+                .unwrap_or_else(|| args.driver.driver_root.clone()),
+            kubelet_root: mps.kubelet_root_dir.clone(),
+            command: vec![
+                "/usr/bin/cleave-kubelet-plugin".to_owned(),
+                "mps-daemon".to_owned(),
+            ],
+            container_pipe_dir: config.container_pipe_dir.clone(),
+            api_timeout: std::time::Duration::from_secs(10),
+            poll: std::time::Duration::from_millis(100),
+        },
+        client.clone(),
+        tokio::runtime::Handle::current(),
+        ProcessLauncher::new(
+            &config.binaries.mps_control,
+            config.extra_env.clone(),
+            &config.boot_id_path,
+        ),
+    );
+    Ok(SharingManager::with_launcher(config, Arc::new(launcher)))
 }
 
 /// SIGTERM and SIGINT listeners, installed once so no signal is missed.
@@ -176,7 +240,9 @@ pub async fn start_with_backend(
 
     let config = driver_config(args, &plugin);
     let sharing = Arc::new(
-        SharingManager::new(sharing_config(args, &config)).with_backend(Arc::clone(&backend)),
+        sharing_manager(args, &config, &client)
+            .await?
+            .with_backend(Arc::clone(&backend)),
     );
     let driver = {
         let backend = Arc::clone(&backend);

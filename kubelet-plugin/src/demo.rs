@@ -303,6 +303,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             mock: None,
         },
         lifecycle: Default::default(),
+        mps: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
         health: Default::default(),

@@ -19,6 +19,7 @@ pub mod kube_handler;
 pub mod lifecycle;
 pub mod metrics;
 pub mod mock;
+pub mod mps_pod;
 pub mod observability;
 pub mod proto;
 pub mod serialize;

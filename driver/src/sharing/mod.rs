@@ -25,6 +25,7 @@
 
 pub mod mps;
 mod process;
+pub mod supervise;
 pub mod timeslice;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -42,13 +43,18 @@ use crate::checkpoint::{CheckpointError, CheckpointStore, DEFAULT_BOOT_ID_PATH};
 use crate::model::{GpuInfo, MigState, NodeInventory};
 use crate::prepare::{SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler};
 
-pub use mps::{DaemonHandle, DaemonLauncher, DaemonSpec, MpsRecord, PinnedLimit, ProcessLauncher};
+pub use mps::{
+    DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, MpsRecord, PinnedLimit, ProcessLauncher,
+};
 pub use timeslice::{ComputeMode, NvidiaSmi, TimeSliceNeed, TimeSliceSetting};
 
 /// File name of the MPS control tool.
 pub const MPS_CONTROL_TOOL: &str = "nvidia-cuda-mps-control";
 /// File name of `nvidia-smi`.
 pub const NVIDIA_SMI_TOOL: &str = "nvidia-smi";
+/// Where MPS clients and server share memory; a daemon with a `/dev/shm` of its own has it
+/// mounted here in the claim's containers.
+pub const SHM_DIR: &str = "/dev/shm";
 /// Lowest compute capability whose MPS honours thread and memory limits (Volta).
 pub const MPS_MIN_COMPUTE_CAPABILITY: (u32, u32) = (7, 0);
 
@@ -617,16 +623,25 @@ impl SharingManager {
     pub fn reconcile(&self, live_claims: &BTreeSet<String>) -> ReconcileReport {
         let _ops = lock(&self.ops);
         let mut report = ReconcileReport::default();
-        let Ok(entries) = std::fs::read_dir(self.config.mps_dir()) else {
-            return report;
-        };
-        let mut uids: Vec<String> = entries
-            .flatten()
-            .filter(|e| e.path().is_dir())
-            .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-            .filter(|uid| crate::cdi::validate_claim_uid(uid).is_ok())
-            .collect();
+        let mut uids: Vec<String> = std::fs::read_dir(self.config.mps_dir())
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.path().is_dir())
+                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                    .filter(|uid| crate::cdi::validate_claim_uid(uid).is_ok())
+                    .collect()
+            })
+            .unwrap_or_default();
         uids.sort();
+        // Daemons no directory names any more (state directory reset): only the launcher
+        // can still find them. Live claims and directories that failed to reconcile keep
+        // theirs.
+        let mut keep: BTreeSet<String> = live_claims.clone();
+        keep.extend(uids.iter().cloned());
+        for uid in self.launcher.sweep(&keep) {
+            report.stopped.push(uid);
+        }
         for uid in uids {
             let dir = self.claim_dir(&uid);
             let record = match mps::load_record(&dir) {
@@ -907,7 +922,7 @@ impl SharingManager {
             Ok(()) => {
                 tracing::info!(
                     claim = %record.spec.claim_uid,
-                    pid = record.daemon.as_ref().map(|d| d.pid),
+                    daemon = %record.daemon.as_ref().map(DaemonHandle::describe).unwrap_or_default(),
                     devices = %record.spec.visible_devices.join(","),
                     "MPS control daemon ready"
                 );
@@ -1002,11 +1017,16 @@ impl SharingManager {
         })
     }
 
-    /// Asks the daemon to quit, waits, then kills it.
+    /// Asks the daemon to quit, waits, kills it if it did not exit, then lets the launcher
+    /// remove what is left (its pod).
     fn stop_daemon(&self, spec: &DaemonSpec, handle: &DaemonHandle) -> Result<(), SharingFailure> {
-        if !self.launcher.is_running(handle) {
-            return Ok(());
+        if self.launcher.is_running(handle) {
+            self.quit_daemon(spec, handle)?;
         }
+        self.launcher.cleanup(spec, handle)
+    }
+
+    fn quit_daemon(&self, spec: &DaemonSpec, handle: &DaemonHandle) -> Result<(), SharingFailure> {
         if let Err(e) = self
             .launcher
             .control(spec, "quit\n", self.config.stop_timeout)
@@ -1017,7 +1037,7 @@ impl SharingManager {
             (!self.launcher.is_running(handle)).then_some(())
         });
         if gone.is_none() {
-            tracing::warn!(claim = %spec.claim_uid, pid = handle.pid, "MPS daemon did not exit after quit; killing it");
+            tracing::warn!(claim = %spec.claim_uid, daemon = %handle.describe(), "MPS daemon did not exit after quit; killing it");
             self.launcher.kill(handle, self.config.stop_timeout)?;
         }
         Ok(())
@@ -1054,14 +1074,23 @@ impl SharingManager {
         if let Some(limits) = record.client_memory_limit() {
             env.push(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={limits}"));
         }
+        let options = || vec!["rw".into(), "nosuid".into(), "nodev".into(), "bind".into()];
+        let mut mounts = vec![Mount {
+            host_path: record.host_pipe_dir.display().to_string(),
+            container_path: pipe.clone(),
+            options: options(),
+        }];
+        if let Some(shm) = record.daemon.as_ref().and_then(|d| d.shm_host_dir.as_ref()) {
+            mounts.push(Mount {
+                host_path: shm.display().to_string(),
+                container_path: SHM_DIR.to_owned(),
+                options: options(),
+            });
+        }
         ContainerEdits {
             env,
             device_nodes: Vec::new(),
-            mounts: vec![Mount {
-                host_path: record.host_pipe_dir.display().to_string(),
-                container_path: pipe.clone(),
-                options: vec!["rw".into(), "nosuid".into(), "nodev".into(), "bind".into()],
-            }],
+            mounts,
         }
     }
 }

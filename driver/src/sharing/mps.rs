@@ -65,12 +65,52 @@ pub struct DaemonHandle {
     /// Kernel boot ID when it was started (empty when unknown).
     #[serde(default)]
     pub boot_id: String,
+    /// The pod the daemon runs in (pod launcher); `pid` and `start_time` are then 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<DaemonPod>,
+    /// The daemon's `/dev/shm` as the host sees it, when it has one of its own: mounted at
+    /// `/dev/shm` into the claim's containers, since MPS clients and server share memory
+    /// there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_host_dir: Option<PathBuf>,
+}
+
+impl DaemonHandle {
+    /// A handle of a host process.
+    pub fn process(pid: u32, start_time: u64, boot_id: String) -> Self {
+        Self {
+            pid,
+            start_time,
+            boot_id,
+            pod: None,
+            shm_host_dir: None,
+        }
+    }
+
+    /// What logs name the daemon by: `pod <ns>/<name>` or `PID <pid>`.
+    pub fn describe(&self) -> String {
+        match &self.pod {
+            Some(p) => format!("pod {}/{}", p.namespace, p.name),
+            None => format!("PID {}", self.pid),
+        }
+    }
+}
+
+/// The pod a daemon runs in; the UID tells a re-created pod of the same name apart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DaemonPod {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// UID.
+    pub uid: String,
 }
 
 /// Starts, talks to and stops MPS control daemons. [`ProcessLauncher`] runs them as host
-/// processes; a launcher that runs each daemon in a pod of its own (so that the daemon gets
-/// a per-claim `/dev/shm` shared with the claim's containers, and shows up in the cluster)
-/// is a later step and fits the same trait.
+/// processes; the kubelet plugin's pod launcher runs each in a pod of its own (with a
+/// per-claim `/dev/shm` shared with the claim's containers).
 ///
 /// All methods are bounded by the timeouts given and safe to call again after a failure.
 pub trait DaemonLauncher: Send + Sync {
@@ -97,6 +137,18 @@ pub trait DaemonLauncher: Send + Sync {
     /// Stops the daemon by force (it did not obey `quit`): waits up to `grace` after a
     /// polite signal, then kills it.
     fn kill(&self, handle: &DaemonHandle, grace: Duration) -> Result<(), SharingFailure>;
+
+    /// Removes what is left of a stopped daemon (its pod). Called after every stop.
+    fn cleanup(&self, _spec: &DaemonSpec, _handle: &DaemonHandle) -> Result<(), SharingFailure> {
+        Ok(())
+    }
+
+    /// Stops daemons this launcher started for claims not in `keep` that no record on disk
+    /// names any more (e.g. after the state directory was reset). Returns the claim UIDs
+    /// stopped.
+    fn sweep(&self, _keep: &std::collections::BTreeSet<String>) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// Runs `nvidia-cuda-mps-control` as a host process: `-d` to start (the tool daemonizes and
@@ -209,11 +261,7 @@ impl DaemonLauncher for ProcessLauncher {
         let start_time = process::start_time(pid).ok_or_else(|| {
             self.start_failure(spec, format!("daemon PID {pid} exited right after start"))
         })?;
-        Ok(DaemonHandle {
-            pid,
-            start_time,
-            boot_id: self.boot_id(),
-        })
+        Ok(DaemonHandle::process(pid, start_time, self.boot_id()))
     }
 
     fn control(
@@ -253,11 +301,11 @@ impl DaemonLauncher for ProcessLauncher {
         if !is_mps || !process::is_alive(pid, None) {
             return None;
         }
-        Some(DaemonHandle {
+        Some(DaemonHandle::process(
             pid,
-            start_time: process::start_time(pid)?,
-            boot_id: self.boot_id(),
-        })
+            process::start_time(pid)?,
+            self.boot_id(),
+        ))
     }
 
     fn is_running(&self, handle: &DaemonHandle) -> bool {

@@ -165,6 +165,20 @@ pub(crate) fn is_alive(pid: u32, start: Option<u64>) -> bool {
     }
 }
 
+/// Reaps every exited child without blocking (a container's PID 1 inherits the daemons
+/// its children fork, and their zombies would stay otherwise).
+pub(crate) fn reap_children() {
+    loop {
+        let mut status: libc::c_int = 0;
+        // SAFETY: waitpid with WNOHANG writes only the status integer we pass and never
+        // blocks; -1 selects any child of this process.
+        let rc = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        if rc <= 0 {
+            return;
+        }
+    }
+}
+
 /// Sends `signal` to `pid` if it is still the process that started at `start`.
 pub(crate) fn signal(pid: u32, start: Option<u64>, signal: libc::c_int) -> io::Result<()> {
     let Some(p) = pid_t(pid) else {

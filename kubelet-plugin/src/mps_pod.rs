@@ -1,0 +1,867 @@
+//! MPS control daemons in pods of their own ([`PodLauncher`]), and the inside of such a pod
+//! ([`run_daemon`], the `mps-daemon` subcommand).
+//!
+//! For each MPS claim the plugin creates the pod `cleave-mps-<claim UID>` in its own
+//! namespace, bound to this node (`spec.nodeName`, so no scheduler is involved), running
+//! this image's `mps-daemon` with the claim's devices in `CUDA_VISIBLE_DEVICES`. Its
+//! volumes: the claim's pipe and log directories (host paths under the plugin's state
+//! directory) at the paths the claim's containers use, a memory `emptyDir` as `/dev/shm`
+//! (its host path under the kubelet's root is mounted at `/dev/shm` into the claim's
+//! containers, since MPS clients and server share memory there), and the driver root. The
+//! plugin's DaemonSet owns the pod (the Node when the plugin runs outside a pod), so
+//! uninstalling cleans up; the plugin deletes it at unprepare and re-finds it by name after
+//! a restart. The plugin talks to the daemon as before: `nvidia-cuda-mps-control` on the
+//! pipe directory it shares with the pod.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use cleave_driver::sharing::mps::{DEFAULT_CONTAINER_PIPE_DIR, PID_FILE};
+use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
+use cleave_driver::sharing::{
+    DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, ProcessLauncher, SHM_DIR, SharingBinaries,
+    SharingFailure,
+};
+use k8s_openapi::api::core::v1::{
+    Container, EmptyDirVolumeSource, EnvVar, HostPathVolumeSource, Pod, PodSpec,
+    ResourceRequirements, SecurityContext, Toleration, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use tokio::runtime::Handle;
+
+use crate::cli::MpsDaemonArgs;
+
+/// API calls of the pod launcher, in the plugin's namespace (a Role in the chart):
+/// `(apiGroup, resource, verbs)`. `get` also reads the plugin's own pod for its owner.
+pub const MPS_POD_RBAC_RULES: &[(&str, &str, &[&str])] =
+    &[("", "pods", &["get", "list", "create", "delete"])];
+
+/// `app.kubernetes.io/name` of every daemon pod.
+pub const APP_NAME: &str = "cleave-mps";
+/// Label naming the claim a daemon pod serves.
+pub const CLAIM_LABEL: &str = "gpu.cleave.dev/claim-uid";
+/// Annotation listing the devices a daemon pod serves (for people).
+pub const DEVICES_ANNOTATION: &str = "gpu.cleave.dev/devices";
+/// Name of the daemon's container.
+pub const CONTAINER_NAME: &str = "mps-control-daemon";
+/// Where the daemon's log directory is in its pod.
+pub const POD_LOG_DIR: &str = "/var/log/nvidia-mps";
+/// Where the driver root is in the daemon pod.
+pub const POD_DRIVER_ROOT: &str = "/driver-root";
+/// Scratch directory (an emptyDir) of the daemon pod; the library links go below it.
+pub const POD_SCRATCH_DIR: &str = "/run/cleave-mps";
+/// Volume name of the daemon's `/dev/shm`.
+pub const SHM_VOLUME: &str = "shm";
+
+/// Name of the daemon pod of a claim.
+pub fn pod_name(claim_uid: &str) -> String {
+    format!("cleave-mps-{claim_uid}")
+}
+
+/// Host path of a pod's memory emptyDir volume `volume` under the kubelet root.
+pub fn empty_dir_host_path(kubelet_root: &Path, pod_uid: &str, volume: &str) -> PathBuf {
+    kubelet_root
+        .join("pods")
+        .join(pod_uid)
+        .join("volumes/kubernetes.io~empty-dir")
+        .join(volume)
+}
+
+/// What daemon pods look like and where they go.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodLauncherConfig {
+    /// Namespace of the daemon pods (the plugin's).
+    pub namespace: String,
+    /// This node.
+    pub node_name: String,
+    /// Image holding this binary.
+    pub image: String,
+    /// Its pull policy.
+    pub image_pull_policy: String,
+    /// Priority class, if any.
+    pub priority_class: Option<String>,
+    /// Service account, if not the default.
+    pub service_account: Option<String>,
+    /// Owner of every daemon pod.
+    pub owner: OwnerReference,
+    /// The plugin's state directory as this process sees it.
+    pub state_dir: PathBuf,
+    /// The same directory as the host sees it.
+    pub host_state_dir: PathBuf,
+    /// The driver root as the host sees it.
+    pub host_driver_root: PathBuf,
+    /// The kubelet's root directory on the host.
+    pub kubelet_root: PathBuf,
+    /// Entry point in the image: this binary and its `mps-daemon` subcommand.
+    pub command: Vec<String>,
+    /// Where claims' containers (and so the daemon) see the pipe directory.
+    pub container_pipe_dir: String,
+    /// Deadline of one API call.
+    pub api_timeout: Duration,
+    /// Pause between looks at a pod that is starting or going away.
+    pub poll: Duration,
+}
+
+impl PodLauncherConfig {
+    /// The host path of a path under the state directory.
+    fn host_path(&self, path: &Path) -> PathBuf {
+        match path.strip_prefix(&self.state_dir) {
+            Ok(rest) => self.host_state_dir.join(rest),
+            Err(_) => path.to_owned(),
+        }
+    }
+}
+
+fn host_path_volume(name: &str, path: &Path, kind: &str) -> Volume {
+    Volume {
+        name: name.into(),
+        host_path: Some(HostPathVolumeSource {
+            path: path.display().to_string(),
+            type_: Some(kind.into()),
+        }),
+        ..Default::default()
+    }
+}
+
+fn empty_dir_volume(name: &str, medium: Option<&str>) -> Volume {
+    Volume {
+        name: name.into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            medium: medium.map(str::to_owned),
+            size_limit: None,
+        }),
+        ..Default::default()
+    }
+}
+
+fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        read_only: read_only.then_some(true),
+        ..Default::default()
+    }
+}
+
+fn env(name: &str, value: impl Into<String>) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        value_from: None,
+    }
+}
+
+/// The daemon pod of `spec`.
+pub fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
+    let labels = [
+        ("app.kubernetes.io/name", APP_NAME),
+        ("app.kubernetes.io/managed-by", "cleave-kubelet-plugin"),
+        (CLAIM_LABEL, spec.claim_uid.as_str()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let container = Container {
+        name: CONTAINER_NAME.into(),
+        image: Some(config.image.clone()),
+        image_pull_policy: Some(config.image_pull_policy.clone()),
+        command: Some(config.command.clone()),
+        args: Some(vec![
+            format!("--driver-root={POD_DRIVER_ROOT}"),
+            format!("--lib-dir={POD_SCRATCH_DIR}/lib"),
+        ]),
+        env: Some(vec![
+            env("CUDA_VISIBLE_DEVICES", spec.visible_devices.join(",")),
+            env("CUDA_MPS_PIPE_DIRECTORY", config.container_pipe_dir.clone()),
+            env("CUDA_MPS_LOG_DIRECTORY", POD_LOG_DIR),
+            env("CLEAVE_CLAIM_UID", spec.claim_uid.clone()),
+        ]),
+        // All GPUs' device nodes and the MIG capability nodes; CUDA_VISIBLE_DEVICES keeps
+        // the daemon to the claim's devices.
+        security_context: Some(SecurityContext {
+            privileged: Some(true),
+            ..Default::default()
+        }),
+        resources: Some(ResourceRequirements {
+            requests: Some(
+                [
+                    ("cpu".to_owned(), Quantity("10m".into())),
+                    ("memory".to_owned(), Quantity("32Mi".into())),
+                ]
+                .into(),
+            ),
+            ..Default::default()
+        }),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        volume_mounts: Some(vec![
+            mount("pipe", &config.container_pipe_dir, false),
+            mount("log", POD_LOG_DIR, false),
+            mount(SHM_VOLUME, SHM_DIR, false),
+            mount("driver-root", POD_DRIVER_ROOT, true),
+            mount("scratch", POD_SCRATCH_DIR, false),
+        ]),
+        ..Default::default()
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name(&spec.claim_uid)),
+            namespace: Some(config.namespace.clone()),
+            labels: Some(labels),
+            annotations: Some(
+                [(
+                    DEVICES_ANNOTATION.to_owned(),
+                    spec.visible_devices.join(","),
+                )]
+                .into(),
+            ),
+            owner_references: Some(vec![config.owner.clone()]),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(config.node_name.clone()),
+            restart_policy: Some("Never".into()),
+            priority_class_name: config.priority_class.clone(),
+            service_account_name: config.service_account.clone(),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            termination_grace_period_seconds: Some(30),
+            // Wherever the plugin runs, its daemons must run too.
+            tolerations: Some(vec![Toleration {
+                operator: Some("Exists".into()),
+                ..Default::default()
+            }]),
+            containers: vec![container],
+            volumes: Some(vec![
+                host_path_volume("pipe", &config.host_path(&spec.pipe_dir), "Directory"),
+                host_path_volume("log", &config.host_path(&spec.log_dir), "Directory"),
+                empty_dir_volume(SHM_VOLUME, Some("Memory")),
+                host_path_volume("driver-root", &config.host_driver_root, "Directory"),
+                empty_dir_volume("scratch", None),
+            ]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// What a pod is doing, as far as the launcher cares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PodState {
+    /// Created, not running yet (scheduling onto the node, pulling, starting).
+    Pending(String),
+    /// Its container runs.
+    Running,
+    /// It ended (the daemon exited or failed); the text says how.
+    Ended(String),
+    /// Being deleted.
+    Deleting,
+}
+
+fn pod_state(pod: &Pod) -> PodState {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return PodState::Deleting;
+    }
+    let status = pod.status.clone().unwrap_or_default();
+    let container = status
+        .container_statuses
+        .as_ref()
+        .and_then(|c| c.iter().find(|c| c.name == CONTAINER_NAME))
+        .and_then(|c| c.state.clone());
+    let detail = || {
+        let mut parts = Vec::new();
+        if let Some(state) = &container {
+            if let Some(w) = &state.waiting {
+                parts.extend(w.reason.clone());
+                parts.extend(w.message.clone());
+            }
+            if let Some(t) = &state.terminated {
+                parts.push(format!("exit code {}", t.exit_code));
+                parts.extend(t.reason.clone());
+                parts.extend(t.message.as_ref().map(|m| m.trim().replace('\n', " | ")));
+            }
+        }
+        parts.extend(status.reason.clone());
+        parts.extend(status.message.clone());
+        parts.join(": ")
+    };
+    match status.phase.as_deref() {
+        Some("Running") => PodState::Running,
+        Some("Succeeded") => PodState::Ended(format!("succeeded {}", detail())),
+        Some("Failed") => PodState::Ended(format!("failed {}", detail())),
+        phase => PodState::Pending(format!("{} {}", phase.unwrap_or("no phase"), detail())),
+    }
+}
+
+/// Runs each claim's MPS control daemon in a pod of its own (see the module docs). The
+/// [`DaemonLauncher`] calls block on `runtime`, so they must come from a blocking thread
+/// (the driver runs them under the node lock in `spawn_blocking`).
+pub struct PodLauncher {
+    config: PodLauncherConfig,
+    pods: Api<Pod>,
+    runtime: Handle,
+    control: ProcessLauncher,
+}
+
+impl std::fmt::Debug for PodLauncher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodLauncher")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PodLauncher {
+    /// A launcher creating pods through `client`; `control` runs the control tool here to
+    /// talk to the daemons over their pipe directories.
+    pub fn new(
+        config: PodLauncherConfig,
+        client: kube::Client,
+        runtime: Handle,
+        control: ProcessLauncher,
+    ) -> Self {
+        Self {
+            pods: Api::namespaced(client, &config.namespace),
+            config,
+            runtime,
+            control,
+        }
+    }
+
+    fn block_on<F: std::future::Future>(&self, fut: F) -> Result<F::Output, String> {
+        let timeout = self.config.api_timeout;
+        self.runtime
+            .block_on(async { tokio::time::timeout(timeout, fut).await })
+            .map_err(|_| format!("no answer from the API server within {timeout:?}"))
+    }
+
+    /// The pod now; `Ok(None)` when there is none.
+    fn get(&self, name: &str) -> Result<Option<Pod>, String> {
+        self.block_on(self.pods.get_opt(name))?
+            .map_err(|e| format!("reading pod {}/{name}: {e}", self.config.namespace))
+    }
+
+    fn delete(&self, name: &str, uid: &str, grace: Option<u32>) -> Result<(), String> {
+        let params = DeleteParams {
+            grace_period_seconds: grace,
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version: None,
+            }),
+            ..Default::default()
+        };
+        match self.block_on(self.pods.delete(name, &params))? {
+            Ok(_) => Ok(()),
+            // Gone already, or replaced by another pod of that name (not ours to delete).
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+            Err(e) => Err(format!(
+                "deleting pod {}/{name}: {e}",
+                self.config.namespace
+            )),
+        }
+    }
+
+    /// Waits until the pod `name` with `uid` is gone; false when `timeout` passed first.
+    fn wait_gone(&self, name: &str, uid: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.get(name) {
+                Ok(None) => return true,
+                Ok(Some(p)) if p.metadata.uid.as_deref() != Some(uid) => return true,
+                Ok(Some(_)) => {}
+                Err(e) => tracing::debug!(error = %e, "waiting for a daemon pod to go"),
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(self.config.poll);
+        }
+    }
+
+    fn handle(&self, pod: &Pod) -> Option<DaemonHandle> {
+        let uid = pod.metadata.uid.clone()?;
+        Some(DaemonHandle {
+            pid: 0,
+            start_time: 0,
+            boot_id: String::new(),
+            shm_host_dir: Some(empty_dir_host_path(
+                &self.config.kubelet_root,
+                &uid,
+                SHM_VOLUME,
+            )),
+            pod: Some(DaemonPod {
+                namespace: self.config.namespace.clone(),
+                name: pod.metadata.name.clone().unwrap_or_default(),
+                uid,
+            }),
+        })
+    }
+
+    fn start_failure(&self, spec: &DaemonSpec, message: String) -> SharingFailure {
+        SharingFailure::DaemonStart {
+            claim: spec.claim_uid.clone(),
+            tool: PathBuf::from(format!(
+                "in pod {}/{}",
+                self.config.namespace,
+                pod_name(&spec.claim_uid)
+            )),
+            message,
+        }
+    }
+
+    /// Creates the pod of `spec`, taking over one of the same claim that still runs and
+    /// replacing one that ended.
+    fn create(&self, spec: &DaemonSpec, deadline: Instant) -> Result<Pod, String> {
+        let name = pod_name(spec.claim_uid.as_str());
+        let pod = daemon_pod(&self.config, spec);
+        loop {
+            match self.block_on(self.pods.create(&PostParams::default(), &pod))? {
+                Ok(created) => {
+                    tracing::info!(pod = %name, claim = %spec.claim_uid, "created MPS daemon pod");
+                    return Ok(created);
+                }
+                Err(kube::Error::Api(s)) if s.code == 409 => {}
+                Err(e) => {
+                    return Err(format!(
+                        "creating pod {}/{name}: {e}",
+                        self.config.namespace
+                    ));
+                }
+            }
+            let Some(existing) = self.get(&name)? else {
+                continue;
+            };
+            let uid = existing.metadata.uid.clone().unwrap_or_default();
+            let same_claim = existing
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(CLAIM_LABEL))
+                == Some(&spec.claim_uid);
+            let state = pod_state(&existing);
+            if same_claim && matches!(state, PodState::Pending(_) | PodState::Running) {
+                tracing::info!(pod = %name, "taking over the existing MPS daemon pod");
+                return Ok(existing);
+            }
+            tracing::info!(pod = %name, state = ?state, "replacing a leftover MPS daemon pod");
+            self.delete(&name, &uid, Some(0))?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !self.wait_gone(&name, &uid, left) {
+                return Err(format!("leftover pod {name} did not go away"));
+            }
+        }
+    }
+}
+
+impl DaemonLauncher for PodLauncher {
+    fn start(&self, spec: &DaemonSpec, timeout: Duration) -> Result<DaemonHandle, SharingFailure> {
+        let deadline = Instant::now() + timeout;
+        let name = pod_name(&spec.claim_uid);
+        let _ = std::fs::remove_file(spec.pipe_dir.join(PID_FILE));
+        let pod = self
+            .create(spec, deadline)
+            .map_err(|m| self.start_failure(spec, m))?;
+        let handle = self
+            .handle(&pod)
+            .ok_or_else(|| self.start_failure(spec, "the created pod has no UID".into()))?;
+        let uid = handle
+            .pod
+            .as_ref()
+            .map(|p| p.uid.clone())
+            .unwrap_or_default();
+        // Up when the pod runs and the daemon wrote its pid file into the shared pipe
+        // directory; the driver then waits until it answers.
+        let mut last;
+        let outcome = loop {
+            match self.get(&name) {
+                Ok(Some(p)) if p.metadata.uid.as_deref() == Some(uid.as_str()) => {
+                    match pod_state(&p) {
+                        PodState::Running if spec.pipe_dir.join(PID_FILE).exists() => {
+                            break Ok(());
+                        }
+                        PodState::Running => last = "running, no pid file yet".into(),
+                        PodState::Pending(s) => last = s,
+                        PodState::Ended(s) => break Err(format!("the pod {s}")),
+                        PodState::Deleting => break Err("the pod is being deleted".into()),
+                    }
+                }
+                Ok(_) => break Err("the pod was deleted".into()),
+                Err(e) => last = e,
+            }
+            if Instant::now() >= deadline {
+                break Err(format!("not running within {timeout:?}: {}", last.trim()));
+            }
+            std::thread::sleep(self.config.poll);
+        };
+        match outcome {
+            Ok(()) => Ok(handle),
+            Err(message) => {
+                // Nothing left behind: the pod goes with the failure.
+                if let Err(e) = self.delete(&name, &uid, Some(0)) {
+                    tracing::warn!(pod = %name, error = %e, "removing a failed MPS daemon pod");
+                }
+                Err(self.start_failure(spec, message))
+            }
+        }
+    }
+
+    fn control(
+        &self,
+        spec: &DaemonSpec,
+        input: &str,
+        timeout: Duration,
+    ) -> Result<String, SharingFailure> {
+        self.control.control(spec, input, timeout)
+    }
+
+    fn find(&self, spec: &DaemonSpec) -> Option<DaemonHandle> {
+        match self.get(&pod_name(&spec.claim_uid)) {
+            Ok(Some(pod))
+                if pod
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(CLAIM_LABEL))
+                    == Some(&spec.claim_uid) =>
+            {
+                self.handle(&pod)
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(claim = %spec.claim_uid, error = %e, "looking for an MPS daemon pod");
+                None
+            }
+        }
+    }
+
+    fn is_running(&self, handle: &DaemonHandle) -> bool {
+        let Some(p) = &handle.pod else { return false };
+        match self.get(&p.name) {
+            Ok(Some(pod)) => {
+                pod.metadata.uid.as_deref() == Some(p.uid.as_str())
+                    && matches!(pod_state(&pod), PodState::Pending(_) | PodState::Running)
+            }
+            Ok(None) => false,
+            Err(e) => {
+                // Unknown is not gone: taking a running daemon for dead would restart it
+                // under its clients. Whether it answers decides.
+                tracing::warn!(pod = %p.name, error = %e, "cannot tell whether an MPS daemon pod runs");
+                true
+            }
+        }
+    }
+
+    fn kill(&self, handle: &DaemonHandle, grace: Duration) -> Result<(), SharingFailure> {
+        let Some(p) = &handle.pod else { return Ok(()) };
+        let fail = |message: String| SharingFailure::DaemonStop { pid: 0, message };
+        let secs = u32::try_from(grace.as_secs()).unwrap_or(u32::MAX);
+        self.delete(&p.name, &p.uid, Some(secs)).map_err(fail)?;
+        if self.wait_gone(&p.name, &p.uid, grace + Duration::from_secs(10)) {
+            Ok(())
+        } else {
+            Err(fail(format!(
+                "pod {}/{} still exists after deletion",
+                p.namespace, p.name
+            )))
+        }
+    }
+
+    fn cleanup(&self, _spec: &DaemonSpec, handle: &DaemonHandle) -> Result<(), SharingFailure> {
+        let Some(p) = &handle.pod else { return Ok(()) };
+        self.delete(&p.name, &p.uid, None)
+            .map_err(|message| SharingFailure::DaemonStop { pid: 0, message })?;
+        if !self.wait_gone(&p.name, &p.uid, Duration::from_secs(10)) {
+            tracing::warn!(pod = %p.name, "MPS daemon pod deleted but still listed; the kubelet finishes it");
+        }
+        Ok(())
+    }
+
+    fn sweep(&self, keep: &BTreeSet<String>) -> Vec<String> {
+        let params = ListParams::default()
+            .labels(&format!("app.kubernetes.io/name={APP_NAME}"))
+            .fields(&format!("spec.nodeName={}", self.config.node_name));
+        let pods = match self.block_on(self.pods.list(&params)) {
+            Ok(Ok(list)) => list.items,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "listing MPS daemon pods");
+                return Vec::new();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "listing MPS daemon pods");
+                return Vec::new();
+            }
+        };
+        let mut stopped = Vec::new();
+        for pod in pods {
+            let Some(claim) = pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(CLAIM_LABEL))
+                .cloned()
+            else {
+                continue;
+            };
+            if keep.contains(&claim) {
+                continue;
+            }
+            let name = pod.metadata.name.clone().unwrap_or_default();
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            tracing::info!(pod = %name, claim = %claim, "deleting the MPS daemon pod of a claim that is gone");
+            match self.delete(&name, &uid, None) {
+                Ok(()) => stopped.push(claim),
+                Err(e) => {
+                    tracing::warn!(pod = %name, error = %e, "deleting an orphaned MPS daemon pod")
+                }
+            }
+        }
+        stopped
+    }
+}
+
+/// Finds the owner of the daemon pods: the controller of the plugin's own pod (its
+/// DaemonSet) when `pod_name` is given and has one, else the Node.
+pub async fn resolve_owner(
+    client: &kube::Client,
+    namespace: &str,
+    pod_name: Option<&str>,
+    node_name: &str,
+) -> anyhow::Result<OwnerReference> {
+    if let Some(name) = pod_name {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        let me = pods
+            .get(name)
+            .await
+            .with_context(|| format!("reading this plugin's pod {namespace}/{name}"))?;
+        if let Some(owner) = me
+            .metadata
+            .owner_references
+            .unwrap_or_default()
+            .into_iter()
+            .find(|o| o.controller == Some(true))
+        {
+            return Ok(OwnerReference {
+                controller: None,
+                block_owner_deletion: None,
+                ..owner
+            });
+        }
+        tracing::warn!(
+            pod = name,
+            "this plugin's pod has no controller; the Node owns MPS daemon pods"
+        );
+    }
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let node = nodes
+        .get(node_name)
+        .await
+        .with_context(|| format!("reading node {node_name}"))?;
+    Ok(OwnerReference {
+        api_version: "v1".into(),
+        kind: "Node".into(),
+        name: node_name.to_owned(),
+        uid: node.metadata.uid.unwrap_or_default(),
+        controller: None,
+        block_owner_deletion: None,
+    })
+}
+
+/// The `mps-daemon` subcommand: supervises the claim's control daemon until SIGTERM (then
+/// `quit`) or until the daemon exits by itself; exits 0 in both cases.
+pub async fn run_daemon(args: MpsDaemonArgs) -> anyhow::Result<ExitCode> {
+    let var = |name: &str| {
+        std::env::var(name).with_context(|| format!("{name} is not set (the pod sets it)"))
+    };
+    let control_bin = args
+        .mps_control_bin
+        .clone()
+        .unwrap_or_else(|| SharingBinaries::under_driver_root(&args.driver_root).mps_control);
+    let config = SuperviseConfig {
+        claim_uid: std::env::var("CLEAVE_CLAIM_UID").unwrap_or_default(),
+        control_bin,
+        driver_root: args.driver_root.clone(),
+        lib_dir: Some(args.lib_dir.clone()),
+        pipe_dir: var("CUDA_MPS_PIPE_DIRECTORY")?.into(),
+        log_dir: var("CUDA_MPS_LOG_DIRECTORY")?.into(),
+        env: Vec::new(),
+        start_timeout: Duration::from_secs(args.start_timeout_secs),
+        stop_timeout: Duration::from_secs(args.stop_timeout_secs),
+        poll: Duration::from_millis(200),
+        reap_orphans: std::process::id() == 1,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut signals = crate::daemon::ShutdownSignals::install()?;
+    let work = {
+        let stop = Arc::clone(&stop);
+        tokio::task::spawn_blocking(move || supervise(&config, &stop, &mut std::io::stdout()))
+    };
+    tokio::pin!(work);
+    let result = tokio::select! {
+        r = &mut work => r,
+        signal = signals.recv() => {
+            tracing::info!(signal, "stopping");
+            stop.store(true, Ordering::SeqCst);
+            work.await
+        }
+    };
+    match result.context("the supervisor panicked")? {
+        Ok(SuperviseOutcome::Stopped) => {
+            tracing::info!("MPS control daemon stopped");
+            Ok(ExitCode::SUCCESS)
+        }
+        Ok(SuperviseOutcome::Exited) => Ok(ExitCode::SUCCESS),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Default container pipe directory, re-exported for the flags.
+pub const POD_PIPE_DIR: &str = DEFAULT_CONTAINER_PIPE_DIR;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> PodLauncherConfig {
+        PodLauncherConfig {
+            namespace: "cleave-system".into(),
+            node_name: "node-a".into(),
+            image: "cleave:dev".into(),
+            image_pull_policy: "IfNotPresent".into(),
+            priority_class: Some("system-node-critical".into()),
+            service_account: None,
+            owner: OwnerReference {
+                api_version: "apps/v1".into(),
+                kind: "DaemonSet".into(),
+                name: "cleave".into(),
+                uid: "ds-uid".into(),
+                ..Default::default()
+            },
+            state_dir: "/plugin/state".into(),
+            host_state_dir: "/var/lib/kubelet/plugins/gpu.cleave.dev".into(),
+            host_driver_root: "/run/nvidia/driver".into(),
+            kubelet_root: "/var/lib/kubelet".into(),
+            command: vec!["/usr/bin/cleave-kubelet-plugin".into(), "mps-daemon".into()],
+            container_pipe_dir: POD_PIPE_DIR.into(),
+            api_timeout: Duration::from_secs(5),
+            poll: Duration::from_millis(10),
+        }
+    }
+
+    fn spec() -> DaemonSpec {
+        DaemonSpec {
+            claim_uid: "0b7c1f4e-1111-2222-3333-444455556666".into(),
+            pipe_dir: "/plugin/state/mps/0b7c1f4e-1111-2222-3333-444455556666/pipe".into(),
+            log_dir: "/plugin/state/mps/0b7c1f4e-1111-2222-3333-444455556666/log".into(),
+            visible_devices: vec!["GPU-a".into(), "MIG-b".into()],
+        }
+    }
+
+    #[test]
+    fn daemon_pod_is_bound_owned_and_mounts_the_claims_directories() {
+        let pod = daemon_pod(&config(), &spec());
+        let v = serde_json::to_value(&pod).unwrap();
+        assert_eq!(
+            v["metadata"]["name"],
+            "cleave-mps-0b7c1f4e-1111-2222-3333-444455556666"
+        );
+        assert_eq!(v["metadata"]["namespace"], "cleave-system");
+        assert_eq!(
+            v["metadata"]["labels"][CLAIM_LABEL],
+            "0b7c1f4e-1111-2222-3333-444455556666"
+        );
+        assert_eq!(v["metadata"]["ownerReferences"][0]["kind"], "DaemonSet");
+        assert_eq!(v["spec"]["nodeName"], "node-a");
+        assert_eq!(v["spec"]["restartPolicy"], "Never");
+        assert_eq!(v["spec"]["priorityClassName"], "system-node-critical");
+        assert_eq!(v["spec"]["automountServiceAccountToken"], false);
+        let c = &v["spec"]["containers"][0];
+        assert_eq!(c["image"], "cleave:dev");
+        assert_eq!(c["command"][1], "mps-daemon");
+        assert_eq!(c["securityContext"]["privileged"], true);
+        let envs: Vec<(String, String)> = pod.spec.as_ref().unwrap().containers[0]
+            .env
+            .clone()
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.name, e.value.unwrap()))
+            .collect();
+        assert!(envs.contains(&("CUDA_VISIBLE_DEVICES".into(), "GPU-a,MIG-b".into())));
+        assert!(envs.contains(&("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into())));
+        // Host paths: the state dir as the host sees it, and the host driver root.
+        let vols = pod.spec.unwrap().volumes.unwrap();
+        let host = |name: &str| {
+            vols.iter()
+                .find(|v| v.name == name)
+                .and_then(|v| v.host_path.clone())
+                .map(|h| h.path)
+        };
+        assert_eq!(
+            host("pipe").as_deref(),
+            Some(
+                "/var/lib/kubelet/plugins/gpu.cleave.dev/mps/0b7c1f4e-1111-2222-3333-444455556666/pipe"
+            )
+        );
+        assert_eq!(host("driver-root").as_deref(), Some("/run/nvidia/driver"));
+        let shm = vols.iter().find(|v| v.name == SHM_VOLUME).unwrap();
+        assert_eq!(
+            shm.empty_dir.as_ref().unwrap().medium.as_deref(),
+            Some("Memory")
+        );
+    }
+
+    #[test]
+    fn shm_path_is_the_kubelets_empty_dir() {
+        assert_eq!(
+            empty_dir_host_path(Path::new("/var/lib/kubelet"), "u-1", "shm"),
+            Path::new("/var/lib/kubelet/pods/u-1/volumes/kubernetes.io~empty-dir/shm")
+        );
+    }
+
+    fn pod_with(phase: &str, deleting: bool) -> Pod {
+        let mut pod = daemon_pod(&config(), &spec());
+        pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some(phase.into()),
+            container_statuses: Some(vec![k8s_openapi::api::core::v1::ContainerStatus {
+                name: CONTAINER_NAME.into(),
+                state: Some(k8s_openapi::api::core::v1::ContainerState {
+                    waiting: Some(k8s_openapi::api::core::v1::ContainerStateWaiting {
+                        reason: Some("ImagePullBackOff".into()),
+                        message: Some("pull access denied".into()),
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        if deleting {
+            pod.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ));
+        }
+        pod
+    }
+
+    #[test]
+    fn pod_state_names_why_a_pod_is_not_running() {
+        match pod_state(&pod_with("Pending", false)) {
+            PodState::Pending(s) => {
+                assert!(s.contains("ImagePullBackOff: pull access denied"), "{s}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(pod_state(&pod_with("Running", false)), PodState::Running);
+        assert!(matches!(
+            pod_state(&pod_with("Failed", false)),
+            PodState::Ended(_)
+        ));
+        assert_eq!(pod_state(&pod_with("Running", true)), PodState::Deleting);
+    }
+}
