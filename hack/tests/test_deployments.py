@@ -62,6 +62,14 @@ PLUGIN_FLAGS = {
     "--node-name", "--driver-name", "--kubelet-registrar-directory-path",
     "--kubelet-plugins-directory-path", "--cdi-root", "--driver-root", "--host-driver-root", "--nvml-lib",
     "--dynamic-mig", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
+    "--mps-control-bin", "--nvidia-smi-bin",
+    "--mps-launcher", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
+    "--mps-daemon-service-account", "--kubelet-root-dir", "--namespace", "--pod-name",
+}
+# Flags that only the MPS pod launcher uses: passed with mps.launcher=pod only.
+MPS_POD_FLAGS = {
+    "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
+    "--mps-daemon-service-account",
 }
 # The least privilege the plugin needs: (apiGroup, resource) -> verbs.
 RBAC = {
@@ -70,6 +78,10 @@ RBAC = {
     ("", "nodes"): {"get"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
+# The namespaced Role of the MPS pod launcher (release namespace only): (apiGroup, resource) -> verbs.
+MPS_POD_RBAC = {("", "pods"): {"get", "list", "create", "delete"}}
+MPS_POD_SRC = ROOT / "kubelet-plugin" / "src" / "mps_pod.rs"
+MPS_DOC = ROOT / "docs" / "mps.md"
 
 # ----------------------------------------------------------------------------- runner
 
@@ -339,11 +351,12 @@ def chart_lints_clean_default_and_kind() -> None:
 
 @check
 def rendered_objects_validate_strict_1_34() -> None:
-    for label, values in (("default", None), ("kind", kind_values())):
+    base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass",
+            "ServiceAccount"]
+    for label, values, extra in (("default", None, ["Role", "RoleBinding"]), ("kind", kind_values(), [])):
         objs = render(values)
         kinds = sorted(o["kind"] for o in objs)
-        assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass",
-                                "DeviceClass", "DeviceClass", "ServiceAccount"]), f"{label}: {kinds}"
+        assert kinds == sorted(base + extra), f"{label}: {kinds}"
         for o in objs:
             validate_k8s(o, f"{label} {o['__template__']}")
 
@@ -378,10 +391,21 @@ def daemonset_runs_the_plugin_as_designed() -> None:
     assert f["--log-format"] == "text" and f["--log-level"] == "info"
     assert f["--metrics-addr"] == "0.0.0.0:9400"
     assert "--dynamic-mig" not in f and "--nvml-lib" not in f
+    assert "--mps-control-bin" not in f and "--nvidia-smi-bin" not in f, "fake tools on a real node"
+    # MPS: the pod launcher by default, daemon pods from the plugin's own image.
+    assert f["--mps-launcher"] == "pod", f.get("--mps-launcher")
+    assert f["--mps-daemon-image"] == c["image"] == "ghcr.io/cleave-dev/cleave:0.1.0", f["--mps-daemon-image"]
+    assert f["--mps-daemon-image-pull-policy"] == c["imagePullPolicy"] == "IfNotPresent"
+    assert f["--mps-daemon-priority-class"] == "system-node-critical"
+    assert "--mps-daemon-service-account" not in f, "empty mps.serviceAccountName must not pass the flag"
+    assert f["--kubelet-root-dir"] == "/var/lib/kubelet"
+    assert "--namespace" not in f and "--pod-name" not in f, "namespace and pod name come from the downward API"
     env = env_of(c)
     assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}, env["NODE_NAME"]
     assert env["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}, env["POD_UID"]
-    assert "MOCK_NVML_PROFILE" not in env
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, env["POD_NAMESPACE"]
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}, env["POD_NAME"]
+    assert "MOCK_NVML_PROFILE" not in env and "FAKE_MPS_IDLE_EXIT_SECS" not in env
     assert c["securityContext"] == {"privileged": True}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
@@ -423,6 +447,14 @@ def kind_values_use_mock_nvml_and_dynamic_mig() -> None:
     # The state file must live on the host (plugins hostPath) so MIG state survives restarts.
     assert state.startswith(f"/var/lib/kubelet/plugins/{DRIVER}/"), state
     assert any(m["mountPath"] == "/var/lib/kubelet/plugins" for m in c["volumeMounts"])
+    # MPS on kind: the process launcher with the image's fake tools (no driver on the node,
+    # so a daemon pod would find no nvidia-cuda-mps-control); no pod flags, no Role.
+    assert f["--mps-launcher"] == "process", f.get("--mps-launcher")
+    assert not MPS_POD_FLAGS & set(f), sorted(MPS_POD_FLAGS & set(f))
+    assert f["--mps-control-bin"] == "/usr/lib/cleave/fakes/nvidia-cuda-mps-control", f["--mps-control-bin"]
+    assert f["--nvidia-smi-bin"] == "/usr/lib/cleave/fakes/nvidia-smi", f["--nvidia-smi-bin"]
+    assert not [o for o in objs if o["kind"] in {"Role", "RoleBinding"}]
+    assert int(env["FAKE_MPS_IDLE_EXIT_SECS"]) >= 86400, "the fake MPS daemon must not quit while its claim lives"
 
 
 @check
@@ -626,6 +658,190 @@ def rbac_matches_controller_doc() -> None:
     assert doc_verbs == want, f"controller/RBAC.md resourceslices verbs {sorted(doc_verbs)} != chart {sorted(want)}"
 
 
+def role_rules(role: dict) -> dict[tuple[str, str], set[str]]:
+    """(apiGroup, resource) -> verbs of a Role or ClusterRole; wildcards and narrowing fail."""
+    got: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                got.setdefault((group, res), set()).update(rule["verbs"])
+    return got
+
+
+def rust_mps_pod_rbac_rules() -> dict[tuple[str, str], set[str]]:
+    """MPS_POD_RBAC_RULES, read from kubelet-plugin/src/mps_pod.rs (same tuple format as RBAC_RULES)."""
+    if not MPS_POD_SRC.exists():
+        raise Skip(f"{MPS_POD_SRC.relative_to(ROOT)} not written yet")
+    text = MPS_POD_SRC.read_text()
+    m = re.search(r"pub const MPS_POD_RBAC_RULES: [^=]*=\s*&\[(.*?)\];", text, re.S)
+    if not m:
+        raise Skip(f"{MPS_POD_SRC.relative_to(ROOT)} has no MPS_POD_RBAC_RULES yet")
+    rules: dict[tuple[str, str], set[str]] = {}
+    for group, res, verbs in re.findall(r'\(\s*"([^"]*)",\s*"([^"]+)",\s*&\[([^\]]*)\],?\s*\)', m.group(1)):
+        rules.setdefault((group, res), set()).update(re.findall(r'"([^"]+)"', verbs))
+    assert rules, "MPS_POD_RBAC_RULES parsed empty"
+    return rules
+
+
+@check
+def mps_role_is_least_privilege_in_the_release_namespace() -> None:
+    """Pod launcher: a Role (not the ClusterRole) grants exactly pods get/list/create/delete in the
+    release namespace, bound to the chart's ServiceAccount there; the ClusterRole gains no pods."""
+    for ns in ("cleave-system", "gpu-drivers"):
+        objs = render(namespace=ns)
+        role = one(objs, "Role")
+        assert role["metadata"]["namespace"] == ns, role["metadata"]
+        got = role_rules(role)
+        assert got == MPS_POD_RBAC, f"Role rules {got} != {MPS_POD_RBAC}"
+        binding = one(objs, "RoleBinding")
+        assert binding["metadata"]["namespace"] == ns, binding["metadata"]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": role["metadata"]["name"]}, binding["roleRef"]
+        sa = one(objs, "ServiceAccount")
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                        "namespace": ns}], binding["subjects"]
+        pod_sa = one(objs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"]
+        assert pod_sa == sa["metadata"]["name"], pod_sa
+        cluster = role_rules(one(objs, "ClusterRole"))
+        assert ("", "pods") not in cluster, f"pods must not be granted cluster-wide: {cluster[('', 'pods')]}"
+        for o in objs:
+            if o["kind"] in {"Role", "RoleBinding", "ServiceAccount", "DaemonSet"}:
+                assert o["metadata"].get("namespace") == ns, f"{o['kind']} outside the release namespace"
+    # rbac.create=false: neither the cluster nor the namespaced RBAC objects.
+    objs = render({"rbac": {"create": False}})
+    assert not [o["kind"] for o in objs if o["kind"] in {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}]
+    # An existing ServiceAccount: the RoleBinding binds that one.
+    objs = render({"serviceAccount": {"create": False, "name": "gpu-admin"}})
+    assert one(objs, "RoleBinding")["subjects"][0]["name"] == "gpu-admin"
+
+
+@check
+def mps_role_is_exactly_what_the_code_calls() -> None:
+    need = rust_mps_pod_rbac_rules()
+    got = role_rules(one(render(), "Role"))
+    missing = {k: sorted(v - got.get(k, set())) for k, v in need.items() if v - got.get(k, set())}
+    assert not missing, f"MPS_POD_RBAC_RULES needs what the Role does not grant: {missing}"
+    extra = {k: sorted(v - need.get(k, set())) for k, v in got.items() if v - need.get(k, set())}
+    assert not extra, f"the Role grants what MPS_POD_RBAC_RULES does not list: {extra}"
+    assert need == MPS_POD_RBAC, f"MPS_POD_RBAC of this test {MPS_POD_RBAC} != the code's {need}"
+    # Namespaced resources only: anything cluster-scoped would need the ClusterRole.
+    cluster_scoped = {"nodes", "namespaces", "resourceslices", "deviceclasses", "persistentvolumes"}
+    assert not {res for _, res in need} & cluster_scoped, need
+
+
+@check
+def mps_process_launcher_drops_pod_flags_and_role() -> None:
+    """mps.launcher=process: no pod flags, no Role (the process launcher touches no pod);
+    the launcher, the kubelet root and the downward-API env stay (harmless, one template)."""
+    objs = render({"mps": {"launcher": "process", "serviceAccountName": "x", "priorityClassName": "y"}})
+    for o in objs:
+        validate_k8s(o, "mps.launcher=process")
+    assert not [o for o in objs if o["kind"] in {"Role", "RoleBinding"}], "Role rendered for the process launcher"
+    assert role_rules(one(objs, "ClusterRole")) == RBAC
+    c = plugin_container(objs)
+    f = flags(c)
+    assert f["--mps-launcher"] == "process"
+    assert not MPS_POD_FLAGS & set(f), sorted(MPS_POD_FLAGS & set(f))
+    assert f["--kubelet-root-dir"] == "/var/lib/kubelet"
+    env = env_of(c)
+    assert {"POD_NAMESPACE", "POD_NAME"} <= set(env), sorted(env)
+
+
+@check
+def mps_pod_launcher_values_reach_the_daemonset() -> None:
+    objs = render({**ALL_FLAGS_VALUES, "kubeletPlugin": {"kubeletDir": "/var/lib/k0s/kubelet/"}})
+    for o in objs:
+        validate_k8s(o, "mps pod launcher values")
+    f = flags(plugin_container(objs))
+    assert f["--mps-launcher"] == "pod"
+    assert f["--mps-daemon-image"] == "example.com/mps:1", f["--mps-daemon-image"]
+    assert f["--mps-daemon-image-pull-policy"] == "Always"
+    assert f["--mps-daemon-priority-class"] == "gpu-critical"
+    assert f["--mps-daemon-service-account"] == "cleave-mps"
+    assert f["--kubelet-root-dir"] == "/var/lib/k0s/kubelet", "kubelet root (trailing / trimmed)"
+    # Empty image fields fall back to the plugin's image, field by field.
+    c = plugin_container(render({"image": {"repository": "example.com/cleave", "tag": "1.2.3", "pullPolicy": "Never"},
+                                 "mps": {"image": {"tag": "1.2.4"}, "priorityClassName": ""}}))
+    f = flags(c)
+    assert f["--mps-daemon-image"] == "example.com/cleave:1.2.4", f["--mps-daemon-image"]
+    assert f["--mps-daemon-image-pull-policy"] == "Never"
+    assert "--mps-daemon-priority-class" not in f, "empty mps.priorityClassName must not pass the flag"
+    f = flags(plugin_container(render({"image": {"repository": "example.com/cleave", "tag": "1.2.3",
+                                                 "pullPolicy": "Always"}})))
+    assert f["--mps-daemon-image"] == "example.com/cleave:1.2.3" and f["--mps-daemon-image-pull-policy"] == "Always"
+
+
+@check
+def mps_values_schema_accepts_defaults_rejects_bad_values() -> None:
+    with helm.Chart.load(CHART) as chart:
+        defaults = chart.values["mps"]
+        assert defaults == {"launcher": "pod", "image": {"repository": "", "tag": "", "pullPolicy": ""},
+                            "priorityClassName": "system-node-critical", "serviceAccountName": ""}, defaults
+        enum = chart.schema["properties"]["mps"]["properties"]["launcher"]["enum"]
+        assert set(enum) == {"process", "pod"}, enum
+        good = [None, {"mps": defaults}, {"mps": {"launcher": "process"}}, {"mps": {"launcher": "pod"}},
+                {"mps": {"image": {"pullPolicy": "Never"}}}, {"mps": {"priorityClassName": "", "serviceAccountName": ""}},
+                {"mps": {"serviceAccountName": "cleave-mps.v1"}}]
+        for values in good:
+            chart.render(values=values, name="cleave", namespace="cleave-system")
+        bad = [
+            {"mps": {"launcher": "daemonset"}},
+            {"mps": {"launcher": "Pod"}},
+            {"mps": {"launcher": ""}},
+            {"mps": {"launcher": True}},
+            {"mps": {"image": {"pullPolicy": "Sometimes"}}},
+            {"mps": {"image": {"digest": "sha256:1"}}},
+            {"mps": {"image": {"repository": 5}}},
+            {"mps": {"priorityClassName": "System_Node_Critical"}},
+            {"mps": {"serviceAccountName": "Bad Name"}},
+            {"mps": {"launchr": "pod"}},
+            {"mockNvml": {"enabled": True, "profile": "l4-x2", "libraryPath": "/x", "fakeToolsDir": "fakes"}},
+        ]
+        accepted = []
+        for values in bad:
+            try:
+                chart.render(values=values, name="cleave", namespace="cleave-system")
+            except helm.HelmValuesError:
+                continue
+            accepted.append(values)
+    assert not accepted, f"schema accepted wrong mps values: {accepted}"
+
+
+@check
+def mps_doc_names_what_the_chart_and_code_use() -> None:
+    """docs/mps.md documents every mps.* value and the launcher flag values; the daemon pod name
+    and labels it names are the ones kubelet-plugin/src/mps_pod.rs uses (once that exists)."""
+    if not MPS_DOC.exists():
+        raise Skip("docs/mps.md not written yet")
+    doc = MPS_DOC.read_text()
+    with helm.Chart.load(CHART) as chart:
+        mps = chart.values["mps"]
+    for key in mps:
+        assert f"mps.{key}" in doc, f"docs/mps.md does not document mps.{key}"
+    for needle in ("--mps-launcher", "process", "pod", "cleave-mps-<claim uid>", "/tmp/nvidia-mps",
+                   "volumes/kubernetes.io~empty-dir/shm", "kubectl -n", "control.log"):
+        assert needle in doc, f"docs/mps.md lacks {needle!r}"
+    labels = {"app.kubernetes.io/name": "cleave-mps", f"{DRIVER}/claim-uid": None}
+    for key, value in labels.items():
+        assert key in doc and (value is None or f"{key}={value}" in doc), f"docs/mps.md lacks label {key}"
+    assert "docs/mps.md" in (CHART / "values.yaml").read_text(), "values.yaml does not point at docs/mps.md"
+    if not MPS_POD_SRC.exists():
+        raise Skip(f"doc checked against the chart; {MPS_POD_SRC.relative_to(ROOT)} not written yet")
+    src = MPS_POD_SRC.read_text()
+    doc_labels = set(re.findall(rf"`({re.escape(DRIVER)}/[a-z-]+)=", doc)) | {"app.kubernetes.io/name"}
+    assert f"{DRIVER}/claim-uid" in doc_labels, doc_labels
+    # And the other way: every label the code declares (`*_LABEL` consts) is documented.
+    code_labels = set(re.findall(r'pub const \w+_LABEL: &str = "([^"]+)"', src))
+    assert code_labels, "no *_LABEL const found in kubelet-plugin/src/mps_pod.rs"
+    undocumented = sorted(label for label in code_labels if f"`{label}=" not in doc)
+    assert not undocumented, f"kubelet-plugin/src/mps_pod.rs labels daemon pods with {undocumented}, docs/mps.md does not say"
+    for needle in sorted(doc_labels) + ['"cleave-mps"', "cleave-mps-{", "mps-daemon", "/tmp/nvidia-mps"]:
+        where = src if needle != "/tmp/nvidia-mps" else src + (ROOT / "driver" / "src" / "sharing" / "mps.rs").read_text()
+        assert needle in where, f"docs/mps.md names {needle!r}, kubelet-plugin/src/mps_pod.rs does not"
+
+
 @check
 def notes_tell_what_to_do_next() -> None:
     notes = render_notes()
@@ -755,6 +971,15 @@ def dockerfile_agrees_with_chart_and_cargo() -> None:
     assert nvml_lib == mock_dest[0], f"kind --nvml-lib {nvml_lib} != image path {mock_dest[0]}"
     with helm.Chart.load(CHART) as chart:
         assert chart.values["mockNvml"]["libraryPath"] == mock_dest[0]
+    # The fake tools the kind values pass are [[bin]]s of cleave-fakes, built and copied there.
+    fakes = tomllib.loads((ROOT / "hack" / "fakes" / "Cargo.toml").read_text())
+    fake_bins = {b["name"] for b in fakes.get("bin", [])}
+    assert f"-p {fakes['package']['name']}" in build.group(0), "Dockerfile does not build the fake tools"
+    kind_flags = flags(plugin_container(render(kind_values())))
+    for flag in ("--mps-control-bin", "--nvidia-smi-bin"):
+        path = kind_flags[flag]
+        assert path in copies, f"kind {flag} {path} is not copied into the image ({copies})"
+        assert Path(path).name in fake_bins and Path(copies[path]).name == Path(path).name, (flag, path)
     assert (ROOT / "deployments" / "container" / "Dockerfile.dockerignore").read_text().count("target") >= 1
 
 
@@ -765,6 +990,48 @@ def dockerfile_is_hadolint_clean() -> None:
     proc = subprocess.run([hadolint, "--no-color", str(DOCKERFILE.relative_to(ROOT))],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"hadolint:\n{proc.stdout}{proc.stderr}"
+
+
+# Values that make the chart pass every flag it knows (pod launcher with every option set).
+ALL_FLAGS_VALUES: dict[str, Any] = {
+    "mps": {"launcher": "pod", "image": {"repository": "example.com/mps", "tag": "1", "pullPolicy": "Always"},
+            "priorityClassName": "gpu-critical", "serviceAccountName": "cleave-mps"},
+    "nvmlLib": "/driver-root/usr/lib64/libnvidia-ml.so.1", "dynamicMig": True,
+}
+
+
+def chart_flags_all_values() -> set[str]:
+    """Every --flag the chart passes with the default, kind and all-options values."""
+    out: set[str] = set()
+    for values in (None, kind_values(), ALL_FLAGS_VALUES):
+        out |= set(flags(plugin_container(render(values))))
+    return out
+
+
+def cli_long_flags() -> set[str]:
+    """Long flags declared with clap derive in kubelet-plugin/src: `#[arg(long ...)]` on a
+    field (kebab-case of its name) or `long = "name"`."""
+    out: set[str] = set()
+    for path in (ROOT / "kubelet-plugin" / "src").rglob("*.rs"):
+        text = path.read_text()
+        for m in re.finditer(r"#\[arg\(([^\]]*)\)\]\s*(?:(?:#\[[^\]]*\]|///[^\n]*)\s*)*pub\s+(\w+)\s*:", text):
+            attrs, field = m.groups()
+            if not re.search(r"\blong\b", attrs):
+                continue
+            named = re.search(r'\blong\s*=\s*"([^"]+)"', attrs)
+            out.add("--" + (named.group(1) if named else field.replace("_", "-")))
+    return out
+
+
+@check
+def chart_flags_are_declared_in_the_plugin_source() -> None:
+    """Without a binary: every flag the chart passes is a clap long flag in kubelet-plugin/src."""
+    declared = cli_long_flags()
+    assert "--node-name" in declared and "--cdi-root" in declared, f"flag parser found too little: {sorted(declared)}"
+    missing = sorted(chart_flags_all_values() - declared)
+    assert not missing, f"the chart passes flags kubelet-plugin/src does not declare: {missing}"
+    unknown = sorted((PLUGIN_FLAGS | MPS_POD_FLAGS) - declared)
+    assert not unknown, f"PLUGIN_FLAGS of this test name flags the plugin lacks: {unknown}"
 
 
 @check
@@ -782,8 +1049,8 @@ def plugin_binary_accepts_the_chart_flags() -> None:
     proc = subprocess.run([binary, "run", "--help"], capture_output=True, text=True, timeout=30)
     if proc.returncode != 0 or "usage" not in proc.stdout.lower():
         raise Skip(f"{binary.relative_to(ROOT)} has no `run --help` yet (exit {proc.returncode})")
-    used = set(flags(plugin_container(render()))) | set(flags(plugin_container(render(kind_values()))))
-    missing = sorted(f for f in used if f not in proc.stdout)
+    used = chart_flags_all_values()
+    missing = sorted(f for f in used if not re.search(rf"(^|[\s,]){re.escape(f)}([\s=<\[]|$)", proc.stdout, re.M))
     assert not missing, f"`cleave-kubelet-plugin run --help` lacks {missing}"
 
 

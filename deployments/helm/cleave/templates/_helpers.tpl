@@ -62,3 +62,16 @@ app.kubernetes.io/part-of: cleave
 {{- define "cleave.pluginDataDir" -}}
 {{- printf "%s/plugins/%s" (trimSuffix "/" .Values.kubeletPlugin.kubeletDir) (include "cleave.driverName" .) -}}
 {{- end -}}
+
+{{/* Image of the per-claim MPS daemon pods: mps.image, each empty field taken from the
+plugin's image (the daemon runs `cleave-kubelet-plugin mps-daemon` from the same build). */}}
+{{- define "cleave.mpsImage" -}}
+{{- $repo := default .Values.image.repository .Values.mps.image.repository -}}
+{{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.mps.image.tag -}}
+{{- printf "%s:%s" $repo $tag -}}
+{{- end -}}
+
+{{/* Pull policy of the MPS daemon pods: mps.image.pullPolicy, else the plugin's. */}}
+{{- define "cleave.mpsImagePullPolicy" -}}
+{{- default .Values.image.pullPolicy .Values.mps.image.pullPolicy -}}
+{{- end -}}
