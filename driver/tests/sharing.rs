@@ -24,11 +24,13 @@ use cleave_driver::checkpoint::{
 use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
 use cleave_driver::prepare::{DriverConfig, NodeDriver, SharingDevice};
+use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
 use cleave_driver::sharing::{
     SharingBinaries, SharingConfig, SharingFailure, SharingManager, SharingState,
 };
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 const GPU_A: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000001";
 const GPU_B: &str = "GPU-bbbbbbbb-0000-0000-0000-000000000002";
@@ -61,6 +63,14 @@ fn main() {
         }
     }
     let tests: &[(&str, fn())] = &[
+        (
+            "supervisor_quits_the_daemon_on_stop_and_notices_its_exit",
+            supervisor_quits_the_daemon_on_stop_and_notices_its_exit,
+        ),
+        (
+            "supervisor_reports_a_daemon_that_cannot_start",
+            supervisor_reports_a_daemon_that_cannot_start,
+        ),
         (
             "two_claims_get_own_daemons_limits_and_edits",
             two_claims_get_own_daemons_limits_and_edits,
@@ -561,7 +571,11 @@ fn two_claims_get_own_daemons_limits_and_edits() {
     // Directory modes: claim dir closed to other host users, pipe dir usable by containers.
     assert_eq!(mode(&world.claim_dir("claim-a")), 0o700);
     assert_eq!(mode(&pipe_a), 0o777);
-    assert_eq!(mode(&world.claim_dir("claim-a").join("log")), 0o700);
+    let log_mode = std::fs::metadata(world.claim_dir("claim-a").join("log"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(log_mode & 0o7777, 0o1777);
 
     // Compute modes.
     assert_eq!(
@@ -1191,4 +1205,144 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
         err.to_string().contains("larger than the device's memory"),
         "{err}"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// The inside of a daemon pod (`mps-daemon`): the supervisor.
+
+fn supervise_config(world: &World, claim: &str, env: &[(&str, &str)]) -> SuperviseConfig {
+    let dir = world.claim_dir(claim);
+    for d in ["pipe", "log"] {
+        std::fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    let mut all: Vec<(String, String)> = world
+        .config(&[])
+        .extra_env
+        .into_iter()
+        .chain(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())))
+        .collect();
+    all.push(("CUDA_VISIBLE_DEVICES".into(), GPU_A.into()));
+    SuperviseConfig {
+        claim_uid: claim.into(),
+        control_bin: world.root.join("bin/nvidia-cuda-mps-control"),
+        driver_root: world.root.join("driver-root"),
+        lib_dir: None,
+        pipe_dir: dir.join("pipe"),
+        log_dir: dir.join("log"),
+        env: all,
+        start_timeout: Duration::from_secs(10),
+        stop_timeout: Duration::from_secs(3),
+        poll: Duration::from_millis(20),
+        reap_orphans: false,
+    }
+}
+
+/// Runs the supervisor on a thread; returns its outcome and what it streamed.
+fn spawn_supervisor(
+    config: SuperviseConfig,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(Result<SuperviseOutcome, SharingFailure>, Vec<u8>)> {
+    std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let r = supervise(&config, &stop, &mut out);
+        (r, out)
+    })
+}
+
+fn supervisor_quits_the_daemon_on_stop_and_notices_its_exit() {
+    let world = World::new();
+    // Stop requested: the daemon is told to quit and the supervisor returns Stopped.
+    let config = supervise_config(&world, "sup-a", &[]);
+    let pipe = config.pipe_dir.clone();
+    let log = config.log_dir.join("control.log");
+    let stop = Arc::new(AtomicBool::new(false));
+    let handle = spawn_supervisor(config, Arc::clone(&stop));
+    let started = Instant::now();
+    while world.started_pids().is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "daemon never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid = world.started_pids()[0];
+    // What the daemon logs reaches the supervisor's output.
+    {
+        use std::io::Write as _;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        f.write_all(b"[fake] control daemon log line\n").unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    stop.store(true, Ordering::SeqCst);
+    let (outcome, out) = handle.join().unwrap();
+    assert_eq!(outcome.unwrap(), SuperviseOutcome::Stopped);
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    let pipe_cmds: Vec<String> = world
+        .mps_lines()
+        .into_iter()
+        .filter(|l| l.contains(&format!("pipe={}", pipe.display())))
+        .collect();
+    assert!(
+        pipe_cmds
+            .iter()
+            .any(|l| l.starts_with("cmd") && l.ends_with("quit")),
+        "{pipe_cmds:?}"
+    );
+    assert!(
+        pipe_cmds
+            .iter()
+            .any(|l| l.contains(&format!("devices={GPU_A}"))),
+        "the daemon got CUDA_VISIBLE_DEVICES: {pipe_cmds:?}"
+    );
+    assert!(String::from_utf8_lossy(&out).contains("control daemon log line"));
+
+    // The daemon quits by itself (the plugin sent quit over the pipe): Exited.
+    let config = supervise_config(&world, "sup-b", &[]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx_config, handle) = (config.clone(), spawn_supervisor(config, Arc::clone(&stop)));
+    let started = Instant::now();
+    while !tx_config
+        .pipe_dir
+        .join("nvidia-cuda-mps-control.pid")
+        .exists()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "daemon b never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let quit = Command::new(&tx_config.control_bin)
+        .env("CUDA_MPS_PIPE_DIRECTORY", &tx_config.pipe_dir)
+        .envs(tx_config.env.iter().map(|(k, v)| (k, v)))
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write as _;
+            c.stdin.take().unwrap().write_all(b"quit\n")?;
+            c.wait()
+        })
+        .unwrap();
+    assert!(quit.success());
+    let (outcome, _) = handle.join().unwrap();
+    assert_eq!(outcome.unwrap(), SuperviseOutcome::Exited);
+    assert!(!stop.load(Ordering::SeqCst));
+}
+
+fn supervisor_reports_a_daemon_that_cannot_start() {
+    let world = World::new();
+    let config = supervise_config(&world, "sup-bad", &[("FAKE_MPS_FAIL_START", "1")]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (outcome, _) = spawn_supervisor(config, stop).join().unwrap();
+    let err = outcome.unwrap_err().to_string();
+    assert!(
+        err.contains("claim sup-bad") && err.contains("exited with"),
+        "{err}"
+    );
+    assert!(world.started_pids().is_empty());
 }

@@ -108,11 +108,15 @@ pub async fn sharing_manager(
         .mps_daemon_image
         .clone()
         .context("--mps-launcher=pod needs --mps-daemon-image")?;
-    let owner =
-        crate::mps_pod::resolve_owner(client, &namespace, mps.pod_name.as_deref(), &args.node_name)
-            .await
-            .context("finding the owner of MPS daemon pods")?;
-    info!(namespace = %namespace, image = %image, owner = %format!("{}/{}", owner.kind, owner.name), "MPS daemons run in pods");
+    let parent = crate::mps_pod::resolve_parent(
+        client,
+        &namespace,
+        mps.pod_name.as_deref(),
+        &args.node_name,
+    )
+    .await
+    .context("finding the owner of MPS daemon pods")?;
+    info!(namespace = %namespace, image = %image, owner = %format!("{}/{}", parent.owner.kind, parent.owner.name), "MPS daemons run in pods");
     let launcher = crate::mps_pod::PodLauncher::new(
         crate::mps_pod::PodLauncherConfig {
             namespace,
@@ -121,7 +125,9 @@ pub async fn sharing_manager(
             image_pull_policy: mps.mps_daemon_image_pull_policy.clone(),
             priority_class: mps.mps_daemon_priority_class.clone(),
             service_account: mps.mps_daemon_service_account.clone(),
-            owner,
+            owner: parent.owner,
+            image_pull_secrets: parent.image_pull_secrets,
+            control_bin: args.driver.mps_control_bin.clone(),
             state_dir: config.state_dir.clone(),
             host_state_dir: config
                 .host_state_dir

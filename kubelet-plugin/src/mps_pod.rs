@@ -91,6 +91,12 @@ pub struct PodLauncherConfig {
     pub service_account: Option<String>,
     /// Owner of every daemon pod.
     pub owner: OwnerReference,
+    /// Pull secrets of the image (the plugin pod's own, so a private registry works).
+    pub image_pull_secrets: Vec<String>,
+    /// `nvidia-cuda-mps-control` for `mps-daemon` when given explicitly (a path in the
+    /// image, or under `/driver-root`, where both the plugin and the daemon pod see the
+    /// driver root); `None`: found under the driver root.
+    pub control_bin: Option<PathBuf>,
     /// The plugin's state directory as this process sees it.
     pub state_dir: PathBuf,
     /// The same directory as the host sees it.
@@ -173,10 +179,20 @@ pub fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
         image: Some(config.image.clone()),
         image_pull_policy: Some(config.image_pull_policy.clone()),
         command: Some(config.command.clone()),
-        args: Some(vec![
-            format!("--driver-root={POD_DRIVER_ROOT}"),
-            format!("--lib-dir={POD_SCRATCH_DIR}/lib"),
-        ]),
+        args: Some(
+            [
+                format!("--driver-root={POD_DRIVER_ROOT}"),
+                format!("--lib-dir={POD_SCRATCH_DIR}/lib"),
+            ]
+            .into_iter()
+            .chain(
+                config
+                    .control_bin
+                    .as_ref()
+                    .map(|b| format!("--mps-control-bin={}", b.display())),
+            )
+            .collect(),
+        ),
         env: Some(vec![
             env("CUDA_VISIBLE_DEVICES", spec.visible_devices.join(",")),
             env("CUDA_MPS_PIPE_DIRECTORY", config.container_pipe_dir.clone()),
@@ -230,6 +246,15 @@ pub fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
             priority_class_name: config.priority_class.clone(),
             service_account_name: config.service_account.clone(),
             automount_service_account_token: Some(false),
+            image_pull_secrets: (!config.image_pull_secrets.is_empty()).then(|| {
+                config
+                    .image_pull_secrets
+                    .iter()
+                    .map(|name| k8s_openapi::api::core::v1::LocalObjectReference {
+                        name: name.clone(),
+                    })
+                    .collect()
+            }),
             enable_service_links: Some(false),
             termination_grace_period_seconds: Some(30),
             // Wherever the plugin runs, its daemons must run too.
@@ -625,20 +650,40 @@ impl DaemonLauncher for PodLauncher {
     }
 }
 
+/// Who owns the daemon pods and which pull secrets they use, from the plugin's own pod.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DaemonPodParent {
+    /// The controller of the plugin's pod (its DaemonSet), else the Node.
+    pub owner: OwnerReference,
+    /// The plugin pod's image pull secrets.
+    pub image_pull_secrets: Vec<String>,
+}
+
 /// Finds the owner of the daemon pods: the controller of the plugin's own pod (its
-/// DaemonSet) when `pod_name` is given and has one, else the Node.
-pub async fn resolve_owner(
+/// DaemonSet) when `pod_name` is given and has one, else the Node; and the plugin pod's
+/// image pull secrets.
+pub async fn resolve_parent(
     client: &kube::Client,
     namespace: &str,
     pod_name: Option<&str>,
     node_name: &str,
-) -> anyhow::Result<OwnerReference> {
+) -> anyhow::Result<DaemonPodParent> {
+    let mut image_pull_secrets = Vec::new();
     if let Some(name) = pod_name {
         let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
         let me = pods
             .get(name)
             .await
             .with_context(|| format!("reading this plugin's pod {namespace}/{name}"))?;
+        image_pull_secrets = me
+            .spec
+            .as_ref()
+            .and_then(|s| s.image_pull_secrets.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| r.name)
+            .filter(|n| !n.is_empty())
+            .collect();
         if let Some(owner) = me
             .metadata
             .owner_references
@@ -646,10 +691,15 @@ pub async fn resolve_owner(
             .into_iter()
             .find(|o| o.controller == Some(true))
         {
-            return Ok(OwnerReference {
-                controller: None,
-                block_owner_deletion: None,
-                ..owner
+            // Not `controller`: the DaemonSet controller would take the pod for one of its
+            // own and, since it does not match its selector, release it.
+            return Ok(DaemonPodParent {
+                owner: OwnerReference {
+                    controller: None,
+                    block_owner_deletion: None,
+                    ..owner
+                },
+                image_pull_secrets,
             });
         }
         tracing::warn!(
@@ -662,13 +712,16 @@ pub async fn resolve_owner(
         .get(node_name)
         .await
         .with_context(|| format!("reading node {node_name}"))?;
-    Ok(OwnerReference {
-        api_version: "v1".into(),
-        kind: "Node".into(),
-        name: node_name.to_owned(),
-        uid: node.metadata.uid.unwrap_or_default(),
-        controller: None,
-        block_owner_deletion: None,
+    Ok(DaemonPodParent {
+        owner: OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: node_name.to_owned(),
+            uid: node.metadata.uid.unwrap_or_default(),
+            controller: None,
+            block_owner_deletion: None,
+        },
+        image_pull_secrets,
     })
 }
 
@@ -742,6 +795,8 @@ mod tests {
                 uid: "ds-uid".into(),
                 ..Default::default()
             },
+            image_pull_secrets: vec!["regcred".into()],
+            control_bin: Some("/driver-root/opt/bin/nvidia-cuda-mps-control".into()),
             state_dir: "/plugin/state".into(),
             host_state_dir: "/var/lib/kubelet/plugins/gpu.cleave.dev".into(),
             host_driver_root: "/run/nvidia/driver".into(),
@@ -783,6 +838,12 @@ mod tests {
         let c = &v["spec"]["containers"][0];
         assert_eq!(c["image"], "cleave:dev");
         assert_eq!(c["command"][1], "mps-daemon");
+        assert_eq!(
+            c["args"][2],
+            "--mps-control-bin=/driver-root/opt/bin/nvidia-cuda-mps-control"
+        );
+        assert_eq!(v["spec"]["imagePullSecrets"][0]["name"], "regcred");
+        assert_eq!(v["spec"]["tolerations"][0]["operator"], "Exists");
         assert_eq!(c["securityContext"]["privileged"], true);
         let envs: Vec<(String, String)> = pod.spec.as_ref().unwrap().containers[0]
             .env

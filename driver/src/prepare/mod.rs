@@ -501,7 +501,11 @@ impl NodeDriver {
             .filter(|r| r.state != ClaimState::NeedsRecreate)
             .map(|r| r.uid.clone())
             .collect();
-        driver.sharing.reconcile(&live);
+        for uid in driver.sharing.reconcile(&live) {
+            if let Err(e) = driver.refresh_sharing(&uid, &mut data) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+            }
+        }
 
         let inventory = driver
             .backend
@@ -1053,6 +1057,32 @@ impl NodeDriver {
             };
             return Err(e.into());
         }
+        Ok(())
+    }
+
+    /// After the sharing of a prepared claim was started again (its MPS daemon had died):
+    /// takes the sharing edits of now (a restarted daemon pod has a new `/dev/shm`), records
+    /// them and rewrites the claim's CDI spec, so that containers started from now on use
+    /// the new daemon.
+    fn refresh_sharing(&self, uid: &str, data: &mut CheckpointData) -> Result<(), PrepareError> {
+        let Some(mut record) = data.claims.get(uid).cloned() else {
+            return Ok(());
+        };
+        let shared = recorded_sharing(&record);
+        if shared.is_empty() {
+            return Ok(());
+        }
+        let claim = SharingClaim {
+            uid,
+            namespace: &record.namespace,
+            name: &record.name,
+        };
+        let edits = self.sharing.apply(&claim, &shared)?;
+        record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+        self.write_cdi(uid, &record, &edits)?;
+        data.claims.insert(uid.to_owned(), record);
+        self.checkpoint.store(data)?;
+        tracing::info!(claim = %uid, "rewrote the CDI spec of a claim whose sharing was restarted");
         Ok(())
     }
 

@@ -96,8 +96,12 @@ pub trait SharingHandler: Send + Sync {
     /// Called once at start, after interrupted prepares were rolled back, with the UIDs of
     /// the claims the checkpoint still holds: re-find what outlived the previous plugin
     /// process (MPS daemons), start again what died for live claims, stop what belongs to
-    /// claims that are gone. Failures are logged, never fatal. Default: nothing to do.
-    fn reconcile(&self, _live_claims: &BTreeSet<String>) {}
+    /// claims that are gone. Failures are logged, never fatal. Returns the live claims whose
+    /// sharing was started again (their CDI edits may differ: the driver applies and writes
+    /// them anew). Default: nothing to do.
+    fn reconcile(&self, _live_claims: &BTreeSet<String>) -> BTreeSet<String> {
+        BTreeSet::new()
+    }
 }
 
 /// Accepts every sharing config and sets nothing up (until the strategies are implemented).

@@ -1149,7 +1149,7 @@ impl SharingHandler for SharingManager {
             })
     }
 
-    fn reconcile(&self, live_claims: &BTreeSet<String>) {
+    fn reconcile(&self, live_claims: &BTreeSet<String>) -> BTreeSet<String> {
         let report = SharingManager::reconcile(self, live_claims);
         tracing::info!(
             kept = report.kept.len(),
@@ -1161,6 +1161,7 @@ impl SharingHandler for SharingManager {
         for (claim, error) in &report.failed {
             tracing::error!(claim = %claim, error = %error, "reconciling the MPS daemon failed");
         }
+        report.restarted.into_iter().collect()
     }
 }
 

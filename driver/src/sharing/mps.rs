@@ -8,7 +8,7 @@
 //! mps/<claim UID>/daemon.json the record: devices, limits, PID + start time + boot ID
 //! mps/<claim UID>/pipe/       0777: CUDA_MPS_PIPE_DIRECTORY, bind-mounted into the claim's
 //!                             containers only (they run as any user)
-//! mps/<claim UID>/log/        0700: CUDA_MPS_LOG_DIRECTORY (control.log, server.log)
+//! mps/<claim UID>/log/        1777: CUDA_MPS_LOG_DIRECTORY (control.log, server.log)
 //! ```
 //!
 //! The record is written before the daemon is launched and again once its PID is known, so
@@ -475,7 +475,10 @@ pub fn create_dirs(claim_dir: &Path, spec: &DaemonSpec) -> Result<(), SharingFai
     for (dir, mode) in [
         (claim_dir, 0o700),
         (spec.pipe_dir.as_path(), 0o777),
-        (spec.log_dir.as_path(), 0o700),
+        // Sticky and open to all: MPS servers run with their clients' UIDs and log here
+        // (in a daemon pod it is mounted directly; on the host the 0700 claim directory
+        // keeps other users out).
+        (spec.log_dir.as_path(), 0o1777),
     ] {
         let io = |op, source| SharingFailure::Io {
             op,

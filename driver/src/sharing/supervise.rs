@@ -230,3 +230,42 @@ pub fn supervise(
         message: "still running after SIGKILL".into(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_driver_libraries_are_linked_and_absolute_links_stay_in_the_root() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let libs = root.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&libs).unwrap();
+        std::fs::write(libs.join("libcuda.so.550.54"), "cuda").unwrap();
+        std::os::unix::fs::symlink("libcuda.so.550.54", libs.join("libcuda.so.1")).unwrap();
+        std::fs::write(libs.join("libnvidia-ml.so.550.54"), "nvml").unwrap();
+        // An absolute link means a path in the driver root, not in this container.
+        std::os::unix::fs::symlink(
+            "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.54",
+            libs.join("libnvidia-ml.so.1"),
+        )
+        .unwrap();
+        std::fs::write(libs.join("libc.so.6"), "host libc").unwrap();
+        let lib_dir = tmp.path().join("lib");
+
+        assert_eq!(link_libraries(&root, &lib_dir).unwrap(), 4);
+        let read = |name: &str| std::fs::read_to_string(lib_dir.join(name)).unwrap();
+        assert_eq!(read("libcuda.so.1"), "cuda");
+        assert_eq!(read("libnvidia-ml.so.1"), "nvml");
+        assert_eq!(
+            std::fs::read_link(lib_dir.join("libnvidia-ml.so.1")).unwrap(),
+            libs.join("libnvidia-ml.so.550.54")
+        );
+        assert!(
+            !lib_dir.join("libc.so.6").exists(),
+            "never the host's C library"
+        );
+        // Again (container restart with the same scratch dir): nothing new, no error.
+        assert_eq!(link_libraries(&root, &lib_dir).unwrap(), 0);
+    }
+}

@@ -125,4 +125,5 @@ pub fn claim_ref(ns: &str, name: &str, uid: &str) -> ClaimRef {
     }
 }
 
+pub mod kubelet;
 pub mod node;

@@ -1,0 +1,664 @@
+//! MPS daemons in pods of their own (`run --mps-launcher=pod`), end to end: the real plugin
+//! binary, the API server stand-in, a fake kubelet that runs the daemon pods as local
+//! processes (`tests/common/kubelet.rs`), and the fake `nvidia-cuda-mps-control` and
+//! `nvidia-smi` (this crate's binary plays them, as in the demo).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cleave_apiserver_standin::StandIn;
+use cleave_kubelet_plugin::proto::dra::v1;
+use common::kubelet::{FakeKubelet, KubeletOptions};
+use common::node::*;
+use common::*;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::DeviceAllocationConfiguration;
+use serde_json::json;
+
+const NAMESPACE: &str = "cleave-system";
+
+fn mps_config(pct: u8, limit: &str) -> DeviceAllocationConfiguration {
+    serde_json::from_value(json!({
+        "source": "FromClaim",
+        "requests": ["gpu"],
+        "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": pct,
+                "pinnedMemoryLimit": {"default": limit}}}}}
+    }))
+    .unwrap()
+}
+
+/// Files of one test beyond the node's: fake tools' records and the kubelet root.
+struct World {
+    dirs: NodeDirs,
+}
+
+impl World {
+    fn new() -> Self {
+        let dirs = NodeDirs::new();
+        // The fake tools under the driver root: wrappers running this crate's binary.
+        let bin = dirs.driver_root().join("usr/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let exe = env!("CARGO_BIN_EXE_cleave-kubelet-plugin");
+        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
+            let path = bin.join(tool);
+            std::fs::write(
+                &path,
+                format!("#!/bin/sh\nexec '{exe}' __fake \"$0\" \"$@\"\n"),
+            )
+            .unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        std::fs::create_dir_all(dirs.path().join("pod-logs")).unwrap();
+        Self { dirs }
+    }
+    fn kubelet_root(&self) -> PathBuf {
+        self.dirs.path().join("kubelet")
+    }
+    fn mps_record(&self) -> PathBuf {
+        self.dirs.path().join("fake-mps-record.log")
+    }
+    fn record(&self) -> Vec<String> {
+        std::fs::read_to_string(self.mps_record())
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+    /// The fakes' knobs, for the plugin and for every container.
+    fn tool_env(&self) -> Vec<(String, String)> {
+        let p = |n: &str| self.dirs.path().join(n).display().to_string();
+        vec![
+            ("FAKE_MPS_RECORD".into(), p("fake-mps-record.log")),
+            ("FAKE_MPS_IDLE_EXIT_SECS".into(), "60".into()),
+            ("FAKE_NVIDIA_SMI_RECORD".into(), p("fake-smi-record.log")),
+            ("FAKE_NVIDIA_SMI_STATE".into(), p("fake-smi-state")),
+        ]
+    }
+    fn plugin_options(&self) -> PluginOptions {
+        let mut env: Vec<(&'static str, String)> = vec![
+            ("MPS_LAUNCHER", "pod".into()),
+            ("MPS_DAEMON_IMAGE", "cleave:test".into()),
+            ("POD_NAMESPACE", NAMESPACE.into()),
+            (
+                "KUBELET_ROOT_DIR",
+                self.kubelet_root().display().to_string(),
+            ),
+        ];
+        for (k, v) in self.tool_env() {
+            env.push((Box::leak(k.into_boxed_str()), v));
+        }
+        PluginOptions {
+            env,
+            ..PluginOptions::default()
+        }
+    }
+    fn kubelet(&self, standin: &StandIn, mut options: KubeletOptions) -> FakeKubelet {
+        options.env.extend(self.tool_env());
+        FakeKubelet::start(
+            standin.config(),
+            NODE,
+            &self.kubelet_root(),
+            Path::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
+            &self.dirs.path().join("pod-logs"),
+            options,
+        )
+    }
+    fn mps_dir(&self, uid: &str) -> PathBuf {
+        self.dirs.state_dir().join("mps").join(uid)
+    }
+    /// The stored daemon pod of a claim.
+    fn pod(&self, standin: &StandIn, uid: &str) -> Option<Pod> {
+        standin.get_as("pods", NAMESPACE, &format!("cleave-mps-{uid}"))
+    }
+    fn cdi_spec(&self, uid: &str) -> serde_json::Value {
+        let name = self
+            .dirs
+            .cdi_files()
+            .into_iter()
+            .find(|f| f.contains(uid))
+            .unwrap_or_else(|| panic!("no CDI spec for {uid}: {:?}", self.dirs.cdi_files()));
+        let text = std::fs::read_to_string(self.dirs.cdi_root().join(name)).unwrap();
+        serde_json::from_str(&text)
+            .or_else(|_| serde_yaml::from_str(&text))
+            .unwrap()
+    }
+    /// Context for failed assertions.
+    fn logs(&self) -> String {
+        let mut out = format!("plugin log:\n{}\n", self.dirs.log());
+        if let Ok(rd) = std::fs::read_dir(self.dirs.path().join("pod-logs")) {
+            for e in rd.flatten() {
+                out.push_str(&format!(
+                    "--- {}:\n{}\n",
+                    e.file_name().to_string_lossy(),
+                    std::fs::read_to_string(e.path()).unwrap_or_default()
+                ));
+            }
+        }
+        out.push_str(&format!("fake MPS record:\n{}\n", self.record().join("\n")));
+        out
+    }
+}
+
+async fn prepare(
+    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    claims: Vec<v1::Claim>,
+) -> v1::NodePrepareResourcesResponse {
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        dra.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .into_inner()
+}
+
+async fn unprepare(
+    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    claims: Vec<v1::Claim>,
+) -> v1::NodeUnprepareResourcesResponse {
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        dra.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims }),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .into_inner()
+}
+
+/// Waits (bounded) until `done` holds.
+async fn eventually(what: &str, world: &World, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "timed out waiting until {what}\n{}",
+            world.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn env_of(pod: &Pod, name: &str) -> Option<String> {
+    pod.spec.as_ref()?.containers[0]
+        .env
+        .as_ref()?
+        .iter()
+        .find(|e| e.name == name)?
+        .value
+        .clone()
+}
+
+fn mounts_of(spec: &serde_json::Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for dev in spec["devices"].as_array().into_iter().flatten() {
+        for m in dev["containerEdits"]["mounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            out.push((
+                m["containerPath"].as_str().unwrap_or_default().to_owned(),
+                m["hostPath"].as_str().unwrap_or_default().to_owned(),
+            ));
+        }
+    }
+    for m in spec["containerEdits"]["mounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        out.push((
+            m["containerPath"].as_str().unwrap_or_default().to_owned(),
+            m["hostPath"].as_str().unwrap_or_default().to_owned(),
+        ));
+    }
+    out
+}
+
+fn all_env(spec: &serde_json::Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for dev in spec["devices"].as_array().into_iter().flatten() {
+        for e in dev["containerEdits"]["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            out.push(e.as_str().unwrap_or_default().to_owned());
+        }
+    }
+    for e in spec["containerEdits"]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        out.push(e.as_str().unwrap_or_default().to_owned());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    let kubelet = world.kubelet(&standin, KubeletOptions::default());
+    put_claim(
+        &standin,
+        "mps-a",
+        "uid-a",
+        &[("gpu", "gpu-0")],
+        &[mps_config(25, "10Gi")],
+    );
+    put_claim(
+        &standin,
+        "mps-b",
+        "uid-b",
+        &[("gpu", "gpu-1")],
+        &[mps_config(50, "20Gi")],
+    );
+    put_claim(
+        &standin,
+        "mps-c",
+        "uid-c",
+        &[("gpu", "gpu-2")],
+        &[mps_config(75, "1Gi")],
+    );
+    put_claim(
+        &standin,
+        "mps-d",
+        "uid-d",
+        &[("gpu", "gpu-3")],
+        &[mps_config(30, "2Gi")],
+    );
+    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+
+    let first = prepare(
+        &mut dra,
+        vec![
+            claim("mps-a", "uid-a"),
+            claim("mps-b", "uid-b"),
+            claim("mps-c", "uid-c"),
+            claim("mps-d", "uid-d"),
+        ],
+    )
+    .await;
+    for uid in ["uid-a", "uid-b", "uid-c", "uid-d"] {
+        assert_eq!(first.claims[uid].error, "", "{uid}\n{}", world.logs());
+    }
+
+    // One pod per claim, bound to this node, owned by the Node (no POD_NAME given), each
+    // limited to its claim's GPU.
+    let pod_a = world.pod(&standin, "uid-a").expect("pod of claim a");
+    let pod_b = world.pod(&standin, "uid-b").expect("pod of claim b");
+    assert_eq!(
+        pod_a.spec.as_ref().unwrap().node_name.as_deref(),
+        Some(NODE)
+    );
+    let owner = &pod_a.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("Node", NODE));
+    let dev_a = env_of(&pod_a, "CUDA_VISIBLE_DEVICES").unwrap();
+    let dev_b = env_of(&pod_b, "CUDA_VISIBLE_DEVICES").unwrap();
+    assert!(dev_a.starts_with("GPU-") && dev_b.starts_with("GPU-") && dev_a != dev_b);
+    assert_eq!(kubelet.started.lock().unwrap().len(), 4);
+
+    // The daemons got their own limits, told over their own pipes.
+    let pipe_a = world.mps_dir("uid-a").join("pipe").display().to_string();
+    let pipe_b = world.mps_dir("uid-b").join("pipe").display().to_string();
+    let record = world.record();
+    let has = |pipe: &str, what: &str| {
+        record
+            .iter()
+            .any(|l| l.contains(&format!("pipe={pipe}")) && l.contains(what))
+    };
+    assert!(
+        has(&pipe_a, &format!("devices={dev_a}")),
+        "{}",
+        world.logs()
+    );
+    assert!(
+        has(&pipe_a, "set_default_active_thread_percentage 25"),
+        "{}",
+        world.logs()
+    );
+    assert!(
+        has(&pipe_a, "set_default_device_pinned_mem_limit 0 10G"),
+        "{}",
+        world.logs()
+    );
+    assert!(
+        has(&pipe_b, "set_default_active_thread_percentage 50"),
+        "{}",
+        world.logs()
+    );
+    assert!(
+        has(&pipe_b, "set_default_device_pinned_mem_limit 0 20G"),
+        "{}",
+        world.logs()
+    );
+
+    // CDI: the claim's pipe directory, the daemon pod's memory emptyDir as /dev/shm, and
+    // the client environment.
+    let spec_a = world.cdi_spec("uid-a");
+    let mounts = mounts_of(&spec_a);
+    assert!(
+        mounts.contains(&("/tmp/nvidia-mps".into(), pipe_a.clone())),
+        "{mounts:?}"
+    );
+    let shm_a = world
+        .kubelet_root()
+        .join("pods")
+        .join(pod_a.metadata.uid.as_deref().unwrap())
+        .join("volumes/kubernetes.io~empty-dir/shm");
+    assert!(shm_a.is_dir(), "the fake kubelet made the emptyDir");
+    assert!(
+        mounts.contains(&("/dev/shm".into(), shm_a.display().to_string())),
+        "{mounts:?}"
+    );
+    let env = all_env(&spec_a);
+    for want in [
+        "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G",
+    ] {
+        assert!(env.iter().any(|e| e == want), "{want} not in {env:?}");
+    }
+
+    // Repeating prepare changes nothing: same pods, no new start.
+    let again = prepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
+    assert_eq!(again.claims["uid-a"], first.claims["uid-a"]);
+    assert_eq!(
+        world.pod(&standin, "uid-a").unwrap().metadata.uid,
+        pod_a.metadata.uid
+    );
+    assert_eq!(kubelet.started.lock().unwrap().len(), 4);
+
+    // The pod ran the image's `mps-daemon`, which started the daemon.
+    let started = kubelet.started.lock().unwrap().clone();
+    let a = started
+        .iter()
+        .find(|s| s.name == "cleave-mps-uid-a")
+        .unwrap();
+    assert_eq!(a.argv[1], "mps-daemon");
+    assert_eq!(
+        a.env["CUDA_MPS_PIPE_DIRECTORY"], pipe_a,
+        "pipe mount resolved"
+    );
+    assert!(
+        world.logs().contains("MPS control daemon started"),
+        "{}",
+        world.logs()
+    );
+
+    // Unprepare: the daemon quits, its pod and directories go; the others stay.
+    let un = unprepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
+    assert_eq!(un.claims["uid-a"].error, "", "{}", world.logs());
+    assert!(world.pod(&standin, "uid-a").is_none());
+    assert!(!world.mps_dir("uid-a").exists());
+    assert!(
+        world
+            .record()
+            .iter()
+            .any(|l| l.contains(&format!("pipe={pipe_a}")) && l.contains("quit"))
+    );
+    assert!(world.pod(&standin, "uid-b").is_some());
+
+    // The plugin goes away: the daemons keep running for their clients.
+    drop(dra);
+    let status = plugin.terminate();
+    assert!(status.success(), "{status}");
+    let pod_b_uid = pod_b.metadata.uid.clone();
+    assert_eq!(
+        world.pod(&standin, "uid-b").unwrap().metadata.uid,
+        pod_b_uid
+    );
+    let quits_before = world.record().iter().filter(|l| l.contains("quit")).count();
+
+    // Claim c is deleted while the plugin is down; the restarted plugin stops its daemon
+    // and keeps b's. d's daemon pod is deleted (say, evicted): the restarted plugin starts
+    // it again and points d's CDI spec at the new pod's /dev/shm.
+    standin.delete("resourceclaims", "default", "mps-c");
+    let old_d = world.pod(&standin, "uid-d").unwrap().metadata.uid.unwrap();
+    standin.delete("pods", NAMESPACE, "cleave-mps-uid-d");
+    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    eventually(
+        "the daemon pod of the deleted claim is gone",
+        &world,
+        || world.pod(&standin, "uid-c").is_none(),
+    )
+    .await;
+    assert!(!world.mps_dir("uid-c").exists(), "{}", world.logs());
+    assert_eq!(
+        world.pod(&standin, "uid-b").unwrap().metadata.uid,
+        pod_b_uid,
+        "the live claim's daemon pod was kept"
+    );
+    eventually("d's daemon pod is started again", &world, || {
+        world
+            .pod(&standin, "uid-d")
+            .is_some_and(|p| p.metadata.uid.as_deref() != Some(old_d.as_str()))
+    })
+    .await;
+    let new_d = world.pod(&standin, "uid-d").unwrap().metadata.uid.unwrap();
+    let shm_d = |uid: &str| {
+        world
+            .kubelet_root()
+            .join("pods")
+            .join(uid)
+            .join("volumes/kubernetes.io~empty-dir/shm")
+            .display()
+            .to_string()
+    };
+    eventually("d's CDI spec names the new /dev/shm", &world, || {
+        mounts_of(&world.cdi_spec("uid-d")).contains(&("/dev/shm".into(), shm_d(&new_d)))
+    })
+    .await;
+    assert!(!mounts_of(&world.cdi_spec("uid-d")).contains(&("/dev/shm".into(), shm_d(&old_d))));
+    assert_eq!(
+        kubelet.started.lock().unwrap().len(),
+        5,
+        "only d's daemon started again"
+    );
+    assert!(
+        !world
+            .record()
+            .iter()
+            .filter(|l| l.contains("quit"))
+            .any(|l| l.contains(&pipe_b)),
+        "b's daemon was not told to quit\n{}",
+        world.logs()
+    );
+    assert!(world.record().iter().filter(|l| l.contains("quit")).count() > quits_before);
+
+    // And b's daemon still answers through the new plugin: prepare again is a no-op.
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let b = prepare(&mut dra, vec![claim("mps-b", "uid-b")]).await;
+    assert_eq!(b.claims["uid-b"].error, "", "{}", world.logs());
+    assert_eq!(
+        world.pod(&standin, "uid-b").unwrap().metadata.uid,
+        pod_b_uid
+    );
+
+    let un = unprepare(
+        &mut dra,
+        vec![claim("mps-b", "uid-b"), claim("mps-d", "uid-d")],
+    )
+    .await;
+    assert_eq!(un.claims["uid-b"].error, "", "{}", world.logs());
+    assert_eq!(un.claims["uid-d"].error, "", "{}", world.logs());
+    let pods: Vec<Pod> = standin.list_as("pods");
+    assert!(
+        pods.is_empty(),
+        "pods left: {:?}",
+        pods.iter().map(|p| &p.metadata.name).collect::<Vec<_>>()
+    );
+    let left: Vec<_> = std::fs::read_dir(world.dirs.state_dir().join("mps"))
+        .map(|rd| rd.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "MPS directories left: {left:?}");
+    // Every daemon that started also exited.
+    let record = world.record();
+    let starts = record.iter().filter(|l| l.starts_with("start")).count();
+    let exits = record.iter().filter(|l| l.starts_with("exit")).count();
+    eventually("every fake daemon exited", &world, || {
+        let r = world.record();
+        r.iter().filter(|l| l.starts_with("exit")).count() >= starts
+    })
+    .await;
+    assert!(starts >= 5 && exits <= starts);
+    drop(kubelet);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    put_claim(
+        &standin,
+        "bad",
+        "uid-bad",
+        &[("gpu", "gpu-0")],
+        &[mps_config(25, "10Gi")],
+    );
+    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+
+    // The daemon cannot start: the container exits 1, the pod fails.
+    {
+        let _kubelet = world.kubelet(
+            &standin,
+            KubeletOptions {
+                env: vec![("FAKE_MPS_FAIL_START".into(), "1".into())],
+                ..Default::default()
+            },
+        );
+        let r = prepare(&mut dra, vec![claim("bad", "uid-bad")]).await;
+        let error = &r.claims["uid-bad"].error;
+        assert!(
+            error.contains("cleave-mps-uid-bad"),
+            "{error}\n{}",
+            world.logs()
+        );
+        assert!(error.contains("failed"), "{error}");
+        assert!(
+            world.pod(&standin, "uid-bad").is_none(),
+            "failed pod removed"
+        );
+        assert!(!world.mps_dir("uid-bad").exists());
+        assert!(
+            world.dirs.cdi_files().is_empty(),
+            "{:?}",
+            world.dirs.cdi_files()
+        );
+    }
+
+    // The image cannot be pulled: the pod never runs; the claim fails with that reason
+    // once the start deadline passes.
+    {
+        let _kubelet = world.kubelet(
+            &standin,
+            KubeletOptions {
+                image_pull_error: Some("ImagePullBackOff".into()),
+                ..Default::default()
+            },
+        );
+        let r = prepare(&mut dra, vec![claim("bad", "uid-bad")]).await;
+        let error = &r.claims["uid-bad"].error;
+        assert!(
+            error.contains("ImagePullBackOff"),
+            "{error}\n{}",
+            world.logs()
+        );
+        assert!(world.pod(&standin, "uid-bad").is_none());
+        assert!(!world.mps_dir("uid-bad").exists());
+        assert!(world.dirs.cdi_files().is_empty());
+    }
+    drop(dra);
+    assert!(plugin.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    // The plugin's own pod, as the DaemonSet controller creates it.
+    let me: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "cleave-kubelet-plugin-x7k2p", "namespace": NAMESPACE,
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                "name": "cleave-kubelet-plugin", "uid": "ds-uid-1", "controller": true,
+                "blockOwnerDeletion": true}]},
+        "spec": {"nodeName": "elsewhere", "imagePullSecrets": [{"name": "regcred"}],
+            "containers": [{"name": "plugin", "image": "cleave:test"}]}
+    }))
+    .unwrap();
+    standin.put(&me).unwrap();
+    // Daemon pods no claim directory names (the state directory was reset): the one on
+    // this node is deleted at start, the one on another node is not this plugin's.
+    for (name, node) in [
+        ("cleave-mps-uid-orphan", NODE),
+        ("cleave-mps-uid-other", "node-b"),
+    ] {
+        let orphan: Pod = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": {
+                "app.kubernetes.io/name": "cleave-mps",
+                "gpu.cleave.dev/claim-uid": name.trim_start_matches("cleave-mps-")}},
+            "spec": {"nodeName": node, "containers": [{"name": "mps-control-daemon",
+                "image": "cleave:test", "command": ["sleep", "30"]}]}
+        }))
+        .unwrap();
+        standin.put(&orphan).unwrap();
+    }
+    let _kubelet = world.kubelet(&standin, KubeletOptions::default());
+    put_claim(
+        &standin,
+        "mps-a",
+        "uid-a",
+        &[("gpu", "gpu-0")],
+        &[mps_config(25, "10Gi")],
+    );
+    let mut options = world.plugin_options();
+    options
+        .env
+        .push(("POD_NAME", "cleave-kubelet-plugin-x7k2p".into()));
+    let plugin = Plugin::start(&world.dirs, &options);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
+    assert_eq!(r.claims["uid-a"].error, "", "{}", world.logs());
+    assert!(
+        world.pod(&standin, "uid-orphan").is_none(),
+        "{}",
+        world.logs()
+    );
+    assert!(world.pod(&standin, "uid-other").is_some());
+
+    let pod = world.pod(&standin, "uid-a").unwrap();
+    let owners = pod.metadata.owner_references.clone().unwrap();
+    assert_eq!(owners.len(), 1);
+    assert_eq!(
+        (
+            owners[0].kind.as_str(),
+            owners[0].name.as_str(),
+            owners[0].uid.as_str()
+        ),
+        ("DaemonSet", "cleave-kubelet-plugin", "ds-uid-1")
+    );
+    // Not the controller: the DaemonSet must not adopt (and then release) the pod.
+    assert_eq!(owners[0].controller, None);
+    let secrets = pod.spec.unwrap().image_pull_secrets.unwrap();
+    assert_eq!(secrets[0].name, "regcred");
+
+    let un = unprepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
+    assert_eq!(un.claims["uid-a"].error, "", "{}", world.logs());
+    assert!(world.pod(&standin, "uid-a").is_none());
+    drop(dra);
+    assert!(plugin.terminate().success());
+}
