@@ -1167,6 +1167,34 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
     let report = manager.reconcile(&live);
     assert_eq!(report.kept, [uid], "{report:?}");
     assert!(alive(pid));
+    // Nothing died: a check between prepares changes nothing.
+    assert!(driver.reconcile_sharing().unwrap().is_empty());
+    assert!(alive(pid));
+
+    // The daemon dies between prepares: the check starts it again with the claim's limits
+    // and records the new daemon.
+    Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    let restarted = driver.reconcile_sharing().unwrap();
+    assert_eq!(restarted.into_iter().collect::<Vec<_>>(), [uid]);
+    let data = CheckpointStore::in_dir(&world.state).load().unwrap();
+    let state: SharingState =
+        serde_json::from_value(data.claims[uid].sharing.clone().unwrap()).unwrap();
+    let new_pid = state.mps.unwrap().daemon.unwrap().pid;
+    assert_ne!(new_pid, pid);
+    assert!(alive(new_pid));
+    assert_eq!(
+        world
+            .commands(uid)
+            .iter()
+            .filter(|c| *c == "set_default_active_thread_percentage 25")
+            .count(),
+        2
+    );
+    let pid = new_pid;
 
     driver.unprepare(uid).unwrap();
     assert!(wait_dead(pid, Duration::from_secs(5)));

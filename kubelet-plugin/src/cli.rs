@@ -86,6 +86,10 @@ pub struct MpsArgs {
     /// emptyDir) lies under it and is mounted into the claim's containers.
     #[arg(long, env = "KUBELET_ROOT_DIR", default_value = "/var/lib/kubelet")]
     pub kubelet_root_dir: PathBuf,
+    /// Seconds between checks that the MPS daemons of prepared claims run (dead ones are
+    /// started again, with their claims' CDI specs rewritten); 0: only at start.
+    #[arg(long, env = "MPS_CHECK_INTERVAL_SECS", default_value_t = 30)]
+    pub mps_check_interval_secs: u64,
 }
 
 impl Default for MpsArgs {
@@ -100,6 +104,7 @@ impl Default for MpsArgs {
             namespace: None,
             pod_name: None,
             kubelet_root_dir: PathBuf::from("/var/lib/kubelet"),
+            mps_check_interval_secs: 30,
         }
     }
 }
@@ -461,6 +466,36 @@ mod tests {
         assert_eq!(a.driver.cdi_root, std::path::Path::new("/var/run/cdi"));
         assert_eq!(a.driver.driver_root, std::path::Path::new("/"));
         assert!(!a.driver.dynamic_mig && !a.uninstall);
+    }
+
+    #[test]
+    fn mps_defaults_match_the_flags() {
+        let cli = Cli::try_parse_from(["x", "run", "--node-name", "n1"]).unwrap();
+        let Command::Run(a) = cli.command else {
+            panic!()
+        };
+        let d = MpsArgs::default();
+        assert_eq!(a.mps.mps_launcher, d.mps_launcher);
+        assert_eq!(
+            a.mps.mps_daemon_image_pull_policy,
+            d.mps_daemon_image_pull_policy
+        );
+        assert_eq!(a.mps.kubelet_root_dir, d.kubelet_root_dir);
+        assert_eq!(a.mps.mps_check_interval_secs, d.mps_check_interval_secs);
+        let cli = Cli::try_parse_from(["x", "run", "--node-name", "n1", "--mps-launcher", "pod"])
+            .unwrap();
+        let Command::Run(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.mps.mps_launcher, MpsLauncherKind::Pod);
+        assert!(
+            Cli::try_parse_from(["x", "run", "--node-name", "n1", "--mps-launcher", "x"]).is_err()
+        );
+        let cli = Cli::try_parse_from(["x", "mps-daemon"]).unwrap();
+        let Command::MpsDaemon(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.driver_root, std::path::Path::new("/driver-root"));
     }
 
     #[test]

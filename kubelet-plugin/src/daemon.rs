@@ -417,9 +417,34 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut health_changes = plugin.server.health().map(|h| h.subscribe());
     let mut mps_refresh = tokio::time::interval(MPS_GAUGE_REFRESH);
     mps_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // Daemons of prepared claims that died (an evicted daemon pod, a crash) are started
+    // again between prepares too, not only at the next start.
+    let check_every = std::time::Duration::from_secs(args.mps.mps_check_interval_secs);
+    let mut mps_check = tokio::time::interval_at(
+        tokio::time::Instant::now() + check_every.max(std::time::Duration::from_secs(1)),
+        check_every.max(std::time::Duration::from_secs(1)),
+    );
+    mps_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut mps_check_task: Option<tokio::task::JoinHandle<()>> = None;
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
+            _ = mps_check.tick(), if !check_every.is_zero() => {
+                if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
+                    let driver = Arc::clone(&plugin.driver);
+                    let serializer = plugin.serializer.clone();
+                    mps_check_task = Some(tokio::spawn(async move {
+                        match serializer.run(move || driver.reconcile_sharing()).await {
+                            Ok(Ok(restarted)) if !restarted.is_empty() => {
+                                info!(claims = ?restarted, "started MPS daemons of prepared claims again");
+                            }
+                            Ok(Ok(_)) => {}
+                            Ok(Err(e)) => warn!(error = %e, "checking MPS daemons"),
+                            Err(e) => warn!(error = %e, "checking MPS daemons"),
+                        }
+                    }));
+                }
+            }
             _ = mps_refresh.tick() => {
                 if let Some(m) = &metrics {
                     m.observability.refresh_mps_daemons(&plugin.driver.config().state_dir);
@@ -478,6 +503,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     };
     info!(signal, "shutting down");
+    if let Some(task) = mps_check_task {
+        // Let a check that runs finish: it may be starting a daemon.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(30), task).await;
+    }
     heartbeat_task.abort();
     coexistence.abort();
     if let Some(task) = http {

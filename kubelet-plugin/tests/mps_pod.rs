@@ -629,6 +629,7 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
     options
         .env
         .push(("POD_NAME", "cleave-kubelet-plugin-x7k2p".into()));
+    options.env.push(("MPS_CHECK_INTERVAL_SECS", "1".into()));
     let plugin = Plugin::start(&world.dirs, &options);
     let mut dra = dra_v1(&plugin.dra_socket).await;
     let r = prepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
@@ -655,6 +656,40 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
     assert_eq!(owners[0].controller, None);
     let secrets = pod.spec.unwrap().image_pull_secrets.unwrap();
     assert_eq!(secrets[0].name, "regcred");
+
+    // The daemon pod is evicted while the plugin runs: the periodic check starts it again
+    // and points the claim's CDI spec at the new pod's /dev/shm.
+    let old_uid = pod.metadata.uid.clone().unwrap();
+    standin.delete("pods", NAMESPACE, "cleave-mps-uid-a");
+    eventually("the evicted daemon pod is started again", &world, || {
+        world
+            .pod(&standin, "uid-a")
+            .is_some_and(|p| p.metadata.uid.as_deref() != Some(old_uid.as_str()))
+    })
+    .await;
+    let new_uid = world.pod(&standin, "uid-a").unwrap().metadata.uid.unwrap();
+    let shm = world
+        .kubelet_root()
+        .join("pods")
+        .join(&new_uid)
+        .join("volumes/kubernetes.io~empty-dir/shm")
+        .display()
+        .to_string();
+    eventually("the CDI spec names the new /dev/shm", &world, || {
+        mounts_of(&world.cdi_spec("uid-a")).contains(&("/dev/shm".into(), shm.clone()))
+    })
+    .await;
+    // The new daemon got the claim's limits again.
+    let pipe = world.mps_dir("uid-a").join("pipe").display().to_string();
+    let limits = world
+        .record()
+        .iter()
+        .filter(|l| {
+            l.contains(&format!("pipe={pipe}"))
+                && l.contains("set_default_active_thread_percentage 25")
+        })
+        .count();
+    assert_eq!(limits, 2, "{}", world.logs());
 
     let un = unprepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
     assert_eq!(un.claims["uid-a"].error, "", "{}", world.logs());

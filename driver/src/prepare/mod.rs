@@ -1060,6 +1060,28 @@ impl NodeDriver {
         Ok(())
     }
 
+    /// Checks the sharing set-up of the recorded claims now, as at start: MPS daemons of
+    /// live claims that died are started again (and their CDI specs rewritten), daemons of
+    /// claims that are gone are stopped. Returns the claims whose sharing was restarted.
+    /// Call it like prepare: under the node lock, from a blocking thread.
+    pub fn reconcile_sharing(&self) -> Result<BTreeSet<String>, PrepareError> {
+        let mut state = self.lock_synced()?;
+        let live: BTreeSet<String> = state
+            .data
+            .claims
+            .values()
+            .filter(|r| r.state != ClaimState::NeedsRecreate)
+            .map(|r| r.uid.clone())
+            .collect();
+        let restarted = self.sharing.reconcile(&live);
+        for uid in &restarted {
+            if let Err(e) = self.refresh_sharing(uid, &mut state.data) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+            }
+        }
+        Ok(restarted)
+    }
+
     /// After the sharing of a prepared claim was started again (its MPS daemon had died):
     /// takes the sharing edits of now (a restarted daemon pod has a new `/dev/shm`), records
     /// them and rewrites the claim's CDI spec, so that containers started from now on use

@@ -1151,13 +1151,17 @@ impl SharingHandler for SharingManager {
 
     fn reconcile(&self, live_claims: &BTreeSet<String>) -> BTreeSet<String> {
         let report = SharingManager::reconcile(self, live_claims);
-        tracing::info!(
-            kept = report.kept.len(),
-            restarted = report.restarted.len(),
-            stopped = report.stopped.len(),
-            failed = report.failed.len(),
-            "reconciled MPS daemons"
-        );
+        if report.restarted.is_empty() && report.stopped.is_empty() && report.failed.is_empty() {
+            tracing::debug!(kept = report.kept.len(), "MPS daemons checked");
+        } else {
+            tracing::info!(
+                kept = report.kept.len(),
+                restarted = report.restarted.len(),
+                stopped = report.stopped.len(),
+                failed = report.failed.len(),
+                "reconciled MPS daemons"
+            );
+        }
         for (claim, error) in &report.failed {
             tracing::error!(claim = %claim, error = %error, "reconciling the MPS daemon failed");
         }
