@@ -434,7 +434,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     let driver = Arc::clone(&plugin.driver);
                     let serializer = plugin.serializer.clone();
                     mps_check_task = Some(tokio::spawn(async move {
-                        match serializer.run(move || driver.reconcile_sharing()).await {
+                        match serializer
+                            .run(move || driver.reconcile_sharing().map_err(|e| e.to_string()))
+                            .await
+                        {
                             Ok(Ok(restarted)) if !restarted.is_empty() => {
                                 info!(claims = ?restarted, "started MPS daemons of prepared claims again");
                             }
