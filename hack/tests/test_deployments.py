@@ -63,7 +63,7 @@ PLUGIN_FLAGS = {
     "--kubelet-plugins-directory-path", "--cdi-root", "--driver-root", "--host-driver-root", "--nvml-lib",
     "--dynamic-mig", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
     "--mps-control-bin", "--nvidia-smi-bin",
-    "--mps-launcher", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
+    "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--namespace", "--pod-name",
 }
 # Flags that only the MPS pod launcher uses: passed with mps.launcher=pod only.
@@ -778,12 +778,13 @@ def mps_values_schema_accepts_defaults_rejects_bad_values() -> None:
     with helm.Chart.load(CHART) as chart:
         defaults = chart.values["mps"]
         assert defaults == {"launcher": "pod", "image": {"repository": "", "tag": "", "pullPolicy": ""},
-                            "priorityClassName": "system-node-critical", "serviceAccountName": ""}, defaults
+                            "priorityClassName": "system-node-critical", "serviceAccountName": "",
+                            "checkIntervalSeconds": 30}, defaults
         enum = chart.schema["properties"]["mps"]["properties"]["launcher"]["enum"]
         assert set(enum) == {"process", "pod"}, enum
         good = [None, {"mps": defaults}, {"mps": {"launcher": "process"}}, {"mps": {"launcher": "pod"}},
                 {"mps": {"image": {"pullPolicy": "Never"}}}, {"mps": {"priorityClassName": "", "serviceAccountName": ""}},
-                {"mps": {"serviceAccountName": "cleave-mps.v1"}}]
+                {"mps": {"serviceAccountName": "cleave-mps.v1"}}, {"mps": {"checkIntervalSeconds": 0}}]
         for values in good:
             chart.render(values=values, name="cleave", namespace="cleave-system")
         bad = [
@@ -797,6 +798,8 @@ def mps_values_schema_accepts_defaults_rejects_bad_values() -> None:
             {"mps": {"priorityClassName": "System_Node_Critical"}},
             {"mps": {"serviceAccountName": "Bad Name"}},
             {"mps": {"launchr": "pod"}},
+            {"mps": {"checkIntervalSeconds": -1}},
+            {"mps": {"checkIntervalSeconds": "30s"}},
             {"mockNvml": {"enabled": True, "profile": "l4-x2", "libraryPath": "/x", "fakeToolsDir": "fakes"}},
         ]
         accepted = []

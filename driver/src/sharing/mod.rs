@@ -14,14 +14,13 @@
 //!
 //! The tools are found under the driver root (`usr/bin/nvidia-cuda-mps-control`,
 //! `usr/bin/nvidia-smi`) or given explicitly ([`SharingBinaries`]). Daemons are started by
-//! a [`DaemonLauncher`]; [`ProcessLauncher`] runs them as host processes. Known limit of the
-//! process launcher: MPS clients and server exchange memory through `/dev/shm`, so the
-//! claim's containers must share the daemon's `/dev/shm`; the pod launcher (later step)
-//! gives each daemon a per-claim `/dev/shm` and mounts the same into the claim's containers.
-//! Likewise, the control daemon starts each MPS server with the UID of its client; on the
-//! host that server must reach the pipe and log directories through the 0700 claim
-//! directory, so with the process launcher only root clients are served (in the pod
-//! launcher the daemon sees the directories at paths of its own mount namespace).
+//! a [`DaemonLauncher`]: [`ProcessLauncher`] runs them as detached host processes (local
+//! runs, tests); the kubelet plugin's pod launcher runs each in a pod of its own, whose
+//! entry point is [`supervise`]. Only the pod launcher gives a daemon a `/dev/shm` of its
+//! own, shared with the claim's containers (MPS clients and server exchange memory there),
+//! and lets servers started with a client's UID reach the pipe and log directories (in the
+//! pod they are mounted directly; on the host they sit in the 0700 claim directory, so the
+//! process launcher serves root clients only).
 
 pub mod mps;
 mod process;
