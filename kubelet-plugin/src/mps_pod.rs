@@ -332,6 +332,9 @@ pub struct PodLauncher {
     pods: Api<Pod>,
     runtime: Handle,
     control: ProcessLauncher,
+    /// When `is_running` last asked the API server: callers poll it in tight loops, and
+    /// one GET per `poll` is enough.
+    last_check: std::sync::Mutex<Option<Instant>>,
 }
 
 impl std::fmt::Debug for PodLauncher {
@@ -356,6 +359,7 @@ impl PodLauncher {
             config,
             runtime,
             control,
+            last_check: std::sync::Mutex::new(None),
         }
     }
 
@@ -446,6 +450,9 @@ impl PodLauncher {
         let name = pod_name(spec.claim_uid.as_str());
         let pod = daemon_pod(&self.config, spec);
         loop {
+            // A pid file left by an earlier daemon must not be taken for the new one's (a
+            // pod that is taken over below keeps its daemon's).
+            let _ = std::fs::remove_file(spec.pipe_dir.join(PID_FILE));
             match self.block_on(self.pods.create(&PostParams::default(), &pod))? {
                 Ok(created) => {
                     tracing::info!(pod = %name, claim = %spec.claim_uid, "created MPS daemon pod");
@@ -488,7 +495,6 @@ impl DaemonLauncher for PodLauncher {
     fn start(&self, spec: &DaemonSpec, timeout: Duration) -> Result<DaemonHandle, SharingFailure> {
         let deadline = Instant::now() + timeout;
         let name = pod_name(&spec.claim_uid);
-        let _ = std::fs::remove_file(spec.pipe_dir.join(PID_FILE));
         let pod = self
             .create(spec, deadline)
             .map_err(|m| self.start_failure(spec, m))?;
@@ -567,6 +573,13 @@ impl DaemonLauncher for PodLauncher {
 
     fn is_running(&self, handle: &DaemonHandle) -> bool {
         let Some(p) = &handle.pod else { return false };
+        {
+            let mut last = self.last_check.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(at) = *last {
+                std::thread::sleep(self.config.poll.saturating_sub(at.elapsed()));
+            }
+            *last = Some(Instant::now());
+        }
         match self.get(&p.name) {
             Ok(Some(pod)) => {
                 pod.metadata.uid.as_deref() == Some(p.uid.as_str())
@@ -584,7 +597,10 @@ impl DaemonLauncher for PodLauncher {
 
     fn kill(&self, handle: &DaemonHandle, grace: Duration) -> Result<(), SharingFailure> {
         let Some(p) = &handle.pod else { return Ok(()) };
-        let fail = |message: String| SharingFailure::DaemonStop { pid: 0, message };
+        let fail = |message: String| SharingFailure::DaemonStop {
+            daemon: handle.describe(),
+            message,
+        };
         let secs = u32::try_from(grace.as_secs()).unwrap_or(u32::MAX);
         self.delete(&p.name, &p.uid, Some(secs)).map_err(fail)?;
         if self.wait_gone(&p.name, &p.uid, grace + Duration::from_secs(10)) {
@@ -600,7 +616,10 @@ impl DaemonLauncher for PodLauncher {
     fn cleanup(&self, _spec: &DaemonSpec, handle: &DaemonHandle) -> Result<(), SharingFailure> {
         let Some(p) = &handle.pod else { return Ok(()) };
         self.delete(&p.name, &p.uid, None)
-            .map_err(|message| SharingFailure::DaemonStop { pid: 0, message })?;
+            .map_err(|message| SharingFailure::DaemonStop {
+                daemon: handle.describe(),
+                message,
+            })?;
         if !self.wait_gone(&p.name, &p.uid, Duration::from_secs(10)) {
             tracing::warn!(pod = %p.name, "MPS daemon pod deleted but still listed; the kubelet finishes it");
         }

@@ -697,3 +697,65 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
     drop(dra);
     assert!(plugin.terminate().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart() {
+    for point in [
+        "mps.after_launch",
+        "mps.after_ready",
+        "prepare.after_sharing_apply",
+    ] {
+        let world = World::new();
+        let standin = start_standin(&world.dirs).await;
+        let kubelet = world.kubelet(&standin, KubeletOptions::default());
+        put_claim(
+            &standin,
+            "mps-a",
+            "uid-a",
+            &[("gpu", "gpu-0")],
+            &[mps_config(25, "10Gi")],
+        );
+        let mut options = world.plugin_options();
+        options.env.push(("CLEAVE_FAULT_KILL_AT", point.into()));
+        let mut plugin = Plugin::start(&world.dirs, &options);
+        let mut dra = dra_v1(&plugin.dra_socket).await;
+        // The plugin dies in the middle of the call.
+        let call = tokio::time::timeout(
+            Duration::from_secs(60),
+            dra.node_prepare_resources(v1::NodePrepareResourcesRequest {
+                claims: vec![claim("mps-a", "uid-a")],
+            }),
+        )
+        .await
+        .unwrap();
+        assert!(call.is_err(), "{point}: prepare answered {call:?}");
+        let status = plugin.child.wait().unwrap();
+        assert!(!status.success(), "{point}: {status}");
+        assert!(
+            world.pod(&standin, "uid-a").is_some(),
+            "{point}: the pod was created"
+        );
+        drop(dra);
+
+        // The restarted plugin rolls the interrupted prepare back: no daemon pod, no MPS
+        // directory, no CDI spec; the kubelet's retry then succeeds.
+        let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+        eventually(
+            "the interrupted claim's daemon pod and directory are gone",
+            &world,
+            || world.pod(&standin, "uid-a").is_none() && !world.mps_dir("uid-a").exists(),
+        )
+        .await;
+        assert!(world.dirs.cdi_files().is_empty(), "{point}");
+        let mut dra = dra_v1(&plugin.dra_socket).await;
+        let r = prepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
+        assert_eq!(r.claims["uid-a"].error, "", "{point}\n{}", world.logs());
+        assert!(world.pod(&standin, "uid-a").is_some());
+        let un = unprepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
+        assert_eq!(un.claims["uid-a"].error, "", "{point}");
+        assert!(standin.list_as::<Pod>("pods").is_empty(), "{point}");
+        drop(dra);
+        assert!(plugin.terminate().success());
+        drop(kubelet);
+    }
+}

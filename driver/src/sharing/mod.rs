@@ -206,10 +206,10 @@ pub enum SharingFailure {
         answer: String,
     },
     /// A daemon could not be stopped.
-    #[error("stopping MPS control daemon PID {pid}: {message}")]
+    #[error("stopping MPS control daemon {daemon}: {message}")]
     DaemonStop {
-        /// PID.
-        pid: u32,
+        /// Which daemon: `PID <pid>` or `pod <namespace>/<name>`.
+        daemon: String,
         /// What failed.
         message: String,
     },

@@ -321,7 +321,7 @@ impl DaemonLauncher for ProcessLauncher {
     fn kill(&self, handle: &DaemonHandle, grace: Duration) -> Result<(), SharingFailure> {
         let gone = || (!self.is_running(handle)).then_some(());
         let fail = |e: std::io::Error| SharingFailure::DaemonStop {
-            pid: handle.pid,
+            daemon: handle.describe(),
             message: e.to_string(),
         };
         process::signal(handle.pid, Some(handle.start_time), libc::SIGTERM).map_err(fail)?;
@@ -330,7 +330,7 @@ impl DaemonLauncher for ProcessLauncher {
         }
         process::signal(handle.pid, Some(handle.start_time), libc::SIGKILL).map_err(fail)?;
         process::poll_until(Duration::from_secs(2), gone).ok_or(SharingFailure::DaemonStop {
-            pid: handle.pid,
+            daemon: handle.describe(),
             message: "still running after SIGKILL".into(),
         })
     }

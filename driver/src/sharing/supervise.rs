@@ -226,7 +226,7 @@ pub fn supervise(
         }
     }
     Err(SharingFailure::DaemonStop {
-        pid,
+        daemon: format!("PID {pid}"),
         message: "still running after SIGKILL".into(),
     })
 }
