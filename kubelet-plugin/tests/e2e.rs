@@ -7,7 +7,7 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 
 use cleave_apiserver_standin::fixtures;
-use cleave_kubelet_plugin::proto::dra::{v1, v1beta1};
+use cleave_kubelet_plugin::proto::dra::v1beta1;
 use cleave_kubelet_plugin::proto::registration::{InfoRequest, RegistrationStatus};
 use common::node::*;
 use common::*;
@@ -24,34 +24,6 @@ async fn wait_for_slices(standin: &cleave_apiserver_standin::StandIn) -> Vec<Res
         assert!(started.elapsed() < TIMEOUT, "no ResourceSlices published");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-}
-
-async fn prepare(
-    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
-    claims: Vec<v1::Claim>,
-) -> v1::NodePrepareResourcesResponse {
-    tokio::time::timeout(
-        TIMEOUT,
-        dra.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }),
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .into_inner()
-}
-
-async fn unprepare(
-    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
-    claims: Vec<v1::Claim>,
-) -> v1::NodeUnprepareResourcesResponse {
-    tokio::time::timeout(
-        TIMEOUT,
-        dra.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims }),
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .into_inner()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -281,20 +281,6 @@ async fn unreadable_checkpoint_blocks_start_until_reset() {
     );
 }
 
-async fn prepare(
-    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
-    claims: Vec<v1::Claim>,
-) -> v1::NodePrepareResourcesResponse {
-    tokio::time::timeout(
-        TIMEOUT,
-        dra.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }),
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .into_inner()
-}
-
 const FIXTURE_UID: &str = "0a4b2c1d-0000-4000-8000-00000000000a";
 
 /// Seeds the checkpoint with `fixture` (a claim on gpu-1 written by another release, of

@@ -145,34 +145,6 @@ impl World {
     }
 }
 
-async fn prepare(
-    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
-    claims: Vec<v1::Claim>,
-) -> v1::NodePrepareResourcesResponse {
-    tokio::time::timeout(
-        Duration::from_secs(60),
-        dra.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }),
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .into_inner()
-}
-
-async fn unprepare(
-    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
-    claims: Vec<v1::Claim>,
-) -> v1::NodeUnprepareResourcesResponse {
-    tokio::time::timeout(
-        Duration::from_secs(60),
-        dra.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims }),
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .into_inner()
-}
-
 /// Waits (bounded) until `done` holds.
 async fn eventually(what: &str, world: &World, mut done: impl FnMut() -> bool) {
     let started = Instant::now();

@@ -278,3 +278,36 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
     Some((status, body))
 }
+
+/// Bound of one DRA call: longer than any start deadline inside it (the kubelet allows 45 s).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// NodePrepareResources over v1; panics on a transport error or after [`CALL_TIMEOUT`].
+pub async fn prepare(
+    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    claims: Vec<v1::Claim>,
+) -> v1::NodePrepareResourcesResponse {
+    tokio::time::timeout(
+        CALL_TIMEOUT,
+        dra.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .into_inner()
+}
+
+/// NodeUnprepareResources over v1; panics on a transport error or after [`CALL_TIMEOUT`].
+pub async fn unprepare(
+    dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    claims: Vec<v1::Claim>,
+) -> v1::NodeUnprepareResourcesResponse {
+    tokio::time::timeout(
+        CALL_TIMEOUT,
+        dra.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims }),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .into_inner()
+}
