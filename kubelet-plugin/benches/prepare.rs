@@ -222,6 +222,10 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         "  resident memory: {} KiB after start, {} KiB after {} prepare/unprepare cycles (target: 15 MiB)",
         startup.rss_start_kib, startup.rss_after_kib, startup.cycles
     );
+    println!(
+        "    of which: after start {}, after the cycles {}",
+        startup.split_start, startup.split_after
+    );
 }
 
 struct Startup {
@@ -229,7 +233,66 @@ struct Startup {
     published: Duration,
     rss_start_kib: u64,
     rss_after_kib: u64,
+    split_start: String,
+    split_after: String,
     cycles: usize,
+}
+
+/// Where the resident memory is: heap and stacks (anonymous) vs mapped files (the binary,
+/// the NVML library), and the thread count, from `/proc/<pid>/status`.
+fn rss_split(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_default()
+    };
+    // Resident pages per mapped file, largest first.
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut per_file: std::collections::BTreeMap<String, u64> = Default::default();
+    let mut current = String::new();
+    for line in smaps.lines() {
+        if let Some(kib) = line.strip_prefix("Rss:") {
+            let kib: u64 = kib
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .unwrap_or(0);
+            if current.starts_with('/') {
+                *per_file.entry(current.clone()).or_default() += kib;
+            }
+        } else if line
+            .split_whitespace()
+            .next()
+            .is_some_and(|f| f.contains('-'))
+        {
+            current = line
+                .split_whitespace()
+                .nth(5)
+                .unwrap_or_default()
+                .to_owned();
+        }
+    }
+    let mut files: Vec<(String, u64)> = per_file.into_iter().collect();
+    files.sort_by_key(|(_, kib)| std::cmp::Reverse(*kib));
+    let top: Vec<String> = files
+        .iter()
+        .take(3)
+        .map(|(f, kib)| {
+            let name = f.rsplit('/').next().unwrap_or(f);
+            format!("{name} {kib} kB")
+        })
+        .collect();
+    format!(
+        "anonymous {}, files {} ({}), threads {}",
+        field("RssAnon:"),
+        field("RssFile:"),
+        top.join(", "),
+        field("Threads:")
+    )
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -299,6 +362,7 @@ async fn startup_and_memory(standin: &StandIn, dir: &Path) -> Startup {
     }
     let pid = child.id();
     let rss_start_kib = rss_kib(pid);
+    let split_start = rss_split(pid);
     let mut dra = v1::dra_plugin_client::DraPluginClient::new(
         cleave_kubelet_plugin::connect_unix(&dra_sock)
             .await
@@ -338,6 +402,7 @@ async fn startup_and_memory(standin: &StandIn, dir: &Path) -> Startup {
             .unwrap();
     }
     let rss_after_kib = rss_kib(pid);
+    let split_after = rss_split(pid);
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &pid.to_string()])
         .status();
@@ -347,6 +412,8 @@ async fn startup_and_memory(standin: &StandIn, dir: &Path) -> Startup {
         published: published.unwrap_or_default(),
         rss_start_kib,
         rss_after_kib,
+        split_start,
+        split_after,
         cycles,
     }
 }
