@@ -13,6 +13,8 @@
 //! `kill points exercised: N, invariants checked: M`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -29,6 +31,7 @@ use cleave_driver::fault;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
 use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager, SharingState};
+use common::harness::{alive, wait_dead};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 
@@ -376,30 +379,6 @@ impl World {
             "{scenario}: {role} failed ({status})\n{output}"
         );
     }
-}
-
-/// Running and not a zombie.
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let rest = &s[s.rfind(')')? + 1..];
-            rest.split_whitespace()
-                .next()
-                .map(|st| st != "Z" && st != "X")
-        })
-        .unwrap_or(false)
-}
-
-fn wait_dead(pid: u32, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if !alive(pid) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    !alive(pid)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -831,35 +810,15 @@ fn main() {
         return;
     }
     const NAME: &str = "crash_consistency_at_every_fault_point";
-    let mut filter = None;
-    let mut list = false;
-    let mut rest = args.iter().skip(1);
-    while let Some(arg) = rest.next() {
-        match arg.as_str() {
-            "--list" => list = true,
-            "--test-threads" | "--skip" | "--format" | "--color" | "--logfile" | "-Z" => {
-                rest.next();
-            }
-            a if a.starts_with('-') => {}
-            a => filter = Some(a.to_owned()),
-        }
-    }
+    let (filter, list) = common::harness::parse_args(&args);
     if list {
         println!("{NAME}: test");
         return;
     }
     if filter.is_some_and(|f| !NAME.contains(f.as_str())) {
-        println!("\ntest result: ok. 0 passed; 0 failed");
+        common::harness::report(0, 0);
         return;
     }
     let ok = run_harness();
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if ok { "ok" } else { "FAILED" },
-        usize::from(ok),
-        usize::from(!ok)
-    );
-    if !ok {
-        std::process::exit(101);
-    }
+    common::harness::report(usize::from(ok), usize::from(!ok));
 }

@@ -10,10 +10,12 @@
 //! backend whose instances are gone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cleave_api::names::DRIVER_NAME;
 use cleave_driver::backend::{BackendError, GpuBackend};
@@ -22,6 +24,7 @@ use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
 use cleave_driver::prepare::{DriverConfig, NodeDriver, PreparedClaim};
 use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager, SharingState};
+use common::harness::{alive, wait_dead};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 
@@ -35,57 +38,11 @@ const MIG_DEVICE: &str = "gpu-2-mig-1g10gb-3";
 const GIB: u64 = 1 << 30;
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = cleave_fakes::dispatch(&args) {
-        std::process::exit(code);
-    }
-    let mut filter = None;
-    let mut list = false;
-    let mut rest = args.iter().skip(1);
-    while let Some(arg) = rest.next() {
-        match arg.as_str() {
-            "--list" => list = true,
-            "--test-threads" | "--skip" | "--format" | "--color" | "--logfile" | "-Z" => {
-                rest.next();
-            }
-            a if a.starts_with('-') => {}
-            a => filter = Some(a.to_owned()),
-        }
-    }
     let tests: &[(&str, fn())] = &[(
         "reboot_restarts_mps_daemons_and_sets_time_slices_again",
         reboot_restarts_mps_daemons_and_sets_time_slices_again,
     )];
-    if list {
-        for (name, _) in tests {
-            println!("{name}: test");
-        }
-        return;
-    }
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in tests {
-        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        let started = Instant::now();
-        let result = std::panic::catch_unwind(test);
-        let status = if result.is_ok() { "ok" } else { "FAILED" };
-        println!("test {name} ... {status} ({:.2?})", started.elapsed());
-        if result.is_err() {
-            failed.push(*name);
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
-    );
-    if !failed.is_empty() {
-        std::process::exit(101);
-    }
+    common::harness::main(tests);
 }
 
 /// A node in a temp dir: state dir, CDI root, fake tools, record files, boot ID.
@@ -214,30 +171,6 @@ impl Drop for World {
             }
         }
     }
-}
-
-/// Running and not a zombie.
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let rest = &s[s.rfind(')')? + 1..];
-            rest.split_whitespace()
-                .next()
-                .map(|st| st != "Z" && st != "X")
-        })
-        .unwrap_or(false)
-}
-
-fn wait_dead(pid: u32, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if !alive(pid) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    !alive(pid)
 }
 
 fn gpu(uuid: &str, minor: u32, mig: MigState) -> GpuInfo {

@@ -7,6 +7,8 @@
 //! is left running; the fake daemons also exit by themselves after two idle minutes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -28,6 +30,7 @@ use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, super
 use cleave_driver::sharing::{
     SharingBinaries, SharingConfig, SharingFailure, SharingManager, SharingState,
 };
+use common::harness::{alive, wait_dead};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,25 +46,6 @@ const GIB: u64 = 1 << 30;
 // Harness
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = cleave_fakes::dispatch(&args) {
-        std::process::exit(code);
-    }
-    // libtest-style arguments: a name filter; flags (and the values of those that take
-    // one) are ignored, `--list` lists the tests.
-    let mut filter = None;
-    let mut list = false;
-    let mut rest = args.iter().skip(1);
-    while let Some(arg) = rest.next() {
-        match arg.as_str() {
-            "--list" => list = true,
-            "--test-threads" | "--skip" | "--format" | "--color" | "--logfile" | "-Z" => {
-                rest.next();
-            }
-            a if a.starts_with('-') => {}
-            a => filter = Some(a.to_owned()),
-        }
-    }
     let tests: &[(&str, fn())] = &[
         (
             "supervisor_quits_the_daemon_on_stop_and_notices_its_exit",
@@ -121,39 +105,7 @@ fn main() {
             node_driver_prepares_and_unprepares_mps_claims,
         ),
     ];
-    if list {
-        for (name, _) in tests {
-            println!("{name}: test");
-        }
-        return;
-    }
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in tests {
-        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        let started = Instant::now();
-        let result = std::panic::catch_unwind(test);
-        let status = if result.is_ok() { "ok" } else { "FAILED" };
-        println!("test {name} ... {status} ({:.2?})", started.elapsed());
-        if result.is_err() {
-            failed.push(*name);
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
-    );
-    if !failed.is_empty() {
-        for f in &failed {
-            println!("    {f}");
-        }
-        std::process::exit(101);
-    }
+    common::harness::main(tests);
 }
 
 /// A node in a temp dir: state dir, fake tools, record files, boot ID.
@@ -302,30 +254,6 @@ fn read_lines(path: &Path) -> Vec<String> {
         .lines()
         .map(str::to_owned)
         .collect()
-}
-
-/// Running and not a zombie.
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let rest = &s[s.rfind(')')? + 1..];
-            rest.split_whitespace()
-                .next()
-                .map(|st| st != "Z" && st != "X")
-        })
-        .unwrap_or(false)
-}
-
-fn wait_dead(pid: u32, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if !alive(pid) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    !alive(pid)
 }
 
 fn gpu(uuid: &str, minor: u32, cc: (u32, u32), memory: u64, mig: MigState) -> GpuInfo {

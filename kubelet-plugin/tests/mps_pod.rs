@@ -168,52 +168,34 @@ fn env_of(pod: &Pod, name: &str) -> Option<String> {
         .clone()
 }
 
-fn mounts_of(spec: &serde_json::Value) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for dev in spec["devices"].as_array().into_iter().flatten() {
-        for m in dev["containerEdits"]["mounts"]
+/// Every `containerEdits` of a CDI spec: the spec's own and each device's.
+fn edits_of(spec: &serde_json::Value) -> impl Iterator<Item = &serde_json::Value> {
+    std::iter::once(&spec["containerEdits"]).chain(
+        spec["devices"]
             .as_array()
             .into_iter()
             .flatten()
-        {
-            out.push((
+            .map(|d| &d["containerEdits"]),
+    )
+}
+
+fn mounts_of(spec: &serde_json::Value) -> Vec<(String, String)> {
+    edits_of(spec)
+        .flat_map(|e| e["mounts"].as_array().into_iter().flatten())
+        .map(|m| {
+            (
                 m["containerPath"].as_str().unwrap_or_default().to_owned(),
                 m["hostPath"].as_str().unwrap_or_default().to_owned(),
-            ));
-        }
-    }
-    for m in spec["containerEdits"]["mounts"]
-        .as_array()
-        .into_iter()
-        .flatten()
-    {
-        out.push((
-            m["containerPath"].as_str().unwrap_or_default().to_owned(),
-            m["hostPath"].as_str().unwrap_or_default().to_owned(),
-        ));
-    }
-    out
+            )
+        })
+        .collect()
 }
 
 fn all_env(spec: &serde_json::Value) -> Vec<String> {
-    let mut out = Vec::new();
-    for dev in spec["devices"].as_array().into_iter().flatten() {
-        for e in dev["containerEdits"]["env"]
-            .as_array()
-            .into_iter()
-            .flatten()
-        {
-            out.push(e.as_str().unwrap_or_default().to_owned());
-        }
-    }
-    for e in spec["containerEdits"]["env"]
-        .as_array()
-        .into_iter()
-        .flatten()
-    {
-        out.push(e.as_str().unwrap_or_default().to_owned());
-    }
-    out
+    edits_of(spec)
+        .flat_map(|e| e["env"].as_array().into_iter().flatten())
+        .map(|v| v.as_str().unwrap_or_default().to_owned())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use cleave_driver::model::{GpuInfo, NodeInventory};
 
+pub mod harness;
+
 /// Names the scenario a child process runs.
 pub const SCENARIO_ENV: &str = "CLEAVE_TEST_SCENARIO";
 
