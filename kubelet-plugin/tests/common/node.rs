@@ -174,7 +174,9 @@ impl Plugin {
         };
         let mut child = cmd.spawn().unwrap();
         let started = Instant::now();
-        while !reg.exists() {
+        // Connectable, not merely present: a plugin that was killed leaves its socket files
+        // behind. The DRA socket is served before the registration socket.
+        while std::os::unix::net::UnixStream::connect(&reg).is_err() {
             if let Some(status) = child.try_wait().unwrap() {
                 panic!("plugin exited early with {status}:\n{}", dirs.log());
             }
