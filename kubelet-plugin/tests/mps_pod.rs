@@ -33,6 +33,17 @@ fn mps_config(pct: u8, limit: &str) -> DeviceAllocationConfiguration {
     .unwrap()
 }
 
+/// The MPS claim `mps-<name>` (UID `uid-<name>`) on `device` with these limits.
+fn put_mps_claim(standin: &StandIn, name: &str, device: &str, pct: u8, limit: &str) {
+    put_claim(
+        standin,
+        &format!("mps-{name}"),
+        &format!("uid-{name}"),
+        &[("gpu", device)],
+        &[mps_config(pct, limit)],
+    );
+}
+
 /// Files of one test beyond the node's: fake tools' records and the kubelet root.
 struct World {
     dirs: NodeDirs,
@@ -203,34 +214,10 @@ async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
     let world = World::new();
     let standin = start_standin(&world.dirs).await;
     let kubelet = world.kubelet(&standin, KubeletOptions::default());
-    put_claim(
-        &standin,
-        "mps-a",
-        "uid-a",
-        &[("gpu", "gpu-0")],
-        &[mps_config(25, "10Gi")],
-    );
-    put_claim(
-        &standin,
-        "mps-b",
-        "uid-b",
-        &[("gpu", "gpu-1")],
-        &[mps_config(50, "20Gi")],
-    );
-    put_claim(
-        &standin,
-        "mps-c",
-        "uid-c",
-        &[("gpu", "gpu-2")],
-        &[mps_config(75, "1Gi")],
-    );
-    put_claim(
-        &standin,
-        "mps-d",
-        "uid-d",
-        &[("gpu", "gpu-3")],
-        &[mps_config(30, "2Gi")],
-    );
+    put_mps_claim(&standin, "a", "gpu-0", 25, "10Gi");
+    put_mps_claim(&standin, "b", "gpu-1", 50, "20Gi");
+    put_mps_claim(&standin, "c", "gpu-2", 75, "1Gi");
+    put_mps_claim(&standin, "d", "gpu-3", 30, "2Gi");
     let plugin = Plugin::start(&world.dirs, &world.plugin_options());
     let mut dra = dra_v1(&plugin.dra_socket).await;
 
@@ -572,13 +559,7 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
         standin.put(&orphan).unwrap();
     }
     let _kubelet = world.kubelet(&standin, KubeletOptions::default());
-    put_claim(
-        &standin,
-        "mps-a",
-        "uid-a",
-        &[("gpu", "gpu-0")],
-        &[mps_config(25, "10Gi")],
-    );
+    put_mps_claim(&standin, "a", "gpu-0", 25, "10Gi");
     let mut options = world.plugin_options();
     options
         .env
@@ -662,13 +643,7 @@ async fn plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart(
         let world = World::new();
         let standin = start_standin(&world.dirs).await;
         let kubelet = world.kubelet(&standin, KubeletOptions::default());
-        put_claim(
-            &standin,
-            "mps-a",
-            "uid-a",
-            &[("gpu", "gpu-0")],
-            &[mps_config(25, "10Gi")],
-        );
+        put_mps_claim(&standin, "a", "gpu-0", 25, "10Gi");
         let mut options = world.plugin_options();
         options.env.push(("CLEAVE_FAULT_KILL_AT", point.into()));
         let mut plugin = Plugin::start(&world.dirs, &options);
