@@ -457,6 +457,18 @@ def kind_values_use_mock_nvml_and_dynamic_mig() -> None:
     assert int(env["FAKE_MPS_IDLE_EXIT_SECS"]) >= 86400, "the fake MPS daemon must not quit while its claim lives"
 
 
+def schema_accepted(chart, values_list: list) -> list:
+    """The values of `values_list` that the chart's schema lets through (renders)."""
+    accepted = []
+    for values in values_list:
+        try:
+            chart.render(values=values, name="cleave", namespace="cleave-system")
+        except helm.HelmValuesError:
+            continue
+        accepted.append(values)
+    return accepted
+
+
 @check
 def metrics_off_drops_port_and_probes() -> None:
     c = plugin_container(render({"metrics": {"enabled": False, "port": 9400}}))
@@ -514,14 +526,8 @@ def schema_rejects_wrong_values() -> None:
         {"deviceClasses": {"tpu": {"enabled": True}}},
         {"kubeletPlugin": {"terminationGracePeriodSeconds": -1}},
     ]
-    accepted = []
     with helm.Chart.load(CHART) as chart:
-        for values in bad_values:
-            try:
-                chart.render(values=values, name="cleave", namespace="cleave-system")
-            except helm.HelmValuesError:
-                continue
-            accepted.append(values)
+        accepted = schema_accepted(chart, bad_values)
     assert not accepted, f"schema accepted wrong values: {accepted}"
 
 
@@ -802,13 +808,7 @@ def mps_values_schema_accepts_defaults_rejects_bad_values() -> None:
             {"mps": {"checkIntervalSeconds": "30s"}},
             {"mockNvml": {"enabled": True, "profile": "l4-x2", "libraryPath": "/x", "fakeToolsDir": "fakes"}},
         ]
-        accepted = []
-        for values in bad:
-            try:
-                chart.render(values=values, name="cleave", namespace="cleave-system")
-            except helm.HelmValuesError:
-                continue
-            accepted.append(values)
+        accepted = schema_accepted(chart, bad)
     assert not accepted, f"schema accepted wrong mps values: {accepted}"
 
 
