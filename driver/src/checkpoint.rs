@@ -330,17 +330,38 @@ pub fn read_boot_id(path: &Path) -> io::Result<String> {
 }
 
 /// Loads and stores the checkpoint file.
-#[derive(Debug, Clone)]
+///
+/// The file is read on every load (another plugin instance may have written it), but
+/// decoded only when its bytes differ from the last ones this store read or wrote: prepare
+/// re-reads it under the node lock on every call, and the decode with its checksum is most
+/// of that cost.
+#[derive(Debug)]
 pub struct CheckpointStore {
     path: PathBuf,
+    last: std::sync::Mutex<Option<(Vec<u8>, CheckpointData)>>,
+}
+
+impl Clone for CheckpointStore {
+    fn clone(&self) -> Self {
+        Self::at(self.path.clone())
+    }
 }
 
 impl CheckpointStore {
     /// A store for `<state_dir>/checkpoint.json`.
     pub fn in_dir(state_dir: &Path) -> Self {
+        Self::at(state_dir.join(CHECKPOINT_FILE))
+    }
+
+    fn at(path: PathBuf) -> Self {
         Self {
-            path: state_dir.join(CHECKPOINT_FILE),
+            path,
+            last: std::sync::Mutex::new(None),
         }
+    }
+
+    fn remember(&self, bytes: Vec<u8>, data: &CheckpointData) {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some((bytes, data.clone()));
     }
 
     /// The file path.
@@ -351,7 +372,16 @@ impl CheckpointStore {
     /// Loads the checkpoint; a missing file is an empty checkpoint.
     pub fn load(&self) -> Result<CheckpointData, CheckpointError> {
         match fs::read(&self.path) {
-            Ok(bytes) => decode(&self.path, &bytes),
+            Ok(bytes) => {
+                if let Some((last, data)) = &*self.last.lock().unwrap_or_else(|p| p.into_inner())
+                    && *last == bytes
+                {
+                    return Ok(data.clone());
+                }
+                let data = decode(&self.path, &bytes)?;
+                self.remember(bytes, &data);
+                Ok(data)
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(CheckpointData::default()),
             Err(source) => Err(CheckpointError::Read {
                 path: self.path.clone(),
@@ -378,6 +408,7 @@ impl CheckpointStore {
                 path: self.path.clone(),
                 source,
             })?;
+        self.remember(bytes, data);
         crate::fault::point("checkpoint.after_store");
         Ok(())
     }
@@ -386,6 +417,29 @@ impl CheckpointStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn load_decodes_only_changed_bytes_but_always_sees_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::in_dir(dir.path());
+        let data = sample();
+        store.store(&data).unwrap();
+        // Same bytes: the remembered data, equal to a fresh decode.
+        assert_eq!(store.load().unwrap(), data);
+        assert_eq!(CheckpointStore::in_dir(dir.path()).load().unwrap(), data);
+        // Another writer (another store on the same file) changes it: seen at once.
+        let other = CheckpointStore::in_dir(dir.path());
+        let mut changed = data.clone();
+        changed.claims.clear();
+        other.store(&changed).unwrap();
+        assert_eq!(store.load().unwrap(), changed);
+        // A corrupted file is an error, not the remembered data.
+        std::fs::write(store.path(), b"{not json").unwrap();
+        assert!(store.load().is_err());
+        // Gone: empty, as before.
+        std::fs::remove_file(store.path()).unwrap();
+        assert_eq!(store.load().unwrap(), CheckpointData::default());
+    }
 
     fn sample() -> CheckpointData {
         let mut claims = BTreeMap::new();
