@@ -688,12 +688,23 @@ pub async fn resolve_parent(
     node_name: &str,
 ) -> anyhow::Result<DaemonPodParent> {
     let mut image_pull_secrets = Vec::new();
-    if let Some(name) = pod_name {
-        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-        let me = pods
-            .get(name)
-            .await
-            .with_context(|| format!("reading this plugin's pod {namespace}/{name}"))?;
+    let me = match pod_name {
+        Some(name) => {
+            let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+            match pods.get(name).await {
+                Ok(me) => Some((name, me)),
+                Err(e) => {
+                    // Not fatal: whole-GPU and MIG claims do not need it, and MPS claims
+                    // then get Node-owned daemon pods (or a clear error if pods are not
+                    // allowed at all).
+                    tracing::warn!(pod = %format!("{namespace}/{name}"), error = %e, "cannot read this plugin's pod; the Node owns MPS daemon pods");
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    if let Some((name, me)) = me {
         image_pull_secrets = me
             .spec
             .as_ref()

@@ -468,7 +468,16 @@ async fn daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing(
         &[("gpu", "gpu-0")],
         &[mps_config(25, "10Gi")],
     );
-    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    // A plugin pod that cannot be read is no reason not to start (the Node owns the
+    // daemon pods then).
+    let mut options = world.plugin_options();
+    options.env.push(("POD_NAME", "no-such-pod".into()));
+    let plugin = Plugin::start(&world.dirs, &options);
+    assert!(
+        world.dirs.log().contains("cannot read this plugin's pod"),
+        "{}",
+        world.logs()
+    );
     let mut dra = dra_v1(&plugin.dra_socket).await;
 
     // The daemon cannot start: the container exits 1, the pod fails.
