@@ -333,6 +333,40 @@ impl RunningPlugin {
     }
 }
 
+/// A Warning Event on each claim whose MPS daemon had died and was started again: its
+/// running clients lost their server and need a restart (`kubectl describe
+/// resourceclaim` shows it).
+async fn report_mps_restarts(
+    events: &EventReporter,
+    driver: &NodeDriver,
+    restarted: &std::collections::BTreeSet<String>,
+) {
+    for claim in driver
+        .prepared_claims()
+        .into_iter()
+        .filter(|c| restarted.contains(&c.uid))
+    {
+        let regarding = k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("resource.k8s.io/v1".into()),
+            kind: Some("ResourceClaim".into()),
+            namespace: Some(claim.namespace.clone()),
+            name: Some(claim.name.clone()),
+            uid: Some(claim.uid.clone()),
+            ..Default::default()
+        };
+        events
+            .publish(
+                &regarding,
+                crate::events::Severity::Warning,
+                "MPSDaemonRestarted",
+                "Reconcile",
+                "the claim's MPS control daemon had stopped and was started again with the \
+                 claim's limits; containers that used the old daemon must be restarted",
+            )
+            .await;
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut signals = ShutdownSignals::install()?;
@@ -379,6 +413,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     let events = EventReporter::new(client.clone(), args.node_name.clone());
+    let mps_events = events.clone();
     let ctx = StartContext {
         client: client.clone(),
         metrics: metrics.clone(),
@@ -433,13 +468,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
                     let driver = Arc::clone(&plugin.driver);
                     let serializer = plugin.serializer.clone();
+                    let events = mps_events.clone();
                     mps_check_task = Some(tokio::spawn(async move {
+                        let check = Arc::clone(&driver);
                         match serializer
-                            .run(move || driver.reconcile_sharing().map_err(|e| e.to_string()))
+                            .run(move || check.reconcile_sharing().map_err(|e| e.to_string()))
                             .await
                         {
                             Ok(Ok(restarted)) if !restarted.is_empty() => {
                                 info!(claims = ?restarted, "started MPS daemons of prepared claims again");
+                                report_mps_restarts(&events, &driver, &restarted).await;
                             }
                             Ok(Ok(_)) => {}
                             Ok(Err(e)) => warn!(error = %e, "checking MPS daemons"),

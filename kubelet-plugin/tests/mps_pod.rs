@@ -634,6 +634,15 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
         })
         .count();
     assert_eq!(limits, 2, "{}", world.logs());
+    // And says so on the claim: its running clients lost their server.
+    eventually("a MPSDaemonRestarted Event on the claim", &world, || {
+        standin.list("events.events.k8s.io").iter().any(|e| {
+            e["reason"] == "MPSDaemonRestarted"
+                && e["regarding"]["name"] == "mps-a"
+                && e["regarding"]["kind"] == "ResourceClaim"
+        })
+    })
+    .await;
 
     let un = unprepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
     assert_eq!(un.claims["uid-a"].error, "", "{}", world.logs());
