@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 use cleave_api::names::DRIVER_NAME;
 use cleave_driver::cdi;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
-use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::fault;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
@@ -254,21 +253,7 @@ impl World {
     }
 
     fn driver_config(&self) -> DriverConfig {
-        let driver_root = self.root.join("driver-root");
-        DriverConfig {
-            driver_name: DRIVER_NAME.into(),
-            pool_name: "node-a".into(),
-            state_dir: self.state(),
-            cdi_root: self.cdi(),
-            driver_root: DriverRootConfig {
-                root: driver_root.clone(),
-                host_root: None,
-                dev_root: Some(driver_root),
-                proc_root: self.root.join("proc"),
-            },
-            dynamic_mig: true,
-            boot_id_path: self.root.join("boot_id"),
-        }
+        common::node_config(&self.root, self.state())
     }
 
     fn sharing_config(&self) -> SharingConfig {
@@ -295,17 +280,7 @@ impl World {
 
     /// PIDs of every daemon the fake started in this world.
     fn started_pids(&self) -> Vec<u32> {
-        std::fs::read_to_string(self.mps_record())
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| {
-                l.strip_prefix("start pid=")?
-                    .split(' ')
-                    .next()?
-                    .parse()
-                    .ok()
-            })
-            .collect()
+        common::harness::started_pids(&self.mps_record())
     }
 
     fn kill_daemons(&self) {

@@ -19,7 +19,6 @@ use cleave_api::names::DRIVER_NAME;
 use cleave_driver::backend::GpuBackend;
 use cleave_driver::cdi;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
-use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -32,22 +31,8 @@ const CLIENTS: usize = 6;
 const SEED: u64 = 0x5eed_c1ea_0e00_0001;
 
 fn config(dir: &Path) -> DriverConfig {
-    let boot_id_path = dir.join("boot_id");
-    std::fs::write(&boot_id_path, "boot-1\n").unwrap();
-    DriverConfig {
-        driver_name: DRIVER_NAME.into(),
-        pool_name: "node-a".into(),
-        state_dir: dir.join("state"),
-        cdi_root: dir.join("cdi"),
-        driver_root: DriverRootConfig {
-            root: dir.join("driver-root"),
-            host_root: None,
-            dev_root: Some(dir.join("driver-root")),
-            proc_root: dir.join("proc"),
-        },
-        dynamic_mig: true,
-        boot_id_path,
-    }
+    std::fs::write(dir.join("boot_id"), "boot-1\n").unwrap();
+    common::node_config(dir, dir.join("state"))
 }
 
 fn claim(uid: &str, device: &str) -> ResourceClaim {

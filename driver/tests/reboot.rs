@@ -19,7 +19,6 @@ use std::sync::Arc;
 use cleave_api::names::DRIVER_NAME;
 use cleave_driver::backend::GpuBackend;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
-use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::{MigInstance, Placement};
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError, PreparedClaim};
@@ -65,23 +64,9 @@ fn run_phases(test: &str, phases: &[Phase<'_>], mut between: impl FnMut(usize, &
 
 /// Driver settings in `dir`; the boot-ID file says what the mock was told.
 fn config(dir: &Path) -> DriverConfig {
-    let boot_id_path = dir.join("boot_id");
     let boot = std::env::var("MOCK_NVML_BOOT_ID").unwrap();
-    std::fs::write(&boot_id_path, format!("{boot}\n")).unwrap();
-    DriverConfig {
-        driver_name: DRIVER_NAME.into(),
-        pool_name: "node-a".into(),
-        state_dir: dir.join("plugins").join(DRIVER_NAME),
-        cdi_root: dir.join("cdi"),
-        driver_root: DriverRootConfig {
-            root: dir.join("driver-root"),
-            host_root: None,
-            dev_root: Some(dir.join("driver-root")),
-            proc_root: dir.join("proc"),
-        },
-        dynamic_mig: true,
-        boot_id_path,
-    }
+    std::fs::write(dir.join("boot_id"), format!("{boot}\n")).unwrap();
+    common::node_config(dir, dir.join("plugins").join(DRIVER_NAME))
 }
 
 fn backend() -> Arc<NvmlBackend> {

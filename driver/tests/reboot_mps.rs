@@ -20,7 +20,6 @@ use std::time::Duration;
 use cleave_api::names::DRIVER_NAME;
 use cleave_driver::backend::{BackendError, GpuBackend};
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
-use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
 use cleave_driver::prepare::{DriverConfig, NodeDriver, PreparedClaim};
 use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager, SharingState};
@@ -102,21 +101,7 @@ impl World {
     }
 
     fn driver_config(&self) -> DriverConfig {
-        let driver_root = self.root.join("driver-root");
-        DriverConfig {
-            driver_name: DRIVER_NAME.into(),
-            pool_name: "node-a".into(),
-            state_dir: self.state.clone(),
-            cdi_root: self.root.join("cdi"),
-            driver_root: DriverRootConfig {
-                root: driver_root.clone(),
-                host_root: None,
-                dev_root: Some(driver_root),
-                proc_root: self.root.join("proc"),
-            },
-            dynamic_mig: true,
-            boot_id_path: self.root.join("boot_id"),
-        }
+        common::node_config(&self.root, self.state.clone())
     }
 
     fn start(&self, backend: &Arc<RebootBackend>) -> NodeDriver {
@@ -127,17 +112,7 @@ impl World {
 
     /// PIDs of every daemon the fake started in this world.
     fn started_pids(&self) -> Vec<u32> {
-        std::fs::read_to_string(&self.mps_record)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| {
-                l.strip_prefix("start pid=")?
-                    .split(' ')
-                    .next()?
-                    .parse()
-                    .ok()
-            })
-            .collect()
+        common::harness::started_pids(&self.mps_record)
     }
 
     fn smi_setting(&self, gpu: &str, key: &str) -> Option<String> {

@@ -23,7 +23,6 @@ use cleave_driver::checkpoint::{
     CheckpointData, CheckpointStore, ClaimRecord, ClaimState, DeviceKind as RecordKind,
     DeviceRecord,
 };
-use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
 use cleave_driver::prepare::{DriverConfig, NodeDriver, SharingDevice};
 use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
@@ -201,16 +200,7 @@ impl World {
 
     /// PIDs of every daemon the fake started in this world.
     fn started_pids(&self) -> Vec<u32> {
-        self.mps_lines()
-            .iter()
-            .filter_map(|l| {
-                l.strip_prefix("start pid=")?
-                    .split(' ')
-                    .next()?
-                    .parse()
-                    .ok()
-            })
-            .collect()
+        common::harness::started_pids(&self.mps_record)
     }
 
     fn smi_setting(&self, gpu: &str, key: &str) -> Option<String> {
@@ -984,21 +974,10 @@ impl GpuBackend for StaticBackend {
 }
 
 fn driver_config(world: &World) -> DriverConfig {
-    let driver_root = world.root.join("driver-root");
-    std::fs::create_dir_all(&driver_root).unwrap();
+    std::fs::create_dir_all(world.root.join("driver-root")).unwrap();
     DriverConfig {
-        driver_name: DRIVER_NAME.into(),
-        pool_name: "node-a".into(),
-        state_dir: world.state.clone(),
-        cdi_root: world.root.join("cdi"),
-        driver_root: DriverRootConfig {
-            root: driver_root.clone(),
-            host_root: None,
-            dev_root: Some(driver_root),
-            proc_root: world.root.join("proc"),
-        },
         dynamic_mig: false,
-        boot_id_path: world.root.join("boot_id"),
+        ..common::node_config(&world.root, world.state.clone())
     }
 }
 

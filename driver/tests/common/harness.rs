@@ -90,3 +90,18 @@ pub fn wait_dead(pid: u32, timeout: Duration) -> bool {
     }
     !alive(pid)
 }
+
+/// PIDs of every daemon the fake `nvidia-cuda-mps-control` recorded starting in `record`.
+pub fn started_pids(record: &std::path::Path) -> Vec<u32> {
+    std::fs::read_to_string(record)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("start pid=")?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}

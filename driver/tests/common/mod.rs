@@ -9,11 +9,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use cleave_api::names::DRIVER_NAME;
+use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::{GpuInfo, NodeInventory};
+use cleave_driver::prepare::DriverConfig;
 
 pub mod harness;
 
@@ -31,6 +34,27 @@ pub const PROFILES: [&str; 5] = [
 
 /// Longest a scenario child may run.
 pub const CHILD_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Driver settings of a simulated node in `root` (pool `node-a`, dynamic MIG): driver and
+/// dev root `root/driver-root`, proc root `root/proc`, CDI specs in `root/cdi`, boot ID
+/// read from `root/boot_id` (the caller writes it), state in `state_dir`.
+pub fn node_config(root: &Path, state_dir: PathBuf) -> DriverConfig {
+    let driver_root = root.join("driver-root");
+    DriverConfig {
+        driver_name: DRIVER_NAME.into(),
+        pool_name: "node-a".into(),
+        state_dir,
+        cdi_root: root.join("cdi"),
+        driver_root: DriverRootConfig {
+            root: driver_root.clone(),
+            host_root: None,
+            dev_root: Some(driver_root),
+            proc_root: root.join("proc"),
+        },
+        dynamic_mig: true,
+        boot_id_path: root.join("boot_id"),
+    }
+}
 
 /// The scenario this process must run, if it is a child.
 pub fn scenario() -> Option<String> {
