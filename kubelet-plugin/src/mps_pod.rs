@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use cleave_driver::sharing::mps::{DEFAULT_CONTAINER_PIPE_DIR, PID_FILE};
+use cleave_driver::sharing::mps::PID_FILE;
 use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
 use cleave_driver::sharing::{
     DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, ProcessLauncher, SHM_DIR, SharingBinaries,
@@ -630,12 +630,11 @@ impl DaemonLauncher for PodLauncher {
         let params = ListParams::default()
             .labels(&format!("app.kubernetes.io/name={APP_NAME}"))
             .fields(&format!("spec.nodeName={}", self.config.node_name));
-        let pods = match self.block_on(self.pods.list(&params)) {
-            Ok(Ok(list)) => list.items,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "listing MPS daemon pods");
-                return Vec::new();
-            }
+        let listed = self
+            .block_on(self.pods.list(&params))
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        let pods = match listed {
+            Ok(list) => list.items,
             Err(e) => {
                 tracing::warn!(error = %e, "listing MPS daemon pods");
                 return Vec::new();
@@ -803,9 +802,6 @@ pub async fn run_daemon(args: MpsDaemonArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Default container pipe directory, re-exported for the flags.
-pub const POD_PIPE_DIR: &str = DEFAULT_CONTAINER_PIPE_DIR;
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -832,7 +828,7 @@ mod tests {
             host_driver_root: "/run/nvidia/driver".into(),
             kubelet_root: "/var/lib/kubelet".into(),
             command: vec!["/usr/bin/cleave-kubelet-plugin".into(), "mps-daemon".into()],
-            container_pipe_dir: POD_PIPE_DIR.into(),
+            container_pipe_dir: cleave_driver::sharing::mps::DEFAULT_CONTAINER_PIPE_DIR.into(),
             api_timeout: Duration::from_secs(5),
             poll: Duration::from_millis(10),
         }
