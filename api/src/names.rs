@@ -90,6 +90,46 @@ pub mod device_type {
 /// Maximum length of a DNS label (device names must be DNS labels).
 pub const DNS_LABEL_MAX: usize = 63;
 
+/// Maximum length of a DNS subdomain (node names, pool names).
+pub const DNS_SUBDOMAIN_MAX: usize = 253;
+
+/// Why `name` is not a Kubernetes node name (a DNS subdomain, RFC 1123: lowercase letters,
+/// digits, `-` and `.`, at most 253 characters, every dot-separated part starting and ending
+/// with a letter or digit), as the API server's `IsDNS1123Subdomain` checks it; `None` when
+/// it is one.
+pub fn node_name_problem(name: &str) -> Option<String> {
+    if name.is_empty() {
+        return Some("it is empty".to_owned());
+    }
+    if name.len() > DNS_SUBDOMAIN_MAX {
+        return Some(format!(
+            "it has {} characters, at most {DNS_SUBDOMAIN_MAX} are allowed",
+            name.len()
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-' || *c == '.'))
+    {
+        return Some(format!(
+            "it contains {c:?}: only lowercase letters, digits, '-' and '.' are allowed"
+        ));
+    }
+    let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    for part in name.split('.') {
+        let bytes = part.as_bytes();
+        match (bytes.first(), bytes.last()) {
+            (Some(&f), Some(&l)) if alnum(f) && alnum(l) => {}
+            _ => {
+                return Some(format!(
+                    "its part {part:?} does not start and end with a letter or digit"
+                ));
+            }
+        }
+    }
+    None
+}
+
 /// Error parsing a device or profile name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NameError {
@@ -225,6 +265,26 @@ impl FromStr for DeviceName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_names_follow_dns_subdomain_rules() {
+        for ok in ["n1", "node-a", "ip-10-0-0-1.ec2.internal", "a", &"a".repeat(253)] {
+            assert_eq!(node_name_problem(ok), None, "{ok}");
+        }
+        for (bad, why) in [
+            ("", "empty"),
+            ("Node_A", "'N'"),
+            ("node_a", "'_'"),
+            ("-a", "\"-a\""),
+            ("a.", "\"\""),
+            ("a..b", "\"\""),
+            ("a.-b", "\"-b\""),
+        ] {
+            let problem = node_name_problem(bad).unwrap_or_default();
+            assert!(problem.contains(why), "{bad}: {problem}");
+        }
+        assert!(node_name_problem(&"a".repeat(300)).unwrap_or_default().contains("300"));
+    }
 
     #[test]
     fn gpu_names_round_trip() {

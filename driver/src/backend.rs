@@ -52,4 +52,10 @@ pub trait GpuBackend: Send + Sync {
 
     /// Lists the MIG devices that exist on the GPU now.
     fn list_mig(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, BackendError>;
+
+    /// The NVML library this backend loaded, when it is one (the health watcher opens the
+    /// same file for its event set).
+    fn nvml_library(&self) -> Option<std::path::PathBuf> {
+        None
+    }
 }

@@ -6,8 +6,16 @@
 //! character major. The result, [`DriverFiles`], yields the common CDI container edits that
 //! every claim device gets and the device nodes of each GPU and MIG device.
 //!
-//! Missing files are not errors: a node with the mock NVML library has none of them, and the
-//! edits then contain what exists.
+//! Device nodes are described fully (type `c`, major, minor): the numbers come from the node
+//! itself when it is a character device, else from the kernel module's fixed numbering
+//! (`NV_MAJOR_DEVICE_NUMBER` 195 in `kernel-open/common/inc/nv.h`, `NV_CONTROL_DEVICE_MINOR`
+//! 255 in `nv-linux.h`, modeset 254, `nvidia-uvm` minors 0 and 1 on the major that
+//! `/proc/devices` lists; NVIDIA/open-gpu-kernel-modules), so a runtime never has to stat a
+//! node it was told about.
+//!
+//! Discovery itself never fails on a missing file; [`DriverFiles::missing_for`] says what a
+//! claim's containers would lack (the GPU's node, `nvidiactl`, `nvidia-uvm`, `libcuda`), and
+//! prepare refuses such a claim, naming each file and the driver root.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -68,6 +76,12 @@ const MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "bind"];
 
 /// Char major of `/dev/nvidia<minor>` and `/dev/nvidiactl` (fixed by the kernel module).
 pub const NVIDIA_MAJOR: u32 = 195;
+/// Minor of `/dev/nvidiactl` (`NV_CONTROL_DEVICE_MINOR`).
+pub const NVIDIACTL_MINOR: u32 = 255;
+/// Minor of `/dev/nvidia-modeset`.
+pub const NVIDIA_MODESET_MINOR: u32 = 254;
+/// The CUDA driver library's prefix; a claim without it cannot run CUDA.
+pub const LIBCUDA: &str = "libcuda";
 
 /// Where to look for the driver, as this process sees it and as the container runtime on the
 /// host sees it.
@@ -138,19 +152,71 @@ impl FoundFile {
     }
 }
 
-/// Driver files and numbers found once at start.
+/// A device node found under the dev root, with the numbers the container's node gets.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FoundNode {
+    /// Where it was found.
+    pub file: FoundFile,
+    /// Char major and minor: the node's own when it is a character device, else the
+    /// kernel module's fixed numbering; `None` when neither is known.
+    pub numbers: Option<(u32, u32)>,
+}
+
+impl FoundNode {
+    /// The CDI device node: type, major and minor when known, else path only.
+    pub fn device_node(&self) -> DeviceNode {
+        match self.numbers {
+            Some((major, minor)) => DeviceNode {
+                path: self.file.container_path().display().to_string(),
+                host_path: Some(self.file.host_path.display().to_string()),
+                r#type: Some("c".to_owned()),
+                major: Some(i64::from(major)),
+                minor: Some(i64::from(minor)),
+            },
+            None => DeviceNode::path(self.file.container_path(), &self.file.host_path),
+        }
+    }
+}
+
+/// What a claim device needs from the driver root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceNeed {
+    /// A whole GPU: its node `/dev/nvidia<minor>`.
+    Gpu {
+        /// Device minor of the GPU.
+        minor: u32,
+    },
+    /// A MIG device: the parent's node and the GI and CI capability nodes. Without the
+    /// IDs (an instance still to be created) the `nvidia-caps` major must be known, so
+    /// that the nodes can be described whatever their minors.
+    Mig {
+        /// Device minor of the parent GPU.
+        gpu_minor: u32,
+        /// GPU and compute instance IDs, once known.
+        ids: Option<(u32, u32)>,
+    },
+}
+
+/// Driver files and numbers found at start (and again when a claim needs a file that was
+/// missing).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DriverFiles {
+    /// The driver root as this process sees it.
+    pub root: PathBuf,
+    /// Where device nodes were looked for (`<dev root>/dev`).
+    pub dev_dir: PathBuf,
     /// Control device nodes that exist (`/dev/nvidiactl`, ...).
-    pub control_nodes: Vec<FoundFile>,
+    pub control_nodes: Vec<FoundNode>,
     /// GPU device nodes `/dev/nvidia<minor>` that exist, by minor.
-    pub gpu_nodes: BTreeMap<u32, FoundFile>,
+    pub gpu_nodes: BTreeMap<u32, FoundNode>,
     /// User-space driver libraries (files and symlinks matching `<prefix>.so.*`).
     pub libraries: Vec<FoundFile>,
     /// Driver tools (`nvidia-smi`, ...).
     pub binaries: Vec<FoundFile>,
     /// Char major of `nvidia-caps` from `/proc/devices`, when the module is loaded.
     pub caps_major: Option<u32>,
+    /// Char major of `nvidia-uvm` from `/proc/devices`, when the module is loaded.
+    pub uvm_major: Option<u32>,
     /// Entries of `mig-minors` (`gpu0/gi1/access` -> minor), empty when the file is absent.
     pub mig_minors: BTreeMap<String, u32>,
     /// Host path of the dev root (`/` normally); cap nodes are `<this>/dev/nvidia-caps/...`.
@@ -237,6 +303,19 @@ pub fn parse_mig_minors(text: &str) -> BTreeMap<String, u32> {
         .collect()
 }
 
+/// Major and minor of a character device node (`st_rdev`, in glibc's encoding); `None`
+/// for anything else.
+fn char_device_numbers(meta: &fs::Metadata) -> Option<(u32, u32)> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    if !meta.file_type().is_char_device() {
+        return None;
+    }
+    let rdev = meta.rdev();
+    let major = ((rdev >> 32) & 0xffff_f000) | ((rdev >> 8) & 0x0000_0fff);
+    let minor = ((rdev >> 12) & 0xffff_ff00) | (rdev & 0x0000_00ff);
+    Some((u32::try_from(major).ok()?, u32::try_from(minor).ok()?))
+}
+
 /// Minor of `gpu<gpu>/gi<gi>/access` by the driver's fixed numbering (MIG-FACTS §6).
 pub fn gi_access_minor_formula(gpu_minor: u32, gi: u32) -> u32 {
     3 + 135 * gpu_minor + 9 * gi
@@ -248,7 +327,7 @@ pub fn ci_access_minor_formula(gpu_minor: u32, gi: u32, ci: u32) -> u32 {
 }
 
 impl DriverFiles {
-    /// Looks for the driver files once. Missing files are skipped; unreadable directories fail.
+    /// Looks for the driver files. Missing files are skipped; unreadable directories fail.
     pub fn discover(config: &DriverRootConfig) -> Result<Self, DriverRootError> {
         let root = &config.root;
         let host_root = config.host_root.as_ref().unwrap_or(root);
@@ -258,27 +337,55 @@ impl DriverFiles {
             None => (PathBuf::from("/"), PathBuf::from("/")),
         };
 
+        // The kernel's table first; a driver root that carries its own `proc/devices` (a
+        // simulated node such as the plugin's `demo`) fills in when the kernel has no entry.
+        let kernel_devices = read_optional(&config.proc_root.join("devices"))?;
+        let root_devices = read_optional(&root.join("proc/devices"))?;
+        let char_major = |name: &str| {
+            kernel_devices
+                .as_deref()
+                .and_then(|t| parse_char_major(t, name))
+                .or_else(|| root_devices.as_deref().and_then(|t| parse_char_major(t, name)))
+        };
+        let caps_major = char_major("nvidia-caps");
+        let uvm_major = char_major("nvidia-uvm");
+
         let found = |host_base: &Path, relative: PathBuf| FoundFile {
             host_path: host_base.join(&relative),
             relative,
         };
+        let node = |relative: PathBuf, convention: Option<(u32, u32)>| -> Option<FoundNode> {
+            let path = dev_root.join(&relative);
+            let meta = fs::metadata(&path).ok()?;
+            let numbers = char_device_numbers(&meta).or(convention);
+            Some(FoundNode {
+                file: found(&host_dev_root, relative),
+                numbers,
+            })
+        };
 
         let mut control_nodes = Vec::new();
         for name in CONTROL_NODES {
-            let relative = Path::new("dev").join(name);
-            if dev_root.join(&relative).exists() {
-                control_nodes.push(found(&host_dev_root, relative));
-            }
+            let convention = match *name {
+                "nvidiactl" => Some((NVIDIA_MAJOR, NVIDIACTL_MINOR)),
+                "nvidia-modeset" => Some((NVIDIA_MAJOR, NVIDIA_MODESET_MINOR)),
+                "nvidia-uvm" => uvm_major.map(|m| (m, 0)),
+                "nvidia-uvm-tools" => uvm_major.map(|m| (m, 1)),
+                _ => None,
+            };
+            control_nodes.extend(node(Path::new("dev").join(name), convention));
         }
 
+        let dev_dir = dev_root.join("dev");
         let mut gpu_nodes = BTreeMap::new();
-        for name in read_dir_names(&dev_root.join("dev"))? {
+        for name in read_dir_names(&dev_dir)? {
             if let Some(minor) = name
                 .strip_prefix("nvidia")
                 .filter(|m| !m.is_empty() && m.bytes().all(|b| b.is_ascii_digit()))
                 .and_then(|m| m.parse::<u32>().ok())
+                && let Some(n) = node(Path::new("dev").join(&name), Some((NVIDIA_MAJOR, minor)))
             {
-                gpu_nodes.insert(minor, found(&host_dev_root, Path::new("dev").join(&name)));
+                gpu_nodes.insert(minor, n);
             }
         }
 
@@ -292,15 +399,6 @@ impl DriverFiles {
             BINARIES.contains(&name)
         })?;
 
-        // The kernel's table first; a driver root that carries its own `proc/devices` (a
-        // simulated node such as the plugin's `demo`) fills in when the kernel has no entry.
-        let caps_major = match read_optional(&config.proc_root.join("devices"))?
-            .and_then(|text| parse_char_major(&text, "nvidia-caps"))
-        {
-            Some(major) => Some(major),
-            None => read_optional(&root.join("proc/devices"))?
-                .and_then(|text| parse_char_major(&text, "nvidia-caps")),
-        };
         let mig_minors_path = Path::new("proc/driver/nvidia-caps/mig-minors");
         let mig_minors = match read_optional(&root.join(mig_minors_path))? {
             Some(text) => Some(text),
@@ -310,11 +408,14 @@ impl DriverFiles {
         .unwrap_or_default();
 
         let files = Self {
+            root: root.clone(),
+            dev_dir,
             control_nodes,
             gpu_nodes,
             libraries,
             binaries,
             caps_major,
+            uvm_major,
             mig_minors,
             host_dev_root,
         };
@@ -325,10 +426,84 @@ impl DriverFiles {
             libraries = files.libraries.len(),
             binaries = files.binaries.len(),
             caps_major = ?files.caps_major,
+            uvm_major = ?files.uvm_major,
             mig_minors = files.mig_minors.len(),
             "found driver files"
         );
         Ok(files)
+    }
+
+    /// True when the root holds nothing of a driver: no control node, no GPU node and no
+    /// CUDA library. With GPUs present this means `--driver-root` points at the wrong place
+    /// (or the driver container has not finished installing).
+    pub fn holds_no_driver(&self) -> bool {
+        self.control_nodes.is_empty() && self.gpu_nodes.is_empty() && self.libcuda().is_none()
+    }
+
+    /// The CUDA driver library (`libcuda.so.*`), when found.
+    pub fn libcuda(&self) -> Option<&FoundFile> {
+        self.libraries.iter().find(|f| {
+            f.relative
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&format!("{LIBCUDA}.so.")))
+        })
+    }
+
+    fn control_node(&self, name: &str) -> Option<&FoundNode> {
+        self.control_nodes
+            .iter()
+            .find(|n| n.file.relative == Path::new("dev").join(name))
+    }
+
+    /// What the containers of a claim with these devices would lack, as paths in the
+    /// container (`/dev/nvidia0`, `libcuda.so.1`); empty when everything is there.
+    pub fn missing_for(&self, needs: &[DeviceNeed]) -> Vec<String> {
+        let mut missing = Vec::new();
+        let mut push = |what: String| {
+            if !missing.contains(&what) {
+                missing.push(what);
+            }
+        };
+        for need in needs {
+            let gpu_minor = match *need {
+                DeviceNeed::Gpu { minor } => minor,
+                DeviceNeed::Mig { gpu_minor, .. } => gpu_minor,
+            };
+            if !self.gpu_nodes.contains_key(&gpu_minor) {
+                push(format!("/dev/nvidia{gpu_minor}"));
+            }
+            match *need {
+                DeviceNeed::Gpu { .. } => {}
+                DeviceNeed::Mig {
+                    gpu_minor,
+                    ids: Some((gi, ci)),
+                } => {
+                    for minor in [
+                        self.gi_access_minor(gpu_minor, gi),
+                        self.ci_access_minor(gpu_minor, gi, ci),
+                    ] {
+                        if self.cap_node(minor).is_none() {
+                            push(format!("/dev/nvidia-caps/nvidia-cap{minor}"));
+                        }
+                    }
+                }
+                DeviceNeed::Mig { ids: None, .. } => {
+                    if self.caps_major.is_none() {
+                        push("the nvidia-caps major in /proc/devices (MIG capability nodes)".to_owned());
+                    }
+                }
+            }
+        }
+        for name in ["nvidiactl", "nvidia-uvm"] {
+            if self.control_node(name).is_none() {
+                push(format!("/dev/{name}"));
+            }
+        }
+        if self.libcuda().is_none() {
+            push(format!("{LIBCUDA}.so.1"));
+        }
+        missing
     }
 
     /// Files in `dirs` under `root` whose name `matches`, one per distinct directory (a
@@ -374,10 +549,7 @@ impl DriverFiles {
             ..ContainerEdits::default()
         };
         for node in &self.control_nodes {
-            edits.device_nodes.push(DeviceNode::path(
-                node.container_path(),
-                node.host_path.clone(),
-            ));
+            edits.device_nodes.push(node.device_node());
         }
         for file in self.libraries.iter().chain(&self.binaries) {
             edits.mounts.push(Mount {
@@ -391,9 +563,7 @@ impl DriverFiles {
 
     /// Device node of the whole GPU `/dev/nvidia<minor>`, when it exists on the node.
     pub fn gpu_node(&self, minor: u32) -> Option<DeviceNode> {
-        self.gpu_nodes
-            .get(&minor)
-            .map(|f| DeviceNode::path(f.container_path(), f.host_path.clone()))
+        self.gpu_nodes.get(&minor).map(FoundNode::device_node)
     }
 
     /// Minor of the capability node of GPU instance `gi` on the GPU with `gpu_minor`.
@@ -526,8 +696,13 @@ mod tests {
         let files = DriverFiles::discover(&config).unwrap();
         // <root>/dev/nvidiactl exists, so device nodes come from the driver root.
         let ctl = &files.control_nodes[0];
-        assert_eq!(ctl.container_path(), Path::new("/dev/nvidiactl"));
-        assert_eq!(ctl.host_path, Path::new("/run/nvidia/driver/dev/nvidiactl"));
+        assert_eq!(ctl.file.container_path(), Path::new("/dev/nvidiactl"));
+        assert_eq!(
+            ctl.file.host_path,
+            Path::new("/run/nvidia/driver/dev/nvidiactl")
+        );
+        // Not a character device here: the kernel module's numbering describes it.
+        assert_eq!(ctl.numbers, Some((NVIDIA_MAJOR, NVIDIACTL_MINOR)));
         assert_eq!(files.control_nodes.len(), 2);
         assert_eq!(files.gpu_nodes.keys().copied().collect::<Vec<_>>(), [0, 3]);
         let libs: Vec<String> = files

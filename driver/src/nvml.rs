@@ -35,6 +35,18 @@ pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// Where sysfs is mounted by default (the PCIe root is read from it).
 pub const DEFAULT_SYSFS_ROOT: &str = "/sys";
 
+/// Where NVML is looked for under a driver root, in order: `libnvidia-ml.so.1` in each of
+/// the root's library directories ([`crate::driver_root::LIBRARY_DIRS`]), then the bare
+/// soname for the system's loader (which a distroless plugin image cannot satisfy, so it
+/// comes last).
+pub fn library_candidates(driver_root: &Path) -> Vec<PathBuf> {
+    crate::driver_root::LIBRARY_DIRS
+        .iter()
+        .map(|dir| driver_root.join(dir).join(DEFAULT_LIBRARY))
+        .chain(std::iter::once(PathBuf::from(DEFAULT_LIBRARY)))
+        .collect()
+}
+
 /// `NVML_DEVICE_MIG_ENABLE`.
 const MIG_ENABLE: u32 = 1;
 /// Bytes in a MiB.
@@ -62,11 +74,60 @@ impl fmt::Debug for NvmlBackend {
 }
 
 impl NvmlBackend {
-    /// Loads and initialises NVML: [`DEFAULT_LIBRARY`] or the library at `lib_path`
-    /// (the mock, in tests and kind). A missing library or a failed `nvmlInit` is
-    /// [`BackendError::Unavailable`] with the reason.
+    /// Loads and initialises NVML: [`DEFAULT_LIBRARY`] through the system's loader, or the
+    /// library at `lib_path` (the mock, in tests and kind). A missing library or a failed
+    /// `nvmlInit` is [`BackendError::Unavailable`] with the reason.
     pub fn open(lib_path: Option<&Path>) -> Result<Self, BackendError> {
         let path = lib_path.map_or_else(|| PathBuf::from(DEFAULT_LIBRARY), Path::to_path_buf);
+        Self::open_exact(&path)
+    }
+
+    /// Loads NVML for the driver installed under `driver_root` (as this process sees it):
+    /// `lib_path` when given (an override), else the first of [`library_candidates`] that
+    /// loads: `libnvidia-ml.so.1` in the root's library directories, then the system's
+    /// loader. The error lists every path tried and why each failed.
+    pub fn open_in_driver_root(
+        driver_root: &Path,
+        lib_path: Option<&Path>,
+    ) -> Result<Self, BackendError> {
+        if let Some(path) = lib_path {
+            return Self::open_exact(path);
+        }
+        let mut tried = Vec::new();
+        for candidate in library_candidates(driver_root) {
+            // An absolute candidate that is not there is not worth a dlopen; the bare
+            // soname goes to the system's loader.
+            if candidate.is_absolute() && !candidate.exists() {
+                tried.push(format!("{}: not found", candidate.display()));
+                continue;
+            }
+            match Self::open_exact(&candidate) {
+                Ok(backend) => {
+                    tracing::info!(library = %candidate.display(), driver_root = %driver_root.display(), "loaded NVML");
+                    return Ok(backend);
+                }
+                Err(BackendError::Unavailable(reason)) => {
+                    let shown = if candidate.is_absolute() {
+                        candidate.display().to_string()
+                    } else {
+                        format!("{} (system loader)", candidate.display())
+                    };
+                    tried.push(format!("{shown}: {reason}"));
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        Err(BackendError::Unavailable(format!(
+            "no loadable {DEFAULT_LIBRARY} for driver root {}; tried {}. Point --driver-root \
+             (NVIDIA_DRIVER_ROOT) at the driver installation as this container sees it (host \
+             install: the host's / mounted in; GPU Operator: /run/nvidia/driver), or name the \
+             library with --nvml-lib",
+            driver_root.display(),
+            tried.join("; ")
+        )))
+    }
+
+    fn open_exact(path: &Path) -> Result<Self, BackendError> {
         let nvml = Nvml::builder()
             .lib_path(OsStr::new(path.as_os_str()))
             .init()
@@ -86,7 +147,7 @@ impl NvmlBackend {
             })?;
         Ok(Self {
             nvml,
-            lib_path: path,
+            lib_path: path.to_path_buf(),
             sysfs_root: PathBuf::from(DEFAULT_SYSFS_ROOT),
             profiles: Mutex::new(HashMap::new()),
             mutate: Mutex::new(()),
@@ -355,6 +416,10 @@ impl NvmlBackend {
 }
 
 impl GpuBackend for NvmlBackend {
+    fn nvml_library(&self) -> Option<PathBuf> {
+        Some(self.lib_path.clone())
+    }
+
     fn inventory(&self) -> Result<NodeInventory, BackendError> {
         let driver_version = self
             .nvml

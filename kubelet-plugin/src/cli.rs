@@ -274,8 +274,9 @@ pub struct DriverArgs {
 /// Arguments of `run`.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
-    /// Name of this node (pool name and `spec.nodeName` of the slices).
-    #[arg(long, env = "NODE_NAME")]
+    /// Name of this node (pool name and `spec.nodeName` of the slices); a Kubernetes node
+    /// name, checked before anything starts.
+    #[arg(long, env = "NODE_NAME", value_parser = parse_node_name)]
     pub node_name: String,
     /// Kubelet layout.
     #[command(flatten)]
@@ -319,7 +320,7 @@ pub struct InspectArgs {
     #[arg(long)]
     pub yaml: bool,
     /// Node (and pool) name for the YAML (default: this host's name).
-    #[arg(long, env = "NODE_NAME")]
+    #[arg(long, env = "NODE_NAME", value_parser = parse_node_name)]
     pub node_name: Option<String>,
     /// DRA driver name for the YAML.
     #[arg(long, env = "DRIVER_NAME", default_value = cleave_api::names::DRIVER_NAME)]
@@ -358,6 +359,17 @@ impl NvmlArgs {
             crate::mock::set_env("MOCK_NVML_PROFILE", profile);
         }
         Ok(())
+    }
+}
+
+/// Accepts a Kubernetes node name; clap names the flag (`--node-name`, or `NODE_NAME`) in
+/// the error, so a typo fails at once instead of in every API call.
+fn parse_node_name(value: &str) -> Result<String, String> {
+    match cleave_api::names::node_name_problem(value) {
+        None => Ok(value.to_owned()),
+        Some(problem) => Err(format!(
+            "not a Kubernetes node name: {problem} (set it to the Node object's name, e.g. from the downward API's spec.nodeName)"
+        )),
     }
 }
 
@@ -496,6 +508,18 @@ mod tests {
             panic!()
         };
         assert_eq!(a.driver_root, std::path::Path::new("/driver-root"));
+    }
+
+    #[test]
+    fn node_name_is_checked_at_parse_time() {
+        for bad in ["Node_A", "", &"a".repeat(300)] {
+            let e = Cli::try_parse_from(["x", "run", "--node-name", bad]).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains("--node-name"), "{text}");
+            assert!(text.contains("not a Kubernetes node name"), "{text}");
+        }
+        assert!(Cli::try_parse_from(["x", "inspect", "--node-name", "Node_A"]).is_err());
+        assert!(Cli::try_parse_from(["x", "run", "--node-name", "gpu-node-1.example"]).is_ok());
     }
 
     #[test]

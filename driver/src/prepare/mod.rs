@@ -77,11 +77,11 @@
 //! (and destroyed at unprepare) as cleave's.
 
 pub mod sharing;
-#[cfg(any(test, feature = "testing"))]
+#[cfg(test)]
 pub mod testing;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cleave_api::config::DeviceKind as ConfigKind;
@@ -95,7 +95,7 @@ use crate::checkpoint::{
     self, CheckpointData, CheckpointError, CheckpointStore, ClaimRecord, ClaimState, DeviceKind,
     DeviceRecord, MigRecord,
 };
-use crate::driver_root::{DriverFiles, DriverRootConfig, DriverRootError};
+use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootError};
 use crate::model::{GpuInfo, MigState, NodeInventory};
 
 pub use sharing::{
@@ -256,6 +256,35 @@ pub enum PrepareError {
     /// Reading the driver root failed.
     #[error("driver root: {0}")]
     DriverRoot(#[from] DriverRootError),
+    /// The claim's containers would lack a device node or the CUDA library: it is not
+    /// prepared, so that no pod starts without its GPU.
+    #[error(
+        "claim {claim}: its containers would lack {} (driver root {}, device nodes looked for in {}); check that --driver-root (NVIDIA_DRIVER_ROOT) is where the NVIDIA driver is installed and that its kernel modules are loaded",
+        missing.join(", "), root.display(), dev_dir.display()
+    )]
+    MissingDriverFiles {
+        /// `namespace/name`.
+        claim: String,
+        /// The driver root as the plugin sees it.
+        root: PathBuf,
+        /// Where device nodes were looked for.
+        dev_dir: PathBuf,
+        /// What is missing, as container paths.
+        missing: Vec<String>,
+    },
+    /// NVML sees GPUs but the driver root holds no driver files at all.
+    #[error(
+        "NVML sees {gpus} GPU(s) but driver root {} holds no NVIDIA driver files (no /dev/nvidiactl or /dev/nvidia<N> under {}, no libcuda.so.* in its library directories); set --driver-root (NVIDIA_DRIVER_ROOT) to the driver installation as this container sees it (host install: the host's / mounted in; GPU Operator: /run/nvidia/driver), or wait for the driver container to finish",
+        root.display(), dev_dir.display()
+    )]
+    NoDriverFiles {
+        /// The driver root as the plugin sees it.
+        root: PathBuf,
+        /// Where device nodes were looked for.
+        dev_dir: PathBuf,
+        /// GPUs NVML found.
+        gpus: usize,
+    },
     /// A directory the driver needs could not be created.
     #[error("creating directory {path}: {source}")]
     CreateDir {
@@ -326,8 +355,9 @@ pub struct NodeDriver {
     config: DriverConfig,
     backend: Arc<dyn GpuBackend>,
     sharing: Arc<dyn SharingHandler>,
-    files: DriverFiles,
-    cdi: CdiStore,
+    /// Driver files and the CDI store built on their common edits; replaced when a claim
+    /// needs a file that was missing (a driver installed after start).
+    files: std::sync::RwLock<Arc<DriverView>>,
     checkpoint: CheckpointStore,
     state: Mutex<State>,
 }
@@ -337,6 +367,23 @@ impl std::fmt::Debug for NodeDriver {
         f.debug_struct("NodeDriver")
             .field("config", &self.config)
             .finish_non_exhaustive()
+    }
+}
+
+/// The driver files found last and the CDI store that adds their common edits.
+#[derive(Debug)]
+struct DriverView {
+    files: Arc<DriverFiles>,
+    cdi: CdiStore,
+}
+
+impl DriverView {
+    fn new(files: DriverFiles, cdi_root: &Path) -> Self {
+        let cdi = CdiStore::new(cdi_root, files.common_edits());
+        Self {
+            files: Arc::new(files),
+            cdi,
+        }
     }
 }
 
@@ -390,7 +437,21 @@ impl NodeDriver {
                 })?;
         }
         let files = DriverFiles::discover(&config.driver_root)?;
-        let cdi = CdiStore::new(&config.cdi_root, files.common_edits());
+        if files.holds_no_driver() {
+            let gpus = backend
+                .inventory()
+                .map_err(PrepareError::Discovery)?
+                .gpus
+                .len();
+            if gpus > 0 {
+                return Err(PrepareError::NoDriverFiles {
+                    root: files.root.clone(),
+                    dev_dir: files.dev_dir.clone(),
+                    gpus,
+                });
+            }
+        }
+        let view = DriverView::new(files, &config.cdi_root);
         let checkpoint = CheckpointStore::in_dir(&config.state_dir);
         let boot_id = checkpoint::read_boot_id(&config.boot_id_path).map_err(|source| {
             PrepareError::BootId {
@@ -404,8 +465,7 @@ impl NodeDriver {
             config,
             backend,
             sharing,
-            files,
-            cdi,
+            files: std::sync::RwLock::new(Arc::new(view)),
             checkpoint,
             state: Mutex::new(State {
                 inventory: NodeInventory {
@@ -520,6 +580,42 @@ impl NodeDriver {
         Ok(driver)
     }
 
+    fn view(&self) -> Arc<DriverView> {
+        Arc::clone(
+            &self
+                .files
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// The driver files for a claim with these devices. When something they need is
+    /// missing the driver root is looked at again (the driver may have been installed, or
+    /// its nodes created, since the last look); what is still missing fails the claim.
+    fn view_for(&self, claim: &str, needs: &[DeviceNeed]) -> Result<Arc<DriverView>, PrepareError> {
+        let view = self.view();
+        if view.files.missing_for(needs).is_empty() {
+            return Ok(view);
+        }
+        let files = DriverFiles::discover(&self.config.driver_root)?;
+        let missing = files.missing_for(needs);
+        let fresh = Arc::new(DriverView::new(files, &self.config.cdi_root));
+        *self
+            .files
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::clone(&fresh);
+        if missing.is_empty() {
+            tracing::info!(root = %fresh.files.root.display(), "driver files a claim needs appeared since the driver root was last examined");
+            return Ok(fresh);
+        }
+        Err(PrepareError::MissingDriverFiles {
+            claim: claim.to_owned(),
+            root: fresh.files.root.clone(),
+            dev_dir: fresh.files.dev_dir.clone(),
+            missing,
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves the state as consistent as the checkpoint.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -560,7 +656,7 @@ impl NodeDriver {
     fn sweep_cdi_root(&self, data: &CheckpointData) {
         let prefix = cdi::spec_file_name("");
         let prefix = prefix.trim_end_matches(".json");
-        let Ok(entries) = std::fs::read_dir(self.cdi.root()) else {
+        let Ok(entries) = std::fs::read_dir(&self.config.cdi_root) else {
             return;
         };
         for entry in entries.flatten() {
@@ -644,6 +740,11 @@ impl NodeDriver {
         }
 
         let plan = self.plan(claim, &label, uid, &state)?;
+        let needs: Vec<DeviceNeed> = plan
+            .iter()
+            .map(|d| device_need(d.gpu.minor, d.mig.as_ref()))
+            .collect();
+        self.view_for(&label, &needs)?;
         let needs_intent = plan.iter().any(|d| {
             d.mig.as_ref().is_some_and(|m| m.created_by_cleave)
                 || d.config
@@ -1115,13 +1216,20 @@ impl NodeDriver {
         record: &ClaimRecord,
         edits: &SharingEdits,
     ) -> Result<(), PrepareError> {
+        let needs: Vec<DeviceNeed> = record
+            .devices
+            .iter()
+            .map(|r| device_need(r.gpu_minor, r.mig.as_ref()))
+            .collect();
+        let label = format!("{}/{}", record.namespace, record.name);
+        let view = self.view_for(&label, &needs)?;
         let devices: Vec<CdiDevice> = record
             .devices
             .iter()
             .map(|r| {
                 let mut device_edits = match (&r.mig, r.kind) {
                     (Some(m), _) => cdi::mig_device_edits(
-                        &self.files,
+                        &view.files,
                         &r.name,
                         &device_uuid(r),
                         r.gpu_minor,
@@ -1129,7 +1237,7 @@ impl NodeDriver {
                         m.ci_id.unwrap_or_default(),
                     ),
                     (None, _) => {
-                        cdi::gpu_device_edits(&self.files, &r.name, &r.gpu_uuid, r.gpu_minor)
+                        cdi::gpu_device_edits(&view.files, &r.name, &r.gpu_uuid, r.gpu_minor)
                     }
                 };
                 if let Some(extra) = edits.device_edits.get(&r.name) {
@@ -1141,7 +1249,7 @@ impl NodeDriver {
                 }
             })
             .collect();
-        self.cdi
+        view.cdi
             .write_claim_spec(uid, &devices, &edits.claim_edits)
             .map_err(|source| PrepareError::Cdi {
                 claim: uid.to_owned(),
@@ -1202,7 +1310,7 @@ impl NodeDriver {
                 r.state = ClaimState::NeedsRecreate;
             }
             tracing::warn!(claim = %uid, error = %e, "recreation failed");
-            if let Err(cdi_err) = self.cdi.remove_claim_spec(uid) {
+            if let Err(cdi_err) = self.view().cdi.remove_claim_spec(uid) {
                 tracing::warn!(claim = %uid, error = %cdi_err, "removing the CDI spec of a claim waiting for recreation");
             }
         }
@@ -1395,7 +1503,7 @@ impl NodeDriver {
             }
             self.destroy_owned(&record.uid, d, mig, &taken)?;
         }
-        self.cdi
+        self.view().cdi
             .remove_claim_spec(&record.uid)
             .map_err(|source| PrepareError::Cdi {
                 claim: record.uid.clone(),
@@ -1479,7 +1587,7 @@ impl NodeDriver {
         let _enter = span.enter();
         let mut state = self.lock_synced()?;
         let Some(record) = state.data.claims.get(claim_uid).cloned() else {
-            self.cdi
+            self.view().cdi
                 .remove_claim_spec(claim_uid)
                 .map_err(|source| PrepareError::Cdi {
                     claim: claim_uid.to_owned(),
@@ -1561,14 +1669,26 @@ impl NodeDriver {
         Ok(())
     }
 
-    /// The driver files found at start.
-    pub fn driver_files(&self) -> &DriverFiles {
-        &self.files
+    /// The driver files found last (at start, or when a claim needed a missing one).
+    pub fn driver_files(&self) -> Arc<DriverFiles> {
+        Arc::clone(&self.view().files)
     }
 
     /// The settings the driver runs with.
     pub fn config(&self) -> &DriverConfig {
         &self.config
+    }
+}
+
+/// What a device needs from the driver root: the GPU's node, or for a MIG device the
+/// parent's node and the capability nodes of its (possibly not yet created) instance.
+fn device_need(gpu_minor: u32, mig: Option<&MigRecord>) -> DeviceNeed {
+    match mig {
+        None => DeviceNeed::Gpu { minor: gpu_minor },
+        Some(m) => DeviceNeed::Mig {
+            gpu_minor,
+            ids: m.gi_id.zip(m.ci_id),
+        },
     }
 }
 

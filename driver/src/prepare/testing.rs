@@ -1,6 +1,6 @@
 //! Test support: a recording fake [`GpuBackend`] with MIG placement rules, inventory and
-//! claim builders. Built for this crate's tests and, with the cargo feature `testing`, for
-//! other crates' tests (the gRPC shell).
+//! claim builders, and node configurations over a driver root laid out like a real host.
+//! Built for this crate's unit tests.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -378,8 +378,18 @@ pub fn inventory(gpus: Vec<GpuInfo>) -> NodeInventory {
     }
 }
 
-/// A node driver configuration with every path inside `dir` and an empty driver root.
+/// A node driver configuration with every path inside `dir` and a driver root laid out
+/// like an Ubuntu host with GPUs of minors 0..8 (device nodes, libraries, soname links).
 pub fn config_in(dir: &Path, dynamic_mig: bool) -> DriverConfig {
+    let config = config_with_empty_root(dir, dynamic_mig);
+    mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
+        .lay_out(&config.driver_root.root)
+        .expect("laying out the test driver root");
+    config
+}
+
+/// [`config_in`] with an empty driver root (a node whose `--driver-root` is wrong).
+pub fn config_with_empty_root(dir: &Path, dynamic_mig: bool) -> DriverConfig {
     let boot_id_path = dir.join("boot_id");
     if !boot_id_path.exists() {
         std::fs::write(&boot_id_path, "11111111-2222-3333-4444-555555555555\n").unwrap();

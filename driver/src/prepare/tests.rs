@@ -5,7 +5,8 @@ use std::sync::Arc;
 use serde_json::json;
 
 use super::testing::{
-    Call, FakeBackend, config_in, gpu_uuid, inventory, mig_gpu, node_claim, plain_gpu, with_config,
+    Call, FakeBackend, config_in, config_with_empty_root, gpu_uuid, inventory, mig_gpu, node_claim,
+    plain_gpu, with_config,
 };
 use super::*;
 use crate::checkpoint::CHECKPOINT_FILE;
@@ -113,29 +114,92 @@ fn whole_gpu_prepare_writes_spec_and_checkpoint() {
 fn device_nodes_from_the_driver_root_reach_the_spec() {
     let dir = tempfile::tempdir().unwrap();
     let config = config_in(dir.path(), false);
-    for f in ["dev/nvidiactl", "dev/nvidia0", "usr/lib64/libcuda.so.1"] {
-        let p = config.driver_root.root.join(f);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(p, b"").unwrap();
-    }
     let fake = Arc::new(FakeBackend::new(inventory(vec![plain_gpu(0)])));
     let driver = NodeDriver::start(config, fake).unwrap();
     driver
         .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
         .unwrap();
     let spec = cdi_json(&driver.config().cdi_root.join(cdi::spec_file_name(UID_A)));
-    assert_eq!(
-        spec["devices"][0]["containerEdits"]["deviceNodes"][0]["path"],
-        "/dev/nvidia0"
+    let node = &spec["devices"][0]["containerEdits"]["deviceNodes"][0];
+    assert_eq!(node["path"], "/dev/nvidia0");
+    // Described fully, so the runtime creates the node without looking at the host.
+    assert_eq!(node["type"], "c");
+    assert_eq!(node["major"], 195);
+    assert_eq!(node["minor"], 0);
+    let common = &spec["containerEdits"]["deviceNodes"];
+    assert_eq!(common[0]["path"], "/dev/nvidiactl");
+    assert_eq!(common[0]["minor"], 255);
+    let uvm = common
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["path"] == "/dev/nvidia-uvm")
+        .expect("nvidia-uvm in the common edits");
+    assert_eq!(uvm["major"], mock_nvml::driver_root::UVM_MAJOR);
+    let mounts: Vec<&str> = spec["containerEdits"]["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["containerPath"].as_str().unwrap())
+        .collect();
+    assert!(
+        mounts.contains(&"/usr/lib/x86_64-linux-gnu/libcuda.so.550.163.01"),
+        "{mounts:?}"
     );
-    assert_eq!(
-        spec["containerEdits"]["deviceNodes"][0]["path"],
-        "/dev/nvidiactl"
-    );
-    assert_eq!(
-        spec["containerEdits"]["mounts"][0]["containerPath"],
-        "/usr/lib64/libcuda.so.1"
-    );
+}
+
+#[test]
+fn claims_are_refused_while_the_driver_root_lacks_what_containers_need() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_with_empty_root(dir.path(), true);
+    let root = config.driver_root.root.clone();
+    let fake = Arc::new(FakeBackend::new(inventory(vec![plain_gpu(0), mig_gpu(1)])));
+    // NVML sees GPUs but the root holds no driver: the node is not started.
+    let e = NodeDriver::start(config.clone(), fake.clone()).unwrap_err();
+    assert!(matches!(e, PrepareError::NoDriverFiles { gpus: 2, .. }), "{e}");
+    assert!(e.to_string().contains(&root.display().to_string()), "{e}");
+
+    // Half a driver (no GPU nodes, no libcuda): starts, but claims fail naming each file.
+    std::fs::create_dir_all(root.join("dev")).unwrap();
+    std::fs::write(root.join("dev/nvidiactl"), "").unwrap();
+    let driver = NodeDriver::start(config.clone(), fake.clone()).unwrap();
+    let e = driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, PrepareError::MissingDriverFiles { .. }), "{text}");
+    for name in ["/dev/nvidia0", "/dev/nvidia-uvm", "libcuda.so.1"] {
+        assert!(text.contains(name), "{name} not named: {text}");
+    }
+    assert!(!text.contains("/dev/nvidiactl,"), "{text}");
+    assert!(text.contains(&root.display().to_string()), "{text}");
+    let e = driver
+        .prepare(&node_claim(UID_B, &[("mig", "gpu-1-mig-3g20gb-4")]))
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("/dev/nvidia1"), "{text}");
+    assert!(text.contains("nvidia-caps"), "{text}");
+    // Nothing was created or written for the refused claims.
+    assert!(fake.mutations().is_empty(), "{:?}", fake.mutations());
+    assert!(driver.prepared_claims().is_empty());
+    assert!(!driver.config().cdi_root.join(cdi::spec_file_name(UID_A)).exists());
+
+    // The driver finishes installing: the next prepare looks again and succeeds.
+    mock_nvml::driver_root::DriverRootFixture::with_minors(0..2)
+        .lay_out(&root)
+        .unwrap();
+    driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap();
+    driver
+        .prepare(&node_claim(UID_B, &[("mig", "gpu-1-mig-3g20gb-4")]))
+        .unwrap();
+    let spec = cdi_json(&driver.config().cdi_root.join(cdi::spec_file_name(UID_B)));
+    let nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(nodes, 3, "parent node and both capability nodes");
 }
 
 #[test]

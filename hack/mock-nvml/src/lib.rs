@@ -9,6 +9,7 @@
 //!
 //! The rlib side offers the fixture tables, the state file and [`locate`] for tests.
 
+pub mod driver_root;
 pub mod fixtures;
 pub mod hooks;
 pub mod locate;
