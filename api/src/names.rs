@@ -268,7 +268,13 @@ mod tests {
 
     #[test]
     fn node_names_follow_dns_subdomain_rules() {
-        for ok in ["n1", "node-a", "ip-10-0-0-1.ec2.internal", "a", &"a".repeat(253)] {
+        for ok in [
+            "n1",
+            "node-a",
+            "ip-10-0-0-1.ec2.internal",
+            "a",
+            &"a".repeat(253),
+        ] {
             assert_eq!(node_name_problem(ok), None, "{ok}");
         }
         for (bad, why) in [
@@ -283,7 +289,11 @@ mod tests {
             let problem = node_name_problem(bad).unwrap_or_default();
             assert!(problem.contains(why), "{bad}: {problem}");
         }
-        assert!(node_name_problem(&"a".repeat(300)).unwrap_or_default().contains("300"));
+        assert!(
+            node_name_problem(&"a".repeat(300))
+                .unwrap_or_default()
+                .contains("300")
+        );
     }
 
     #[test]

@@ -345,7 +345,11 @@ impl DriverFiles {
             kernel_devices
                 .as_deref()
                 .and_then(|t| parse_char_major(t, name))
-                .or_else(|| root_devices.as_deref().and_then(|t| parse_char_major(t, name)))
+                .or_else(|| {
+                    root_devices
+                        .as_deref()
+                        .and_then(|t| parse_char_major(t, name))
+                })
         };
         let caps_major = char_major("nvidia-caps");
         let uvm_major = char_major("nvidia-uvm");
@@ -490,7 +494,10 @@ impl DriverFiles {
                 }
                 DeviceNeed::Mig { ids: None, .. } => {
                     if self.caps_major.is_none() {
-                        push("the nvidia-caps major in /proc/devices (MIG capability nodes)".to_owned());
+                        push(
+                            "the nvidia-caps major in /proc/devices (MIG capability nodes)"
+                                .to_owned(),
+                        );
                     }
                 }
             }

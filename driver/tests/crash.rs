@@ -228,7 +228,7 @@ impl World {
         for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
             std::os::unix::fs::symlink(&exe, bin.join(tool)).unwrap();
         }
-        std::fs::create_dir_all(root.join("driver-root")).unwrap();
+        common::lay_out_driver_root(&root.join("driver-root"));
         std::fs::write(root.join("boot_id"), "boot-1\n").unwrap();
         World { root }
     }

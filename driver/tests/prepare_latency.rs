@@ -74,6 +74,7 @@ fn report(label: &str, mut samples: Vec<Duration>, floor_p50: Duration) {
 }
 
 fn run(dir: &Path, dynamic: bool, device_for: impl Fn(usize) -> String, label: &str) {
+    common::lay_out_driver_root(&dir.join("root"));
     let cfg = DriverConfig {
         driver_name: DRIVER_NAME.into(),
         pool_name: "node-a".into(),

@@ -40,6 +40,7 @@ fn config(dir: &Path, dynamic_mig: bool) -> DriverConfig {
     if !boot_id_path.exists() {
         std::fs::write(&boot_id_path, "boot-1\n").unwrap();
     }
+    common::lay_out_driver_root(&dir.join("driver-root"));
     DriverConfig {
         driver_name: DRIVER_NAME.into(),
         pool_name: "node-a".into(),

@@ -67,7 +67,7 @@ impl World {
         std::fs::write(root.join("boot_id"), "boot-1\n").unwrap();
         let state = root.join("state");
         std::fs::create_dir_all(&state).unwrap();
-        std::fs::create_dir_all(root.join("driver-root")).unwrap();
+        common::lay_out_driver_root(&root.join("driver-root"));
         World {
             mps_record: root.join("mps-record.log"),
             smi_record: root.join("smi-record.log"),

@@ -974,7 +974,7 @@ impl GpuBackend for StaticBackend {
 }
 
 fn driver_config(world: &World) -> DriverConfig {
-    std::fs::create_dir_all(world.root.join("driver-root")).unwrap();
+    common::lay_out_driver_root(&world.root.join("driver-root"));
     DriverConfig {
         dynamic_mig: false,
         ..common::node_config(&world.root, world.state.clone())

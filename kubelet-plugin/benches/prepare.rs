@@ -91,7 +91,9 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         health: Default::default(),
         uninstall: false,
     };
-    std::fs::create_dir_all(&args.driver.driver_root).unwrap();
+    mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
+        .lay_out(&args.driver.driver_root)
+        .unwrap();
     let plugin = cleave_kubelet_plugin::daemon::start(&args, standin.client())
         .await
         .unwrap();
@@ -309,7 +311,9 @@ fn rss_kib(pid: u32) -> u64 {
 async fn startup_and_memory(standin: &StandIn, dir: &Path) -> Startup {
     const NODE2: &str = "bench-node-2";
     let root = dir.join("binary");
-    std::fs::create_dir_all(root.join("driver-root")).unwrap();
+    mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
+        .lay_out(&root.join("driver-root"))
+        .unwrap();
     standin.put(&fixtures::node(NODE2)).unwrap();
     let kubeconfig = root.join("kubeconfig");
     std::fs::write(

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
-use cleave_driver::driver_root::{ci_access_minor_formula, gi_access_minor_formula};
 use cleave_driver::model::MigState;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 
@@ -644,59 +643,19 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
     }
 }
 
-/// Char major of `nvidia-caps` in the fake driver root's `proc/devices` (dynamic on a real
-/// node; 236 is a common value).
-const CAPS_MAJOR: u32 = 236;
-/// GPU instance IDs (0..15) and compute instance IDs (0..8) the driver numbers per GPU in
-/// `mig-minors` (MIG-FACTS §6).
-const MIG_MINOR_GIS: u32 = 15;
-const MIG_MINOR_CIS: u32 = 8;
+/// `nvidia-caps` major of the simulated node (the fixture's `proc/devices`).
+const CAPS_MAJOR: u32 = mock_nvml::driver_root::CAPS_MAJOR;
 
-/// A driver root that looks like an installed NVIDIA driver (empty files in the right
-/// places), so the CDI specs show the device nodes and mounts a real node would get:
-/// control and GPU nodes, libraries, `proc/devices` with the `nvidia-caps` major and
-/// `proc/driver/nvidia-caps/mig-minors` (for the MIG capability nodes), and the tools as
-/// wrappers that run this binary as the fakes of `cleave-fakes`.
+/// A driver root laid out like an Ubuntu host with the driver installed (character device
+/// nodes where this process may create them, else empty files; libraries with their soname
+/// links; `proc/devices` with the `nvidia-caps` and `nvidia-uvm` majors;
+/// `proc/driver/nvidia-caps/mig-minors`), so the CDI specs show what a real node's would,
+/// and the MPS and time-slicing tools as wrappers that run this binary as the fakes of
+/// `cleave-fakes`.
 fn fake_driver_root(root: &Path) -> anyhow::Result<()> {
-    let mut files: Vec<String> = ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
-        .iter()
-        .map(|n| format!("dev/{n}"))
-        .collect();
-    files.extend((0..8).map(|i| format!("dev/nvidia{i}")));
-    files.extend(
-        ["libnvidia-ml.so.570.148.08", "libcuda.so.570.148.08"]
-            .iter()
-            .map(|l| format!("usr/lib/x86_64-linux-gnu/{l}")),
-    );
-    for f in files {
-        write_file(&root.join(f), "")?;
-    }
-    write_file(
-        &root.join("proc/devices"),
-        &format!(
-            "Character devices:\n  1 mem\n195 nvidia-frontend\n{CAPS_MAJOR} nvidia-caps\n\
-             {} nvidia-caps-imex-channels\n\nBlock devices:\n  8 sd\n",
-            CAPS_MAJOR + 1
-        ),
-    )?;
-    let mut minors = String::from("config 1\nmonitor 2\n");
-    for gpu in 0..8 {
-        for gi in 0..MIG_MINOR_GIS {
-            let _ = writeln!(
-                minors,
-                "gpu{gpu}/gi{gi}/access {}",
-                gi_access_minor_formula(gpu, gi)
-            );
-            for ci in 0..MIG_MINOR_CIS {
-                let _ = writeln!(
-                    minors,
-                    "gpu{gpu}/gi{gi}/ci{ci}/access {}",
-                    ci_access_minor_formula(gpu, gi, ci)
-                );
-            }
-        }
-    }
-    write_file(&root.join("proc/driver/nvidia-caps/mig-minors"), &minors)?;
+    mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
+        .lay_out(root)
+        .with_context(|| format!("laying out the simulated driver root {}", root.display()))?;
     let exe = std::env::current_exe().context("finding the demo's own executable")?;
     let exe = exe.display().to_string().replace('\'', r"'\''");
     for tool in [

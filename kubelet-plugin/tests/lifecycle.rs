@@ -42,7 +42,7 @@ fn spawn(dirs: &NodeDirs, nvml_lib: &Path, port: u16) -> Spawned {
 
 /// The plugin's command line on this node, serving metrics on `port`.
 fn command(dirs: &NodeDirs, nvml_lib: &Path, port: u16) -> Command {
-    std::fs::create_dir_all(dirs.driver_root()).unwrap();
+    dirs.lay_out_driver_root("h100-80gb-x8");
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

@@ -1503,7 +1503,8 @@ impl NodeDriver {
             }
             self.destroy_owned(&record.uid, d, mig, &taken)?;
         }
-        self.view().cdi
+        self.view()
+            .cdi
             .remove_claim_spec(&record.uid)
             .map_err(|source| PrepareError::Cdi {
                 claim: record.uid.clone(),
@@ -1587,7 +1588,8 @@ impl NodeDriver {
         let _enter = span.enter();
         let mut state = self.lock_synced()?;
         let Some(record) = state.data.claims.get(claim_uid).cloned() else {
-            self.view().cdi
+            self.view()
+                .cdi
                 .remove_claim_spec(claim_uid)
                 .map_err(|source| PrepareError::Cdi {
                     claim: claim_uid.to_owned(),

@@ -156,7 +156,10 @@ fn claims_are_refused_while_the_driver_root_lacks_what_containers_need() {
     let fake = Arc::new(FakeBackend::new(inventory(vec![plain_gpu(0), mig_gpu(1)])));
     // NVML sees GPUs but the root holds no driver: the node is not started.
     let e = NodeDriver::start(config.clone(), fake.clone()).unwrap_err();
-    assert!(matches!(e, PrepareError::NoDriverFiles { gpus: 2, .. }), "{e}");
+    assert!(
+        matches!(e, PrepareError::NoDriverFiles { gpus: 2, .. }),
+        "{e}"
+    );
     assert!(e.to_string().contains(&root.display().to_string()), "{e}");
 
     // Half a driver (no GPU nodes, no libcuda): starts, but claims fail naming each file.
@@ -167,7 +170,10 @@ fn claims_are_refused_while_the_driver_root_lacks_what_containers_need() {
         .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
         .unwrap_err();
     let text = e.to_string();
-    assert!(matches!(e, PrepareError::MissingDriverFiles { .. }), "{text}");
+    assert!(
+        matches!(e, PrepareError::MissingDriverFiles { .. }),
+        "{text}"
+    );
     for name in ["/dev/nvidia0", "/dev/nvidia-uvm", "libcuda.so.1"] {
         assert!(text.contains(name), "{name} not named: {text}");
     }
@@ -182,7 +188,13 @@ fn claims_are_refused_while_the_driver_root_lacks_what_containers_need() {
     // Nothing was created or written for the refused claims.
     assert!(fake.mutations().is_empty(), "{:?}", fake.mutations());
     assert!(driver.prepared_claims().is_empty());
-    assert!(!driver.config().cdi_root.join(cdi::spec_file_name(UID_A)).exists());
+    assert!(
+        !driver
+            .config()
+            .cdi_root
+            .join(cdi::spec_file_name(UID_A))
+            .exists()
+    );
 
     // The driver finishes installing: the next prepare looks again and succeeds.
     mock_nvml::driver_root::DriverRootFixture::with_minors(0..2)

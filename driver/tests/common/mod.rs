@@ -35,11 +35,20 @@ pub const PROFILES: [&str; 5] = [
 /// Longest a scenario child may run.
 pub const CHILD_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// Lays out a driver root like an Ubuntu host with 8 GPUs (minors 0..7): device nodes,
+/// libraries with soname links, tools, `proc/devices` and `mig-minors`. Idempotent.
+pub fn lay_out_driver_root(root: &Path) {
+    mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
+        .lay_out(root)
+        .expect("laying out the test driver root");
+}
+
 /// Driver settings of a simulated node in `root` (pool `node-a`, dynamic MIG): driver and
 /// dev root `root/driver-root`, proc root `root/proc`, CDI specs in `root/cdi`, boot ID
 /// read from `root/boot_id` (the caller writes it), state in `state_dir`.
 pub fn node_config(root: &Path, state_dir: PathBuf) -> DriverConfig {
     let driver_root = root.join("driver-root");
+    lay_out_driver_root(&driver_root);
     DriverConfig {
         driver_name: DRIVER_NAME.into(),
         pool_name: "node-a".into(),

@@ -54,7 +54,10 @@ pub const LIBRARIES: &[(&str, Option<&str>)] = &[
     ("libnvidia-ml", Some("libnvidia-ml.so.1")),
     ("libcuda", Some("libcuda.so.1")),
     ("libcudadebugger", Some("libcudadebugger.so.1")),
-    ("libnvidia-ptxjitcompiler", Some("libnvidia-ptxjitcompiler.so.1")),
+    (
+        "libnvidia-ptxjitcompiler",
+        Some("libnvidia-ptxjitcompiler.so.1"),
+    ),
     ("libnvidia-nvvm", Some("libnvidia-nvvm.so.4")),
     ("libnvidia-opencl", Some("libnvidia-opencl.so.1")),
     ("libnvidia-allocator", Some("libnvidia-allocator.so.1")),
@@ -81,8 +84,8 @@ pub struct DriverRootFixture {
     /// The NVML library to install as `libnvidia-ml.so.<version>` (hard link, or a copy
     /// across file systems), e.g. the built mock; `None`: an empty file.
     pub nvml: Option<PathBuf>,
-    /// Write placeholder tools into `usr/bin` (each exits 1 naming itself); off when a
-    /// test puts its own fakes there.
+    /// Write placeholder tools into `usr/bin` (each exits 1 naming itself) where no file
+    /// of that name exists yet (a test's own fakes stay).
     pub tools: bool,
 }
 
@@ -163,16 +166,26 @@ impl DriverRootFixture {
         }
         // The development link some hosts have, and libraries that are not the driver's.
         symlink_fresh(Path::new("libcuda.so.1"), &lib_dir.join("libcuda.so"))?;
-        for other in ["libc.so.6", "libm.so.6", "libcudart.so.12", "libnvidia-mlx.so.1"] {
+        for other in [
+            "libc.so.6",
+            "libm.so.6",
+            "libcudart.so.12",
+            "libnvidia-mlx.so.1",
+        ] {
             write(&lib_dir.join(other), "")?;
         }
 
         if self.tools {
             for tool in TOOLS {
                 let path = root.join("usr/bin").join(tool);
+                if path.exists() {
+                    continue;
+                }
                 write(
                     &path,
-                    &format!("#!/bin/sh\necho '{tool}: placeholder of a test driver root' >&2\nexit 1\n"),
+                    &format!(
+                        "#!/bin/sh\necho '{tool}: placeholder of a test driver root' >&2\nexit 1\n"
+                    ),
                 )?;
                 fs::set_permissions(&path, fs::Permissions::from_mode(0o755))?;
             }

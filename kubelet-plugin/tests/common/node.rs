@@ -44,6 +44,16 @@ impl NodeDirs {
     pub fn driver_root(&self) -> PathBuf {
         self.path().join("driver-root")
     }
+
+    /// Lays the driver root out like an Ubuntu host with the GPUs of a mock `profile`
+    /// (device nodes, libraries and soname links, tools, `proc/devices`); idempotent, and
+    /// fakes a test put into `usr/bin` stay.
+    pub fn lay_out_driver_root(&self, profile: &str) {
+        mock_nvml::driver_root::DriverRootFixture::for_profile(profile)
+            .unwrap_or_else(|| mock_nvml::driver_root::DriverRootFixture::with_minors(0..8))
+            .lay_out(&self.driver_root())
+            .expect("laying out the test driver root");
+    }
     pub fn mock_state(&self) -> PathBuf {
         self.path().join("mock-nvml-state.json")
     }
@@ -132,7 +142,7 @@ pub struct Plugin {
 
 impl Plugin {
     pub fn start(dirs: &NodeDirs, opts: &PluginOptions) -> Self {
-        std::fs::create_dir_all(dirs.driver_root()).unwrap();
+        dirs.lay_out_driver_root(opts.profile);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"));
         cmd.arg("run")
             .env_clear()
