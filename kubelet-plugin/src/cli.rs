@@ -236,8 +236,9 @@ pub struct NvmlArgs {
     /// NVML library to load (default: the system's libnvidia-ml.so.1).
     #[arg(long, env = "NVML_LIB")]
     pub nvml_lib: Option<PathBuf>,
-    /// Node profile for the mock NVML library given with --nvml-lib.
-    #[arg(long, env = "MOCK_NVML_PROFILE", requires = "nvml_lib")]
+    /// Node profile for the mock NVML library (given with --nvml-lib, or installed in the
+    /// driver root as its libnvidia-ml.so.1); real NVML ignores it.
+    #[arg(long, env = "MOCK_NVML_PROFILE")]
     pub mock_profile: Option<String>,
     /// Use the mock NVML library found next to this executable, with this node profile
     /// (e.g. h100-80gb-x8).
@@ -313,6 +314,10 @@ pub struct InspectArgs {
     /// NVML library.
     #[command(flatten)]
     pub nvml: NvmlArgs,
+    /// Where the NVIDIA driver is installed; NVML is loaded from its library directories
+    /// first (unless --nvml-lib or --mock names a library).
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
     /// Show on-demand MIG placements instead of existing instances.
     #[arg(long, env = "DYNAMIC_MIG")]
     pub dynamic_mig: bool,
@@ -526,8 +531,8 @@ mod tests {
     fn mock_conflicts_with_nvml_lib() {
         let r = Cli::try_parse_from(["x", "inspect", "--mock", "a", "--nvml-lib", "/x.so"]);
         assert!(r.is_err());
-        let r = Cli::try_parse_from(["x", "inspect", "--mock-profile", "a"]);
-        assert!(r.is_err(), "--mock-profile needs --nvml-lib");
+        let r = Cli::try_parse_from(["x", "inspect", "--mock", "a", "--mock-profile", "b"]);
+        assert!(r.is_err(), "--mock names its profile itself");
     }
 
     #[test]

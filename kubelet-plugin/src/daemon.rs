@@ -221,10 +221,13 @@ pub async fn start_with_metrics(
     metrics: Option<Arc<Metrics>>,
 ) -> anyhow::Result<RunningPlugin> {
     let nvml_lib = args.nvml.nvml_lib.clone();
+    let driver_root = args.driver.driver_root.clone();
     let backend: Arc<dyn GpuBackend> = Arc::new(
-        tokio::task::spawn_blocking(move || NvmlBackend::open(nvml_lib.as_deref()))
-            .await?
-            .context("loading NVML")?,
+        tokio::task::spawn_blocking(move || {
+            NvmlBackend::open_in_driver_root(&driver_root, nvml_lib.as_deref())
+        })
+        .await?
+        .context("loading NVML")?,
     );
     start_with_backend(args, client, metrics, backend).await
 }
@@ -292,9 +295,12 @@ pub async fn start_with_backend(
         m.observability
             .refresh_mps_daemons(&driver.config().state_dir);
     }
+    let nvml_library = backend
+        .nvml_library()
+        .or_else(|| args.nvml.nvml_lib.clone());
     let health = crate::health::start_for_plugin(
         &args.health,
-        args.nvml.nvml_lib.as_deref(),
+        nvml_library.as_deref(),
         &args.node_name,
         &pool,
         &inventory,

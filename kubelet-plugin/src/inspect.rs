@@ -12,7 +12,9 @@ use crate::cli::InspectArgs;
 
 /// Discovers the GPUs and prints a table (or ResourceSlice YAML with `--yaml`) on stdout.
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
-    let backend = NvmlBackend::open(args.nvml.nvml_lib.as_deref()).context("loading NVML")?;
+    let backend =
+        NvmlBackend::open_in_driver_root(&args.driver_root, args.nvml.nvml_lib.as_deref())
+            .context("loading NVML")?;
     let inventory = backend.inventory().context("discovering GPUs")?;
     let pool = build_pool(
         &inventory,

@@ -42,6 +42,8 @@ use crate::metrics::Metrics;
 
 /// Event reason: the checkpoint cannot be read.
 pub const REASON_CHECKPOINT_UNREADABLE: &str = "CheckpointUnreadable";
+/// Event reason: NVML cannot be loaded, sees no GPU, or the driver root holds no driver.
+pub const REASON_DRIVER_NOT_READY: &str = "NVIDIADriverNotReady";
 
 /// The recovery command, as printed in logs and Events.
 pub fn reset_command(plugins_dir: &Path, driver_name: &str) -> String {
@@ -194,13 +196,26 @@ fn short_reason(e: &CheckpointError) -> String {
     }
 }
 
-/// Loads NVML and checks it sees GPUs; the error says why the driver is not usable yet.
+/// The driver-root error inside a start failure: NVML sees GPUs but the root holds no
+/// driver files (a wrong `--driver-root`, or a driver container still installing).
+pub fn driver_files_error(e: &anyhow::Error) -> Option<&PrepareError> {
+    e.chain().find_map(|c| {
+        c.downcast_ref::<PrepareError>()
+            .filter(|p| matches!(p, PrepareError::NoDriverFiles { .. }))
+    })
+}
+
+/// Loads NVML for the driver under `driver_root` (the root's libraries first, then the
+/// system's, or `nvml_lib` when given) and checks it sees GPUs; the error says why the
+/// driver is not usable yet, naming every library path tried.
 pub async fn open_backend(
+    driver_root: PathBuf,
     nvml_lib: Option<PathBuf>,
     allow_no_gpus: bool,
 ) -> anyhow::Result<Arc<dyn GpuBackend>> {
     tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn GpuBackend>> {
-        let backend = NvmlBackend::open(nvml_lib.as_deref()).context("loading NVML")?;
+        let backend = NvmlBackend::open_in_driver_root(&driver_root, nvml_lib.as_deref())
+            .context("loading NVML")?;
         let inventory = backend.inventory().context("listing GPUs through NVML")?;
         if inventory.gpus.is_empty() && !allow_no_gpus {
             anyhow::bail!(
@@ -246,11 +261,18 @@ pub async fn start_when_possible(
     let lm = ctx.metrics.as_ref().map(|m| &m.lifecycle);
     let mut backend: Option<Arc<dyn GpuBackend>> = None;
     let mut last_checkpoint_reason: Option<String> = None;
+    let mut last_driver_reason: Option<String> = None;
     loop {
         let b = match &backend {
             Some(b) => Arc::clone(b),
             None => {
-                match open_backend(args.nvml.nvml_lib.clone(), args.lifecycle.allow_no_gpus).await {
+                match open_backend(
+                    args.driver.driver_root.clone(),
+                    args.nvml.nvml_lib.clone(),
+                    args.lifecycle.allow_no_gpus,
+                )
+                .await
+                {
                     Ok(b) => {
                         info!("NVML loaded");
                         if let Some(m) = lm {
@@ -267,6 +289,7 @@ pub async fn start_when_possible(
                         let reason = format!("NVIDIA driver not ready: {e:#}");
                         let delay = backoff.next_delay();
                         warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "waiting for the NVIDIA driver; not registering or publishing");
+                        driver_not_ready_event(args, ctx, &reason, &mut last_driver_reason).await;
                         ctx.blocker.send_replace(Some(reason));
                         tokio::time::sleep(delay).await;
                         continue;
@@ -288,6 +311,15 @@ pub async fn start_when_possible(
                 return Ok(p);
             }
             Err(e) => {
+                if let Some(de) = driver_files_error(&e) {
+                    let reason = format!("NVIDIA driver not ready: {de}");
+                    let delay = backoff.next_delay();
+                    warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "waiting for the driver's files under the driver root; not registering or publishing");
+                    driver_not_ready_event(args, ctx, &reason, &mut last_driver_reason).await;
+                    ctx.blocker.send_replace(Some(reason));
+                    tokio::time::sleep(delay).await;
+                    continue;
+                }
                 let Some(ce) = checkpoint_error(&e) else {
                     return Err(e);
                 };
@@ -324,6 +356,33 @@ pub async fn start_when_possible(
             }
         }
     }
+}
+
+/// Posts a Warning Event on the Node for a driver-not-ready reason, once per distinct
+/// reason (a retry loop must not flood the Node's events).
+async fn driver_not_ready_event(
+    args: &RunArgs,
+    ctx: &StartContext,
+    reason: &str,
+    last: &mut Option<String>,
+) {
+    if last.as_deref() == Some(reason) {
+        return;
+    }
+    let node = crate::events::node_reference(&ctx.client, &args.node_name).await;
+    let note = format!(
+        "{reason} (the plugin stays not ready, registers nothing and retries with backoff)"
+    );
+    ctx.events
+        .publish(
+            &node,
+            Severity::Warning,
+            REASON_DRIVER_NOT_READY,
+            "Start",
+            &note,
+        )
+        .await;
+    *last = Some(reason.to_owned());
 }
 
 /// What [`reset_checkpoint`] did.

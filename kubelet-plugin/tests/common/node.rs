@@ -49,10 +49,24 @@ impl NodeDirs {
     /// (device nodes, libraries and soname links, tools, `proc/devices`); idempotent, and
     /// fakes a test put into `usr/bin` stay.
     pub fn lay_out_driver_root(&self, profile: &str) {
-        mock_nvml::driver_root::DriverRootFixture::for_profile(profile)
-            .unwrap_or_else(|| mock_nvml::driver_root::DriverRootFixture::with_minors(0..8))
+        Self::fixture(profile)
             .lay_out(&self.driver_root())
             .expect("laying out the test driver root");
+    }
+
+    /// [`Self::lay_out_driver_root`] with the mock library as the root's NVML.
+    pub fn lay_out_driver_root_with_nvml(&self, profile: &str) {
+        mock_nvml::driver_root::DriverRootFixture {
+            nvml: Some(mock_lib()),
+            ..Self::fixture(profile)
+        }
+        .lay_out(&self.driver_root())
+        .expect("laying out the test driver root");
+    }
+
+    fn fixture(profile: &str) -> mock_nvml::driver_root::DriverRootFixture {
+        mock_nvml::driver_root::DriverRootFixture::for_profile(profile)
+            .unwrap_or_else(|| mock_nvml::driver_root::DriverRootFixture::with_minors(0..8))
     }
     pub fn mock_state(&self) -> PathBuf {
         self.path().join("mock-nvml-state.json")
@@ -118,6 +132,11 @@ pub struct PluginOptions {
     pub metrics_port: Option<u16>,
     /// More environment variables (e.g. `MOCK_NVML_CONTROL`, `DEVICE_TAINTS`).
     pub env: Vec<(&'static str, String)>,
+    /// Install the mock library in the driver root as `libnvidia-ml.so.<version>` with its
+    /// soname link, and pass no `NVML_LIB`: the plugin finds NVML as on a real host.
+    pub nvml_from_driver_root: bool,
+    /// Leave the driver root as the test laid it out (start lays it out otherwise).
+    pub driver_root_as_is: bool,
 }
 
 impl Default for PluginOptions {
@@ -129,6 +148,8 @@ impl Default for PluginOptions {
             pod_uid: None,
             metrics_port: None,
             env: Vec::new(),
+            nvml_from_driver_root: false,
+            driver_root_as_is: false,
         }
     }
 }
@@ -142,14 +163,18 @@ pub struct Plugin {
 
 impl Plugin {
     pub fn start(dirs: &NodeDirs, opts: &PluginOptions) -> Self {
-        dirs.lay_out_driver_root(opts.profile);
+        if opts.driver_root_as_is {
+        } else if opts.nvml_from_driver_root {
+            dirs.lay_out_driver_root_with_nvml(opts.profile);
+        } else {
+            dirs.lay_out_driver_root(opts.profile);
+        }
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"));
         cmd.arg("run")
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("NODE_NAME", NODE)
             .env("KUBECONFIG", dirs.kubeconfig())
-            .env("NVML_LIB", mock_lib())
             .env("MOCK_NVML_PROFILE", opts.profile)
             .env("MOCK_NVML_MIG", opts.mig)
             .env("MOCK_NVML_STATE", dirs.mock_state())
@@ -160,6 +185,9 @@ impl Plugin {
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stderr(log_file(dirs));
+        if !opts.nvml_from_driver_root {
+            cmd.env("NVML_LIB", mock_lib());
+        }
         for (k, v) in &opts.env {
             cmd.env(k, v);
         }
