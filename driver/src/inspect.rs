@@ -73,7 +73,22 @@ pub fn render_table(inv: &NodeInventory, pool: &PoolDevices) -> String {
     for gpu in &inv.gpus {
         let _ = writeln!(out, "\ngpu-{} ({}):", gpu.minor, gpu.product_name);
         let Some(devs) = devices.get(&gpu.minor) else {
-            let _ = writeln!(out, "  no devices published");
+            // Only a MIG-enabled GPU can publish nothing; say why and what to do.
+            let reason = match &gpu.mig {
+                MigState::Enabled { profiles, .. } if profiles.is_empty() => {
+                    Some(crate::pool::SilentReason::MigWithoutProfiles)
+                }
+                MigState::Enabled { .. } => Some(crate::pool::SilentReason::MigWithoutInstances),
+                _ => None,
+            };
+            match reason {
+                Some(r) => {
+                    let _ = writeln!(out, "  no devices published: {r}");
+                }
+                None => {
+                    let _ = writeln!(out, "  no devices published");
+                }
+            }
             continue;
         };
         let gpu_sets = sets.get(&gpu.minor).map(Vec::as_slice).unwrap_or(&[]);

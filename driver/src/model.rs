@@ -74,9 +74,13 @@ impl MigState {
         matches!(self, Self::Enabled { .. })
     }
 
-    /// True if the GPU supports MIG at all.
+    /// True if the GPU supports MIG and its profiles could be read (a GPU whose profile
+    /// queries all fail is not offered as MIG-capable).
     pub fn is_capable(&self) -> bool {
-        !matches!(self, Self::NotCapable)
+        match self {
+            Self::NotCapable => false,
+            Self::Disabled { profiles } | Self::Enabled { profiles, .. } => !profiles.is_empty(),
+        }
     }
 }
 

@@ -211,14 +211,30 @@ impl NvmlBackend {
         let pci_bus_id = canonical_pci_bus_id(&pci.bus_id)
             .unwrap_or_else(|| format!("{:04x}:{:02x}:{:02x}.0", pci.domain, pci.bus, pci.device));
         let pcie_root = pcie_root(&self.sysfs_root, &pci_bus_id);
-        let multiprocessors = whole_gpu_multiprocessors(pci.pci_device_id);
+        let multiprocessors = whole_gpu_sms(
+            &uuid,
+            device.num_cores(),
+            cuda_compute_capability,
+            &architecture,
+            pci.pci_device_id,
+        );
 
         let mig = match device.mig_mode() {
             Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => MigState::NotCapable,
             Err(e) => return Err(wrapper_err("nvmlDeviceGetMigMode", &uuid, e)),
             Ok(mode) => {
-                let profiles = self.profiles_cached(&device, &uuid, memory_bytes)?;
-                if mode.current == MIG_ENABLE {
+                let (profiles, unsupported) = self.profiles_cached(&device, &uuid, memory_bytes)?;
+                if profiles.is_empty() {
+                    let code = unsupported.map_or(ffi::ERROR_NOT_SUPPORTED, |e| e.code);
+                    if mode.current == MIG_ENABLE {
+                        tracing::error!(gpu = %uuid, nvml_return_code = code, "MIG mode is on but NVML answers no GPU-instance profile (nvmlDeviceGetGpuInstanceProfileInfo); no MIG placement or instance of this GPU can be published, and it is not published as migCapable");
+                    } else {
+                        tracing::warn!(gpu = %uuid, nvml_return_code = code, "nvmlDeviceGetMigMode answers but no GPU-instance profile can be read; not published as migCapable");
+                    }
+                }
+                if profiles.is_empty() && mode.current != MIG_ENABLE {
+                    MigState::NotCapable
+                } else if mode.current == MIG_ENABLE {
                     let instances = self.instances(&device, &uuid, &profiles)?;
                     let memory_slices = memory_slices(&profiles);
                     MigState::Enabled {
@@ -248,24 +264,25 @@ impl NvmlBackend {
         })
     }
 
-    /// Profile table of a GPU, from the cache or read now.
+    /// Profile table of a GPU, from the cache or read now, with the last "not supported"
+    /// answer when the table came out empty.
     fn profiles_cached(
         &self,
         device: &Device<'_>,
         uuid: &str,
         memory_bytes: u64,
-    ) -> Result<Vec<MigProfile>, BackendError> {
+    ) -> Result<(Vec<MigProfile>, Option<ffi::RawError>), BackendError> {
         let mut cache = self.profiles.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(p) = cache.get(uuid) {
-            return Ok(p.clone());
+            return Ok((p.clone(), None));
         }
-        let profiles = read_profiles(device, uuid, memory_bytes)?;
+        let (profiles, unsupported) = read_profiles(device, uuid, memory_bytes)?;
         // An empty table may just mean "MIG mode off" (some drivers answer NOT_SUPPORTED
         // then); read it again once MIG is on.
         if !profiles.is_empty() {
             cache.insert(uuid.to_owned(), profiles.clone());
         }
-        Ok(profiles)
+        Ok((profiles, unsupported))
     }
 
     /// Profile table of the GPU `uuid` (for naming new instances).
@@ -286,7 +303,7 @@ impl NvmlBackend {
             .memory_info()
             .map_err(|e| wrapper_err("nvmlDeviceGetMemoryInfo_v2", uuid, e))?
             .total;
-        self.profiles_cached(device, uuid, total)
+        Ok(self.profiles_cached(device, uuid, total)?.0)
     }
 
     /// The MIG devices (GPU instance + compute instance) that exist on a MIG-enabled GPU.
@@ -577,18 +594,23 @@ fn full_compute_profile(nvml: &Nvml, gi: ffi::GpuInstance<'_>) -> ffi::RawResult
     }
 }
 
-/// Reads all GPU-instance profiles of a MIG-capable GPU with their placements.
+/// Reads all GPU-instance profiles of a MIG-capable GPU with their placements, and the
+/// last "not supported" answer (for the log when none could be read).
 fn read_profiles(
     device: &Device<'_>,
     uuid: &str,
     memory_bytes: u64,
-) -> Result<Vec<MigProfile>, BackendError> {
+) -> Result<(Vec<MigProfile>, Option<ffi::RawError>), BackendError> {
     let use_v = ffi::has_profile_info_v(device.nvml());
     let mut out = Vec::new();
+    let mut unsupported = None;
     for p in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
         let info = match ffi::gpu_instance_profile_info(device, p) {
             Ok(i) => i,
-            Err(e) if e.is_unsupported() => continue,
+            Err(e) if e.is_unsupported() => {
+                unsupported = Some(e);
+                continue;
+            }
             Err(e) => return Err(raw_err(uuid, e)),
         };
         let reported = if use_v {
@@ -622,7 +644,7 @@ fn read_profiles(
             placements,
         });
     }
-    Ok(out)
+    Ok((out, unsupported))
 }
 
 /// Accepts a profile name NVML reported (`1g.10gb`, or `MIG 1g.10gb`), if it looks like one.
@@ -746,15 +768,83 @@ pub fn pcie_root(sysfs_root: &Path, bus_id: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// CUDA cores per streaming multiprocessor by compute capability, as CUDA's own samples
+/// tabulate them (NVIDIA/cuda-samples `Common/helper_cuda.h`, `_ConvertSMVer2Cores`);
+/// `None` for a capability that table does not list (no guess).
+pub fn cores_per_sm((major, minor): (u32, u32)) -> Option<u32> {
+    match (major, minor) {
+        (3, 0 | 2 | 5 | 7) => Some(192),
+        (5, 0 | 2 | 3) | (6, 1 | 2) => Some(128),
+        (6, 0) | (7, 0 | 2 | 5) | (8, 0) => Some(64),
+        (8, 6 | 7 | 9) | (9, 0) | (10, 0 | 1 | 3) | (11, 0) | (12, 0 | 1) => Some(128),
+        _ => None,
+    }
+}
+
+/// Streaming multiprocessors of a whole GPU. NVML has no whole-GPU SM count (its profile
+/// and attribute queries answer for MIG only); it has the CUDA core count
+/// (`nvmlDeviceGetNumGpuCores`), which divided by the cores per SM of the compute
+/// capability gives the SMs. Only when that is unavailable, the PCI-id table
+/// ([`whole_gpu_multiprocessors`]) is used, and only if its architecture is the one NVML
+/// reports (a board can carry another product's PCI id). `None`: unknown, published
+/// without the `multiprocessors` capacity.
+pub fn whole_gpu_sms(
+    uuid: &str,
+    cores: Result<u32, NvmlError>,
+    compute_capability: (u32, u32),
+    architecture: &str,
+    pci_device_id: u32,
+) -> Option<u32> {
+    let (major, minor) = compute_capability;
+    let from_cores = match (&cores, cores_per_sm(compute_capability)) {
+        (Ok(c), Some(per)) if *c > 0 && c % per == 0 => Some(c / per),
+        (Ok(c), Some(per)) => {
+            tracing::warn!(gpu = %uuid, cores = c, cores_per_sm = per, "CUDA core count is not a multiple of the cores per SM of compute capability {major}.{minor}; not used");
+            None
+        }
+        (Ok(_), None) => {
+            tracing::warn!(gpu = %uuid, "no cores-per-SM figure for compute capability {major}.{minor}; the SM count cannot be derived from the core count");
+            None
+        }
+        (Err(e), _) => {
+            tracing::debug!(gpu = %uuid, error = %e, "nvmlDeviceGetNumGpuCores");
+            None
+        }
+    };
+    let from_table = whole_gpu_multiprocessors_entry(pci_device_id);
+    match (from_cores, from_table) {
+        (Some(sms), Some((table_sms, _))) if sms != table_sms => {
+            tracing::warn!(gpu = %uuid, nvml = sms, table = table_sms, "SM count from NVML differs from the PCI-id table; using NVML's");
+            Some(sms)
+        }
+        (Some(sms), _) => Some(sms),
+        (None, Some((table_sms, arch))) if arch == architecture => Some(table_sms),
+        (None, Some((_, arch))) => {
+            tracing::warn!(gpu = %uuid, pci_device_id = format!("{pci_device_id:#010x}"), table_architecture = arch, nvml_architecture = architecture, "the PCI-id table's product does not match the architecture NVML reports; SM count unknown, multiprocessors not published");
+            None
+        }
+        (None, None) => {
+            tracing::warn!(gpu = %uuid, pci_device_id = format!("{pci_device_id:#010x}"), "SM count unknown (NVML gives no core count and the PCI id is not in the table); multiprocessors not published");
+            None
+        }
+    }
+}
+
 /// Streaming multiprocessors of the whole GPU by PCI device id (`nvmlPciInfo_t.pciDeviceId`,
-/// device << 16 | vendor). NVML has no call for it; sources in MIG-FACTS §2.
+/// device << 16 | vendor): the fallback of [`whole_gpu_sms`]. Figures are CUDA deviceQuery
+/// values (sources in docs/nvml.md).
 pub fn whole_gpu_multiprocessors(pci_device_id: u32) -> Option<u32> {
+    whole_gpu_multiprocessors_entry(pci_device_id).map(|(sms, _)| sms)
+}
+
+/// The table entry: SMs and the architecture (as NVML names it) of the product.
+fn whole_gpu_multiprocessors_entry(pci_device_id: u32) -> Option<(u32, &'static str)> {
     match pci_device_id >> 16 {
-        0x20B0 | 0x20B2 => Some(108), // A100-SXM4-40GB / 80GB
-        0x2330 | 0x2335 => Some(132), // H100 80GB HBM3 (SXM5), H200
-        0x2331 => Some(114),          // H100 PCIe
-        0x27B8 => Some(58),           // L4
-        0x1EB8 => Some(40),           // T4
+        0x20B0 | 0x20B2 => Some((108, "Ampere")), // A100-SXM4-40GB / 80GB
+        0x2330 | 0x2335 => Some((132, "Hopper")), // H100 80GB HBM3 (SXM5), H200
+        0x2331 => Some((114, "Hopper")),          // H100 PCIe
+        0x27B8 => Some((58, "Ada")),              // L4
+        0x1EB8 => Some((40, "Turing")),           // T4
         _ => None,
     }
 }
@@ -875,6 +965,50 @@ mod tests {
         assert_eq!(whole_gpu_multiprocessors(0x27B8_10DE), Some(58));
         assert_eq!(whole_gpu_multiprocessors(0x1EB8_10DE), Some(40));
         assert_eq!(whole_gpu_multiprocessors(0x1234_10DE), None);
+    }
+
+    #[test]
+    fn sms_come_from_the_core_count_then_a_matching_table_entry() {
+        let h100 = 0x2330_10DE;
+        // NVML's core count wins: 16896 / 128 (CC 9.0).
+        assert_eq!(
+            whole_gpu_sms("g", Ok(16896), (9, 0), "Hopper", h100),
+            Some(132)
+        );
+        // A B200 (CC 10.0) that no table lists: 18432 cores / 128.
+        assert_eq!(
+            whole_gpu_sms("g", Ok(18432), (10, 0), "Blackwell", 0x2901_10DE),
+            Some(144)
+        );
+        // A100: 64 cores per SM.
+        assert_eq!(
+            whole_gpu_sms("g", Ok(6912), (8, 0), "Ampere", 0x20B0_10DE),
+            Some(108)
+        );
+        // No core count: the table, when its architecture is NVML's.
+        let unsupported = || Err(NvmlError::NotSupported);
+        assert_eq!(
+            whole_gpu_sms("g", unsupported(), (9, 0), "Hopper", h100),
+            Some(132)
+        );
+        // A Blackwell board carrying an H100 PCI id: the table does not apply.
+        assert_eq!(
+            whole_gpu_sms("g", unsupported(), (10, 0), "Blackwell", h100),
+            None
+        );
+        // Unknown product, no core count: unknown.
+        assert_eq!(
+            whole_gpu_sms("g", unsupported(), (10, 0), "Blackwell", 0x2901_10DE),
+            None
+        );
+        // A core count that does not divide: not trusted.
+        assert_eq!(
+            whole_gpu_sms("g", Ok(1000), (10, 0), "Blackwell", 0x2901_10DE),
+            None
+        );
+        assert_eq!(cores_per_sm((7, 5)), Some(64));
+        assert_eq!(cores_per_sm((8, 9)), Some(128));
+        assert_eq!(cores_per_sm((13, 0)), None);
     }
 
     #[test]

@@ -76,6 +76,63 @@ pub fn build_pool(inv: &NodeInventory, opts: &PoolOptions) -> PoolDevices {
     PoolDevices { groups }
 }
 
+/// A GPU that publishes no device at all, and why (for the log, a Node Event and
+/// `inspect`: a silent empty pool is the worst answer an operator can get).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SilentGpu {
+    /// Whole-GPU device name (`gpu-<minor>`).
+    pub name: String,
+    /// GPU UUID.
+    pub uuid: String,
+    /// Why nothing is published, and what to do.
+    pub reason: SilentReason,
+}
+
+/// Why a GPU publishes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SilentReason {
+    /// MIG mode is on, the GPU has no MIG instance, and on-demand MIG is off.
+    MigWithoutInstances,
+    /// MIG mode is on but NVML answers no MIG profile (nothing can be named or created).
+    MigWithoutProfiles,
+}
+
+impl std::fmt::Display for SilentReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::MigWithoutInstances => {
+                "MIG is enabled and no MIG instance exists, and on-demand MIG is off: create instances (nvidia-smi mig -cgi <profiles> -C), or run with --dynamic-mig (chart: dynamicMig=true, needs DRAPartitionableDevices), or disable MIG (nvidia-smi -mig 0) to publish the whole GPU"
+            }
+            Self::MigWithoutProfiles => {
+                "MIG is enabled but NVML answers no MIG profile (nvmlDeviceGetGpuInstanceProfileInfo), so no MIG device can be named or created; check the driver version supports MIG on this GPU"
+            }
+        })
+    }
+}
+
+/// The GPUs of `inv` that [`build_pool`] publishes nothing for, with the reason.
+pub fn silent_gpus(inv: &NodeInventory, opts: &PoolOptions) -> Vec<SilentGpu> {
+    let mut gpus: Vec<&GpuInfo> = inv.gpus.iter().collect();
+    gpus.sort_by_key(|g| (g.minor, g.index));
+    gpus.into_iter()
+        .filter(|gpu| gpu_group(inv, gpu, opts).devices.is_empty())
+        .filter_map(|gpu| {
+            let reason = match &gpu.mig {
+                MigState::Enabled { profiles, .. } if profiles.is_empty() => {
+                    SilentReason::MigWithoutProfiles
+                }
+                MigState::Enabled { .. } => SilentReason::MigWithoutInstances,
+                _ => return None,
+            };
+            Some(SilentGpu {
+                name: DeviceName::gpu(gpu.minor).to_string(),
+                uuid: gpu.uuid.clone(),
+                reason,
+            })
+        })
+        .collect()
+}
+
 fn gpu_group(inv: &NodeInventory, gpu: &GpuInfo, opts: &PoolOptions) -> DeviceGroup {
     match &gpu.mig {
         MigState::NotCapable | MigState::Disabled { .. } => DeviceGroup {
@@ -723,6 +780,55 @@ mod tests {
             pcie_root: Some("pci0000:50".into()),
             mig,
         }
+    }
+
+    #[test]
+    fn gpus_that_publish_nothing_are_named_with_the_reason() {
+        let on = |instances| MigState::Enabled {
+            profiles: h100_profiles(),
+            instances,
+            memory_slices: 8,
+        };
+        let node = inv(vec![
+            h100(0, on(Vec::new())),
+            h100(1, MigState::NotCapable),
+            h100(
+                2,
+                MigState::Enabled {
+                    profiles: Vec::new(),
+                    instances: Vec::new(),
+                    memory_slices: 0,
+                },
+            ),
+        ]);
+        let silent = silent_gpus(&node, &PoolOptions::default());
+        let names: Vec<(&str, SilentReason)> =
+            silent.iter().map(|s| (s.name.as_str(), s.reason)).collect();
+        assert_eq!(
+            names,
+            [
+                ("gpu-0", SilentReason::MigWithoutInstances),
+                ("gpu-2", SilentReason::MigWithoutProfiles)
+            ]
+        );
+        assert!(
+            SilentReason::MigWithoutInstances
+                .to_string()
+                .contains("--dynamic-mig")
+        );
+        // On-demand MIG publishes placements: gpu-0 is not silent then.
+        let dynamic = PoolOptions {
+            dynamic_mig: true,
+            ..PoolOptions::default()
+        };
+        assert!(
+            silent_gpus(&node, &dynamic)
+                .iter()
+                .all(|s| s.name != "gpu-0")
+        );
+        // And a GPU whose profiles are unreadable is not offered as MIG-capable.
+        assert!(!node.gpus[2].mig.is_capable());
+        assert!(node.gpus[0].mig.is_capable());
     }
 
     fn inv(gpus: Vec<GpuInfo>) -> NodeInventory {

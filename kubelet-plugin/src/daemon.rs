@@ -26,7 +26,7 @@ use cleave_driver::sharing::{ProcessLauncher, SharingBinaries, SharingConfig, Sh
 use tracing::{info, warn};
 
 use crate::cli::{MpsLauncherKind, RunArgs};
-use crate::events::EventReporter;
+use crate::events::{EventReporter, Severity};
 use crate::grpc::RegistrationState;
 use crate::kube_handler::{KubeClaimHandler, release_orphaned_claims};
 use crate::lifecycle::{Heartbeat, StartContext, start_when_possible};
@@ -311,6 +311,15 @@ pub async fn start_with_backend(
     publisher.publish(pool);
 
     let events = crate::events::EventReporter::new(client.clone(), args.node_name.clone());
+    report_silent_gpus(
+        &client,
+        &events,
+        &args.node_name,
+        &inventory,
+        args.driver.dynamic_mig,
+        &driver,
+    )
+    .await;
     let handler = Arc::new(
         KubeClaimHandler::new(client, Arc::clone(&driver), serializer.clone())
             .with_health(health.clone(), &plugin.driver_name)
@@ -327,6 +336,60 @@ pub async fn start_with_backend(
         publisher,
         server,
     })
+}
+
+/// Event reason: MIG-enabled GPUs without instances publish nothing (on-demand MIG off).
+pub const REASON_MIG_WITHOUT_INSTANCES: &str = "MIGEnabledWithoutInstances";
+/// Event reason: MIG-enabled GPUs whose MIG profiles NVML does not answer.
+pub const REASON_MIG_PROFILES_UNREADABLE: &str = "MIGProfilesUnreadable";
+
+/// Warns, in the log and with a Warning Event on the Node, about GPUs that publish no
+/// device at all, naming them and what to do; an empty pool must never be silent.
+async fn report_silent_gpus(
+    client: &kube::Client,
+    events: &EventReporter,
+    node_name: &str,
+    inventory: &cleave_driver::model::NodeInventory,
+    dynamic_mig: bool,
+    driver: &NodeDriver,
+) {
+    use cleave_driver::pool::{SilentReason, silent_gpus};
+    let silent = silent_gpus(
+        inventory,
+        &PoolOptions {
+            dynamic_mig,
+            owned_instances: driver.owned_mig_uuids(),
+        },
+    );
+    for (reason, event_reason) in [
+        (
+            SilentReason::MigWithoutInstances,
+            REASON_MIG_WITHOUT_INSTANCES,
+        ),
+        (
+            SilentReason::MigWithoutProfiles,
+            REASON_MIG_PROFILES_UNREADABLE,
+        ),
+    ] {
+        let gpus: Vec<String> = silent
+            .iter()
+            .filter(|s| s.reason == reason)
+            .map(|s| format!("{} ({})", s.name, s.uuid))
+            .collect();
+        if gpus.is_empty() {
+            continue;
+        }
+        let note = format!(
+            "{} GPU(s) publish no device: {}. {reason}",
+            gpus.len(),
+            gpus.join(", ")
+        );
+        warn!(gpus = %gpus.join(", "), "{note}");
+        let node = crate::events::node_reference(client, node_name).await;
+        events
+            .publish(&node, Severity::Warning, event_reason, "Publish", &note)
+            .await;
+    }
 }
 
 impl RunningPlugin {

@@ -250,3 +250,54 @@ fn a_bad_node_name_is_refused_at_once_naming_the_flag() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("300 characters"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_enabled_without_instances_in_static_mode_is_a_warning_event() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            mig: "on",
+            dynamic_mig: false,
+            ..PluginOptions::default()
+        },
+    );
+    let event = wait_event(&standin, "MIGEnabledWithoutInstances").await;
+    let note = event["note"].as_str().unwrap_or_default();
+    assert_eq!(event["type"], "Warning");
+    for needle in [
+        "MIG is enabled",
+        "gpu-0",
+        "gpu-7",
+        "--dynamic-mig",
+        "nvidia-smi mig -cgi",
+    ] {
+        assert!(note.contains(needle), "{needle} not in {note}");
+    }
+    assert!(dirs.log().contains("publish no device"), "{}", dirs.log());
+    assert_eq!(device_count(&standin), 0);
+    assert!(plugin.terminate().success());
+}
+
+#[test]
+fn inspect_says_why_a_gpu_publishes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["inspect", "--mock", "h100-80gb-x8"])
+        .env_clear()
+        .env("MOCK_NVML_STATE", dir.path().join("state"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("0 devices published"), "{text}");
+    assert!(
+        text.contains("no devices published: MIG is enabled and no MIG instance exists"),
+        "{text}"
+    );
+}
