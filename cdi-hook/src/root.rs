@@ -169,7 +169,6 @@ impl ContainerRoot {
                 .open(&tmp)?;
             f.write_all(contents)?;
             f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
-            f.sync_all()?;
             std::fs::rename(&tmp, &host_file)
         };
         write().map_err(|e| {
