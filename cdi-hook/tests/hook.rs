@@ -399,6 +399,63 @@ fn update_ldcache_reports_a_failing_ldconfig() {
 }
 
 #[test]
+fn update_ldcache_drop_ins_stay_inside_the_root() {
+    // An image whose /etc/ld.so.conf.d is an absolute symlink naming a host directory, and
+    // whose drop-in name is already a symlink to a host file.
+    let b = Bundle::debian();
+    let host_dir = b.tmp.path().join("host-etc");
+    std::fs::create_dir(&host_dir).unwrap();
+    std::fs::write(host_dir.join("victim"), "keep").unwrap();
+    let r = b.rootfs();
+    std::fs::rename(r.join("etc/ld.so.conf.d"), r.join("etc/real.d")).unwrap();
+    symlink(&host_dir, r.join("etc/ld.so.conf.d")).unwrap();
+    let in_root = r.join(host_dir.strip_prefix("/").unwrap());
+    std::fs::create_dir_all(&in_root).unwrap();
+    symlink(host_dir.join("victim"), in_root.join("00-nvcr-cleave.conf")).unwrap();
+    let ldconfig = b.host_ldconfig();
+    ok(&b.run(&ldcache_args(
+        &b,
+        ldconfig.to_str().unwrap(),
+        &["/opt/nvidia/lib"],
+    )));
+    assert_eq!(
+        std::fs::read_to_string(host_dir.join("victim")).unwrap(),
+        "keep"
+    );
+    assert_eq!(
+        std::fs::read_dir(&host_dir).unwrap().count(),
+        1,
+        "host dir written"
+    );
+    assert_eq!(
+        std::fs::read_to_string(in_root.join("00-nvcr-cleave.conf")).unwrap(),
+        "/opt/nvidia/lib\n"
+    );
+}
+
+#[test]
+fn update_ldcache_on_alpine_writes_the_musl_path_file() {
+    let b = Bundle::empty();
+    std::fs::create_dir_all(b.rootfs().join("etc")).unwrap();
+    std::fs::write(b.rootfs().join("etc/alpine-release"), "3.20.0\n").unwrap();
+    let ldconfig = b.host_ldconfig();
+    let args = ldcache_args(&b, ldconfig.to_str().unwrap(), &["/opt/nvidia/lib"]);
+    ok(&b.run(&args));
+    ok(&b.run(&args));
+    let arch = if cfg!(target_arch = "aarch64") {
+        "aarch64"
+    } else {
+        "x86_64"
+    };
+    let path = b.read(&format!("/etc/ld-musl-{arch}.path"));
+    assert!(
+        path.starts_with("/opt/nvidia/lib\n/lib\n/usr/lib\n"),
+        "{path}"
+    );
+    assert_eq!(path.matches("/opt/nvidia/lib").count(), 1, "{path}");
+}
+
+#[test]
 fn update_ldcache_with_a_real_ldconfig_builds_the_container_cache() {
     // Needs root (ldconfig -r chroots) and the host's glibc ldconfig and zlib.
     let lib = PathBuf::from("/usr/lib/x86_64-linux-gnu/libz.so.1.2.13");
