@@ -146,7 +146,8 @@ pub fn read_note(file: &File) -> std::io::Result<Option<CompatNote>> {
     let shentsize = usize::from(u16_at(&ident, 0x3a));
     let shnum = usize::from(u16_at(&ident, 0x3c));
     let shstrndx = usize::from(u16_at(&ident, 0x3e));
-    if shentsize < 64 || shnum == 0 || shstrndx >= shnum || shnum > 4096 {
+    // ELF64 section headers are 64 bytes; anything else is not a file we read.
+    if shentsize != 64 || shnum == 0 || shstrndx >= shnum || shnum > 4096 {
         return Ok(None);
     }
     let mut table = vec![0u8; shentsize * shnum];
