@@ -165,7 +165,10 @@ fn run(cmd: Command) -> Result<()> {
     }
 }
 
-fn main() -> ExitCode {
+/// The hook's entry point: parses the command line, runs the subcommand on the container
+/// whose OCI state is on stdin, and returns the exit code (1 on any failure, with the
+/// reason on stderr). The `cleave-cdi-hook` binary of the plugin package calls only this.
+pub fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     if let Some(first) = args.iter().skip(1).find(|a| !a.starts_with('-'))
         && !KNOWN.contains(&first.as_str())

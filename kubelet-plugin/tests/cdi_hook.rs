@@ -2,12 +2,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+mod hook_bundle;
 
 use std::os::unix::fs::{PermissionsExt, symlink};
 use std::path::PathBuf;
 
-use common::*;
+use hook_bundle::*;
 
 // ---- reading the OCI state ----
 
