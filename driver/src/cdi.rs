@@ -90,12 +90,18 @@ pub struct ContainerEdits {
     /// Bind mounts.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<Mount>,
+    /// OCI hooks (cleave's CDI hook: soname links, ld cache, CUDA compat).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<Hook>,
 }
 
 impl ContainerEdits {
     /// True if the edits change nothing.
     pub fn is_empty(&self) -> bool {
-        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty()
+        self.env.is_empty()
+            && self.device_nodes.is_empty()
+            && self.mounts.is_empty()
+            && self.hooks.is_empty()
     }
 
     /// Appends `other`'s edits.
@@ -103,7 +109,21 @@ impl ContainerEdits {
         self.env.extend(other.env.iter().cloned());
         self.device_nodes.extend(other.device_nodes.iter().cloned());
         self.mounts.extend(other.mounts.iter().cloned());
+        self.hooks.extend(other.hooks.iter().cloned());
     }
+}
+
+/// A CDI (OCI) hook.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hook {
+    /// `createContainer` for every hook cleave emits: it runs after the container's mounts
+    /// exist and before its process starts.
+    pub hook_name: String,
+    /// The program, as a path on the host (the runtime resolves it in its own namespace).
+    pub path: String,
+    /// Arguments, `args[0]` being the program name (OCI convention).
+    pub args: Vec<String>,
 }
 
 /// A CDI device node.
@@ -234,7 +254,7 @@ pub fn gpu_device_edits(
     ContainerEdits {
         env: vec![format!("{}={uuid}", device_uuid_env(device_name))],
         device_nodes: files.gpu_node(minor).into_iter().collect(),
-        mounts: Vec::new(),
+        ..ContainerEdits::default()
     }
 }
 
@@ -250,7 +270,7 @@ pub fn mig_device_edits(
     ContainerEdits {
         env: vec![format!("{}={uuid}", device_uuid_env(device_name))],
         device_nodes: files.mig_nodes(gpu_minor, gi, ci),
-        mounts: Vec::new(),
+        ..ContainerEdits::default()
     }
 }
 
@@ -446,7 +466,7 @@ mod tests {
         let files = files(dir.path());
         let cdi_root = dir.path().join("cdi");
         std::fs::create_dir(&cdi_root).unwrap();
-        let store = CdiStore::new(&cdi_root, files.common_edits());
+        let store = CdiStore::new(&cdi_root, files.common_edits(None));
         let devices = vec![
             CdiDevice {
                 device_name: "gpu-0".into(),

@@ -22,7 +22,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::cdi::{ContainerEdits, DeviceNode, Mount};
+use crate::cdi::{ContainerEdits, DeviceNode, Hook, Mount};
 
 /// Control device nodes every CUDA container needs, as names under `/dev`.
 pub const CONTROL_NODES: &[&str] = &[
@@ -45,6 +45,7 @@ pub const LIBRARIES: &[&str] = &[
     "libnvidia-gpucomp",
     "libnvidia-pkcs11",
     "libnvidia-pkcs11-openssl3",
+    "libnvidia-nvvm70",
 ];
 
 /// Library directories searched under the driver root, in order.
@@ -66,6 +67,8 @@ pub const BINARIES: &[&str] = &[
     "nvidia-persistenced",
     "nvidia-cuda-mps-control",
     "nvidia-cuda-mps-server",
+    "nvidia-imex",
+    "nvidia-imex-ctl",
 ];
 
 /// Binary directories searched under the driver root, in order.
@@ -152,6 +155,32 @@ impl FoundFile {
     }
 }
 
+/// A soname link of a driver library, relative to the root, and the file it names.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct LibraryLink {
+    /// The link (`usr/lib64/libcuda.so.1`).
+    pub link: FoundFile,
+    /// Its target, a file name in the same directory (`libcuda.so.550.163.01`).
+    pub target: String,
+}
+
+/// IPC sockets of the driver's daemons, relative to the root, that CUDA applications use
+/// when present (NVIDIA/nvidia-container-toolkit `internal/discover/ipc.go` mounts the
+/// same ones; the host-wide MPS pipe directory is left out: cleave's MPS daemons are per
+/// claim and mounted by the sharing code).
+pub const SOCKETS: &[&str] = &[
+    "run/nvidia-persistenced/socket",
+    "run/nvidia-fabricmanager/socket",
+    "var/run/nvidia-persistenced/socket",
+    "var/run/nvidia-fabricmanager/socket",
+];
+
+/// Mount options of the IPC sockets (the toolkit's `ipcMountOptions`).
+const SOCKET_MOUNT_OPTIONS: &[&str] = &["nosuid", "nodev", "rbind", "rprivate", "noexec"];
+
+/// Program name of cleave's CDI hook (`args[0]` of every hook entry).
+pub const CDI_HOOK_NAME: &str = "cleave-cdi-hook";
+
 /// A device node found under the dev root, with the numbers the container's node gets.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct FoundNode {
@@ -209,8 +238,17 @@ pub struct DriverFiles {
     pub control_nodes: Vec<FoundNode>,
     /// GPU device nodes `/dev/nvidia<minor>` that exist, by minor.
     pub gpu_nodes: BTreeMap<u32, FoundNode>,
-    /// User-space driver libraries (files and symlinks matching `<prefix>.so.*`).
+    /// User-space driver libraries to mount: the files (not their soname links) matching
+    /// `<prefix>.so.*`.
     pub libraries: Vec<FoundFile>,
+    /// Soname links of those libraries (`libcuda.so.1 -> libcuda.so.550.163.01`), made in
+    /// the container by the CDI hook rather than mounted, as NVIDIA's toolkit does.
+    pub library_links: Vec<LibraryLink>,
+    /// IPC sockets of the driver's daemons found under the root (persistenced, fabric
+    /// manager), mounted into containers.
+    pub sockets: Vec<FoundFile>,
+    /// Driver version from the CUDA library's file name (`libcuda.so.550.163.01`).
+    pub driver_version: Option<String>,
     /// Driver tools (`nvidia-smi`, ...).
     pub binaries: Vec<FoundFile>,
     /// Char major of `nvidia-caps` from `/proc/devices`, when the module is loaded.
@@ -270,6 +308,100 @@ fn read_optional(path: &Path) -> Result<Option<String>, DriverRootError> {
             source,
         }),
     }
+}
+
+/// The suffix of `<prefix>.so.<suffix>` when it is a full driver version (`550.163.01`,
+/// not a soname number such as `1`).
+fn full_version_suffix<'a>(name: &'a str, prefix: &str) -> Option<&'a str> {
+    let version = name.strip_prefix(prefix)?.strip_prefix(".so.")?;
+    (version.contains('.') && version.bytes().all(|b| b.is_ascii_digit() || b == b'.'))
+        .then_some(version)
+}
+
+/// The installed driver version: the one `libcuda.so.1` points at, else the only
+/// versioned `libcuda.so.<version>` (a host keeps old versions' files after upgrades).
+fn driver_version_of(root: &Path, libraries: &[FoundFile]) -> Option<String> {
+    let name_of = |f: &FoundFile| f.relative.file_name()?.to_str().map(str::to_owned);
+    let linked = libraries.iter().find_map(|f| {
+        (name_of(f)? == format!("{LIBCUDA}.so.1")).then_some(())?;
+        let target = fs::read_link(root.join(&f.relative)).ok()?;
+        let target = target.file_name()?.to_str()?;
+        full_version_suffix(target, LIBCUDA).map(str::to_owned)
+    });
+    if linked.is_some() {
+        return linked;
+    }
+    let versions: BTreeSet<String> = libraries
+        .iter()
+        .filter_map(|f| full_version_suffix(&name_of(f)?, LIBCUDA).map(str::to_owned))
+        .collect();
+    (versions.len() == 1)
+        .then(|| versions.into_iter().next())
+        .flatten()
+}
+
+/// Symlinks in the directories of `libraries` whose target is the bare name of one of them.
+fn links_to(
+    root: &Path,
+    host_root: &Path,
+    libraries: &[FoundFile],
+) -> Result<Vec<LibraryLink>, DriverRootError> {
+    let mut by_dir: BTreeMap<PathBuf, BTreeSet<String>> = BTreeMap::new();
+    for f in libraries {
+        if let (Some(dir), Some(name)) = (
+            f.relative.parent(),
+            f.relative.file_name().and_then(|n| n.to_str()),
+        ) {
+            by_dir
+                .entry(dir.to_path_buf())
+                .or_default()
+                .insert(name.to_owned());
+        }
+    }
+    let mut out = Vec::new();
+    for (dir, names) in by_dir {
+        for entry in read_dir_names(&root.join(&dir))? {
+            let relative = dir.join(&entry);
+            let Ok(target) = fs::read_link(root.join(&relative)) else {
+                continue;
+            };
+            let Some(target) = target.to_str() else {
+                continue;
+            };
+            if names.contains(target) {
+                out.push(LibraryLink {
+                    link: FoundFile {
+                        host_path: host_root.join(&relative),
+                        relative,
+                    },
+                    target: target.to_owned(),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Splits found library names into files to mount and soname links: a symlink whose
+/// target is a plain file name in the same directory that is itself a found library
+/// (`libcuda.so.1 -> libcuda.so.550.163.01`) is a link the hook makes in the container;
+/// anything else (regular files, links elsewhere) is mounted.
+fn split_soname_links(root: &Path, found: Vec<FoundFile>) -> (Vec<FoundFile>, Vec<LibraryLink>) {
+    let names: BTreeSet<PathBuf> = found.iter().map(|f| f.relative.clone()).collect();
+    let mut files = Vec::new();
+    let mut links = Vec::new();
+    for f in found {
+        let target = fs::read_link(root.join(&f.relative)).ok().and_then(|t| {
+            let t = t.to_str()?.to_owned();
+            let sibling = f.relative.with_file_name(&t);
+            (!t.contains('/') && names.contains(&sibling)).then_some(t)
+        });
+        match target {
+            Some(target) => links.push(LibraryLink { link: f, target }),
+            None => files.push(f),
+        }
+    }
+    (files, links)
 }
 
 /// Parses `/proc/devices` and returns the major of the character device `name`.
@@ -393,12 +525,55 @@ impl DriverFiles {
             }
         }
 
-        let libraries = Self::scan(root, host_root, LIBRARY_DIRS, |name| {
+        let found_libraries = Self::scan(root, host_root, LIBRARY_DIRS, |name| {
             LIBRARIES.iter().any(|prefix| {
                 name.strip_prefix(prefix)
                     .is_some_and(|rest| rest.starts_with(".so."))
             })
         })?;
+        // Every library of the installed version too (`*.so.<version>`), as NVIDIA's
+        // toolkit mounts them (its `nvcdi` `getVersionLibs`): graphics, video and ray-tracing
+        // libraries a CUDA container may load, whose names no fixed list keeps up with.
+        let version = driver_version_of(root, &found_libraries);
+        let mut found_libraries = found_libraries;
+        if let Some(version) = &version {
+            // Files of another driver version (left by an upgrade) are not this driver's.
+            found_libraries.retain(|f| {
+                let Some(name) = f.relative.file_name().and_then(|n| n.to_str()) else {
+                    return true;
+                };
+                LIBRARIES
+                    .iter()
+                    .filter_map(|prefix| full_version_suffix(name, prefix))
+                    .all(|v| v == version)
+            });
+            let suffix = format!(".so.{version}");
+            let seen: BTreeSet<String> = found_libraries
+                .iter()
+                .filter_map(|f| f.relative.file_name()?.to_str().map(str::to_owned))
+                .collect();
+            found_libraries.extend(Self::scan(root, host_root, LIBRARY_DIRS, |name| {
+                name.ends_with(&suffix) && !seen.contains(name)
+            })?);
+            found_libraries.sort();
+        }
+        let (libraries, mut library_links) = split_soname_links(root, found_libraries);
+        // Soname links of libraries found by version (`libGLX_nvidia.so.0`) have names no
+        // prefix list matches: any symlink beside a library file that names it is one.
+        for link in links_to(root, host_root, &libraries)? {
+            if !library_links
+                .iter()
+                .any(|l| l.link.relative == link.link.relative)
+            {
+                library_links.push(link);
+            }
+        }
+        library_links.sort();
+        let sockets = SOCKETS
+            .iter()
+            .filter(|rel| root.join(rel).exists())
+            .map(|rel| found(host_root, PathBuf::from(rel)))
+            .collect();
         let binaries = Self::scan(root, host_root, BINARY_DIRS, |name| {
             BINARIES.contains(&name)
         })?;
@@ -411,12 +586,16 @@ impl DriverFiles {
         .map(|text| parse_mig_minors(&text))
         .unwrap_or_default();
 
+        let driver_version = version;
         let files = Self {
             root: root.clone(),
             dev_dir,
             control_nodes,
             gpu_nodes,
             libraries,
+            library_links,
+            sockets,
+            driver_version,
             binaries,
             caps_major,
             uvm_major,
@@ -547,24 +726,97 @@ impl DriverFiles {
         Ok(out)
     }
 
-    /// The container edits every claim device gets: control nodes, library and tool mounts,
-    /// and `NVIDIA_VISIBLE_DEVICES=void` so that an NVIDIA runtime hook, if one is configured,
-    /// injects nothing on its own and CDI alone decides what the container sees.
-    pub fn common_edits(&self) -> ContainerEdits {
+    /// The container edits every claim device gets, as NVIDIA's container toolkit makes
+    /// them for the same root (its `nvcdi` package): the control nodes; the library files,
+    /// tools and IPC sockets as read-only bind mounts (firmware is not mounted: containers
+    /// do not load it); `NVIDIA_CTK_LIBCUDA_DIR` (the CUDA library's directory in the
+    /// container); `NVIDIA_VISIBLE_DEVICES=void`, so that an NVIDIA runtime hook, if one is
+    /// configured, injects nothing on its own and CDI alone decides what the container
+    /// sees; and, with `hook` (the CDI hook's path on the host), the `createContainer`
+    /// hooks in the toolkit's order: soname links, CUDA forward compatibility, the ld
+    /// cache over the library directories, and no device-node creation by the driver.
+    pub fn common_edits(&self, hook: Option<&Path>) -> ContainerEdits {
         let mut edits = ContainerEdits {
             env: vec!["NVIDIA_VISIBLE_DEVICES=void".to_owned()],
             ..ContainerEdits::default()
         };
+        let libcuda_dir = self
+            .libcuda()
+            .and_then(|f| f.container_path().parent().map(Path::to_path_buf));
+        if let Some(dir) = &libcuda_dir {
+            edits
+                .env
+                .push(format!("NVIDIA_CTK_LIBCUDA_DIR={}", dir.display()));
+        }
         for node in &self.control_nodes {
             edits.device_nodes.push(node.device_node());
         }
+        let mount = |file: &FoundFile, options: &[&str]| Mount {
+            host_path: file.host_path.display().to_string(),
+            container_path: file.container_path().display().to_string(),
+            options: options.iter().map(|s| (*s).to_owned()).collect(),
+        };
         for file in self.libraries.iter().chain(&self.binaries) {
-            edits.mounts.push(Mount {
-                host_path: file.host_path.display().to_string(),
-                container_path: file.container_path().display().to_string(),
-                options: MOUNT_OPTIONS.iter().map(|s| (*s).to_owned()).collect(),
-            });
+            edits.mounts.push(mount(file, MOUNT_OPTIONS));
         }
+        for socket in &self.sockets {
+            edits.mounts.push(mount(socket, SOCKET_MOUNT_OPTIONS));
+        }
+        let Some(hook) = hook else {
+            return edits;
+        };
+        let hook_entry = |args: Vec<String>| Hook {
+            hook_name: "createContainer".to_owned(),
+            path: hook.display().to_string(),
+            args: std::iter::once(CDI_HOOK_NAME.to_owned())
+                .chain(args)
+                .collect(),
+        };
+        let mut links: Vec<String> = self
+            .library_links
+            .iter()
+            .map(|l| format!("{}::{}", l.target, l.link.container_path().display()))
+            .collect();
+        if let Some(dir) = &libcuda_dir {
+            // The development name, which some applications dlopen.
+            links.push(format!(
+                "{LIBCUDA}.so.1::{}",
+                dir.join(format!("{LIBCUDA}.so")).display()
+            ));
+        }
+        if !links.is_empty() {
+            let mut args = vec!["create-symlinks".to_owned()];
+            for link in links {
+                args.push("--link".to_owned());
+                args.push(link);
+            }
+            edits.hooks.push(hook_entry(args));
+        }
+        if let Some(version) = &self.driver_version {
+            edits.hooks.push(hook_entry(vec![
+                "enable-cuda-compat".to_owned(),
+                format!("--host-driver-version={version}"),
+            ]));
+        }
+        let mut folders: Vec<PathBuf> = Vec::new();
+        for file in &self.libraries {
+            if let Some(dir) = file.container_path().parent()
+                && !folders.iter().any(|f| f == dir)
+            {
+                folders.push(dir.to_path_buf());
+            }
+        }
+        if !folders.is_empty() {
+            let mut args = vec!["update-ldcache".to_owned()];
+            for folder in folders {
+                args.push("--folder".to_owned());
+                args.push(folder.display().to_string());
+            }
+            edits.hooks.push(hook_entry(args));
+        }
+        edits.hooks.push(hook_entry(vec![
+            "disable-device-node-modification".to_owned(),
+        ]));
         edits
     }
 
@@ -748,8 +1000,15 @@ mod tests {
             ci_access_minor_formula(1, 3, 1)
         );
 
-        let edits = files.common_edits();
-        assert_eq!(edits.env, ["NVIDIA_VISIBLE_DEVICES=void"]);
+        let edits = files.common_edits(None);
+        assert_eq!(
+            edits.env,
+            [
+                "NVIDIA_VISIBLE_DEVICES=void",
+                "NVIDIA_CTK_LIBCUDA_DIR=/usr/lib/x86_64-linux-gnu"
+            ]
+        );
+        assert!(edits.hooks.is_empty(), "no hook path, no hooks");
         assert_eq!(edits.device_nodes.len(), 2);
         assert_eq!(edits.mounts.len(), 6);
         assert!(edits.mounts.iter().all(|m| m.options == MOUNT_OPTIONS));
@@ -772,7 +1031,7 @@ mod tests {
             proc_root: dir.path().join("proc"),
         };
         let files = DriverFiles::discover(&config).unwrap();
-        let edits = files.common_edits();
+        let edits = files.common_edits(None);
         assert!(edits.device_nodes.is_empty() && edits.mounts.is_empty());
         assert_eq!(files.gpu_node(0), None);
         // No caps major and no node on disk: no cap node rather than a node the runtime cannot find.

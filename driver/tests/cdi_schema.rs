@@ -52,7 +52,7 @@ fn written_spec(dir: &Path) -> (PathBuf, Vec<u8>) {
     let files = DriverFiles::discover(&fake_root(dir)).unwrap();
     let cdi_root = dir.join("cdi");
     std::fs::create_dir_all(&cdi_root).unwrap();
-    let store = CdiStore::new(&cdi_root, files.common_edits());
+    let store = CdiStore::new(&cdi_root, files.common_edits(None));
     let devices = [
         CdiDevice {
             device_name: "gpu-0".into(),

@@ -88,6 +88,7 @@ fn run(dir: &Path, dynamic: bool, device_for: impl Fn(usize) -> String, label: &
         },
         dynamic_mig: dynamic,
         boot_id_path: dir.join("boot_id"),
+        cdi_hook: None,
     };
     let backend = Arc::new(NvmlBackend::open(Some(&mock_lib())).unwrap());
     let driver = NodeDriver::start(cfg.clone(), backend).unwrap();

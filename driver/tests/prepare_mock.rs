@@ -54,6 +54,7 @@ fn config(dir: &Path, dynamic_mig: bool) -> DriverConfig {
         },
         dynamic_mig,
         boot_id_path,
+        cdi_hook: None,
     }
 }
 

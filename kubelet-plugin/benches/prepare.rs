@@ -75,6 +75,8 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
             cdi_root: dir.join("cdi"),
             driver_root: dir.join("driver-root"),
             dynamic_mig: false,
+            cdi_hook_source: None,
+            disable_cdi_hooks: false,
             host_driver_root: None,
             mps_control_bin: None,
             nvidia_smi_bin: None,

@@ -270,6 +270,13 @@ pub struct DriverArgs {
     /// cluster's partitionable-devices support).
     #[arg(long, env = "DYNAMIC_MIG")]
     pub dynamic_mig: bool,
+    /// cleave's CDI hook binary to install on the node and name in every CDI spec
+    /// (default: `cleave-cdi-hook` beside this executable).
+    #[arg(long, env = "CDI_HOOK_SOURCE")]
+    pub cdi_hook_source: Option<PathBuf>,
+    /// Write CDI specs without hooks (no soname links, no ld cache update in containers).
+    #[arg(long, env = "DISABLE_CDI_HOOKS")]
+    pub disable_cdi_hooks: bool,
 }
 
 /// Arguments of `run`.

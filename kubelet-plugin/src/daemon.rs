@@ -72,7 +72,25 @@ pub fn driver_config(args: &RunArgs, plugin: &PluginConfig) -> DriverConfig {
         },
         dynamic_mig: args.driver.dynamic_mig,
         boot_id_path: PathBuf::from(BOOT_ID_PATH),
+        cdi_hook: None,
     }
+}
+
+/// Installs the CDI hook (unless `--disable-cdi-hooks`) and returns its host path.
+fn install_cdi_hook(args: &RunArgs, state_dir: &Path) -> anyhow::Result<Option<PathBuf>> {
+    if args.driver.disable_cdi_hooks {
+        warn!("CDI hooks disabled: claims' containers get no soname links and no ld cache update");
+        return Ok(None);
+    }
+    let source = match &args.driver.cdi_hook_source {
+        Some(s) => s.clone(),
+        None => {
+            let exe = std::env::current_exe().context("finding this executable")?;
+            crate::cdi_hook::default_source(&exe)
+                .with_context(|| format!("{} has no directory", exe.display()))?
+        }
+    };
+    crate::cdi_hook::install(&source, state_dir).map(Some)
 }
 
 /// The sharing (MPS, time-slicing) settings `run` derives from its flags: tools under
@@ -247,7 +265,8 @@ pub async fn start_with_backend(
         .context("preparing plugin directories")?;
     let serializer = Serializer::new(plugin.lock_file());
 
-    let config = driver_config(args, &plugin);
+    let mut config = driver_config(args, &plugin);
+    config.cdi_hook = install_cdi_hook(args, &config.state_dir)?;
     let sharing = Arc::new(
         sharing_manager(args, &config, &client)
             .await?

@@ -295,6 +295,8 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             host_driver_root: None,
             mps_control_bin: None,
             nvidia_smi_bin: None,
+            cdi_hook_source: None,
+            disable_cdi_hooks: false,
         },
         nvml: NvmlArgs {
             nvml_lib: Some(nvml_lib),

@@ -6,6 +6,7 @@
 //! plugin instances on a node one at a time. [`cli`] and [`daemon`] wire it to the
 //! driver (`cleave-driver`) and the slice publisher (`cleave-controller`).
 
+pub mod cdi_hook;
 pub mod cli;
 pub mod coexistence;
 pub mod daemon;

@@ -119,6 +119,9 @@ pub struct DriverConfig {
     pub dynamic_mig: bool,
     /// File with the kernel boot ID (`/proc/sys/kernel/random/boot_id`).
     pub boot_id_path: PathBuf,
+    /// cleave's CDI hook as a path on the host, named in every claim's spec (soname
+    /// links, ld cache, CUDA compat); `None`: specs without hooks.
+    pub cdi_hook: Option<PathBuf>,
 }
 
 /// A prepare or unprepare failure; the message names the claim and the object.
@@ -378,8 +381,11 @@ struct DriverView {
 }
 
 impl DriverView {
-    fn new(files: DriverFiles, cdi_root: &Path) -> Self {
-        let cdi = CdiStore::new(cdi_root, files.common_edits());
+    fn new(files: DriverFiles, config: &DriverConfig) -> Self {
+        let cdi = CdiStore::new(
+            &config.cdi_root,
+            files.common_edits(config.cdi_hook.as_deref()),
+        );
         Self {
             files: Arc::new(files),
             cdi,
@@ -451,7 +457,7 @@ impl NodeDriver {
                 });
             }
         }
-        let view = DriverView::new(files, &config.cdi_root);
+        let view = DriverView::new(files, &config);
         let checkpoint = CheckpointStore::in_dir(&config.state_dir);
         let boot_id = checkpoint::read_boot_id(&config.boot_id_path).map_err(|source| {
             PrepareError::BootId {
@@ -599,7 +605,7 @@ impl NodeDriver {
         }
         let files = DriverFiles::discover(&self.config.driver_root)?;
         let missing = files.missing_for(needs);
-        let fresh = Arc::new(DriverView::new(files, &self.config.cdi_root));
+        let fresh = Arc::new(DriverView::new(files, &self.config));
         *self
             .files
             .write()

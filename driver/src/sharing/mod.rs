@@ -1088,8 +1088,8 @@ impl SharingManager {
         }
         ContainerEdits {
             env,
-            device_nodes: Vec::new(),
             mounts,
+            ..ContainerEdits::default()
         }
     }
 }

@@ -75,7 +75,12 @@ pub fn link_libraries(driver_root: &Path, lib_dir: &Path) -> Result<usize, Shari
     })?;
     std::fs::create_dir_all(lib_dir).map_err(io("creating", lib_dir))?;
     let mut linked = 0;
-    for lib in &files.libraries {
+    // Soname links too: the tool loads `libnvidia-ml.so.1`, not the versioned file.
+    for lib in files
+        .libraries
+        .iter()
+        .chain(files.library_links.iter().map(|l| &l.link))
+    {
         let Some(name) = lib.relative.file_name() else {
             continue;
         };

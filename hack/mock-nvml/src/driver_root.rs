@@ -63,7 +63,19 @@ pub const LIBRARIES: &[(&str, Option<&str>)] = &[
     ("libnvidia-allocator", Some("libnvidia-allocator.so.1")),
     ("libnvidia-cfg", Some("libnvidia-cfg.so.1")),
     ("libnvidia-gpucomp", None),
+    // Graphics, video and optical-flow libraries every desktop-capable install carries.
+    ("libnvidia-glcore", None),
+    ("libnvidia-eglcore", None),
+    ("libnvidia-tls", None),
+    ("libnvidia-encode", Some("libnvidia-encode.so.1")),
+    ("libnvcuvid", Some("libnvcuvid.so.1")),
+    ("libnvidia-opticalflow", Some("libnvidia-opticalflow.so.1")),
+    ("libGLX_nvidia", Some("libGLX_nvidia.so.0")),
+    ("libEGL_nvidia", Some("libEGL_nvidia.so.0")),
 ];
+
+/// A library of an older driver that the upgrade left behind (no link names it).
+pub const STALE_LIBRARY: &str = "libnvidia-ml.so.535.54.03";
 
 /// Tools in `usr/bin`.
 pub const TOOLS: &[&str] = &[
@@ -171,6 +183,7 @@ impl DriverRootFixture {
             "libm.so.6",
             "libcudart.so.12",
             "libnvidia-mlx.so.1",
+            STALE_LIBRARY,
         ] {
             write(&lib_dir.join(other), "")?;
         }
