@@ -961,7 +961,17 @@ def dockerfile_agrees_with_chart_and_cargo() -> None:
         assert f"-p {pkg}" in build.group(0), f"Dockerfile does not build {pkg}"
     for src in copies.values():
         built = Path(src).name
-        assert f"target/release/{built}" in text, f"{built} is not taken from target/release"
+        assert re.search(rf"target/(\S+/)?release/{re.escape(built)}\b", text), (
+            f"{built} is not taken from a release build"
+        )
+    # The CDI hook: a [[bin]] of the plugin, built static, beside the plugin binary (where
+    # the plugin looks for it by default).
+    assert "cleave-cdi-hook" in bins, f"cleave-cdi-hook is not a [[bin]] of kubelet-plugin ({bins})"
+    hook_dest = [d for d in copies if Path(d).name == "cleave-cdi-hook"]
+    assert hook_dest == [str(Path(binary).parent / "cleave-cdi-hook")], (
+        f"cleave-cdi-hook must be copied beside {binary} ({copies})"
+    )
+    assert "crt-static" in text and "--bin cleave-cdi-hook" in text, "cleave-cdi-hook is not linked statically"
 
     workspace = tomllib.loads((ROOT / "Cargo.toml").read_text())
     rust = workspace["workspace"]["package"]["rust-version"]

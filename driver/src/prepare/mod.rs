@@ -81,7 +81,7 @@ pub mod sharing;
 pub mod testing;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cleave_api::config::DeviceKind as ConfigKind;
