@@ -832,7 +832,7 @@ pub fn whole_gpu_sms(
 
 /// Streaming multiprocessors of the whole GPU by PCI device id (`nvmlPciInfo_t.pciDeviceId`,
 /// device << 16 | vendor): the fallback of [`whole_gpu_sms`]. Figures are CUDA deviceQuery
-/// values (sources in docs/nvml.md).
+/// values (products and sources in docs/driver-root.md).
 pub fn whole_gpu_multiprocessors(pci_device_id: u32) -> Option<u32> {
     whole_gpu_multiprocessors_entry(pci_device_id).map(|(sms, _)| sms)
 }

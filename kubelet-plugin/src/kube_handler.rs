@@ -243,6 +243,7 @@ impl ClaimHandler for KubeClaimHandler {
                                     PrepareError::InvalidConfig { .. }
                                         | PrepareError::UnknownDevice { .. }
                                         | PrepareError::InvalidClaim { .. }
+                                        | PrepareError::MissingDriverFiles { .. }
                                 );
                                 (actionable, e.to_string())
                             });

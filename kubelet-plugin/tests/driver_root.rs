@@ -190,6 +190,10 @@ async fn claims_whose_containers_would_lack_files_fail_naming_them_until_the_fil
         assert!(!error.contains("/dev/nvidiactl,"), "{error}");
     }
     assert!(dirs.cdi_files().is_empty(), "no spec for a refused claim");
+    // The claim's owner sees why, on the claim.
+    let event = wait_event(&standin, "PrepareFailed").await;
+    let note = event["note"].as_str().unwrap_or_default();
+    assert!(note.contains("/dev/nvidia0"), "{note}");
 
     // The driver finishes installing: the same claims prepare, no restart needed (one
     // after the other: a whole GPU and a MIG slice of it never coexist).
