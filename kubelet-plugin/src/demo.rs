@@ -843,10 +843,16 @@ fn edit_lines(edits: &serde_json::Value) -> Vec<String> {
         ));
     }
     for h in list("hooks") {
+        // args[0] is the program name; the rest says what the hook does.
+        let args: Vec<&str> = h["args"]
+            .as_array()
+            .map(|a| a.iter().skip(1).filter_map(|v| v.as_str()).collect())
+            .unwrap_or_default();
         out.push(format!(
-            "hook {} {}",
+            "hook {} {} {}",
             h["hookName"].as_str().unwrap_or("?"),
-            h["path"].as_str().unwrap_or("?")
+            h["path"].as_str().unwrap_or("?"),
+            args.join(" ")
         ));
     }
     out
