@@ -214,6 +214,11 @@ pub struct RunningPlugin {
     pub publisher: SlicePublisher,
     /// The DRA and registration servers.
     pub server: PluginServer,
+    /// Why devices are not published yet: NVML sees GPUs but the driver root holds no
+    /// driver files (see `NodeDriver::missing_driver`).
+    pub driver_wait: Option<String>,
+    /// The pool to publish once the driver's files are there.
+    pub pending_pool: Option<cleave_api::pool::PoolDevices>,
 }
 
 impl std::fmt::Debug for RunningPlugin {
@@ -327,7 +332,19 @@ pub async fn start_with_backend(
         metrics.clone(),
     );
     let publisher = SlicePublisher::start(client.clone(), publisher_config);
-    publisher.publish(pool);
+    // NVML sees GPUs but the driver root holds no driver: offer nothing (every claim would
+    // fail), serve prepares anyway so they fail naming the files, and wait for the files.
+    let driver_wait = driver.missing_driver().map(|e| e.to_string());
+    let pending_pool = match &driver_wait {
+        Some(reason) => {
+            warn!(reason = %reason, "not publishing devices until the driver root holds the NVIDIA driver; claims are refused meanwhile");
+            Some(pool)
+        }
+        None => {
+            publisher.publish(pool);
+            None
+        }
+    };
 
     let events = crate::events::EventReporter::new(client.clone(), args.node_name.clone());
     report_silent_gpus(
@@ -354,6 +371,8 @@ pub async fn start_with_backend(
         serializer,
         publisher,
         server,
+        driver_wait,
+        pending_pool,
     })
 }
 
@@ -549,9 +568,47 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     );
     mps_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut mps_check_task: Option<tokio::task::JoinHandle<()>> = None;
+    // While the driver root holds no driver: not ready with the reason, and looked at again
+    // on the start-up retry schedule's longest wait.
+    let mut plugin = plugin;
+    if let Some(reason) = plugin.driver_wait.clone() {
+        let reason = format!("NVIDIA driver not ready: {reason}");
+        crate::lifecycle::driver_not_ready_event(&args, &ctx, &reason, &mut None).await;
+        ctx.blocker.send_replace(Some(reason));
+    }
+    let mut driver_check = tokio::time::interval(std::time::Duration::from_millis(
+        args.lifecycle.retry_max_ms.clamp(100, 10_000),
+    ));
+    driver_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
+            _ = driver_check.tick(), if plugin.driver_wait.is_some() => {
+                let driver = Arc::clone(&plugin.driver);
+                let found = tokio::task::spawn_blocking(move || {
+                    driver.rediscover_driver_files().map(|()| driver.missing_driver().is_none())
+                })
+                .await;
+                match found {
+                    Ok(Ok(true)) => {
+                        info!("the driver root holds the NVIDIA driver now; publishing devices");
+                        let pool = match plugin.server.health() {
+                            Some(h) => h.pool_to_publish(),
+                            None => plugin.pending_pool.take().unwrap_or_default(),
+                        };
+                        if let Some(m) = &metrics {
+                            m.observability.set_published(&pool);
+                        }
+                        plugin.publisher.publish(pool);
+                        plugin.driver_wait = None;
+                        plugin.pending_pool = None;
+                        ctx.blocker.send_replace(None);
+                    }
+                    Ok(Ok(false)) => {}
+                    Ok(Err(e)) => warn!(error = %e, "looking at the driver root again"),
+                    Err(e) => warn!(error = %e, "looking at the driver root again"),
+                }
+            }
             _ = mps_check.tick(), if !check_every.is_zero() => {
                 if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
                     let driver = Arc::clone(&plugin.driver);
@@ -585,8 +642,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     None => std::future::pending().await,
                 }
             } => {
-                // A device became unhealthy or healthy again: taint or drop it.
-                if let Some(h) = plugin.server.health() {
+                // A device became unhealthy or healthy again: taint or drop it (nothing is
+                // published while the driver root holds no driver).
+                if let Some(h) = plugin.server.health().filter(|_| plugin.driver_wait.is_none()) {
                     let pool = h.pool_to_publish();
                     if let Some(m) = &metrics {
                         m.observability.set_published(&pool);

@@ -196,15 +196,6 @@ fn short_reason(e: &CheckpointError) -> String {
     }
 }
 
-/// The driver-root error inside a start failure: NVML sees GPUs but the root holds no
-/// driver files (a wrong `--driver-root`, or a driver container still installing).
-pub fn driver_files_error(e: &anyhow::Error) -> Option<&PrepareError> {
-    e.chain().find_map(|c| {
-        c.downcast_ref::<PrepareError>()
-            .filter(|p| matches!(p, PrepareError::NoDriverFiles { .. }))
-    })
-}
-
 /// Loads NVML for the driver under `driver_root` (the root's libraries first, then the
 /// system's, or `nvml_lib` when given) and checks it sees GPUs; the error says why the
 /// driver is not usable yet, naming every library path tried.
@@ -311,15 +302,6 @@ pub async fn start_when_possible(
                 return Ok(p);
             }
             Err(e) => {
-                if let Some(de) = driver_files_error(&e) {
-                    let reason = format!("NVIDIA driver not ready: {de}");
-                    let delay = backoff.next_delay();
-                    warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "waiting for the driver's files under the driver root; not registering or publishing");
-                    driver_not_ready_event(args, ctx, &reason, &mut last_driver_reason).await;
-                    ctx.blocker.send_replace(Some(reason));
-                    tokio::time::sleep(delay).await;
-                    continue;
-                }
                 let Some(ce) = checkpoint_error(&e) else {
                     return Err(e);
                 };
@@ -360,7 +342,7 @@ pub async fn start_when_possible(
 
 /// Posts a Warning Event on the Node for a driver-not-ready reason, once per distinct
 /// reason (a retry loop must not flood the Node's events).
-async fn driver_not_ready_event(
+pub(crate) async fn driver_not_ready_event(
     args: &RunArgs,
     ctx: &StartContext,
     reason: &str,

@@ -305,3 +305,90 @@ fn inspect_says_why_a_gpu_publishes_nothing() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_without_driver_files_publishes_nothing_refuses_claims_and_recovers() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    std::fs::create_dir_all(dirs.driver_root()).unwrap();
+    let port = free_port();
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            mig: "on",
+            dynamic_mig: true,
+            driver_root_as_is: true,
+            metrics_port: Some(port),
+            env: vec![("RETRY_MAX_MS", "200".to_owned())],
+            ..PluginOptions::default()
+        },
+    );
+    let started = Instant::now();
+    let body = loop {
+        if let Some((503, body)) = http_get(port, "/readyz")
+            && body.contains("holds no NVIDIA driver files")
+        {
+            break body;
+        }
+        assert!(
+            started.elapsed() < TIMEOUT,
+            "never not-ready:\n{}",
+            dirs.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(body.contains("NVML sees 8 GPU(s)"), "{body}");
+    let event = wait_event(&standin, "NVIDIADriverNotReady").await;
+    assert!(
+        event["note"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("holds no NVIDIA driver files")
+    );
+
+    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
+    put_claim(
+        &standin,
+        "slice",
+        "uid-slice",
+        &[("mig", "gpu-0-mig-3g40gb-4")],
+        &[],
+    );
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let resp = prepare(
+        &mut dra,
+        vec![claim("whole", "uid-whole"), claim("slice", "uid-slice")],
+    )
+    .await;
+    for uid in ["uid-whole", "uid-slice"] {
+        let error = &resp.claims[uid].error;
+        for name in [
+            "/dev/nvidia0",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "libcuda.so.1",
+        ] {
+            assert!(error.contains(name), "{uid}: {name} not named: {error}");
+        }
+    }
+    assert_eq!(
+        device_count(&standin),
+        0,
+        "nothing offered without a driver"
+    );
+
+    // The driver container finishes: the plugin notices without a restart and publishes.
+    dirs.lay_out_driver_root("h100-80gb-x8");
+    let started = Instant::now();
+    while device_count(&standin) == 0 {
+        assert!(
+            started.elapsed() < TIMEOUT,
+            "never published:\n{}",
+            dirs.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let resp = prepare(&mut dra, vec![claim("slice", "uid-slice")]).await;
+    assert_eq!(resp.claims["uid-slice"].error, "");
+    assert!(plugin.terminate().success());
+}

@@ -443,20 +443,6 @@ impl NodeDriver {
                 })?;
         }
         let files = DriverFiles::discover(&config.driver_root)?;
-        if files.holds_no_driver() {
-            let gpus = backend
-                .inventory()
-                .map_err(PrepareError::Discovery)?
-                .gpus
-                .len();
-            if gpus > 0 {
-                return Err(PrepareError::NoDriverFiles {
-                    root: files.root.clone(),
-                    dev_dir: files.dev_dir.clone(),
-                    gpus,
-                });
-            }
-        }
         let view = DriverView::new(files, &config);
         let checkpoint = CheckpointStore::in_dir(&config.state_dir);
         let boot_id = checkpoint::read_boot_id(&config.boot_id_path).map_err(|source| {
@@ -620,6 +606,32 @@ impl NodeDriver {
             dev_dir: fresh.files.dev_dir.clone(),
             missing,
         })
+    }
+
+    /// When NVML sees GPUs but the driver root holds no driver files at all (a wrong
+    /// `--driver-root`, or a driver container still installing): the error saying so.
+    /// Claims are refused meanwhile (naming the files); the shell keeps the node from
+    /// being offered.
+    pub fn missing_driver(&self) -> Option<PrepareError> {
+        let view = self.view();
+        let gpus = self.lock_for_view().inventory.gpus.len();
+        (gpus > 0 && view.files.holds_no_driver()).then(|| PrepareError::NoDriverFiles {
+            root: view.files.root.clone(),
+            dev_dir: view.files.dev_dir.clone(),
+            gpus,
+        })
+    }
+
+    /// Looks at the driver root again (for [`Self::missing_driver`] to clear once the
+    /// driver is installed).
+    pub fn rediscover_driver_files(&self) -> Result<(), PrepareError> {
+        let files = DriverFiles::discover(&self.config.driver_root)?;
+        *self
+            .files
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Arc::new(DriverView::new(files, &self.config));
+        Ok(())
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -154,18 +154,25 @@ fn claims_are_refused_while_the_driver_root_lacks_what_containers_need() {
     let config = config_with_empty_root(dir.path(), true);
     let root = config.driver_root.root.clone();
     let fake = Arc::new(FakeBackend::new(inventory(vec![plain_gpu(0), mig_gpu(1)])));
-    // NVML sees GPUs but the root holds no driver: the node is not started.
-    let e = NodeDriver::start(config.clone(), fake.clone()).unwrap_err();
+    // NVML sees GPUs but the root holds no driver: said so, and claims are refused.
+    let driver = NodeDriver::start(config.clone(), fake.clone()).unwrap();
+    let e = driver.missing_driver().expect("no driver files");
     assert!(
         matches!(e, PrepareError::NoDriverFiles { gpus: 2, .. }),
         "{e}"
     );
     assert!(e.to_string().contains(&root.display().to_string()), "{e}");
+    let e = driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap_err();
+    assert!(e.to_string().contains("/dev/nvidiactl"), "{e}");
 
-    // Half a driver (no GPU nodes, no libcuda): starts, but claims fail naming each file.
+    // Half a driver (no GPU nodes, no libcuda): no longer "no driver", but claims fail
+    // naming each missing file.
     std::fs::create_dir_all(root.join("dev")).unwrap();
     std::fs::write(root.join("dev/nvidiactl"), "").unwrap();
-    let driver = NodeDriver::start(config.clone(), fake.clone()).unwrap();
+    driver.rediscover_driver_files().unwrap();
+    assert!(driver.missing_driver().is_none());
     let e = driver
         .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
         .unwrap_err();
