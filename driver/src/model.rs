@@ -74,12 +74,15 @@ impl MigState {
         matches!(self, Self::Enabled { .. })
     }
 
-    /// True if the GPU supports MIG and its profiles could be read (a GPU whose profile
-    /// queries all fail is not offered as MIG-capable).
+    /// True if the GPU supports MIG: it answers its MIG mode, and with MIG enabled its
+    /// profiles can be read (a MIG-enabled GPU whose profile queries all fail is not offered
+    /// as MIG-capable). With MIG off, NVML may answer no profile at all (nvml.h: the
+    /// versioned profile query is "not supported if device doesn't have MIG mode enabled").
     pub fn is_capable(&self) -> bool {
         match self {
             Self::NotCapable => false,
-            Self::Disabled { profiles } | Self::Enabled { profiles, .. } => !profiles.is_empty(),
+            Self::Disabled { .. } => true,
+            Self::Enabled { profiles, .. } => !profiles.is_empty(),
         }
     }
 }

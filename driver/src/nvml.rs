@@ -229,12 +229,10 @@ impl NvmlBackend {
                     if mode.current == MIG_ENABLE {
                         tracing::error!(gpu = %uuid, nvml_return_code = code, "MIG mode is on but NVML answers no GPU-instance profile (nvmlDeviceGetGpuInstanceProfileInfo); no MIG placement or instance of this GPU can be published, and it is not published as migCapable");
                     } else {
-                        tracing::warn!(gpu = %uuid, nvml_return_code = code, "nvmlDeviceGetMigMode answers but no GPU-instance profile can be read; not published as migCapable");
+                        tracing::debug!(gpu = %uuid, nvml_return_code = code, "no GPU-instance profile while MIG mode is off");
                     }
                 }
-                if profiles.is_empty() && mode.current != MIG_ENABLE {
-                    MigState::NotCapable
-                } else if mode.current == MIG_ENABLE {
+                if mode.current == MIG_ENABLE {
                     let instances = self.instances(&device, &uuid, &profiles)?;
                     let memory_slices = memory_slices(&profiles);
                     MigState::Enabled {

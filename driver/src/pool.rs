@@ -826,7 +826,7 @@ mod tests {
                 .iter()
                 .all(|s| s.name != "gpu-0")
         );
-        // And a GPU whose profiles are unreadable is not offered as MIG-capable.
+        // And a MIG-enabled GPU whose profiles are unreadable is not offered as MIG-capable.
         assert!(!node.gpus[2].mig.is_capable());
         assert!(node.gpus[0].mig.is_capable());
     }

@@ -355,6 +355,59 @@ fn failing_gpu_is_skipped_with_warning() {
     }
 }
 
+/// A MIG-enabled GPU whose profile queries all answer NOT_SUPPORTED is logged with the
+/// return code, not offered as MIG-capable, publishes no placement, and is named among the
+/// GPUs that publish nothing; the other GPUs are unaffected.
+#[test]
+fn mig_gpu_without_readable_profiles_is_logged_and_not_mig_capable() {
+    if scenario().is_some() {
+        common::log_to_stderr();
+        let inv = open().inventory().unwrap();
+        assert_eq!(inv.gpus.len(), 8);
+        let gpu3 = inv.gpus.iter().find(|g| g.minor == 3).unwrap();
+        assert!(!gpu3.mig.is_capable(), "{:?}", gpu3.mig);
+        assert!(
+            inv.gpus
+                .iter()
+                .filter(|g| g.minor != 3)
+                .all(|g| g.mig.is_capable())
+        );
+        let options = cleave_driver::pool::PoolOptions {
+            dynamic_mig: true,
+            ..Default::default()
+        };
+        let pool = build_pool(&inv, &options);
+        let names: Vec<String> = pool
+            .groups
+            .iter()
+            .flat_map(|g| g.devices.iter().map(|d| d.name.clone()))
+            .collect();
+        assert!(
+            names.iter().all(|n| !n.starts_with("gpu-3-mig-")),
+            "{names:?}"
+        );
+        let silent = cleave_driver::pool::silent_gpus(&inv, &Default::default());
+        assert!(silent.iter().any(|s| s.name == "gpu-3"
+            && s.reason == cleave_driver::pool::SilentReason::MigWithoutProfiles));
+        return;
+    }
+    let out = run_child(
+        "mig_gpu_without_readable_profiles_is_logged_and_not_mig_capable",
+        "unsupported",
+        &[
+            ("MOCK_NVML_PROFILE", "h100-80gb-x8"),
+            ("MOCK_NVML_FAIL", "nvmlDeviceGetGpuInstanceProfileInfo@3=3"),
+        ],
+    );
+    let line = out
+        .stderr
+        .lines()
+        .find(|l| l.contains("NVML answers no GPU-instance profile"))
+        .unwrap_or_else(|| panic!("not logged:\n{}", out.stderr));
+    assert!(line.contains("nvml_return_code=3"), "{line}");
+    assert!(line.contains("ERROR"), "{line}");
+}
+
 /// NVML that cannot initialise, or a missing library, is `Unavailable`, never a panic.
 #[test]
 fn init_failure_is_unavailable() {
