@@ -16,6 +16,7 @@ pub mod fixtures;
 pub mod plan;
 pub mod publisher;
 pub mod stats;
+pub mod yaml;
 
 pub use backoff::BackoffConfig;
 pub use plan::{PlanError, SliceLayout, SliceSpec, plan_slices};

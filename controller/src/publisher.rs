@@ -426,7 +426,7 @@ pub fn slices_yaml(
             ),
         };
         out.push_str("---\n");
-        out.push_str(&serde_yaml::to_string(&obj)?);
+        out.push_str(&crate::yaml::yaml11_safe(&serde_yaml::to_string(&obj)?));
     }
     Ok(out)
 }

@@ -25,6 +25,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import tomllib
 import traceback
 from decimal import Decimal
@@ -1065,6 +1066,51 @@ def plugin_binary_accepts_the_chart_flags() -> None:
     used = chart_flags_all_values()
     missing = sorted(f for f in used if not re.search(rf"(^|[\s,]){re.escape(f)}([\s=<\[]|$)", proc.stdout, re.M))
     assert not missing, f"`cleave-kubelet-plugin run --help` lacks {missing}"
+
+
+def built_plugin() -> Path:
+    """The newest built plugin binary that is not older than its sources, or Skip."""
+    candidates = [ROOT / "target" / p / "cleave-kubelet-plugin" for p in ("release", "debug")]
+    built = [b for b in candidates if b.exists()]
+    if not built:
+        raise Skip("no built cleave-kubelet-plugin in target/")
+    binary = max(built, key=lambda b: b.stat().st_mtime)
+    sources = [p for p in (ROOT / "kubelet-plugin").rglob("*") if p.is_file()]
+    if any(p.stat().st_mtime > binary.stat().st_mtime for p in sources):
+        raise Skip(f"{binary.relative_to(ROOT)} is older than kubelet-plugin/ sources")
+    return binary
+
+
+def inspect_yaml() -> str:
+    """`inspect --mock h100-80gb-x8 --dynamic-mig --yaml` of the built plugin."""
+    binary = built_plugin()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"PATH": os.environ.get("PATH", ""), "MOCK_NVML_STATE": str(Path(tmp) / "state")}
+        proc = subprocess.run(
+            [binary, "inspect", "--mock", "h100-80gb-x8", "--dynamic-mig", "--yaml"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )
+    assert proc.returncode == 0, f"inspect --yaml failed: {proc.stderr}"
+    return proc.stdout
+
+
+@check
+def inspect_yaml_reads_back_in_a_yaml_1_1_reader() -> None:
+    """PyYAML (YAML 1.1) reads every string of `inspect --yaml` back as a string: a PCI bus
+    ID such as 0000:53:00.0 is a base-60 float to a 1.1 reader unless quoted."""
+    text = inspect_yaml()
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    assert docs, "no ResourceSlice in inspect --yaml"
+    bus_ids = []
+    for d in docs:
+        for dev in d["spec"].get("devices") or []:
+            attr = (dev.get("attributes") or {}).get("resource.kubernetes.io/pciBusID")
+            if attr is not None:
+                bus_ids.append(attr.get("string"))
+    assert bus_ids, "no pciBusID attribute published"
+    bad = [b for b in bus_ids if not (isinstance(b, str) and re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", b))]
+    assert not bad, f"PyYAML read these pciBusID values as something else: {bad[:5]}"
+    assert "'0000:53:00.0'" in text, "the base-60-looking bus ID 0000:53:00.0 is not quoted"
 
 
 # ----------------------------------------------------------------------------- scripts
