@@ -1,9 +1,11 @@
 //! Fakes of the NVIDIA tools cleave runs on a node, for tests, benchmarks and kind:
 //!
 //! - [`mps_control`]: `nvidia-cuda-mps-control` (`-d` starts a detached control daemon per
-//!   pipe directory; without arguments it forwards stdin commands to that daemon);
+//!   pipe directory; without arguments it forwards stdin commands to that daemon). The same
+//!   module holds a fake CUDA client (`fake-mps-client`) that connects to such a
+//!   daemon as an MPS client would (one server per UID, queueing, shared `/dev/shm`);
 //! - [`nvidia_smi`]: `nvidia-smi` (`-i <id> -c <mode>`, `compute-policy -i <id>
-//!   --set-timeslice=<n>`, `-L`).
+//!   --set-timeslice <n>`, `compute-policy -l`, `-L`).
 //!
 //! Both record what they were asked into files named by environment variables, so tests can
 //! check exactly what the driver did. The logic lives in this library so that a test or
@@ -17,8 +19,8 @@ pub mod nvidia_smi;
 use std::io::Write;
 use std::path::Path;
 
-/// Runs the fake named by the file name of `args[0]` (`nvidia-cuda-mps-control` or
-/// `nvidia-smi`) and returns its exit code; `None` when `args[0]` names neither.
+/// Runs the fake named by the file name of `args[0]` (`nvidia-cuda-mps-control`,
+/// `fake-mps-client` or `nvidia-smi`) and returns its exit code; `None` when `args[0]` names neither.
 pub fn dispatch(args: &[String]) -> Option<i32> {
     let name = args
         .first()
@@ -26,6 +28,7 @@ pub fn dispatch(args: &[String]) -> Option<i32> {
         .and_then(|n| n.to_str())?;
     match name {
         mps_control::TOOL => Some(mps_control::run(args)),
+        mps_control::CLIENT_TOOL => Some(mps_control::client_main(args)),
         nvidia_smi::TOOL => Some(nvidia_smi::run(args)),
         _ => None,
     }
