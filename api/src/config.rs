@@ -20,6 +20,7 @@
 //!   strategy: MPS
 //!   mps:
 //!     activeThreadPercentage: 25
+//!     multiUser: false
 //!     pinnedMemoryLimit:
 //!       default: 10Gi
 //!       perDevice:
@@ -297,9 +298,22 @@ pub struct MpsConfig {
     /// Device memory each client may pin (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`); none = no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pinned_memory_limit: Option<PinnedMemoryLimit>,
+    /// Start the claim's MPS control daemon in multi-user mode, so that containers running
+    /// as different UIDs share one MPS server (they then also share its fault domain and
+    /// log). Off by default: an MPS server serves one UID, and a client of another UID waits
+    /// without an error until the first UID's clients are gone. Needs compute capability
+    /// 7.0 (Volta) or newer and a driver whose `nvidia-cuda-mps-control` takes `-M`; the
+    /// claim fails otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multi_user: Option<bool>,
 }
 
 impl MpsConfig {
+    /// `multiUser`, false when unset.
+    pub fn multi_user_or_default(&self) -> bool {
+        self.multi_user.unwrap_or(false)
+    }
+
     /// The thread percentage, or [`DEFAULT_ACTIVE_THREAD_PERCENTAGE`] when unset.
     pub fn active_thread_percentage_or_default(&self) -> u8 {
         self.active_thread_percentage
@@ -821,6 +835,7 @@ mod tests {
             "strategy": "MPS",
             "mps": {
                 "activeThreadPercentage": 25,
+                "multiUser": true,
                 "pinnedMemoryLimit": {"default": "10Gi", "perDevice": {UUID: "20Gi", "1": "5Gi"}}
             }
         }));
@@ -837,6 +852,7 @@ mod tests {
                             .into_iter()
                             .collect(),
                     }),
+                    multi_user: Some(true),
                 }),
             }),
         });
@@ -1015,7 +1031,18 @@ mod tests {
         );
         assert_eq!(
             parse_err(gpu(json!({"strategy": "MPS", "mps": {"threads": 5}}))),
-            "sharing.mps.threads: unknown field `threads`, expected `activeThreadPercentage` or `pinnedMemoryLimit`"
+            "sharing.mps.threads: unknown field `threads`, expected one of `activeThreadPercentage`, `pinnedMemoryLimit`, `multiUser`"
+        );
+        assert_eq!(
+            parse_err(gpu(json!({"strategy": "MPS", "mps": {"multiUser": "yes"}}))),
+            "sharing.mps.multiUser: invalid type: string \"yes\", expected a boolean"
+        );
+        let off = decode_config(&gpu(json!({"strategy": "MPS", "mps": {}}))).unwrap();
+        assert!(
+            !off.sharing()
+                .and_then(|s| s.mps.as_ref())
+                .is_some_and(MpsConfig::multi_user_or_default),
+            "multiUser is off by default"
         );
         assert_eq!(
             parse_err(gpu(

@@ -58,10 +58,16 @@ fn mps() -> impl Strategy<Value = MpsConfig> {
                 per_device,
             },
         );
-    (prop::option::of(1u8..=100), prop::option::of(limit)).prop_map(|(a, p)| MpsConfig {
-        active_thread_percentage: a,
-        pinned_memory_limit: p,
-    })
+    (
+        prop::option::of(1u8..=100),
+        prop::option::of(limit),
+        prop::option::of(any::<bool>()),
+    )
+        .prop_map(|(a, p, m)| MpsConfig {
+            active_thread_percentage: a,
+            pinned_memory_limit: p,
+            multi_user: m,
+        })
 }
 
 fn sharing(mig: bool) -> impl Strategy<Value = Option<Sharing>> {

@@ -68,6 +68,14 @@ fn main() {
         ),
         ("failed_start_leaves_nothing", failed_start_leaves_nothing),
         (
+            "multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported",
+            multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported,
+        ),
+        (
+            "limits_are_read_back_and_a_daemon_that_drops_them_fails_the_claim",
+            limits_are_read_back_and_a_daemon_that_drops_them_fails_the_claim,
+        ),
+        (
             "silent_daemon_times_out_and_is_removed",
             silent_daemon_times_out_and_is_removed,
         ),
@@ -449,6 +457,7 @@ fn two_claims_get_own_daemons_limits_and_edits() {
             "set_default_active_thread_percentage 25",
             "set_default_device_pinned_mem_limit 0 10G",
             "get_default_active_thread_percentage",
+            "get_default_device_pinned_mem_limit 0",
         ]
     );
     assert_eq!(
@@ -644,6 +653,137 @@ fn failed_start_leaves_nothing() {
     world.assert_nothing_left();
 }
 
+fn multi_user(on: bool) -> Sharing {
+    sharing(json!({"strategy": "MPS", "mps": {"activeThreadPercentage": 40, "multiUser": on}}))
+}
+
+fn multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported() {
+    let world = World::new();
+    let m = world.manager(&[]);
+    let edits = m
+        .apply_claim("claim-a", &[whole(0, GPU_A, multi_user(true))])
+        .unwrap();
+    let record = state_of(&edits).mps.unwrap();
+    assert!(record.spec.multi_user);
+    assert!(
+        world
+            .mps_lines()
+            .iter()
+            .any(|l| l.starts_with("start ") && l.contains(" multiUser=1 ")),
+        "{:?}",
+        world.mps_lines()
+    );
+    m.release_claim("claim-a", edits.state.as_ref()).unwrap();
+    world.assert_nothing_left();
+    // Off by default: a plain `-d`.
+    let edits = m
+        .apply_claim("claim-b", &[whole(0, GPU_A, multi_user(false))])
+        .unwrap();
+    assert!(!state_of(&edits).mps.unwrap().spec.multi_user);
+    assert!(
+        !world
+            .mps_lines()
+            .iter()
+            .rev()
+            .find(|l| l.starts_with("start "))
+            .unwrap()
+            .contains("multiUser")
+    );
+    m.release_claim("claim-b", edits.state.as_ref()).unwrap();
+
+    // Below compute capability 7.0: refused before anything runs, naming multiUser.
+    let err = m
+        .apply_claim("claim-c", &[whole(2, GPU_OLD, multi_user(true))])
+        .unwrap_err();
+    assert!(
+        matches!(err, SharingFailure::MultiUserUnsupported { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("mps.multiUser") && err.to_string().contains("6.0"));
+    // One daemon per claim: its devices must agree.
+    let err = m
+        .apply_claim(
+            "claim-c",
+            &[
+                whole(0, GPU_A, multi_user(true)),
+                whole(1, GPU_B, multi_user(false)),
+            ],
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("different multiUser values"),
+        "{err}"
+    );
+
+    // A control daemon that refuses `-M`: the claim fails saying so, nothing is left.
+    let refusing = world.manager(&[("FAKE_MPS_MULTIUSER", "refuse")]);
+    let err = refusing
+        .apply_claim("claim-d", &[whole(0, GPU_A, multi_user(true))])
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, SharingFailure::DaemonStart { .. }), "{msg}");
+    assert!(
+        msg.contains("claim-d") && msg.contains("`-d -M`") && msg.contains("mps.multiUser"),
+        "{msg}"
+    );
+    world.assert_nothing_left();
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+}
+
+fn limits_are_read_back_and_a_daemon_that_drops_them_fails_the_claim() {
+    let world = World::new();
+    // A daemon that answers every set without taking it (exit status 0, as the real UI
+    // has for rejected commands): the read-back shows it, and the claim fails with the
+    // daemon's own answers.
+    let m = world.manager(&[("FAKE_MPS_DROP_SETS", "1")]);
+    let err = m
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(25, Some("1536Mi"), json!({})))],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, SharingFailure::DaemonRejected { .. }),
+        "{err}"
+    );
+    let msg = err.to_string();
+    for want in [
+        "claim-a",
+        "active thread percentage: set 25, get_default_active_thread_percentage answered `100.0`",
+        "set 1536M, get_default_device_pinned_mem_limit 0 answered `No default pinned memory limit set for the device!`",
+    ] {
+        assert!(msg.contains(want), "{want:?} not in {msg}");
+    }
+    world.assert_nothing_left();
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+
+    // Sets that print an acknowledgement (what the real ones print is unverified), and a
+    // limit read back in whole GiB (as reported for driver 595): both accepted.
+    let m = world.manager(&[
+        ("FAKE_MPS_SET_ECHO", "1"),
+        ("FAKE_MPS_LIMIT_READBACK", "gib-floor"),
+    ]);
+    let edits = m
+        .apply_claim(
+            "claim-b",
+            &[whole(0, GPU_A, mps(25, Some("1536Mi"), json!({})))],
+        )
+        .unwrap();
+    assert!(
+        world
+            .commands("claim-b")
+            .ends_with(&["get_default_device_pinned_mem_limit 0".to_owned()])
+    );
+    m.release_claim("claim-b", edits.state.as_ref()).unwrap();
+    world.assert_nothing_left();
+}
+
 fn silent_daemon_times_out_and_is_removed() {
     let world = World::new();
     let mut config = world.config(&[("FAKE_MPS_NO_ANSWER", "1")]);
@@ -792,6 +932,17 @@ fn mig_device_gets_mps_without_compute_mode() {
     );
     m.release_claim("claim-m", edits.state.as_ref()).unwrap();
     world.assert_nothing_left();
+
+    // A whole-GPU device on a MIG-enabled GPU: nvidia-smi refuses `-c` there ("not
+    // supported on a MIG-enabled device"), so it is never asked.
+    let m = world.manager(&[("FAKE_NVIDIA_SMI_GPUS", &format!("{GPU_MIG}:mig"))]);
+    let edits = m
+        .apply_claim("claim-w", &[whole(3, GPU_MIG, mps(20, None, json!({})))])
+        .unwrap();
+    assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
+    assert!(state_of(&edits).mps.unwrap().exclusive_gpus.is_empty());
+    m.release_claim("claim-w", edits.state.as_ref()).unwrap();
+    world.assert_nothing_left();
 }
 
 fn release_without_state_finds_the_daemon_on_disk() {
@@ -845,7 +996,7 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
         .unwrap();
     assert_eq!(
         world.smi_lines(),
-        [format!("compute-policy -i {GPU_A} --set-timeslice=3")]
+        [format!("compute-policy -i {GPU_A} --set-timeslice 3")]
     );
     assert!(a.claim_edits.is_empty());
     assert_eq!(state_of(&a).time_slicing.len(), 1);
@@ -871,7 +1022,7 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
     m.release_claim("claim-b", None).unwrap();
     assert_eq!(
         world.smi_lines().last().unwrap(),
-        &format!("compute-policy -i {GPU_A} --set-timeslice=0")
+        &format!("compute-policy -i {GPU_A} --set-timeslice 0")
     );
     assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("0"));
 
@@ -889,9 +1040,42 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
         .apply_claim("claim-e", &[whole(1, GPU_B, timeslice("Short"))])
         .unwrap_err();
     assert!(
-        err.to_string().contains(GPU_B) && err.to_string().contains("--set-timeslice=1"),
+        err.to_string().contains(GPU_B) && err.to_string().contains("--set-timeslice 1"),
         "{err}"
     );
+
+    // A GPU without compute-policy support (Tesla P4: "Not Supported", exit status 3): the
+    // claim fails with an error naming the GPU and the tool's words; nothing is recorded.
+    let p4 = world.manager(&[(
+        "FAKE_NVIDIA_SMI_GPUS",
+        &format!("{GPU_A},{GPU_B}:no-timeslice"),
+    )]);
+    let before = world.smi_lines().len();
+    let err = p4
+        .apply_claim("claim-f", &[whole(1, GPU_B, timeslice("Long"))])
+        .unwrap_err();
+    assert!(
+        matches!(&err, SharingFailure::TimeSliceNotSupported { gpu, .. } if gpu == GPU_B),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains(GPU_B)
+            && msg.contains(
+                "Failed to set timeslice policy with value Long for GPU 1 : Not Supported"
+            ),
+        "{msg}"
+    );
+    assert_eq!(
+        world.smi_lines()[before..],
+        [format!("compute-policy -i {GPU_B} --set-timeslice 3")]
+    );
+    assert_eq!(world.smi_setting(GPU_B, "timeslice").as_deref(), Some("0"));
+    // Default on such a GPU: it runs its default slice already; the claim prepares.
+    let d = p4
+        .apply_claim("claim-g", &[whole(1, GPU_B, timeslice("Default"))])
+        .unwrap();
+    p4.release_claim("claim-g", d.state.as_ref()).unwrap();
 }
 
 fn time_slicing_on_mig_and_conflicts() {
@@ -1165,6 +1349,7 @@ fn supervise_config(world: &World, claim: &str, env: &[(&str, &str)]) -> Supervi
         pipe_dir: dir.join("pipe"),
         log_dir: dir.join("log"),
         env: all,
+        multi_user: false,
         start_timeout: Duration::from_secs(10),
         stop_timeout: Duration::from_secs(3),
         poll: Duration::from_millis(20),

@@ -246,7 +246,9 @@ def check_opaque_config(params: dict, where: str) -> None:
     elif strategy == "MPS":
         assert "timeSlicing" not in sharing, f"{where}: timeSlicing block with strategy MPS"
         mps = sharing.get("mps", {})
-        closed(mps, {"activeThreadPercentage", "pinnedMemoryLimit"}, "sharing.mps")
+        closed(mps, {"activeThreadPercentage", "pinnedMemoryLimit", "multiUser"}, "sharing.mps")
+        if "multiUser" in mps:
+            assert isinstance(mps["multiUser"], bool), f"{where}: multiUser {mps['multiUser']!r} not a boolean"
         if "activeThreadPercentage" in mps:
             p = mps["activeThreadPercentage"]
             assert isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 100, \

@@ -122,6 +122,9 @@ pub struct MpsDaemonArgs {
     /// there, never the host's C library).
     #[arg(long, default_value = "/run/cleave-mps/lib")]
     pub lib_dir: PathBuf,
+    /// Start the daemon in multi-user mode (`-d -M`; the claim's `mps.multiUser`).
+    #[arg(long)]
+    pub multi_user: bool,
     /// How long the daemon may take to start (seconds).
     #[arg(long, default_value_t = 30)]
     pub start_timeout_secs: u64,

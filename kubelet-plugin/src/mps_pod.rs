@@ -191,6 +191,7 @@ pub fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
                     .as_ref()
                     .map(|b| format!("--mps-control-bin={}", b.display())),
             )
+            .chain(spec.multi_user.then(|| "--multi-user".to_owned()))
             .collect(),
         ),
         env: Some(vec![
@@ -242,6 +243,12 @@ pub fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
         },
         spec: Some(PodSpec {
             node_name: Some(config.node_name.clone()),
+            // The host's PID namespace: an MPS server started in a PID namespace of its own
+            // cannot find its own PID through /proc/self and fails to start (NVIDIA's DRA
+            // driver had to add this, kubernetes-sigs/dra-driver-nvidia-gpu#115; the device
+            // plugin and the GPU Operator did the same). `terminate_client` and `ps` also take
+            // PIDs as the daemon sees them.
+            host_pid: Some(true),
             restart_policy: Some("Never".into()),
             priority_class_name: config.priority_class.clone(),
             service_account_name: config.service_account.clone(),
@@ -772,6 +779,7 @@ pub async fn run_daemon(args: MpsDaemonArgs) -> anyhow::Result<ExitCode> {
         pipe_dir: var("CUDA_MPS_PIPE_DIRECTORY")?.into(),
         log_dir: var("CUDA_MPS_LOG_DIRECTORY")?.into(),
         env: Vec::new(),
+        multi_user: args.multi_user,
         start_timeout: Duration::from_secs(args.start_timeout_secs),
         stop_timeout: Duration::from_secs(args.stop_timeout_secs),
         poll: Duration::from_millis(200),
@@ -840,6 +848,7 @@ mod tests {
             pipe_dir: "/plugin/state/mps/0b7c1f4e-1111-2222-3333-444455556666/pipe".into(),
             log_dir: "/plugin/state/mps/0b7c1f4e-1111-2222-3333-444455556666/log".into(),
             visible_devices: vec!["GPU-a".into(), "MIG-b".into()],
+            multi_user: false,
         }
     }
 
@@ -861,6 +870,10 @@ mod tests {
         assert_eq!(v["spec"]["restartPolicy"], "Never");
         assert_eq!(v["spec"]["priorityClassName"], "system-node-critical");
         assert_eq!(v["spec"]["automountServiceAccountToken"], false);
+        assert_eq!(
+            v["spec"]["hostPID"], true,
+            "MPS servers need the host PID namespace"
+        );
         let c = &v["spec"]["containers"][0];
         assert_eq!(c["image"], "cleave:dev");
         assert_eq!(c["command"][1], "mps-daemon");
@@ -868,6 +881,11 @@ mod tests {
             c["args"][2],
             "--mps-control-bin=/driver-root/opt/bin/nvidia-cuda-mps-control"
         );
+        assert_eq!(c["args"].as_array().unwrap().len(), 3, "no --multi-user");
+        let mut multi = spec();
+        multi.multi_user = true;
+        let m = serde_json::to_value(daemon_pod(&config(), &multi)).unwrap();
+        assert_eq!(m["spec"]["containers"][0]["args"][3], "--multi-user");
         assert_eq!(v["spec"]["imagePullSecrets"][0]["name"], "regcred");
         assert_eq!(v["spec"]["tolerations"][0]["operator"], "Exists");
         assert_eq!(c["securityContext"]["privileged"], true);

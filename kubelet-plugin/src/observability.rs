@@ -235,6 +235,7 @@ mod tests {
                 pipe_dir: "/state/mps/pipe".into(),
                 log_dir: "/state/mps/log".into(),
                 visible_devices: vec!["GPU-0".into()],
+                multi_user: false,
             },
             host_pipe_dir: "/state/mps/pipe".into(),
             active_thread_percentage: 50,

@@ -243,6 +243,10 @@ async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
         pod_a.spec.as_ref().unwrap().node_name.as_deref(),
         Some(NODE)
     );
+    // In the host PID namespace: an MPS server in a PID namespace of its own cannot start.
+    for pod in [&pod_a, &pod_b] {
+        assert_eq!(pod.spec.as_ref().unwrap().host_pid, Some(true));
+    }
     let owner = &pod_a.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("Node", NODE));
     let dev_a = env_of(&pod_a, "CUDA_VISIBLE_DEVICES").unwrap();
@@ -271,6 +275,12 @@ async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
     );
     assert!(
         has(&pipe_a, "set_default_device_pinned_mem_limit 0 10G"),
+        "{}",
+        world.logs()
+    );
+    // ... and read back (the control UI exits 0 even when it rejects a value).
+    assert!(
+        has(&pipe_a, "get_default_device_pinned_mem_limit 0"),
         "{}",
         world.logs()
     );

@@ -83,13 +83,32 @@ pub enum SharingFailure {
         /// Compute capability minor.
         minor: u32,
     },
-    /// Devices of one claim ask for different MPS thread percentages (one daemon per claim).
+    /// Multi-user MPS was asked for on a GPU that cannot do it.
     #[error(
-        "claim {claim}: its MPS devices ask for different activeThreadPercentage values ({values}); a claim has one MPS daemon, so they must agree"
+        "device {device}: mps.multiUser was requested but multi-user MPS is not supported on GPU {gpu} ({product}, compute capability {major}.{minor}); it needs compute capability 7.0 (Volta) or newer (on Pascal, clients of other users fail with CUDA_ERROR_NOT_PERMITTED)"
+    )]
+    MultiUserUnsupported {
+        /// Device name.
+        device: String,
+        /// GPU UUID.
+        gpu: String,
+        /// Product name.
+        product: String,
+        /// Compute capability major.
+        major: u32,
+        /// Compute capability minor.
+        minor: u32,
+    },
+    /// Devices of one claim ask for different MPS thread percentages or multi-user modes
+    /// (one daemon per claim).
+    #[error(
+        "claim {claim}: its MPS devices ask for different {field} values ({values}); a claim has one MPS daemon, so they must agree"
     )]
     MixedMpsSettings {
         /// Claim UID.
         claim: String,
+        /// `activeThreadPercentage` or `multiUser`.
+        field: &'static str,
         /// The values found.
         values: String,
     },
@@ -157,6 +176,19 @@ pub enum SharingFailure {
         /// Its interval.
         other_interval: TimeSliceInterval,
     },
+    /// The GPU does not support compute-policy time slices (`nvidia-smi` said `Not
+    /// Supported`, exit status 3; Pascal GPUs such as the Tesla P4 do this).
+    #[error(
+        "GPU {gpu}: time slice {interval} is not supported on this GPU (nvidia-smi compute-policy: {output}); use a GPU that supports compute-policy time slices, or timeSlicing.interval Default"
+    )]
+    TimeSliceNotSupported {
+        /// GPU UUID.
+        gpu: String,
+        /// The interval asked for.
+        interval: TimeSliceInterval,
+        /// What `nvidia-smi` printed.
+        output: String,
+    },
     /// `nvidia-smi` failed.
     #[error("{} {args}: {message}", tool.display())]
     Tool {
@@ -197,13 +229,14 @@ pub enum SharingFailure {
         /// What failed.
         message: String,
     },
-    /// The daemon refused the limits.
-    #[error("claim {claim}: MPS control daemon refused the limits: {answer}")]
+    /// The daemon did not take the limits: a value read back differs from what was set, or
+    /// a set was rejected (the control UI still exits 0 then).
+    #[error("claim {claim}: the MPS control daemon did not take the claim's limits: {problem}")]
     DaemonRejected {
         /// Claim UID.
         claim: String,
-        /// What it answered.
-        answer: String,
+        /// Which value differs, with the daemon's answers.
+        problem: String,
     },
     /// A daemon could not be stopped.
     #[error("stopping MPS control daemon {daemon}: {message}")]
@@ -483,6 +516,7 @@ impl SharingManager {
             pipe_dir: dir.join("pipe"),
             log_dir: dir.join("log"),
             visible_devices: devices,
+            multi_user: false,
         }
     }
 
@@ -723,6 +757,7 @@ impl SharingManager {
         let Some(&pct) = percentages.first().filter(|_| percentages.len() == 1) else {
             return Err(SharingFailure::MixedMpsSettings {
                 claim: claim_uid.to_owned(),
+                field: "activeThreadPercentage",
                 values: percentages
                     .iter()
                     .map(u8::to_string)
@@ -730,11 +765,32 @@ impl SharingManager {
                     .join(", "),
             });
         };
+        let modes: BTreeSet<bool> = devices
+            .iter()
+            .map(|d| d.config.multi_user_or_default())
+            .collect();
+        if modes.len() > 1 {
+            return Err(SharingFailure::MixedMpsSettings {
+                claim: claim_uid.to_owned(),
+                field: "multiUser",
+                values: "false, true".to_owned(),
+            });
+        }
+        let multi_user = modes.contains(&true);
         let mut limits = Vec::new();
         let mut exclusive = Vec::new();
         for (ordinal, planned) in (0u32..).zip(devices) {
             let d = planned.device;
             let gpu = self.gpu(&d.gpu_uuid)?;
+            if multi_user && gpu.cuda_compute_capability < MPS_MIN_COMPUTE_CAPABILITY {
+                return Err(SharingFailure::MultiUserUnsupported {
+                    device: d.device_name.clone(),
+                    gpu: gpu.uuid.clone(),
+                    product: gpu.product_name.clone(),
+                    major: gpu.cuda_compute_capability.0,
+                    minor: gpu.cuda_compute_capability.1,
+                });
+            }
             if gpu.cuda_compute_capability < MPS_MIN_COMPUTE_CAPABILITY {
                 return Err(SharingFailure::MpsUnsupported {
                     device: d.device_name.clone(),
@@ -774,14 +830,22 @@ impl SharingManager {
                     limit: text,
                 });
             }
-            // Compute modes are per GPU; MIG devices have none of their own.
-            if d.uuid.starts_with("GPU-") && !exclusive.contains(&d.uuid) {
+            // Compute modes are per GPU; MIG devices have none of their own, and nvidia-smi
+            // refuses `-c` on a MIG-enabled GPU ("Setting compute mode to %s is not supported
+            // on a MIG-enabled device."), so such a GPU is never asked.
+            let mig_enabled = matches!(gpu.mig, MigState::Enabled { .. });
+            if mig_enabled {
+                tracing::debug!(device = %d.device_name, gpu = %gpu.uuid, "MIG-enabled GPU: compute mode left alone");
+            }
+            if d.uuid.starts_with("GPU-") && !mig_enabled && !exclusive.contains(&d.uuid) {
                 exclusive.push(d.uuid.clone());
             }
         }
         let uuids = devices.iter().map(|d| d.device.uuid.clone()).collect();
+        let mut spec = self.spec(claim_uid, uuids);
+        spec.multi_user = multi_user;
         Ok(MpsRecord {
-            spec: self.spec(claim_uid, uuids),
+            spec,
             host_pipe_dir: self.host_pipe_dir(claim_uid),
             active_thread_percentage: pct,
             pinned_limits: limits,
@@ -993,20 +1057,10 @@ impl SharingManager {
             &record.limit_commands(),
             self.config.command_timeout,
         )?;
-        let lines: Vec<&str> = answer
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .collect();
-        let confirmed = lines.len() == 1
-            && mps::parse_percentage(lines[0])
-                .is_some_and(|p| (p - f64::from(record.active_thread_percentage)).abs() < 0.5);
-        if !confirmed {
-            return Err(SharingFailure::DaemonRejected {
-                claim,
-                answer: lines.join(" | "),
-            });
-        }
+        record
+            .check_limit_answer(&answer)
+            .map_err(|problem| SharingFailure::DaemonRejected { claim, problem })?;
+        tracing::debug!(claim = %record.spec.claim_uid, "MPS limits set and read back");
         Ok(MpsTimings {
             setup: Duration::ZERO,
             launch,

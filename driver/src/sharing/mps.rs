@@ -51,6 +51,21 @@ pub struct DaemonSpec {
     pub log_dir: PathBuf,
     /// `CUDA_VISIBLE_DEVICES`: device UUIDs (`GPU-…`, `MIG-…`); position = CUDA ordinal.
     pub visible_devices: Vec<String>,
+    /// Start the daemon in multi-user mode (`-d -M`, the switch NVIDIA's DRA driver passes:
+    /// kubernetes-sigs/dra-driver-nvidia-gpu `templates/mps-control-daemon.tmpl.yaml`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub multi_user: bool,
+}
+
+impl DaemonSpec {
+    /// The arguments that start the daemon: `-d`, and `-M` in multi-user mode.
+    pub fn start_args(&self) -> &'static [&'static str] {
+        if self.multi_user {
+            &["-d", "-M"]
+        } else {
+            &["-d"]
+        }
+    }
 }
 
 /// Identity of a running daemon: PID, start time (clock ticks since boot, from
@@ -202,6 +217,19 @@ impl ProcessLauncher {
     }
 }
 
+/// Why a `-d` call that exited non-zero failed, with a hint for multi-user mode (a release
+/// whose control daemon has no `-M` refuses it; the 550 binary carries no such switch).
+pub fn start_refused(spec: &DaemonSpec, status: &std::process::ExitStatus) -> String {
+    let args = spec.start_args().join(" ");
+    if spec.multi_user {
+        format!(
+            "`{args}` exited with {status}: multi-user mode (mps.multiUser) was refused; this driver's nvidia-cuda-mps-control may not support `-M`: upgrade the driver or drop mps.multiUser"
+        )
+    } else {
+        format!("`{args}` exited with {status}")
+    }
+}
+
 /// File in the log directory receiving the output of the `-d` call.
 const LAUNCH_LOG: &str = "launch.log";
 
@@ -234,7 +262,7 @@ impl DaemonLauncher for ProcessLauncher {
         let _ = fs::remove_file(spec.pipe_dir.join(PID_FILE));
         let mut child = self
             .command(spec)
-            .arg("-d")
+            .args(spec.start_args())
             .env("CUDA_VISIBLE_DEVICES", spec.visible_devices.join(","))
             .stdin(Stdio::null())
             .stdout(log)
@@ -246,7 +274,7 @@ impl DaemonLauncher for ProcessLauncher {
         let status = process::wait_child(&mut child, timeout)
             .map_err(|e| self.start_failure(spec, format!("`-d` {e}")))?;
         if !status.success() {
-            return Err(self.start_failure(spec, format!("`-d` exited with {status}")));
+            return Err(self.start_failure(spec, start_refused(spec, &status)));
         }
         let pid =
             process::poll_until(timeout, || read_pid_file(&spec.pipe_dir)).ok_or_else(|| {
@@ -380,7 +408,11 @@ impl MpsRecord {
             && self.exclusive_gpus == other.exclusive_gpus
     }
 
-    /// The commands that set the limits, followed by the query whose answer proves them.
+    /// The commands that set the limits, followed by one query per value set
+    /// (`get_default_active_thread_percentage`, then `get_default_device_pinned_mem_limit
+    /// <ordinal>` per limit, keyed by ordinal as they were set). The control UI exits 0 even
+    /// when it rejects a command, and what a set prints on success is unverified, so the
+    /// values are read back and compared ([`Self::check_limit_answer`]), never assumed.
     pub fn limit_commands(&self) -> String {
         let mut input = format!(
             "set_default_active_thread_percentage {}\n",
@@ -393,7 +425,64 @@ impl MpsRecord {
             ));
         }
         input.push_str(READY_QUERY);
+        for l in &self.pinned_limits {
+            input.push_str(&format!(
+                "get_default_device_pinned_mem_limit {}\n",
+                l.ordinal
+            ));
+        }
         input
+    }
+
+    /// Checks the daemon's answer to [`Self::limit_commands`]. Each query answers one line,
+    /// so the answers are the last `1 + limits` non-empty lines; anything before them is
+    /// what the set commands printed (nothing, an acknowledgement, or an error such as
+    /// `Invalid percentage, expected between (0.0, 100.0]`). `Err` says which value does not
+    /// match, in the daemon's own words, with whatever the sets printed.
+    pub fn check_limit_answer(&self, answer: &str) -> Result<(), String> {
+        let lines: Vec<&str> = answer
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        let queries = 1 + self.pinned_limits.len();
+        let set_output = lines[..lines.len().saturating_sub(queries)].join(" | ");
+        let with_sets = |problem: String| {
+            if set_output.is_empty() {
+                problem
+            } else {
+                format!("{problem}; the set commands answered: {set_output}")
+            }
+        };
+        if lines.len() < queries {
+            return Err(with_sets(format!(
+                "expected {queries} answers to the read-back queries, got: {}",
+                lines.join(" | ")
+            )));
+        }
+        let answers = &lines[lines.len() - queries..];
+        let mut problems = Vec::new();
+        let want = f64::from(self.active_thread_percentage);
+        match answers[0].parse::<f64>() {
+            Ok(got) if (got - want).abs() < 0.05 => {}
+            _ => problems.push(format!(
+                "active thread percentage: set {}, get_default_active_thread_percentage answered `{}`",
+                self.active_thread_percentage, answers[0]
+            )),
+        }
+        for (l, got) in self.pinned_limits.iter().zip(&answers[1..]) {
+            if !limit_matches(&l.limit, got) {
+                problems.push(format!(
+                    "pinned memory limit of device {} ({}): set {}, get_default_device_pinned_mem_limit {} answered `{got}`",
+                    l.ordinal, l.uuid, l.limit, l.ordinal
+                ));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(with_sets(problems.join("; ")))
+        }
     }
 
     /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for the clients: `0=8192M,1=10G`; `None` without
@@ -434,6 +523,31 @@ pub fn format_limit(bytes: u64) -> Option<String> {
         Some(format!("{}G", bytes / GIB))
     } else {
         Some(format!("{}M", bytes / MIB))
+    }
+}
+
+/// Bytes of a limit in the control daemon's syntax (`<n>G`, `<n>M`).
+pub fn parse_limit(text: &str) -> Option<u64> {
+    let (number, shift) = if let Some(n) = text.strip_suffix('G') {
+        (n, 30)
+    } else {
+        (text.strip_suffix('M')?, 20)
+    };
+    if number.is_empty() || !number.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    number.parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
+/// True if the read-back `got` is the limit `set`: the same bytes, or (for a limit of 1 GiB
+/// or more set in MiB) whole GiB rounded down, as driver 595 was reported to print it
+/// (third-party report, unverified).
+fn limit_matches(set: &str, got: &str) -> bool {
+    const GIB: u64 = 1 << 30;
+    match (parse_limit(set), parse_limit(got)) {
+        (Some(s), Some(g)) if s == g => true,
+        (Some(s), Some(g)) => got.ends_with('G') && s >= GIB && g == s / GIB * GIB,
+        _ => false,
     }
 }
 
@@ -508,6 +622,24 @@ mod tests {
     }
 
     #[test]
+    fn limits_read_back_in_either_unit() {
+        assert_eq!(parse_limit("1536M"), Some(1536 << 20));
+        assert_eq!(parse_limit("10G"), Some(10 << 30));
+        assert_eq!(parse_limit("1.5G"), None);
+        assert_eq!(parse_limit("G"), None);
+        assert!(limit_matches("8G", "8192M"));
+        assert!(limit_matches("1536M", "1536M"));
+        // Driver 595 as reported: whole GiB rounded down.
+        assert!(limit_matches("1536M", "1G"));
+        assert!(!limit_matches("1536M", "2G"));
+        assert!(!limit_matches("512M", "0G"));
+        assert!(!limit_matches(
+            "10G",
+            "No default pinned memory limit set for the device!"
+        ));
+    }
+
+    #[test]
     fn percentage_answer_takes_the_last_line() {
         assert_eq!(parse_percentage("100.0\n"), Some(100.0));
         assert_eq!(parse_percentage("\n25.0\n\n"), Some(25.0));
@@ -527,6 +659,7 @@ mod tests {
                 pipe_dir: "/s/mps/u/pipe".into(),
                 log_dir: "/s/mps/u/log".into(),
                 visible_devices: vec!["GPU-a".into(), "MIG-b".into()],
+                multi_user: false,
             },
             host_pipe_dir: "/s/mps/u/pipe".into(),
             active_thread_percentage: 25,
@@ -550,8 +683,38 @@ mod tests {
             "set_default_active_thread_percentage 25\n\
              set_default_device_pinned_mem_limit 0 10G\n\
              set_default_device_pinned_mem_limit 1 512M\n\
-             get_default_active_thread_percentage\n"
+             get_default_active_thread_percentage\n\
+             get_default_device_pinned_mem_limit 0\n\
+             get_default_device_pinned_mem_limit 1\n"
         );
+        // Read back: each value as set.
+        assert_eq!(record.check_limit_answer("25.0\n10G\n512M\n"), Ok(()));
+        // Sets that print an acknowledgement: still the last lines count.
+        assert_eq!(
+            record.check_limit_answer("ok\nok\nok\n25.0\n10G\n512M\n"),
+            Ok(())
+        );
+        // A rejected set (exit status 0, error on stdout): the daemon's words come back.
+        let err = record
+            .check_limit_answer(
+                "Invalid percentage, expected between (0.0, 100.0]\n100.0\n10G\n512M\n",
+            )
+            .unwrap_err();
+        assert!(
+            err.contains("active thread percentage: set 25")
+                && err.contains("answered `100.0`")
+                && err.contains("Invalid percentage, expected between (0.0, 100.0]"),
+            "{err}"
+        );
+        let err = record
+            .check_limit_answer("25.0\nNo default pinned memory limit set for the device!\n512M\n")
+            .unwrap_err();
+        assert!(
+            err.contains("device 0 (GPU-a): set 10G")
+                && err.contains("No default pinned memory limit set for the device!"),
+            "{err}"
+        );
+        assert!(record.check_limit_answer("25.0\n").is_err());
         assert_eq!(
             record.client_memory_limit().as_deref(),
             Some("0=10G,1=512M")

@@ -39,6 +39,8 @@ pub struct SuperviseConfig {
     pub log_dir: PathBuf,
     /// More environment for the tool (`CUDA_VISIBLE_DEVICES`, ...).
     pub env: Vec<(String, String)>,
+    /// Start the daemon in multi-user mode (`-d -M`).
+    pub multi_user: bool,
     /// How long the daemon may take to write its pid file.
     pub start_timeout: Duration,
     /// How long it may take to exit after `quit` (then after SIGTERM) before SIGKILL.
@@ -163,15 +165,28 @@ pub fn supervise(
     let started = Instant::now();
     // Output goes where ours goes (the pod's log): the daemon it forks keeps those
     // descriptors, so a pipe here would never see its end.
+    let start_args: &[&str] = if config.multi_user {
+        &["-d", "-M"]
+    } else {
+        &["-d"]
+    };
     let mut child = tool_command(config)
-        .arg("-d")
+        .args(start_args)
         .stdin(Stdio::null())
         .spawn()
         .map_err(|e| failure(config, format!("could not run it: {e}")))?;
     let status = process::wait_child(&mut child, config.start_timeout)
         .map_err(|e| failure(config, format!("`-d` {e}")))?;
     if !status.success() {
-        return Err(failure(config, format!("`-d` exited with {status}")));
+        let hint = if config.multi_user {
+            ": multi-user mode (mps.multiUser) was refused; this driver's nvidia-cuda-mps-control may not support `-M`: upgrade the driver or drop mps.multiUser"
+        } else {
+            ""
+        };
+        return Err(failure(
+            config,
+            format!("`{}` exited with {status}{hint}", start_args.join(" ")),
+        ));
     }
     let pid = process::poll_until(config.start_timeout, || {
         std::fs::read_to_string(config.pipe_dir.join(PID_FILE))
