@@ -6,7 +6,8 @@
 //!
 //! The fakes run as this very executable (`main` asks `cleave_fakes::dispatch` first), as in
 //! `tests/sharing.rs`. A reboot is simulated by killing the daemons (a real reboot ends every
-//! process), a new boot ID, an empty fake `nvidia-smi` state, an empty CDI root, and a GPU
+//! process), a new boot ID (the fake `nvidia-smi` then forgets the settings of the old
+//! boot, as the hardware does), an empty CDI root, and a GPU
 //! backend whose instances are gone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -92,6 +93,10 @@ impl World {
             ("FAKE_MPS_RECORD", self.mps_record.to_str().unwrap()),
             ("FAKE_NVIDIA_SMI_RECORD", self.smi_record.to_str().unwrap()),
             ("FAKE_NVIDIA_SMI_STATE", self.smi_state.to_str().unwrap()),
+            (
+                "FAKE_NVIDIA_SMI_BOOT_ID_FILE",
+                self.root.join("boot_id").to_str().unwrap(),
+            ),
             ("FAKE_MPS_IDLE_EXIT_SECS", "120"),
         ]
         .into_iter()
@@ -115,10 +120,14 @@ impl World {
         common::harness::started_pids(&self.mps_record)
     }
 
+    /// The setting the GPU has now (none after a reboot until it is set again).
     fn smi_setting(&self, gpu: &str, key: &str) -> Option<String> {
-        cleave_fakes::nvidia_smi::read_state(&self.smi_state)
-            .get(&(gpu.to_owned(), key.to_owned()))
-            .cloned()
+        cleave_fakes::nvidia_smi::read_state_in_boot(
+            &self.smi_state,
+            Some(&self.root.join("boot_id")),
+        )
+        .get(&(gpu.to_owned(), key.to_owned()))
+        .cloned()
     }
 
     fn sharing_state(&self, uid: &str) -> SharingState {
@@ -333,7 +342,10 @@ fn reboot_restarts_mps_daemons_and_sets_time_slices_again() {
         assert!(wait_dead(pid, Duration::from_secs(5)), "daemon {pid}");
     }
     std::fs::write(world.root.join("boot_id"), "boot-2\n").unwrap();
-    std::fs::remove_file(&world.smi_state).unwrap();
+    // The fake nvidia-smi forgets the settings of boot-1: compute modes and time slices
+    // are gone until the driver sets them again.
+    assert_eq!(world.smi_setting(GPU_A, "computeMode"), None);
+    assert_eq!(world.smi_setting(GPU_B, "timeslice"), None);
     backend.reboot();
     for e in std::fs::read_dir(world.root.join("cdi")).unwrap() {
         std::fs::remove_file(e.unwrap().path()).unwrap();

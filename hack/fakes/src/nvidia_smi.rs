@@ -33,8 +33,11 @@
 //! - `FAKE_NVIDIA_SMI_NOT_ROOT=1`: setting calls fail with exit 4 (the real tool needs root).
 //! - `FAKE_NVIDIA_SMI_RECORD`: file receiving the arguments of every call, one line each.
 //! - `FAKE_NVIDIA_SMI_STATE`: file keeping the settings, lines `<uuid> computeMode <MODE>` and
-//!   `<uuid> timeslice <n>`, last setting per id and key. Compute modes and time slices do
-//!   not survive a reboot on hardware: a test simulates one by removing this file.
+//!   `<uuid> timeslice <n>`, last setting per id and key. Compute modes do not survive a
+//!   reboot on hardware (time slices are assumed not to either): with
+//!   `FAKE_NVIDIA_SMI_BOOT_ID_FILE` naming a boot-ID file, the state file records the boot
+//!   it was written in, and a state of another boot reads as empty (every GPU back to
+//!   `DEFAULT`), see [`read_state_in_boot`].
 //! - `FAKE_NVIDIA_SMI_FAIL=1` makes every call fail; any other value makes the calls whose
 //!   argument line contains that text fail (exit 3, `Unknown Error` on stderr).
 
@@ -53,6 +56,8 @@ pub const ENV_STATE: &str = "FAKE_NVIDIA_SMI_STATE";
 pub const ENV_FAIL: &str = "FAKE_NVIDIA_SMI_FAIL";
 /// The GPUs and their flags.
 pub const ENV_GPUS: &str = "FAKE_NVIDIA_SMI_GPUS";
+/// File with the current boot ID: settings of another boot are gone.
+pub const ENV_BOOT_ID_FILE: &str = "FAKE_NVIDIA_SMI_BOOT_ID_FILE";
 /// `1`: the caller is not root.
 pub const ENV_NOT_ROOT: &str = "FAKE_NVIDIA_SMI_NOT_ROOT";
 
@@ -377,9 +382,13 @@ fn parse<'a>(args: &[&'a str]) -> Result<Call<'a>, String> {
     Ok(Call::ComputeMode { ids: id, mode })
 }
 
+fn boot_id_file() -> Option<std::path::PathBuf> {
+    std::env::var_os(ENV_BOOT_ID_FILE).map(std::path::PathBuf::from)
+}
+
 fn read_env_state() -> BTreeMap<(String, String), String> {
     std::env::var_os(ENV_STATE)
-        .map(|p| read_state(Path::new(&p)))
+        .map(|p| read_state_in_boot(Path::new(&p), boot_id_file().as_deref()))
         .unwrap_or_default()
 }
 
@@ -387,16 +396,26 @@ fn set_state(id: &str, key: &str, value: &str) {
     let Some(path) = std::env::var_os(ENV_STATE) else {
         return;
     };
-    let mut state = read_state(Path::new(&path));
+    let boot_file = boot_id_file();
+    let mut state = read_state_in_boot(Path::new(&path), boot_file.as_deref());
     state.insert((id.to_owned(), key.to_owned()), value.to_owned());
-    let text: String = state
-        .iter()
-        .map(|((id, key), value)| format!("{id} {key} {value}\n"))
-        .collect();
+    let mut text = String::new();
+    if let Some(boot) = boot_file.as_deref().and_then(current_boot) {
+        text.push_str(&format!("boot {boot}\n"));
+    }
+    for ((id, key), value) in &state {
+        text.push_str(&format!("{id} {key} {value}\n"));
+    }
     let _ = std::fs::write(&path, text);
 }
 
-/// Reads a state file written by the fake: `(id, key) -> value`.
+fn current_boot(boot_id_file: &Path) -> Option<String> {
+    std::fs::read_to_string(boot_id_file)
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+/// Reads a state file written by the fake: `(id, key) -> value`, whatever boot wrote it.
 pub fn read_state(path: &Path) -> BTreeMap<(String, String), String> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -409,4 +428,22 @@ pub fn read_state(path: &Path) -> BTreeMap<(String, String), String> {
             ))
         })
         .collect()
+}
+
+/// The settings as the GPUs have them now: empty when the state was written in another
+/// boot than the one `boot_id_file` names (compute modes reset on reboot).
+pub fn read_state_in_boot(
+    path: &Path,
+    boot_id_file: Option<&Path>,
+) -> BTreeMap<(String, String), String> {
+    if let Some(now) = boot_id_file.and_then(current_boot) {
+        let written = std::fs::read_to_string(path).ok().and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("boot ").map(|b| b.trim().to_owned()))
+        });
+        if written.is_some_and(|w| w != now) {
+            return BTreeMap::new();
+        }
+    }
+    read_state(path)
 }

@@ -575,7 +575,31 @@ fn nvidia_smi_records_keeps_state_and_fails_on_request() {
     assert_eq!(lines.lines().count(), 14);
     assert!(lines.starts_with("-i GPU-a -c EXCLUSIVE_PROCESS\n"));
 
+    // Settings do not survive a reboot: with a boot-ID file, another boot starts clean.
+    let boot = tmp.path().join("boot_id");
+    std::fs::write(&boot, "boot-1\n").unwrap();
+    let in_boot = |args: &[&str]| {
+        Command::new(SMI)
+            .args(args)
+            .env("FAKE_NVIDIA_SMI_STATE", &state)
+            .env("FAKE_NVIDIA_SMI_GPUS", "GPU-a")
+            .env("FAKE_NVIDIA_SMI_BOOT_ID_FILE", &boot)
+            .output()
+            .unwrap()
+    };
+    in_boot(&["-i", "GPU-a", "-c", "PROHIBITED"]);
+    assert!(
+        stdout(&in_boot(&["-i", "GPU-a", "-c", "2"])).starts_with("Compute mode is already set")
+    );
+    std::fs::write(&boot, "boot-2\n").unwrap();
+    assert!(cleave_fakes::nvidia_smi::read_state_in_boot(&state, Some(&boot)).is_empty());
+    assert!(
+        stdout(&in_boot(&["-i", "GPU-a", "-c", "2"])).starts_with("Set compute mode to PROHIBITED")
+    );
+
     // Without -i every GPU changes (the MIG-enabled one refuses).
+    std::fs::remove_file(&state).unwrap();
+    smi(&["-i", "GPU-a", "-c", "EXCLUSIVE_PROCESS"], None);
     let all = smi(&["-c", "DEFAULT"], None);
     assert_eq!(all.status.code(), Some(3));
     let settings = cleave_fakes::nvidia_smi::read_state(&state);
