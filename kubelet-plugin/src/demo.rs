@@ -102,13 +102,13 @@ fn mps_config() -> serde_json::Value {
 /// `cleave-fakes` named by the tool path's file name (`nvidia-cuda-mps-control`,
 /// `nvidia-smi`) and returns its exit code. The demo's tool wrappers call this, so the
 /// demo needs no other binary built. The fake MPS control daemon re-runs this executable
-/// as `<tool path> --daemon-loop` (its own `argv[0]`), which is played too. `None` for
+/// as `<tool path> --daemon-loop [-M]` (its own `argv[0]`), which is played too. `None` for
 /// every other command line.
 pub fn play_fake_tool(args: &[String]) -> Option<ExitCode> {
     let tool_args = match args.get(1).map(String::as_str) {
         Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
         Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
-            if args.len() == 2
+            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
                 && args.first().and_then(|a| Path::new(a).file_name())
                     == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
         {

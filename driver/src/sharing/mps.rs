@@ -260,6 +260,13 @@ impl DaemonLauncher for ProcessLauncher {
         })?;
         // A stale pid file must not be mistaken for the new daemon's.
         let _ = fs::remove_file(spec.pipe_dir.join(PID_FILE));
+        if let Some(closed) = closed_parent(&spec.pipe_dir) {
+            tracing::warn!(
+                claim = %spec.claim_uid,
+                dir = %closed.display(),
+                "MPS servers for non-root clients cannot traverse this parent of the pipe directory; only root clients will be served (the process launcher is for development; use the pod launcher)"
+            );
+        }
         let mut child = self
             .command(spec)
             .args(spec.start_args())
@@ -551,6 +558,20 @@ fn limit_matches(set: &str, got: &str) -> bool {
     }
 }
 
+/// The first directory from `/` down to `dir` that a UID other than its owner cannot search
+/// (no `x` for others): an MPS server started for a non-root client runs with that client's
+/// UID and must traverse every parent of the pipe directory, else it fails to start and the
+/// client waits (bottlerocket-os/bottlerocket#4673). `None` when all are traversable.
+pub fn closed_parent(dir: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut chain: Vec<&Path> = dir.ancestors().collect();
+    chain.reverse();
+    chain
+        .into_iter()
+        .find(|d| fs::metadata(d).is_ok_and(|m| m.mode() & 0o001 == 0))
+        .map(Path::to_path_buf)
+}
+
 /// Reads a claim's record; `None` when there is none.
 pub fn load_record(claim_dir: &Path) -> Result<Option<MpsRecord>, SharingFailure> {
     let path = claim_dir.join(RECORD_FILE);
@@ -619,6 +640,25 @@ mod tests {
         assert_eq!(format_limit((5 << 20) + 123).as_deref(), Some("5M"));
         assert_eq!(format_limit(1_000_000_000).as_deref(), Some("953M"));
         assert_eq!(format_limit((1 << 20) - 1), None);
+    }
+
+    #[test]
+    fn closed_parents_of_the_pipe_directory_are_found() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let open = tmp.path().join("open");
+        let closed = open.join("closed");
+        let pipe = closed.join("pipe");
+        fs::create_dir_all(&pipe).unwrap();
+        let set =
+            |p: &Path, mode| fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+        set(tmp.path(), 0o711);
+        set(&open, 0o755);
+        set(&closed, 0o700);
+        set(&pipe, 0o777);
+        assert_eq!(closed_parent(&pipe), Some(closed.clone()));
+        set(&closed, 0o711);
+        assert_eq!(closed_parent(&pipe), None);
     }
 
     #[test]

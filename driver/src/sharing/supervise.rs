@@ -162,6 +162,15 @@ pub fn supervise(
         tracing::info!(libraries = n, dir = %lib_dir.display(), "linked the driver's libraries");
     }
     let _ = std::fs::remove_file(config.pipe_dir.join(PID_FILE));
+    for dir in [&config.pipe_dir, &config.log_dir] {
+        if let Some(closed) = super::mps::closed_parent(dir) {
+            tracing::warn!(
+                dir = %dir.display(),
+                closed = %closed.display(),
+                "MPS servers for non-root clients cannot traverse a parent of this directory; only root clients will be served"
+            );
+        }
+    }
     let started = Instant::now();
     // Output goes where ours goes (the pod's log): the daemon it forks keeps those
     // descriptors, so a pipe here would never see its end.
