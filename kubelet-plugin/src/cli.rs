@@ -417,7 +417,9 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
                     exe.display()
                 )
             })?;
-            let dir = tempfile::Builder::new().prefix("cleave-demo-").tempdir()?;
+            // Short: the MPS daemon's sockets lie below it, and a unix socket path has at
+            // most 107 bytes (`<dir>/plugins/gpu.cleave.dev/mps/<claim uid>/pipe/control_privileged`).
+            let dir = tempfile::Builder::new().prefix("cleave-").tempdir()?;
             for (key, value) in crate::demo::mock_env(a, dir.path()) {
                 crate::mock::set_env(key, &value);
             }

@@ -246,6 +246,18 @@ pub enum SharingFailure {
         /// What failed.
         message: String,
     },
+    /// The claim's MPS control socket path does not fit in a unix socket address.
+    #[error(
+        "claim {claim}: MPS control socket {} would be {len} bytes, longer than the {max} a unix socket path may have; use a shorter state (kubelet plugins) directory", path.display(), max = mps::MAX_SOCKET_PATH
+    )]
+    PipeDirTooLong {
+        /// Claim UID.
+        claim: String,
+        /// The socket path.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: usize,
+    },
     /// A file operation failed.
     #[error("{op} {path}: {source}")]
     Io {
@@ -844,6 +856,13 @@ impl SharingManager {
         let uuids = devices.iter().map(|d| d.device.uuid.clone()).collect();
         let mut spec = self.spec(claim_uid, uuids);
         spec.multi_user = multi_user;
+        if let Some(len) = mps::socket_path_too_long(&spec.pipe_dir, mps::CONTROL_SOCKET) {
+            return Err(SharingFailure::PipeDirTooLong {
+                claim: claim_uid.to_owned(),
+                path: spec.pipe_dir.join(mps::CONTROL_SOCKET),
+                len,
+            });
+        }
         Ok(MpsRecord {
             spec,
             host_pipe_dir: self.host_pipe_dir(claim_uid),

@@ -260,6 +260,15 @@ impl DaemonLauncher for ProcessLauncher {
         })?;
         // A stale pid file must not be mistaken for the new daemon's.
         let _ = fs::remove_file(spec.pipe_dir.join(PID_FILE));
+        if let Some(len) = socket_path_too_long(&spec.pipe_dir, LONGEST_SOCKET) {
+            return Err(self.start_failure(
+                spec,
+                format!(
+                    "the daemon's socket {} would be {len} bytes, longer than the {MAX_SOCKET_PATH} a unix socket path may have; use a shorter state (kubelet plugins) directory",
+                    spec.pipe_dir.join(LONGEST_SOCKET).display()
+                ),
+            ));
+        }
         if let Some(closed) = closed_parent(&spec.pipe_dir) {
             tracing::warn!(
                 claim = %spec.claim_uid,
@@ -558,6 +567,21 @@ fn limit_matches(set: &str, got: &str) -> bool {
     }
 }
 
+/// Longest unix socket path Linux takes: `sun_path` holds 108 bytes with the trailing NUL
+/// (unix(7)).
+pub const MAX_SOCKET_PATH: usize = 107;
+/// The control socket the UI connects to, in the pipe directory.
+pub const CONTROL_SOCKET: &str = "control";
+/// The longest socket name the control daemon binds in its pipe directory (the 550 binary's
+/// format strings are `%s/control` and `%s/control_privileged`).
+pub const LONGEST_SOCKET: &str = "control_privileged";
+
+/// `Some(length)` when `<pipe_dir>/<socket>` is too long to be a unix socket path.
+pub fn socket_path_too_long(pipe_dir: &Path, socket: &str) -> Option<usize> {
+    let len = pipe_dir.join(socket).as_os_str().len();
+    (len > MAX_SOCKET_PATH).then_some(len)
+}
+
 /// The first directory from `/` down to `dir` that a UID other than its owner cannot search
 /// (no `x` for others): an MPS server started for a non-root client runs with that client's
 /// UID and must traverse every parent of the pipe directory, else it fails to start and the
@@ -640,6 +664,21 @@ mod tests {
         assert_eq!(format_limit((5 << 20) + 123).as_deref(), Some("5M"));
         assert_eq!(format_limit(1_000_000_000).as_deref(), Some("953M"));
         assert_eq!(format_limit((1 << 20) - 1), None);
+    }
+
+    #[test]
+    fn socket_paths_must_fit_a_unix_socket_address() {
+        let dir = PathBuf::from(format!("/{}", "d".repeat(94)));
+        assert_eq!(socket_path_too_long(&dir, CONTROL_SOCKET), None);
+        assert_eq!(socket_path_too_long(&dir, LONGEST_SOCKET), Some(114));
+        let dir = PathBuf::from(format!("/{}", "d".repeat(87)));
+        assert_eq!(
+            socket_path_too_long(&dir, LONGEST_SOCKET),
+            None,
+            "107 bytes fit"
+        );
+        let dir = PathBuf::from(format!("/{}", "d".repeat(88)));
+        assert_eq!(socket_path_too_long(&dir, LONGEST_SOCKET), Some(108));
     }
 
     #[test]

@@ -635,12 +635,20 @@ fn daemon_loop(multi_user: bool) -> i32 {
     };
     let _ = std::fs::remove_file(pipe.join(PRIVILEGED_SOCKET));
     let privileged = UnixListener::bind(pipe.join(PRIVILEGED_SOCKET));
+    if let Err(e) = &privileged {
+        // E.g. a path longer than a unix socket address takes (107 bytes).
+        state.log(&format!(
+            "Failed to bind {}/{PRIVILEGED_SOCKET}: {e}",
+            pipe.display()
+        ));
+        let _ = std::fs::remove_file(&socket);
+        return 1;
+    }
     let extras =
         make_fifo(&pipe.join(LOG_FIFO)).and_then(|()| std::fs::write(pipe.join(LOCK_FILE), b""));
     // Pid file last and atomically: once it exists, the socket accepts connections.
     let tmp = pipe.join(format!(".{PID_FILE}.tmp"));
-    if privileged.is_err()
-        || extras.is_err()
+    if extras.is_err()
         || std::fs::write(&tmp, format!("{pid}\n")).is_err()
         || std::fs::rename(&tmp, pipe.join(PID_FILE)).is_err()
     {
