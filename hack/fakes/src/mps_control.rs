@@ -47,6 +47,12 @@
 //!   `mps.shm.<uid>.<server pid>` in its shared-memory directory; a client that does not
 //!   see it there (it does not share the daemon's `/dev/shm`) fails.
 //!
+//! A server takes at most 48 clients (Volta and newer; `FAKE_MPS_MAX_CLIENTS` for another
+//! limit), the next one is refused. The hidden command `fake_fault <server pid>` puts a
+//! server into the FAULT state: `get_server_status` says `FAULT` and new clients are refused
+//! with `CUDA_ERROR_MPS_SERVER_NOT_READY` until every client is gone (then ACTIVE again, as
+//! on Volta and newer). The INITIALIZING state is not modelled (a server is ready at once).
+//!
 //! Server PIDs are numbers the fake makes up (`<daemon pid>00 + n`), not processes.
 //!
 //! The fake CUDA client (`fake-mps-client [--uid <uid>] [--hold-ms <ms>] [--wait-ms <ms>]`,
@@ -56,7 +62,7 @@
 //! connected `--hold-ms`, and exits 0; without a reachable daemon it prints `no MPS
 //! daemon: running without MPS` and exits 0 (a CUDA client falls back to plain CUDA); when
 //! it is not served within `--wait-ms` it prints `still waiting for an MPS server` and
-//! exits 3.
+//! exits 3; a refused client prints `MPS client refused: <error>` and exits 1.
 //!
 //! Every daemon start and every UI command is recorded, one line each, into the file named
 //! by `FAKE_MPS_RECORD`, else `<pipe dir>/../fake-mps-record.log`:
@@ -126,6 +132,8 @@ pub const ENV_SET_ECHO: &str = "FAKE_MPS_SET_ECHO";
 pub const ENV_LIMIT_READBACK: &str = "FAKE_MPS_LIMIT_READBACK";
 /// `1`: set commands are accepted silently and change nothing.
 pub const ENV_DROP_SETS: &str = "FAKE_MPS_DROP_SETS";
+/// Clients per server (default 48).
+pub const ENV_MAX_CLIENTS: &str = "FAKE_MPS_MAX_CLIENTS";
 /// Shared-memory directory (default `/dev/shm`).
 pub const ENV_SHM_DIR: &str = "FAKE_MPS_SHM_DIR";
 
@@ -338,6 +346,9 @@ struct Server {
     limits: BTreeMap<String, Limit>,
     /// Exits once its clients are gone (`shutdown_server`).
     draining: bool,
+    /// A client hit a fatal fault: new clients are refused until every client is gone
+    /// (Volta and newer then return to ACTIVE).
+    fault: bool,
 }
 
 struct State {
@@ -396,6 +407,7 @@ impl State {
             thread_percentage: self.pending_percentage,
             limits: self.pending_limits.clone(),
             draining: false,
+            fault: false,
         };
         self.log(&format!(
             "Starting new server {} for user {uid}",
@@ -465,6 +477,7 @@ impl State {
                 .unwrap_or_default(),
             ["get_server_status"] | ["get_client_list"] => "A server PID is required".to_owned(),
             ["get_server_status", pid] => match self.server_by_pid(pid) {
+                Some(s) if s.fault => "FAULT".to_owned(),
                 Some(_) => "ACTIVE".to_owned(),
                 None => format!("Server {pid} not found"),
             },
@@ -534,10 +547,31 @@ impl State {
                     _ => format!("Invalid process {cpid}!"),
                 }
             }
+            // Not a real command: lets a test put a server into the FAULT state.
+            ["fake_fault", pid] => match self.server_by_pid(pid) {
+                Some(s) => {
+                    s.fault = true;
+                    let spid = s.pid;
+                    self.log(&format!(
+                        "Server {spid}: Volta MPS: Server is handling a fatal GPU error. (fake)"
+                    ));
+                    String::new()
+                }
+                None => format!("Server {pid} not found"),
+            },
             _ => format!("Unknown command \"{command}\""),
         };
         Some(answer)
     }
+}
+
+/// Clients per device a server takes: 48 (Volta and newer, MAN550); `FAKE_MPS_MAX_CLIENTS`
+/// sets another (16 before Volta, fewer on a small MIG instance).
+fn max_clients() -> usize {
+    std::env::var(ENV_MAX_CLIENTS)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48)
 }
 
 fn parse_percentage(text: &str) -> Option<f64> {
@@ -822,6 +856,20 @@ fn serve_client(
                 st.start_server(effective)
             };
             if let Some(server) = server {
+                if server.fault {
+                    break Err("CUDA_ERROR_MPS_SERVER_NOT_READY".to_owned());
+                }
+                if server.clients.len() >= max_clients() {
+                    let spid = server.pid;
+                    st.log(&format!(
+                        "Server {spid}: client {client} refused, the limit of {} clients per device is reached (fake)",
+                        max_clients()
+                    ));
+                    break Err(format!(
+                        "too many MPS clients (limit {}; fake: the facts name no CUDA error)",
+                        max_clients()
+                    ));
+                }
                 server.clients.push(client);
                 let info = (
                     server.pid,
@@ -840,7 +888,7 @@ fn serve_client(
                 }
                 st.queue.retain(|(c, _)| *c != client);
                 cond.notify_all();
-                break Some(info);
+                break Ok(Some(info));
             }
         }
         if !queued {
@@ -864,12 +912,17 @@ fn serve_client(
         if gone {
             st.queue.retain(|(c, _)| *c != client);
             cond.notify_all();
-            break None;
+            break Ok(None);
         }
     };
     drop(st);
-    let Some((spid, pct, limits)) = served else {
-        return;
+    let (spid, pct, limits) = match served {
+        Ok(Some(info)) => info,
+        Ok(None) => return,
+        Err(error) => {
+            let _ = stream.write_all(format!("ERROR {error}\n").as_bytes());
+            return;
+        }
     };
     let _ = stream.write_all(format!("SERVER {spid} {pct:.1} {limits}\n").as_bytes());
     // Attached until the client hangs up.
@@ -879,6 +932,10 @@ fn serve_client(
     let mut st = lock(shared);
     if let Some(s) = st.server.as_mut() {
         s.clients.retain(|c| *c != client);
+        if s.clients.is_empty() {
+            // Volta and newer: back to ACTIVE once the faulting clients are gone.
+            s.fault = false;
+        }
     }
     st.maybe_switch();
     cond.notify_all();
@@ -968,6 +1025,10 @@ pub fn client_main(args: &[String]) -> i32 {
             return 3;
         }
         println!("the MPS control daemon closed the connection");
+        return 1;
+    }
+    if let Some(error) = line.trim().strip_prefix("ERROR ") {
+        println!("MPS client refused: {error}");
         return 1;
     }
     let mut words = line.split_whitespace().skip(1);

@@ -394,6 +394,76 @@ fn mps_multi_user_mode_serves_every_uid_and_parents_must_be_traversable() {
 }
 
 #[test]
+fn mps_server_faults_and_client_limit() {
+    let (_tmp, pipe, _log, shm) = dirs();
+    let pid = start(
+        &pipe,
+        &[
+            ("FAKE_MPS_SHM_DIR", shm.to_str().unwrap()),
+            ("FAKE_MPS_MAX_CLIENTS", "2"),
+        ],
+        false,
+    );
+    let _reap = Reap(Some(pid));
+    let holder = Held(
+        client(&pipe, &shm, 1000, &["--hold-ms", "60000"])
+            .spawn()
+            .unwrap(),
+    );
+    assert!(wait_for(|| !server_list(&pipe).is_empty()));
+    let server = server_list(&pipe).trim().to_owned();
+    let second = Held(
+        client(&pipe, &shm, 1000, &["--hold-ms", "60000"])
+            .spawn()
+            .unwrap(),
+    );
+    assert!(wait_for(|| stdout(&control(
+        &pipe,
+        &format!("get_client_list {server}\n")
+    ))
+    .lines()
+    .count()
+        == 2));
+    // Over the limit: refused.
+    let third = client(&pipe, &shm, 1000, &[]).output().unwrap();
+    assert_eq!(third.status.code(), Some(1));
+    assert!(
+        stdout(&third).contains("too many MPS clients (limit 2"),
+        "{}",
+        stdout(&third)
+    );
+    // A fatal fault: FAULT, new clients refused until the server's clients are gone.
+    drop(second);
+    control(&pipe, &format!("fake_fault {server}\n"));
+    assert_eq!(
+        stdout(&control(&pipe, &format!("get_server_status {server}\n"))),
+        "FAULT\n"
+    );
+    let refused = client(&pipe, &shm, 1000, &[]).output().unwrap();
+    assert_eq!(
+        stdout(&refused),
+        "MPS client refused: CUDA_ERROR_MPS_SERVER_NOT_READY\n"
+    );
+    drop(holder);
+    assert!(wait_for(|| stdout(&control(
+        &pipe,
+        &format!("get_server_status {server}\n")
+    )) == "ACTIVE\n"));
+    let served = client(&pipe, &shm, 1000, &[]).output().unwrap();
+    assert!(served.status.success(), "{}", stdout(&served));
+    assert!(stdout(&served).contains(&format!("served by MPS server {server} ")));
+    assert_eq!(
+        stdout(&control(
+            &pipe,
+            "terminate_client 1 2\nget_server_status 77\n"
+        )),
+        "Invalid process 2!\nServer 77 not found\n"
+    );
+    control(&pipe, "quit\n");
+    assert!(wait_for(|| !alive(pid)));
+}
+
+#[test]
 fn mps_knobs() {
     let (tmp, pipe, _log, _shm) = dirs();
     let out = Command::new(MPS)
