@@ -204,7 +204,10 @@ if [[ -x "$plugin" && -z "${SKIP_NVML:-}" ]]; then
     while IFS=',' read -r uuid name cc bus mem; do
         uuid="${uuid// /}"; cc="${cc// /}"; bus="${bus// /}"; mem="${mem// /}"
         name="$(echo "$name" | sed 's/^ *//; s/ *$//')"
-        for want in "$uuid" "$name" "$cc" "${bus#0000}" "${mem}Mi"; do
+        mem_q="${mem}Mi"
+        # cleave prints whole GiB as Gi.
+        [[ "$mem" =~ ^[0-9]+$ ]] && (( mem % 1024 == 0 )) && mem_q="$((mem / 1024))Gi"
+        for want in "$uuid" "$name" "$cc" "${bus#0000}" "$mem_q"; do
             if grep -qiF -- "$want" "$out/nvml/inspect.yaml"; then
                 echo "ok       $uuid: $want" >>"$out/nvml/compare.txt"
             else
