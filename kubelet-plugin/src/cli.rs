@@ -136,9 +136,11 @@ pub struct MpsDaemonArgs {
 /// `checkpoint` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum CheckpointCommand {
-    /// Move an unreadable checkpoint aside (`checkpoint.json.corrupt-<unix seconds>`),
-    /// printing what it held when it can be decoded; the plugin then starts with no
-    /// prepared claims. Make sure no pod on the node uses a claim of this driver first.
+    /// Move an unreadable checkpoint aside (`checkpoint.json.corrupt-<unix seconds>`); the
+    /// plugin then starts with no prepared claims. Refuses while a plugin instance runs on
+    /// the node, and refuses a checkpoint that reads and verifies unless `--force` (which
+    /// lists the claims it abandons). Make sure no pod on the node uses a claim of this
+    /// driver first.
     Reset(CheckpointResetArgs),
 }
 
@@ -155,6 +157,16 @@ pub struct CheckpointResetArgs {
     /// DRA driver name.
     #[arg(long, env = "DRIVER_NAME", default_value = cleave_api::names::DRIVER_NAME)]
     pub driver_name: String,
+    /// Reset even a checkpoint that reads and verifies (or one written by a newer
+    /// release), abandoning the claims it holds; they are listed.
+    #[arg(long)]
+    pub force: bool,
+    /// Also delete the CDI spec files of the abandoned claims (under `--cdi-root`).
+    #[arg(long)]
+    pub remove_cdi_specs: bool,
+    /// CDI spec directory the plugin writes claim specs to.
+    #[arg(long, env = "CDI_ROOT", default_value = cleave_driver::cdi::DEFAULT_CDI_ROOT)]
+    pub cdi_root: PathBuf,
 }
 
 /// Start-up retries and what counts as a usable node.
@@ -450,12 +462,31 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
 
 fn checkpoint_reset(args: &CheckpointResetArgs) -> anyhow::Result<ExitCode> {
     let state_dir = args.plugins_dir.join(&args.driver_name);
-    match crate::lifecycle::reset_checkpoint(&state_dir)? {
+    let options = crate::lifecycle::ResetOptions {
+        force: args.force,
+        remove_cdi_specs_in: args.remove_cdi_specs.then(|| args.cdi_root.clone()),
+    };
+    match crate::lifecycle::reset_checkpoint(&state_dir, &options)? {
         crate::lifecycle::ResetOutcome::Missing => {
             println!("no checkpoint in {}: nothing to reset", state_dir.display());
         }
-        crate::lifecycle::ResetOutcome::MovedAside { moved_to, held } => {
+        crate::lifecycle::ResetOutcome::MovedAside {
+            moved_to,
+            held,
+            abandoned,
+            left_behind,
+            removed_specs,
+        } => {
             println!("the checkpoint held: {held}");
+            for claim in &abandoned {
+                println!("abandoned claim: {claim}");
+            }
+            for spec in &removed_specs {
+                println!("removed CDI spec: {}", spec.display());
+            }
+            for item in &left_behind {
+                println!("left on the node: {item}");
+            }
             println!(
                 "moved to {}; the plugin starts with no prepared claims (it picks this up on its next retry)",
                 moved_to.display()

@@ -219,6 +219,9 @@ pub struct RunningPlugin {
     pub driver_wait: Option<String>,
     /// The pool to publish once the driver's files are there.
     pub pending_pool: Option<cleave_api::pool::PoolDevices>,
+    /// The shared instance lock, held until the plugin is dropped (see
+    /// [`crate::lifecycle::INSTANCE_LOCK_FILE`]).
+    pub instance_lock: std::fs::File,
 }
 
 impl std::fmt::Debug for RunningPlugin {
@@ -268,6 +271,11 @@ pub async fn start_with_backend(
     plugin
         .prepare_dirs()
         .context("preparing plugin directories")?;
+    // Before the checkpoint or the API server is touched: a second instance on the same
+    // socket names stops here, naming the one that runs.
+    crate::server::check_sockets_free(&plugin)
+        .await
+        .context("checking the plugin sockets")?;
     let serializer = Serializer::new(plugin.lock_file());
 
     let mut config = driver_config(args, &plugin);
@@ -277,15 +285,27 @@ pub async fn start_with_backend(
             .await?
             .with_backend(Arc::clone(&backend)),
     );
-    let driver = {
+    let (driver, instance_lock) = {
         let backend = Arc::clone(&backend);
+        let state_dir = plugin.data_dir();
         serializer
             .run(move || {
-                NodeDriver::start_with_sharing(config, backend, sharing)
+                let driver = NodeDriver::start_with_sharing(config, backend, sharing)
                     .map_err(anyhow::Error::from)
+                    .context("starting the node driver")?;
+                // Under the node lock, once the checkpoint has been read: from now on
+                // `checkpoint reset` sees a running plugin and refuses.
+                let lock = crate::lifecycle::hold_instance_lock(&state_dir).with_context(|| {
+                    format!(
+                        "taking the instance lock {}",
+                        state_dir
+                            .join(crate::lifecycle::INSTANCE_LOCK_FILE)
+                            .display()
+                    )
+                })?;
+                Ok::<_, anyhow::Error>((driver, lock))
             })
-            .await?
-            .context("starting the node driver")?
+            .await??
     };
     let driver = Arc::new(driver);
 
@@ -373,6 +393,7 @@ pub async fn start_with_backend(
         server,
         driver_wait,
         pending_pool,
+        instance_lock,
     })
 }
 

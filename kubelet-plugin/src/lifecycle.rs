@@ -367,6 +367,56 @@ pub(crate) async fn driver_not_ready_event(
     *last = Some(reason.to_owned());
 }
 
+/// The lock every running plugin instance holds (shared) from the moment it has loaded
+/// the checkpoint until it exits, so that `checkpoint reset` can tell a running plugin
+/// from one that waits for a readable checkpoint: `<state dir>/instances.lock`.
+pub const INSTANCE_LOCK_FILE: &str = "instances.lock";
+
+/// The node lock every prepare and unprepare batch holds: `<state dir>/serialize.lock`
+/// (see [`crate::serialize`]).
+pub const NODE_LOCK_FILE: &str = "serialize.lock";
+
+/// Takes the shared instance lock in `state_dir` (see [`INSTANCE_LOCK_FILE`]); the lock
+/// lasts as long as the returned file is open. Instances of a rolling update share it.
+pub fn hold_instance_lock(state_dir: &Path) -> std::io::Result<std::fs::File> {
+    let file = open_lock(&state_dir.join(INSTANCE_LOCK_FILE))?;
+    file.lock_shared()?;
+    Ok(file)
+}
+
+fn open_lock(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+}
+
+/// Takes `path` exclusively without waiting; `Ok(None)` when someone else holds it.
+fn try_lock_exclusive(path: &Path) -> anyhow::Result<Option<std::fs::File>> {
+    let file = open_lock(path).with_context(|| format!("opening lock file {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(e).with_context(|| format!("locking {}", path.display()))
+        }
+    }
+}
+
+/// How `checkpoint reset` may proceed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResetOptions {
+    /// Reset even a checkpoint that reads and verifies (abandoning its claims), or one
+    /// written by a newer release.
+    pub force: bool,
+    /// Also delete the CDI spec files of the abandoned claims from this CDI root.
+    pub remove_cdi_specs_in: Option<PathBuf>,
+}
+
 /// What [`reset_checkpoint`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ResetOutcome {
@@ -376,38 +426,84 @@ pub enum ResetOutcome {
     MovedAside {
         /// The new name, `checkpoint.json.corrupt-<unix seconds>`.
         moved_to: PathBuf,
-        /// What the file held when it could be decoded (claims), else the decode error.
+        /// What the file held when it could be decoded (claims), else why it could not.
         held: String,
+        /// The claims the plugin forgets (`namespace/name uid`), when the file decoded.
+        abandoned: Vec<String>,
+        /// What those claims leave on the node that nothing cleans up any more: MIG
+        /// instances cleave created for them, MPS state, CDI specs not removed.
+        left_behind: Vec<String>,
+        /// CDI spec files removed (with [`ResetOptions::remove_cdi_specs_in`]).
+        removed_specs: Vec<PathBuf>,
     },
 }
 
 /// `checkpoint reset`: moves `<state_dir>/checkpoint.json` aside to
 /// `checkpoint.json.corrupt-<unix seconds>` so the plugin starts with no prepared claims.
-pub fn reset_checkpoint(state_dir: &Path) -> anyhow::Result<ResetOutcome> {
+///
+/// Refuses (an error, the file untouched) while a plugin instance runs on the node (it
+/// holds the instance lock or the node lock), and, unless [`ResetOptions::force`], when
+/// the file reads and verifies (it is not corrupt: resetting it only abandons its claims)
+/// or was written by a newer release. A forced reset lists the claims it abandons and
+/// what they leave behind, and removes their CDI spec files only when asked.
+pub fn reset_checkpoint(state_dir: &Path, options: &ResetOptions) -> anyhow::Result<ResetOutcome> {
     let path = state_dir.join(CHECKPOINT_FILE);
-    let bytes = match std::fs::read(&path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ResetOutcome::Missing),
-        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-    };
-    let held = match decode(&path, &bytes) {
-        Ok(data) => {
-            let mut s = format!("{} claim(s), boot ID {:?}", data.claims.len(), data.boot_id);
-            for c in data.claims.values() {
-                let devices: Vec<&str> = c.devices.iter().map(|d| d.name.as_str()).collect();
-                s.push_str(&format!(
-                    "\n  claim {}/{} uid {} state {:?} devices {}",
-                    c.namespace,
-                    c.name,
-                    c.uid,
-                    c.state,
-                    devices.join(",")
-                ));
-            }
-            s
+    if let Err(e) = std::fs::symlink_metadata(&path) {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            return Ok(ResetOutcome::Missing);
         }
-        Err(e) => format!("unreadable: {e}"),
+        return Err(e).with_context(|| format!("reading {}", path.display()));
+    }
+    // The node lock first, as every batch takes it; while held, no instance can start
+    // (instances take the instance lock under the node lock) or change the file.
+    let node_lock = state_dir.join(NODE_LOCK_FILE);
+    let Some(_node) = try_lock_exclusive(&node_lock)? else {
+        anyhow::bail!(
+            "a cleave-kubelet-plugin instance is preparing or unpreparing claims on this node right now (it holds the node lock {}); \
+             nothing was changed. A running plugin's checkpoint is its live state: stop the plugin on this node first",
+            node_lock.display()
+        );
     };
+    let instance_lock = state_dir.join(INSTANCE_LOCK_FILE);
+    let Some(_instances) = try_lock_exclusive(&instance_lock)? else {
+        anyhow::bail!(
+            "a cleave-kubelet-plugin instance is running on this node (it holds {}) and uses {} as its live state; \
+             nothing was changed. A plugin that cannot read its checkpoint does not hold this lock; one that runs has read it. \
+             Stop the plugin on this node first (for example, take the node out of the DaemonSet's node selector)",
+            instance_lock.display(),
+            path.display()
+        );
+    };
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let decoded = decode(&path, &bytes);
+    let (held, abandoned, mut left_behind, uids) = match &decoded {
+        Ok(data) => describe(data),
+        Err(e) => (
+            format!("unreadable: {}", short_reason(e)),
+            vec![],
+            vec![],
+            vec![],
+        ),
+    };
+    match &decoded {
+        Ok(data) if !options.force => anyhow::bail!(
+            "{} reads and verifies ({held}): it is not corrupt, and the plugin uses it as is; nothing was changed. \
+             Moving it aside abandons its {} claim(s): pods that use them keep their GPUs while the plugin no longer knows, \
+             and the scheduler may hand those devices out again. To do it anyway, once no pod on this node uses these claims, \
+             add --force (and --remove-cdi-specs to delete their CDI spec files)",
+            path.display(),
+            data.claims.len()
+        ),
+        Err(CheckpointError::UnsupportedVersion { version, .. }) if !options.force => {
+            anyhow::bail!(
+                "{} was written by a newer release (layout version {version}; this release reads up to {}): it is not corrupt; \
+             nothing was changed. Run the release that wrote it; to discard it anyway add --force",
+                path.display(),
+                cleave_driver::checkpoint::FORMAT_VERSION
+            )
+        }
+        _ => {}
+    }
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -422,7 +518,79 @@ pub fn reset_checkpoint(state_dir: &Path) -> anyhow::Result<ResetOutcome> {
     if let Ok(dir) = std::fs::File::open(state_dir) {
         let _ = dir.sync_all();
     }
-    Ok(ResetOutcome::MovedAside { moved_to, held })
+    let mut removed_specs = Vec::new();
+    for uid in &uids {
+        // A UID that cannot name a file never had a spec written.
+        if cleave_driver::cdi::validate_claim_uid(uid).is_err() {
+            continue;
+        }
+        let file = cleave_driver::cdi::spec_file_name(uid);
+        match &options.remove_cdi_specs_in {
+            Some(root) => {
+                let spec = root.join(&file);
+                match std::fs::remove_file(&spec) {
+                    Ok(()) => removed_specs.push(spec),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => left_behind.push(format!(
+                        "CDI spec {} (could not remove it: {e})",
+                        spec.display()
+                    )),
+                }
+            }
+            None => left_behind.push(format!(
+                "CDI spec {file} (kept; pods of the claim may still be starting with it)"
+            )),
+        }
+    }
+    Ok(ResetOutcome::MovedAside {
+        moved_to,
+        held,
+        abandoned,
+        left_behind,
+        removed_specs,
+    })
+}
+
+/// A summary of `data`, the claims it names, what they leave behind, and their UIDs.
+fn describe(
+    data: &cleave_driver::checkpoint::CheckpointData,
+) -> (String, Vec<String>, Vec<String>, Vec<String>) {
+    let mut held = format!("{} claim(s), boot ID {:?}", data.claims.len(), data.boot_id);
+    let mut abandoned = Vec::new();
+    let mut left = Vec::new();
+    for c in data.claims.values() {
+        let devices: Vec<&str> = c.devices.iter().map(|d| d.name.as_str()).collect();
+        held.push_str(&format!(
+            "\n  claim {}/{} uid {} state {:?} devices {}",
+            c.namespace,
+            c.name,
+            c.uid,
+            c.state,
+            devices.join(",")
+        ));
+        abandoned.push(format!("{}/{} uid {}", c.namespace, c.name, c.uid));
+        for d in &c.devices {
+            if let Some(m) = d.mig.as_ref().filter(|m| m.created_by_cleave) {
+                left.push(format!(
+                    "MIG instance {} {} at placement {} on GPU {} (GI {}, CI {}): destroy it with nvidia-smi once unused",
+                    m.uuid.as_deref().unwrap_or("(no UUID recorded)"),
+                    m.profile_name,
+                    m.placement.start,
+                    d.gpu_uuid,
+                    m.gi_id.map_or("?".to_owned(), |v| v.to_string()),
+                    m.ci_id.map_or("?".to_owned(), |v| v.to_string()),
+                ));
+            }
+        }
+        if c.sharing.is_some() {
+            left.push(format!(
+                "sharing state (MPS daemon) of claim {}/{}",
+                c.namespace, c.name
+            ));
+        }
+    }
+    let uids = data.claims.values().map(|c| c.uid.clone()).collect();
+    (held, abandoned, left, uids)
 }
 
 #[cfg(test)]
@@ -438,43 +606,172 @@ mod tests {
         assert_eq!(b.next_delay(), Duration::from_secs(1));
     }
 
+    fn plain() -> ResetOptions {
+        ResetOptions::default()
+    }
+
     #[test]
     fn reset_moves_a_damaged_file_aside_and_says_what_it_held() {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(reset_checkpoint(dir.path()).unwrap(), ResetOutcome::Missing);
+        assert_eq!(
+            reset_checkpoint(dir.path(), &plain()).unwrap(),
+            ResetOutcome::Missing
+        );
         std::fs::write(dir.path().join(CHECKPOINT_FILE), b"{not json").unwrap();
-        let ResetOutcome::MovedAside { moved_to, held } = reset_checkpoint(dir.path()).unwrap()
+        let ResetOutcome::MovedAside { moved_to, held, .. } =
+            reset_checkpoint(dir.path(), &plain()).unwrap()
         else {
             panic!("not moved")
         };
         assert!(held.starts_with("unreadable:"), "{held}");
+        // The output of the reset never tells the operator to run the reset.
+        assert!(!held.contains("checkpoint reset"), "{held}");
         assert!(!dir.path().join(CHECKPOINT_FILE).exists());
         assert_eq!(std::fs::read(&moved_to).unwrap(), b"{not json");
         let name = moved_to.file_name().unwrap().to_string_lossy().into_owned();
         assert!(name.starts_with("checkpoint.json.corrupt-"), "{name}");
     }
 
-    #[test]
-    fn reset_prints_the_claims_of_a_readable_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = cleave_driver::checkpoint::CheckpointStore::in_dir(dir.path());
-        let mut data = cleave_driver::checkpoint::CheckpointData::default();
+    /// A checkpoint holding one Prepared claim with a MIG instance cleave created, and its
+    /// CDI spec in `cdi`.
+    fn healthy_checkpoint(state: &Path, cdi: &Path) -> Vec<u8> {
+        use cleave_driver::checkpoint::*;
+        let store = CheckpointStore::in_dir(state);
+        let mut data = CheckpointData::default();
         data.claims.insert(
             "u1".into(),
-            cleave_driver::checkpoint::ClaimRecord {
+            ClaimRecord {
                 uid: "u1".into(),
                 namespace: "ns".into(),
                 name: "c".into(),
-                state: cleave_driver::checkpoint::ClaimState::Prepared,
-                devices: vec![],
+                state: ClaimState::Prepared,
+                devices: vec![DeviceRecord {
+                    name: "gpu-0-mig-3g40gb-4".into(),
+                    pool: "node".into(),
+                    request_names: vec!["r".into()],
+                    kind: DeviceKind::Mig,
+                    gpu_uuid: "GPU-0".into(),
+                    gpu_minor: 0,
+                    mig: Some(MigRecord {
+                        profile_id: 9,
+                        profile_name: "3g.40gb".into(),
+                        placement: cleave_driver::model::Placement { start: 4, size: 4 },
+                        uuid: Some("MIG-1".into()),
+                        gi_id: Some(2),
+                        ci_id: Some(0),
+                        created_by_cleave: true,
+                        creating_in_boot: None,
+                    }),
+                    config: None,
+                    cdi_device_ids: vec![],
+                }],
                 sharing: None,
             },
         );
         store.store(&data).unwrap();
-        let ResetOutcome::MovedAside { held, .. } = reset_checkpoint(dir.path()).unwrap() else {
+        std::fs::create_dir_all(cdi).unwrap();
+        std::fs::write(cdi.join(cleave_driver::cdi::spec_file_name("u1")), b"{}").unwrap();
+        std::fs::read(state.join(CHECKPOINT_FILE)).unwrap()
+    }
+
+    #[test]
+    fn a_healthy_checkpoint_is_kept_without_force() {
+        let dir = tempfile::tempdir().unwrap();
+        let cdi = dir.path().join("cdi");
+        let bytes = healthy_checkpoint(dir.path(), &cdi);
+        let err = reset_checkpoint(dir.path(), &plain()).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("reads and verifies"), "{msg}");
+        assert!(msg.contains("claim ns/c uid u1 state Prepared"), "{msg}");
+        assert!(msg.contains("--force"), "{msg}");
+        assert!(!msg.contains("checkpoint reset"), "{msg}");
+        assert_eq!(
+            std::fs::read(dir.path().join(CHECKPOINT_FILE)).unwrap(),
+            bytes
+        );
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("corrupt"))
+            .collect();
+        assert!(names.is_empty(), "{names:?}");
+    }
+
+    #[test]
+    fn a_running_plugin_blocks_every_reset_even_forced() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(CHECKPOINT_FILE), b"{not json").unwrap();
+        let forced = ResetOptions {
+            force: true,
+            remove_cdi_specs_in: None,
+        };
+        let instance = hold_instance_lock(dir.path()).unwrap();
+        let msg = format!("{:#}", reset_checkpoint(dir.path(), &forced).unwrap_err());
+        assert!(msg.contains("is running on this node"), "{msg}");
+        assert!(msg.contains(INSTANCE_LOCK_FILE), "{msg}");
+        assert!(!msg.contains("checkpoint reset"), "{msg}");
+        drop(instance);
+        // A batch in flight holds the node lock.
+        let node = open_lock(&dir.path().join(NODE_LOCK_FILE)).unwrap();
+        node.lock().unwrap();
+        let msg = format!("{:#}", reset_checkpoint(dir.path(), &forced).unwrap_err());
+        assert!(msg.contains("holds the node lock"), "{msg}");
+        assert_eq!(
+            std::fs::read(dir.path().join(CHECKPOINT_FILE)).unwrap(),
+            b"{not json"
+        );
+        drop(node);
+        assert!(matches!(
+            reset_checkpoint(dir.path(), &forced).unwrap(),
+            ResetOutcome::MovedAside { .. }
+        ));
+    }
+
+    #[test]
+    fn a_forced_reset_names_what_it_abandons_and_removes_specs_only_if_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let cdi = dir.path().join("cdi");
+        let spec = cdi.join(cleave_driver::cdi::spec_file_name("u1"));
+        healthy_checkpoint(dir.path(), &cdi);
+        let forced = ResetOptions {
+            force: true,
+            remove_cdi_specs_in: None,
+        };
+        let ResetOutcome::MovedAside {
+            held,
+            abandoned,
+            left_behind,
+            removed_specs,
+            ..
+        } = reset_checkpoint(dir.path(), &forced).unwrap()
+        else {
             panic!("not moved")
         };
         assert!(held.contains("claim ns/c uid u1 state Prepared"), "{held}");
+        assert_eq!(abandoned, ["ns/c uid u1"]);
+        assert!(removed_specs.is_empty());
+        assert!(spec.exists(), "the spec stays unless asked");
+        let text = left_behind.join("\n");
+        assert!(
+            text.contains("MIG instance MIG-1 3g.40gb at placement 4 on GPU GPU-0"),
+            "{text}"
+        );
+        assert!(text.contains("CDI spec"), "{text}");
+        assert!(!dir.path().join(CHECKPOINT_FILE).exists());
+
+        healthy_checkpoint(dir.path(), &cdi);
+        let forced = ResetOptions {
+            force: true,
+            remove_cdi_specs_in: Some(cdi.clone()),
+        };
+        let ResetOutcome::MovedAside { removed_specs, .. } =
+            reset_checkpoint(dir.path(), &forced).unwrap()
+        else {
+            panic!("not moved")
+        };
+        assert_eq!(removed_specs, std::slice::from_ref(&spec));
+        assert!(!spec.exists());
     }
 
     #[test]

@@ -8,6 +8,12 @@
 //! during a rolling update the new pod registers beside the old one (seamless upgrade).
 //! The DRA service is served before the registration socket appears; on shutdown the
 //! registration socket goes first. Each instance removes only sockets it created.
+//!
+//! Sockets are owned: before a path is taken, it is probed by connecting to it. A socket
+//! nobody listens on (left by a crash) is replaced; a live one never is, and the new
+//! instance stops with [`ServerError::InUse`] naming the process that serves it. A socket
+//! is bound at a temporary dot-name in the same directory, given mode 0600, and only then
+//! linked under its real name, so nobody ever sees it half made.
 
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -43,6 +49,26 @@ pub enum ServerError {
     NotASocket {
         /// The offending path.
         path: PathBuf,
+    },
+    /// Another process serves the socket: this instance must not take it over.
+    #[error(
+        "{path} is served by {owner}: another cleave-kubelet-plugin instance is running with the same socket names; \
+         stop it first, or give each instance its own pod UID (POD_UID from the downward API, as the Helm chart sets it) \
+         so that both can run side by side during a rolling update"
+    )]
+    InUse {
+        /// The live socket.
+        path: PathBuf,
+        /// Who listens on it (process ID when visible).
+        owner: String,
+    },
+    /// What sits at a socket path could not be examined.
+    #[error("probing socket {path}: {source}")]
+    Probe {
+        /// Socket path.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
     },
     /// A stale socket could not be removed.
     #[error("removing stale socket {path}: {source}")]
@@ -237,34 +263,181 @@ impl Drop for ServedSocket {
     }
 }
 
-/// Binds a unix socket at `path`, replacing a stale socket, with mode 0600.
-fn bind(path: &Path) -> Result<(UnixListener, (u64, u64)), ServerError> {
+/// What sits at a socket path before this instance binds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketProbe {
+    /// Nothing: the path is free.
+    Free,
+    /// A socket file with no listener (a previous instance died without removing it).
+    Stale,
+    /// A socket another process listens on. `pid` is the listener's process ID as this
+    /// process sees it (`SO_PEERCRED`); `None` when it runs in another PID namespace or its
+    /// backlog is full.
+    Live {
+        /// The listening process, when visible.
+        pid: Option<i32>,
+    },
+}
+
+/// How long a probe waits for a connection before it counts the socket as live (a
+/// listener whose backlog is full answers late, but it is there).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Probes `path` by connecting to it, as the kubelet would. A socket that refuses the
+/// connection is stale; one that accepts it (or keeps it waiting) is live and belongs to
+/// someone else. `connect(2)` on a unix socket with no listener fails with
+/// `ECONNREFUSED`, on a missing path with `ENOENT` (unix(7)); the listener's credentials
+/// come from `SO_PEERCRED`, "those that were in effect at the time of the call to
+/// listen(2)" (unix(7)).
+pub async fn probe_socket(path: &Path) -> Result<SocketProbe, ServerError> {
     match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => {
-            info!(path = %path.display(), "removing stale socket");
-            std::fs::remove_file(path).map_err(|source| ServerError::RemoveStale {
-                path: path.to_owned(),
-                source,
-            })?;
-        }
+        Ok(m) if m.file_type().is_socket() => {}
         Ok(_) => {
             return Err(ServerError::NotASocket {
                 path: path.to_owned(),
             });
         }
-        Err(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(SocketProbe::Free),
+        Err(source) => {
+            return Err(ServerError::Probe {
+                path: path.to_owned(),
+                source,
+            });
+        }
     }
-    let listener = UnixListener::bind(path).map_err(|source| ServerError::Bind {
+    match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::UnixStream::connect(path)).await {
+        Err(_) => Ok(SocketProbe::Live { pid: None }),
+        Ok(Ok(stream)) => {
+            let pid = stream
+                .peer_cred()
+                .ok()
+                .and_then(|c| c.pid())
+                .filter(|p| *p > 0);
+            Ok(SocketProbe::Live { pid })
+        }
+        Ok(Err(e)) => match e.kind() {
+            std::io::ErrorKind::ConnectionRefused => Ok(SocketProbe::Stale),
+            std::io::ErrorKind::NotFound => Ok(SocketProbe::Free),
+            // A listener whose backlog is full makes a non-blocking connect fail with EAGAIN.
+            std::io::ErrorKind::WouldBlock => Ok(SocketProbe::Live { pid: None }),
+            _ => Err(ServerError::Probe {
+                path: path.to_owned(),
+                source: e,
+            }),
+        },
+    }
+}
+
+/// Fails when another process serves `path`; removes a stale socket file.
+async fn claim_path(path: &Path) -> Result<(), ServerError> {
+    match probe_socket(path).await? {
+        SocketProbe::Free => Ok(()),
+        SocketProbe::Stale => {
+            info!(path = %path.display(), "removing stale socket (no process listens on it)");
+            match std::fs::remove_file(path) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(source) => Err(ServerError::RemoveStale {
+                    path: path.to_owned(),
+                    source,
+                }),
+            }
+        }
+        SocketProbe::Live { pid } => Err(ServerError::InUse {
+            path: path.to_owned(),
+            owner: describe_owner(pid),
+        }),
+    }
+}
+
+fn describe_owner(pid: Option<i32>) -> String {
+    match pid {
+        Some(pid) => format!("process {pid}"),
+        None => "a process outside this PID namespace (another pod?)".to_owned(),
+    }
+}
+
+/// Checks that no other instance serves this configuration's sockets, before the plugin
+/// does anything else (loads its checkpoint, publishes): a second instance on the same
+/// socket names exits with [`ServerError::InUse`] instead of taking over. Stale sockets
+/// are left for [`PluginServer::start`] to replace.
+pub async fn check_sockets_free(config: &PluginConfig) -> Result<(), ServerError> {
+    for path in [config.dra_socket(), config.registration_socket()] {
+        let path = absolute(&path);
+        if let SocketProbe::Live { pid } = probe_socket(&path).await? {
+            return Err(ServerError::InUse {
+                path,
+                owner: describe_owner(pid),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A temporary name in `path`'s directory. It starts with '.', so the kubelet's plugin
+/// watcher ignores it (kubernetes/kubernetes
+/// pkg/kubelet/pluginmanager/pluginwatcher/plugin_watcher.go, `handleCreateEvent`:
+/// "Ignoring file (starts with '.')"), and it is short, so it fits the 108-byte limit
+/// of a unix socket path wherever the final name fits.
+fn temporary_name(path: &Path) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!(".cleave-{}-{n}.tmp", std::process::id());
+    path.parent().unwrap_or(Path::new(".")).join(name)
+}
+
+/// Binds a unix socket at `path` with mode 0600, never replacing a live socket.
+///
+/// The socket is bound at a temporary name in the same directory, restricted to 0600,
+/// and only then linked to `path` (`link(2)` fails with `EEXIST` instead of replacing
+/// what another instance put there meanwhile), so neither the kubelet nor anyone else
+/// ever sees it under its name with another mode. A stale socket at `path` is removed;
+/// a live one is an error naming its owner.
+async fn bind(path: &Path) -> Result<(UnixListener, (u64, u64)), ServerError> {
+    let tmp = temporary_name(path);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp).map_err(|source| ServerError::Bind {
         path: path.to_owned(),
         source,
     })?;
+    let result = publish_socket(&tmp, path).await;
+    // The temporary name goes in every case: on success the socket lives on under `path`.
+    let _ = std::fs::remove_file(&tmp);
+    let identity = result?;
+    Ok((listener, identity))
+}
+
+/// Gives the socket at `tmp` mode 0600 and the name `path`; returns its (device, inode).
+async fn publish_socket(tmp: &Path, path: &Path) -> Result<(u64, u64), ServerError> {
     let perm_err = |source| ServerError::Permissions {
         path: path.to_owned(),
         source,
     };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(perm_err)?;
-    let m = std::fs::symlink_metadata(path).map_err(perm_err)?;
-    Ok((listener, (m.dev(), m.ino())))
+    std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(0o600)).map_err(perm_err)?;
+    let m = std::fs::symlink_metadata(tmp).map_err(perm_err)?;
+    let identity = (m.dev(), m.ino());
+    // Two rounds: a stale socket removed, then another instance racing us to the name.
+    for _ in 0..3 {
+        claim_path(path).await?;
+        match std::fs::hard_link(tmp, path) {
+            Ok(()) => return Ok(identity),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => {
+                // A file system without hard links: rename, which replaces; the path was
+                // just found free, so only a racing instance could lose its name here.
+                debug!(path = %path.display(), error = %e, "hard link failed; renaming instead");
+                std::fs::rename(tmp, path).map_err(|source| ServerError::Bind {
+                    path: path.to_owned(),
+                    source,
+                })?;
+                return Ok(identity);
+            }
+        }
+    }
+    Err(ServerError::InUse {
+        path: path.to_owned(),
+        owner: "another instance that keeps creating it".to_owned(),
+    })
 }
 
 fn serve(
@@ -341,7 +514,7 @@ impl PluginServer {
         let registration_socket = absolute(&config.registration_socket());
 
         let dra_service = DraService::new(handler).with_metrics(metrics);
-        let (listener, identity) = bind(&dra_socket)?;
+        let (listener, identity) = bind(&dra_socket).await?;
         let router = tonic::transport::Server::builder()
             .add_service(dra_service.v1_svc())
             .add_service(dra_service.v1beta1_svc())
@@ -365,7 +538,7 @@ impl PluginServer {
                 .with_supported_version(HEALTH_V1);
         }
         let state = registration_service.state();
-        let (listener, identity) = bind(&registration_socket)?;
+        let (listener, identity) = bind(&registration_socket).await?;
         let router = tonic::transport::Server::builder().add_service(registration_service.svc());
         let registration = serve(registration_socket.clone(), identity, listener, router);
         info!(path = %registration_socket.display(), "serving registration service");
@@ -491,6 +664,46 @@ mod tests {
         assert_eq!(mode & 0o777, 0o700);
     }
 
+    #[tokio::test]
+    async fn probe_tells_free_stale_and_live_sockets_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.sock");
+        assert_eq!(probe_socket(&path).await.unwrap(), SocketProbe::Free);
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert_eq!(probe_socket(&path).await.unwrap(), SocketProbe::Stale);
+        std::fs::remove_file(&path).unwrap();
+        let _live = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let pid = i32::try_from(std::process::id()).unwrap();
+        assert_eq!(
+            probe_socket(&path).await.unwrap(),
+            SocketProbe::Live { pid: Some(pid) }
+        );
+    }
+
+    #[tokio::test]
+    async fn bind_replaces_a_stale_socket_but_never_a_live_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        let (listener, identity) = bind(&path).await.unwrap();
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!((m.dev(), m.ino()), identity);
+        assert_eq!(m.permissions().mode() & 0o777, 0o600);
+        // The socket answers under its final name; the temporary name is gone.
+        let _client = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, [std::ffi::OsString::from("x.sock")]);
+        let err = bind(&path).await.map(|_| ()).unwrap_err();
+        assert!(matches!(err, ServerError::InUse { .. }), "{err}");
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!((m.dev(), m.ino()), identity, "the live socket was replaced");
+        drop(listener);
+    }
+
     #[test]
     fn regular_file_in_place_of_socket_is_not_removed() {
         let dir = tempfile::tempdir().unwrap();
@@ -500,7 +713,9 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
-        let err = rt.block_on(async { bind(&path).map(|_| ()) }).unwrap_err();
+        let err = rt
+            .block_on(async { bind(&path).await.map(|_| ()) })
+            .unwrap_err();
         assert!(matches!(err, ServerError::NotASocket { .. }), "{err}");
         assert_eq!(std::fs::read(&path).unwrap(), b"keep");
     }

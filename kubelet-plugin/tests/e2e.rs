@@ -439,6 +439,104 @@ async fn rolling_update_two_instances_share_the_node_state() {
     assert!(new.terminate().success());
 }
 
+/// A second instance with the same socket names (no pod UID) must not take the sockets of
+/// the one that runs: it exits with an error naming it, and the first keeps answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_instance_on_the_same_sockets_exits_and_leaves_the_first_answering() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "a", "uid-a", &[("gpu", "gpu-0")], &[]);
+    let first = Plugin::start(&dirs, &PluginOptions::default());
+    let pid = first.child.id();
+    let inodes = |p: &std::path::Path| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::symlink_metadata(p).unwrap().ino()
+    };
+    let (reg_ino, dra_ino) = (
+        inodes(&first.registration_socket),
+        inodes(&first.dra_socket),
+    );
+
+    let status = Plugin::run_to_exit(&dirs, &PluginOptions::default());
+    assert!(!status.success(), "the second instance must fail: {status}");
+    let log = dirs.log();
+    assert!(
+        log.contains(&format!("is served by process {pid}")) && log.contains("POD_UID"),
+        "the error names the running instance and the fix:\n{log}"
+    );
+    assert!(!log.contains("removing stale socket"), "{log}");
+
+    // The same socket files, still answering.
+    assert_eq!(inodes(&first.registration_socket), reg_ino);
+    assert_eq!(inodes(&first.dra_socket), dra_ino);
+    let mut reg = registration(&first.registration_socket).await;
+    let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.endpoint, first.dra_socket.display().to_string());
+    let mut dra = dra_v1(&first.dra_socket).await;
+    let r = prepare(&mut dra, vec![claim("a", "uid-a")]).await;
+    assert_eq!(r.claims["uid-a"].error, "");
+    assert!(first.terminate().success());
+}
+
+/// `checkpoint reset` against a healthy checkpoint holding a Prepared claim: refused while
+/// the plugin runs (even with --force), refused without --force once it stopped (the file
+/// byte for byte as it was), and a forced reset names the claim and removes its CDI spec
+/// only when asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoint_reset_keeps_a_healthy_checkpoint() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "a", "uid-a", &[("gpu", "gpu-0")], &[]);
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, vec![claim("a", "uid-a")]).await;
+    assert_eq!(r.claims["uid-a"].error, "");
+    let reset = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+            .args(["checkpoint", "reset", "--plugins-dir"])
+            .arg(dirs.plugins())
+            .args(["--driver-name", DRIVER, "--cdi-root"])
+            .arg(dirs.cdi_root())
+            .args(extra)
+            .env_clear()
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!text.contains("checkpoint reset"), "{text}");
+        (out.status.success(), text)
+    };
+    let before = std::fs::read(dirs.checkpoint()).unwrap();
+    for extra in [&[][..], &["--force"][..]] {
+        let (ok, text) = reset(extra);
+        assert!(!ok, "{text}");
+        assert!(text.contains("is running on this node"), "{text}");
+        assert_eq!(std::fs::read(dirs.checkpoint()).unwrap(), before);
+    }
+    assert!(plugin.terminate().success());
+
+    let before = std::fs::read(dirs.checkpoint()).unwrap();
+    let (ok, text) = reset(&[]);
+    assert!(!ok, "{text}");
+    assert!(text.contains("reads and verifies"), "{text}");
+    assert!(text.contains("uid uid-a"), "{text}");
+    assert_eq!(std::fs::read(dirs.checkpoint()).unwrap(), before);
+    assert_eq!(dirs.cdi_files().len(), 1);
+
+    let (ok, text) = reset(&["--force", "--remove-cdi-specs"]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("abandoned claim: default/a uid uid-a"),
+        "{text}"
+    );
+    assert!(text.contains("removed CDI spec"), "{text}");
+    assert!(!dirs.checkpoint().exists());
+    assert!(dirs.cdi_files().is_empty(), "{:?}", dirs.cdi_files());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uninstall_removes_this_nodes_slices_and_exits() {
     let dirs = NodeDirs::new();

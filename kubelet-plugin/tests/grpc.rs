@@ -313,6 +313,59 @@ async fn stale_socket_from_previous_run_is_replaced() {
 }
 
 #[tokio::test]
+async fn a_live_socket_is_never_taken_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, first_handler) = start(dir.path()).await;
+    let second = PluginServer::start(&config(dir.path()), Arc::new(FakeHandler::default())).await;
+    let err = second.expect_err("a second server on the same sockets must fail");
+    let msg = err.to_string();
+    assert!(
+        matches!(err, cleave_kubelet_plugin::ServerError::InUse { .. }),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&format!("served by process {}", std::process::id())),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&first.dra_socket().display().to_string()),
+        "{msg}"
+    );
+    // The early check says the same without binding anything.
+    let early = cleave_kubelet_plugin::server::check_sockets_free(&config(dir.path()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(early, cleave_kubelet_plugin::ServerError::InUse { .. }),
+        "{early}"
+    );
+    // The first server still answers on both sockets, and no temporary name is left.
+    let mut client = registration(first.registration_socket()).await;
+    let info = client.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.endpoint, first.dra_socket().display().to_string());
+    let mut dra = dra_v1(first.dra_socket()).await;
+    dra.node_prepare_resources(v1::NodePrepareResourcesRequest {
+        claims: vec![v1_claim("ns", "a", "u")],
+    })
+    .await
+    .unwrap();
+    let batches = first_handler.prepare_batches();
+    assert_eq!(batches.len(), 1);
+    assert_eq!(batches[0][0].uid, "u");
+    for sub in ["plugins_registry", "plugins/gpu.cleave.dev"] {
+        let names: Vec<String> = std::fs::read_dir(dir.path().join(sub))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.'))
+            .collect();
+        assert!(names.is_empty(), "{sub}: {names:?}");
+    }
+    first.shutdown().await.unwrap();
+    assert!(!dir.path().join("plugins/gpu.cleave.dev/dra.sock").exists());
+}
+
+#[tokio::test]
 async fn pod_uid_names_let_two_instances_run_side_by_side() {
     let dir = tempfile::tempdir().unwrap();
     let old_handler = Arc::new(FakeHandler::default());
@@ -385,10 +438,14 @@ async fn pod_uid_names_let_two_instances_run_side_by_side() {
 
 #[tokio::test]
 async fn instance_whose_socket_was_taken_over_leaves_it_alone() {
-    // Without pod UIDs two instances use the same names; the second replaces the
-    // first's sockets, and the first must not delete them when it stops.
+    // A live socket is never taken over (see a_live_socket_is_never_taken_over), but its
+    // file can still vanish under a running instance (someone deleted it); a second
+    // instance then binds the free name, and the first must not delete the second's
+    // sockets when it stops.
     let dir = tempfile::tempdir().unwrap();
     let (first, _) = start(dir.path()).await;
+    std::fs::remove_file(first.dra_socket()).unwrap();
+    std::fs::remove_file(first.registration_socket()).unwrap();
     let (second, handler) = start(dir.path()).await;
     first.shutdown().await.unwrap();
     assert!(second.dra_socket().exists());

@@ -260,6 +260,8 @@ async fn unreadable_checkpoint_blocks_start_until_reset() {
         stdout.contains("unreadable") && stdout.contains("moved to"),
         "{stdout}"
     );
+    // It never recommends itself.
+    assert!(!stdout.contains("checkpoint reset"), "{stdout}");
     assert!(!dirs.checkpoint().exists());
     let aside: Vec<_> = std::fs::read_dir(dirs.state_dir())
         .unwrap()

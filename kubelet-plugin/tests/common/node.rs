@@ -163,6 +163,50 @@ pub struct Plugin {
 
 impl Plugin {
     pub fn start(dirs: &NodeDirs, opts: &PluginOptions) -> Self {
+        let (mut cmd, reg, dra) = Self::command(dirs, opts);
+        let mut child = cmd.spawn().unwrap();
+        let started = Instant::now();
+        // Connectable, not merely present: a plugin that was killed leaves its socket files
+        // behind. The DRA socket is served before the registration socket.
+        while std::os::unix::net::UnixStream::connect(&reg).is_err() {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("plugin exited early with {status}:\n{}", dirs.log());
+            }
+            assert!(
+                started.elapsed() < TIMEOUT,
+                "plugin did not create {}",
+                reg.display()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self {
+            child,
+            registration_socket: reg,
+            dra_socket: dra,
+        }
+    }
+
+    /// Runs the plugin binary with `opts` and waits (at most [`TIMEOUT`]) for it to exit by
+    /// itself, as a misconfigured instance must; its log goes to the node's log file.
+    pub fn run_to_exit(dirs: &NodeDirs, opts: &PluginOptions) -> ExitStatus {
+        let (mut cmd, _, _) = Self::command(dirs, opts);
+        let mut child = cmd.spawn().unwrap();
+        let started = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if started.elapsed() > TIMEOUT {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("plugin did not exit by itself:\n{}", dirs.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The command that runs the plugin binary, with its registration and DRA socket paths.
+    fn command(dirs: &NodeDirs, opts: &PluginOptions) -> (Command, PathBuf, PathBuf) {
         if opts.driver_root_as_is {
         } else if opts.nvml_from_driver_root {
             dirs.lay_out_driver_root_with_nvml(opts.profile);
@@ -210,26 +254,7 @@ impl Plugin {
                 dirs.state_dir().join("dra.sock"),
             ),
         };
-        let mut child = cmd.spawn().unwrap();
-        let started = Instant::now();
-        // Connectable, not merely present: a plugin that was killed leaves its socket files
-        // behind. The DRA socket is served before the registration socket.
-        while std::os::unix::net::UnixStream::connect(&reg).is_err() {
-            if let Some(status) = child.try_wait().unwrap() {
-                panic!("plugin exited early with {status}:\n{}", dirs.log());
-            }
-            assert!(
-                started.elapsed() < TIMEOUT,
-                "plugin did not create {}",
-                reg.display()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Self {
-            child,
-            registration_socket: reg,
-            dra_socket: dra,
-        }
+        (cmd, reg, dra)
     }
 
     /// Sends SIGTERM and waits for the exit status.
