@@ -1,7 +1,7 @@
 //! The seam between node logic and the GPU hardware (NVML). The real implementation
 //! lives in `nvml`; tests of the prepare state machine use a recording fake.
 
-use crate::model::{MigInstance, NodeInventory, Placement};
+use crate::model::{BareGpuInstance, MigInstance, NodeInventory, Placement};
 
 /// An NVML failure, with the NVML return code where there is one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -57,5 +57,23 @@ pub trait GpuBackend: Send + Sync {
     /// same file for its event set).
     fn nvml_library(&self) -> Option<std::path::PathBuf> {
         None
+    }
+
+    /// Lists the GPU instances that have no compute instance (see [`BareGpuInstance`]);
+    /// [`GpuBackend::list_mig`] does not show them. A backend that never leaves one (a
+    /// test fake whose `create_mig` is atomic) keeps the default: none.
+    fn list_bare_gpu_instances(
+        &self,
+        gpu_uuid: &str,
+    ) -> Result<Vec<BareGpuInstance>, BackendError> {
+        let _ = gpu_uuid;
+        Ok(Vec::new())
+    }
+
+    /// Destroys a GPU instance that has no compute instance. Destroying one that no longer
+    /// exists succeeds (idempotent). The default delegates to [`GpuBackend::destroy_mig`]
+    /// with a compute instance id no GPU instance has, which destroys only the GPU instance.
+    fn destroy_gpu_instance(&self, gpu_uuid: &str, gi_id: u32) -> Result<(), BackendError> {
+        self.destroy_mig(gpu_uuid, gi_id, u32::MAX)
     }
 }

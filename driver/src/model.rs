@@ -132,6 +132,20 @@ impl Placement {
     }
 }
 
+/// A GPU instance without any compute instance: no MIG device, yet its placement is
+/// taken on the GPU (NVML refuses another instance there with insufficient resources).
+/// Left by a crash or a failed rollback between `nvmlDeviceCreateGpuInstanceWithPlacement`
+/// and `nvmlGpuInstanceCreateComputeInstance`, or between the two destroys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BareGpuInstance {
+    /// GPU instance id.
+    pub gi_id: u32,
+    /// NVML profile id of the GPU instance.
+    pub profile_id: u32,
+    /// Placement of the GPU instance.
+    pub placement: Placement,
+}
+
 /// An existing MIG device: a GPU instance with one compute instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigInstance {

@@ -27,7 +27,9 @@ use nvml_wrapper_sys::bindings::{
 };
 
 use crate::backend::{BackendError, GpuBackend};
-use crate::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
+use crate::model::{
+    BareGpuInstance, GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement,
+};
 
 /// The NVML library loaded when no path is given (the runtime soname, present without
 /// the development package).
@@ -311,6 +313,27 @@ impl NvmlBackend {
         uuid: &str,
         profiles: &[MigProfile],
     ) -> Result<Vec<MigInstance>, BackendError> {
+        let (instances, bare) = self.instances_and_bare(device, uuid, profiles)?;
+        for b in &bare {
+            tracing::warn!(
+                gpu = uuid,
+                gi_id = b.gi_id,
+                placement_start = b.placement.start,
+                placement_size = b.placement.size,
+                "GPU instance has no compute instance; it is not listed as a MIG device"
+            );
+        }
+        Ok(instances)
+    }
+
+    /// The MIG devices (GPU instance + compute instance) and the GPU instances without a
+    /// compute instance.
+    fn instances_and_bare(
+        &self,
+        device: &Device<'_>,
+        uuid: &str,
+        profiles: &[MigProfile],
+    ) -> Result<(Vec<MigInstance>, Vec<BareGpuInstance>), BackendError> {
         let nvml = &self.nvml;
         let raw = |e: ffi::RawError| raw_err(uuid, e);
 
@@ -364,19 +387,20 @@ impl NvmlBackend {
                 },
             });
         }
-        for (id, info) in &gis {
-            if !seen_gis.contains(id) {
-                tracing::warn!(
-                    gpu = uuid,
-                    gi_id = id,
-                    placement_start = info.start,
-                    placement_size = info.size,
-                    "GPU instance has no compute instance; it is not listed as a MIG device"
-                );
-            }
-        }
+        let bare: Vec<BareGpuInstance> = gis
+            .iter()
+            .filter(|(id, _)| !seen_gis.contains(id))
+            .map(|(id, info)| BareGpuInstance {
+                gi_id: *id,
+                profile_id: info.profile_id,
+                placement: Placement {
+                    start: info.start,
+                    size: info.size,
+                },
+            })
+            .collect();
         out.sort_by_key(|m| (m.placement.start, m.gi_id, m.ci_id));
-        Ok(out)
+        Ok((out, bare))
     }
 
     /// Finds the MIG device UUID of (gi, ci).
@@ -423,6 +447,7 @@ impl NvmlBackend {
             .create_compute_instance(nvml, ci_profile)
             .map_err(|e| raw_err(uuid, e))?;
         *created_ci = Some(ci);
+        crate::fault::point("nvml.after_ci_create");
         let gi_id = gi.info(nvml).map_err(|e| raw_err(uuid, e))?.id;
         let ci_id = ci.id(nvml).map_err(|e| raw_err(uuid, e))?;
         let mig_uuid = self.mig_uuid(device, uuid, gi_id, ci_id)?;
@@ -486,6 +511,9 @@ impl GpuBackend for NvmlBackend {
             placement.size,
         )
         .map_err(|e| raw_err(gpu_uuid, e))?;
+        // The GPU instance exists, its compute instance not yet: a crash here leaves a bare
+        // GPU instance, which the driver finds by the placement it recorded beforehand.
+        crate::fault::point("nvml.after_gi_create");
         let mut created_ci = None;
         match self.finish_mig(&device, gpu_uuid, gi, &mut created_ci) {
             Ok((gi_id, ci_id, uuid)) => {
@@ -515,7 +543,15 @@ impl GpuBackend for NvmlBackend {
                     tracing::error!(gpu = gpu_uuid, error = ?e, "rollback: destroying compute instance failed");
                 }
                 if let Err(e) = gi.destroy(&self.nvml) {
-                    tracing::error!(gpu = gpu_uuid, error = ?e, "rollback: destroying GPU instance failed");
+                    // Left bare: the caller's rollback finds it by the recorded placement
+                    // (list_bare_gpu_instances) and destroys it, retrying until it goes.
+                    tracing::error!(
+                        gpu = gpu_uuid,
+                        profile_id,
+                        placement_start = placement.start,
+                        error = ?e,
+                        "rollback: destroying GPU instance failed; a bare GPU instance is left for the next rollback"
+                    );
                 }
                 Err(error)
             }
@@ -532,7 +568,7 @@ impl GpuBackend for NvmlBackend {
         };
         match gi.compute_instance_by_id(&self.nvml, ci_id) {
             Ok(ci) => match ci.destroy(&self.nvml) {
-                Ok(()) => {}
+                Ok(()) => crate::fault::point("nvml.after_ci_destroy"),
                 Err(e) if e.is_gone() => {}
                 Err(e) => return Err(raw_err(gpu_uuid, e)),
             },
@@ -540,11 +576,46 @@ impl GpuBackend for NvmlBackend {
             Err(e) => return Err(raw_err(gpu_uuid, e)),
         }
         match gi.destroy(&self.nvml) {
-            Ok(()) => {}
+            Ok(()) => crate::fault::point("nvml.after_gi_destroy"),
             Err(e) if e.is_gone() => {}
             Err(e) => return Err(raw_err(gpu_uuid, e)),
         }
         tracing::info!(gpu = gpu_uuid, gi_id, ci_id, "destroyed MIG device");
+        Ok(())
+    }
+
+    fn list_bare_gpu_instances(
+        &self,
+        gpu_uuid: &str,
+    ) -> Result<Vec<BareGpuInstance>, BackendError> {
+        let device = self.device_by_uuid(gpu_uuid)?;
+        match device.mig_mode() {
+            Ok(m) if m.current == MIG_ENABLE => {}
+            Ok(_) | Err(NvmlError::NotSupported) => return Ok(Vec::new()),
+            Err(e) => return Err(wrapper_err("nvmlDeviceGetMigMode", gpu_uuid, e)),
+        }
+        let profiles = self.profiles_for(&device, gpu_uuid)?;
+        Ok(self.instances_and_bare(&device, gpu_uuid, &profiles)?.1)
+    }
+
+    fn destroy_gpu_instance(&self, gpu_uuid: &str, gi_id: u32) -> Result<(), BackendError> {
+        let _guard = self.mutate.lock().unwrap_or_else(PoisonError::into_inner);
+        let device = self.device_by_uuid(gpu_uuid)?;
+        let gi = match ffi::gpu_instance_by_id(&device, gi_id) {
+            Ok(gi) => gi,
+            Err(e) if e.is_gone() => return Ok(()),
+            Err(e) => return Err(raw_err(gpu_uuid, e)),
+        };
+        match gi.destroy(&self.nvml) {
+            Ok(()) => crate::fault::point("nvml.after_gi_destroy"),
+            Err(e) if e.is_gone() => {}
+            Err(e) => return Err(raw_err(gpu_uuid, e)),
+        }
+        tracing::info!(
+            gpu = gpu_uuid,
+            gi_id,
+            "destroyed GPU instance without compute instance"
+        );
         Ok(())
     }
 

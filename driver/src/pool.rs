@@ -31,7 +31,9 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use crate::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
+use crate::model::{
+    BareGpuInstance, GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement,
+};
 use crate::packing::PlacementOrder;
 
 /// How to publish the node's devices.
@@ -43,6 +45,10 @@ pub struct PoolOptions {
     /// MIG device UUIDs that cleave created for claims. In on-demand mode every other
     /// existing instance is published as taken.
     pub owned_instances: BTreeSet<String>,
+    /// GPU instances without a compute instance, by GPU UUID (see [`BareGpuInstance`]).
+    /// In on-demand mode their placements are published as taken: NVML refuses them until
+    /// the driver has destroyed them.
+    pub bare_gpu_instances: BTreeMap<String, Vec<BareGpuInstance>>,
 }
 
 /// Name of the counter set of the GPU with this minor number.
@@ -197,21 +203,28 @@ fn on_demand_group(
         .iter()
         .map(|p| (p.id, i64::from(p.instance_count)))
         .collect();
-    for inst in instances
+    let foreign = instances
         .iter()
         .filter(|i| !opts.owned_instances.contains(&i.uuid))
-    {
-        for s in slices(inst.placement) {
+        .map(|i| (i.profile_id, i.placement));
+    let bare = opts
+        .bare_gpu_instances
+        .get(&gpu.uuid)
+        .into_iter()
+        .flatten()
+        .map(|b| (b.profile_id, b.placement));
+    for (profile_id, placement) in foreign.chain(bare) {
+        for s in slices(placement) {
             if let Some(c) = mem_free.get_mut(s as usize) {
                 *c = 0;
             }
         }
         let taken = profiles
             .iter()
-            .find(|p| p.id == inst.profile_id)
-            .map_or(inst.placement.size.min(compute_total), |p| p.slice_count);
+            .find(|p| p.id == profile_id)
+            .map_or(placement.size.min(compute_total), |p| p.slice_count);
         compute_free = (compute_free - i64::from(taken)).max(0);
-        if let Some(c) = limit_free.get_mut(&inst.profile_id) {
+        if let Some(c) = limit_free.get_mut(&profile_id) {
             *c = (*c - 1).max(0);
         }
     }
@@ -1104,6 +1117,38 @@ mod tests {
     }
 
     #[test]
+    fn a_bare_gpu_instance_is_published_as_taken() {
+        let node = inv(vec![h100(0, enabled(vec![]))]);
+        let uuid = node.gpus[0].uuid.clone();
+        let mut opts = on_demand();
+        opts.bare_gpu_instances.insert(
+            uuid,
+            vec![BareGpuInstance {
+                gi_id: 2,
+                profile_id: 9,
+                placement: Placement { start: 4, size: 4 },
+            }],
+        );
+        let pool = build_pool(&node, &opts);
+        let set = &pool.groups[0].counter_sets[0].counters;
+        for i in 0..8 {
+            let expected = if i >= 4 { "0" } else { "1" };
+            assert_eq!(
+                set[&format!("memory-slice-{i}")].value.0,
+                expected,
+                "slice {i}"
+            );
+        }
+        assert_eq!(set["compute-slices"].value.0, "4");
+        assert!(limit_violations(&pool).is_empty());
+        // Without it, the same GPU is all free.
+        let free = build_pool(&node, &on_demand());
+        let set = &free.groups[0].counter_sets[0].counters;
+        assert_eq!(set["memory-slice-4"].value.0, "1");
+        assert_eq!(set["compute-slices"].value.0, "7");
+    }
+
+    #[test]
     fn foreign_instance_takes_its_slices_owned_keeps_them() {
         let foreign = instance("MIG-foreign", 9, "3g.40gb", 4, 4);
         let owned = instance("MIG-owned", 14, "2g.20gb", 0, 2);
@@ -1243,7 +1288,7 @@ mod tests {
                 }
                 insts.push(instance(&uuid, p.id, &p.name, pl.start, pl.size));
             }
-            let opts = PoolOptions { dynamic_mig: true, owned_instances: owned.clone() };
+            let opts = PoolOptions { dynamic_mig: true, owned_instances: owned.clone(), ..PoolOptions::default() };
             let pool = build_pool(&inv(vec![h100(0, enabled(insts.clone()))]), &opts);
             proptest::prop_assert!(limit_violations(&pool).is_empty());
             proptest::prop_assert_eq!(pool.device_count(), 26);

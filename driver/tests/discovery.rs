@@ -254,6 +254,7 @@ fn create_and_destroy_mig() {
         let opts = PoolOptions {
             dynamic_mig: true,
             owned_instances: [one.uuid.clone()].into(),
+            ..PoolOptions::default()
         };
         let pool = build_pool(&inv, &opts);
         assert!(limit_violations(&pool).is_empty());

@@ -64,6 +64,15 @@ fn instances(nvml: &NvmlBackend) -> usize {
         .sum()
 }
 
+/// GPU instances without a compute instance, on every GPU.
+fn bare_gis(nvml: &NvmlBackend) -> usize {
+    let inv = nvml.inventory().unwrap();
+    inv.gpus
+        .iter()
+        .map(|g| nvml.list_bare_gpu_instances(&g.uuid).unwrap().len())
+        .sum()
+}
+
 fn cdi_files(dir: &Path) -> Vec<String> {
     std::fs::read_dir(dir.join("cdi"))
         .map(|d| {
@@ -77,6 +86,11 @@ fn cdi_files(dir: &Path) -> Vec<String> {
 /// Nothing of any claim anywhere: hardware, CDI root, checkpoint.
 fn assert_clean(dir: &Path, nvml: &NvmlBackend, ctx: &str) {
     assert_eq!(instances(nvml), 0, "{ctx}: MIG devices left");
+    assert_eq!(
+        bare_gis(nvml),
+        0,
+        "{ctx}: GPU instances without compute instance left"
+    );
     assert_eq!(
         cdi_files(dir),
         Vec::<String>::new(),
@@ -189,6 +203,110 @@ fn nvml_failure_at_each_destroy_step_keeps_the_record_for_retry() {
     assert_eq!(cdi_files(&dir), [cdi::spec_file_name(UID)], "{call}");
     driver.unprepare(UID).unwrap();
     assert_clean(&dir, &nvml, &call);
+}
+
+/// The reproduction: creating the compute instance fails and so does the
+/// rollback's GPU-instance destroy, leaving a bare GPU instance at the allocated 3g
+/// placement. The claim fails and stays recorded (`PrepareStarted`); a restart while
+/// destroying still fails keeps it; once NVML works again, the next prepare of that
+/// placement (the same claim, and after it another claim) destroys the bare instance first
+/// and prepares, and the GPU holds exactly one GPU instance with one compute instance.
+#[test]
+fn failing_ci_create_and_gi_destroy_leave_nothing_once_nvml_works() {
+    const DEVICE: &str = "gpu-0-mig-3g40gb-4";
+    const OTHER: &str = "f0000002-0000-4000-8000-000000000002";
+    if scenario().is_none() {
+        run(
+            "failing_ci_create_and_gi_destroy_leave_nothing_once_nvml_works",
+            "one",
+            &[],
+        );
+        return;
+    }
+    let dir = node_dir();
+    let control = PathBuf::from(std::env::var("MOCK_NVML_CONTROL").unwrap());
+    let nvml = backend();
+    let gpu0 = nvml.inventory().unwrap().gpus[0].uuid.clone();
+    let driver = NodeDriver::start(config(&dir), nvml.clone()).unwrap();
+    std::fs::write(
+        &control,
+        "nvmlGpuInstanceCreateComputeInstance=999\nnvmlGpuInstanceDestroy=999\n",
+    )
+    .unwrap();
+    let e = driver.prepare(&claim(UID, DEVICE)).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, PrepareError::MigCreate { .. }), "{msg}");
+    assert!(msg.contains(DEVICE) && msg.contains("999"), "{msg}");
+    // The GPU instance is left bare, and the claim is kept so that it gets destroyed.
+    let bare = nvml.list_bare_gpu_instances(&gpu0).unwrap();
+    assert_eq!(bare.len(), 1, "{bare:?}");
+    assert_eq!(bare[0].placement.start, 4);
+    let data = CheckpointStore::in_dir(&dir.join("state")).load().unwrap();
+    assert_eq!(data.claims[UID].state, ClaimState::PrepareStarted);
+    assert!(cdi_files(&dir).is_empty(), "{:?}", cdi_files(&dir));
+
+    // A restart while destroying still fails: start works, the record stays.
+    drop(driver);
+    let driver = NodeDriver::start(config(&dir), nvml.clone()).unwrap();
+    let data = CheckpointStore::in_dir(&dir.join("state")).load().unwrap();
+    assert_eq!(data.claims[UID].state, ClaimState::PrepareStarted);
+    assert_eq!(bare_gis(&nvml), 1);
+    // Meanwhile the pool publishes the placement as taken, never as free.
+    let bare = driver.bare_gpu_instances();
+    assert_eq!(bare[&gpu0].len(), 1, "{bare:?}");
+    let pool = cleave_driver::pool::build_pool(
+        &driver.inventory(),
+        &cleave_driver::pool::PoolOptions {
+            dynamic_mig: true,
+            owned_instances: driver.owned_mig_uuids(),
+            bare_gpu_instances: bare,
+        },
+    );
+    let set = pool
+        .groups
+        .iter()
+        .flat_map(|g| &g.counter_sets)
+        .find(|c| c.name == "gpu-0-counters")
+        .unwrap();
+    for i in 0..8 {
+        let expected = if i >= 4 { "0" } else { "1" };
+        assert_eq!(
+            set.counters[&format!("memory-slice-{i}")].value.0,
+            expected,
+            "slice {i}"
+        );
+    }
+
+    // NVML works again: the kubelet's retry of the claim prepares the same placement.
+    std::fs::write(&control, "").unwrap();
+    let prepared = driver.prepare(&claim(UID, DEVICE)).unwrap();
+    assert_eq!(prepared.devices.len(), 1);
+    let list = nvml.list_mig(&gpu0).unwrap();
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_eq!(list[0].placement.start, 4);
+    assert_eq!(bare_gis(&nvml), 0);
+    driver.unprepare(UID).unwrap();
+    assert_clean(&dir, &nvml, "after the retry");
+
+    // Once more, with another claim for the placement after the failure: its prepare
+    // finishes the failed claim's rollback first.
+    std::fs::write(
+        &control,
+        "nvmlGpuInstanceCreateComputeInstance=999\nnvmlGpuInstanceDestroy=999\n",
+    )
+    .unwrap();
+    driver.prepare(&claim(UID, DEVICE)).unwrap_err();
+    assert_eq!(bare_gis(&nvml), 1);
+    std::fs::write(&control, "").unwrap();
+    driver.prepare(&claim(OTHER, DEVICE)).unwrap();
+    let list = nvml.list_mig(&gpu0).unwrap();
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_eq!(bare_gis(&nvml), 0);
+    let data = CheckpointStore::in_dir(&dir.join("state")).load().unwrap();
+    assert!(!data.claims.contains_key(UID), "{data:?}");
+    assert_eq!(data.claims[OTHER].state, ClaimState::Prepared);
+    driver.unprepare(OTHER).unwrap();
+    assert_clean(&dir, &nvml, "after another claim");
 }
 
 /// The CDI root turns into something that is not a writable directory (here: a regular

@@ -323,6 +323,7 @@ pub async fn start_with_backend(
         &PoolOptions {
             dynamic_mig: args.driver.dynamic_mig,
             owned_instances: driver.owned_mig_uuids(),
+            bare_gpu_instances: driver.bare_gpu_instances(),
         },
     );
     info!(

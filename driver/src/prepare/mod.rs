@@ -717,6 +717,14 @@ impl NodeDriver {
         let _enter = span.enter();
 
         let mut state = self.lock_synced()?;
+        if state
+            .data
+            .claims
+            .values()
+            .any(|r| r.state == ClaimState::PrepareStarted && r.uid != uid)
+        {
+            self.retry_failed_rollbacks(&mut state, uid);
+        }
         if let Some(record) = state.data.claims.get(uid) {
             match record.state {
                 ClaimState::Prepared => return Ok(answer(record)),
@@ -1280,6 +1288,7 @@ impl NodeDriver {
     /// `NeedsRecreate` and forgets the vanished instances' IDs (one `list_mig` per GPU).
     fn mark_vanished(&self, data: &mut CheckpointData) {
         let mut listed: BTreeMap<String, Option<Vec<crate::model::MigInstance>>> = BTreeMap::new();
+        let boot_id = data.boot_id.clone();
         for record in data
             .claims
             .values_mut()
@@ -1302,6 +1311,18 @@ impl NodeDriver {
                 });
                 let Some(list) = list else { continue };
                 if !list.iter().any(|i| i.uuid == uuid) {
+                    // Half destroyed by us (a crash between the compute-instance and the
+                    // GPU-instance destroy): the GPU instance with the recorded id, profile
+                    // and placement is still there, bare. It is ours; destroy it now, or its
+                    // placement stays refused while the pool says it is free.
+                    // If that fails, an intent of this boot makes recreation and
+                    // unprepare look for it by placement and try again.
+                    if mig.created_by_cleave
+                        && let Some(gi_id) = mig.gi_id
+                        && !self.destroy_recorded_bare(&d.gpu_uuid, gi_id, mig, &d.name)
+                    {
+                        mig.creating_in_boot = Some(boot_id.clone());
+                    }
                     vanished.push(d.name.clone());
                     mig.uuid = None;
                     mig.gi_id = None;
@@ -1410,7 +1431,14 @@ impl NodeDriver {
                                     return Err(e.into());
                                 }
                                 crate::fault::point("recreate.after_intent");
+                            } else {
+                                // An intent of this boot without an instance: a crash (or a
+                                // failed rollback) between the GPU instance and its compute
+                                // instance may have left the GPU instance bare. It is ours.
+                                let d = &record.devices[i];
+                                self.destroy_bare(&uid, d, &mig)?;
                             }
+                            let bare_before = self.bare_at(&gpu, &mig);
                             let inst = match self.backend.create_mig(
                                 &gpu,
                                 mig.profile_id,
@@ -1420,8 +1448,14 @@ impl NodeDriver {
                                 Err(e) => {
                                     // Nothing was created: drop the intent, so that a later
                                     // attempt never takes an instance someone else made at
-                                    // this placement (the usual cause of this failure).
-                                    if let Some(m) = record.devices[i].mig.as_mut() {
+                                    // this placement (the usual cause of this failure). If
+                                    // our own rollback left the GPU instance bare, keep it:
+                                    // the next attempt destroys that instance first.
+                                    let left_bare = self
+                                        .bare_at(&gpu, &mig)
+                                        .into_iter()
+                                        .any(|id| !bare_before.contains(&id));
+                                    if !left_bare && let Some(m) = record.devices[i].mig.as_mut() {
                                         m.creating_in_boot = None;
                                     }
                                     data.claims.insert(uid.clone(), record.clone());
@@ -1562,8 +1596,7 @@ impl NodeDriver {
             }
         });
         let Some(inst) = target else {
-            tracing::info!(device = %device.name, "MIG device already gone");
-            return Ok(());
+            return self.destroy_bare(claim, device, mig);
         };
         crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
             self.backend
@@ -1573,6 +1606,155 @@ impl NodeDriver {
         crate::fault::point("release.after_mig_destroy");
         tracing::info!(device = %device.name, mig = %inst.uuid, "destroyed MIG device");
         Ok(())
+    }
+
+    /// The second half of [`Self::destroy_owned`]: no MIG device of ours is left, but the
+    /// GPU instance may be, without its compute instance (a crash or a failed rollback
+    /// between the two creates, or between the two destroys). It is ours when it has the
+    /// recorded profile and placement and, if an id was recorded, that GPU-instance id; it
+    /// is destroyed, and an error keeps the record so that the next prepare, unprepare or
+    /// start tries again.
+    fn destroy_bare(
+        &self,
+        claim: &str,
+        device: &DeviceRecord,
+        mig: &MigRecord,
+    ) -> Result<(), PrepareError> {
+        let err = |source| PrepareError::MigDestroy {
+            claim: claim.to_owned(),
+            device: device.name.clone(),
+            source,
+        };
+        let bare = match self.backend.list_bare_gpu_instances(&device.gpu_uuid) {
+            Ok(list) => list,
+            Err(BackendError::GpuNotFound(_)) => return Ok(()),
+            Err(e) => return Err(err(e)),
+        };
+        let Some(gi) = bare.iter().find(|b| {
+            b.profile_id == mig.profile_id
+                && b.placement == mig.placement
+                && mig.gi_id.is_none_or(|id| id == b.gi_id)
+        }) else {
+            tracing::info!(device = %device.name, "MIG device already gone");
+            return Ok(());
+        };
+        tracing::warn!(
+            device = %device.name,
+            gi = gi.gi_id,
+            placement_start = gi.placement.start,
+            "found a GPU instance of ours without compute instance; destroying it"
+        );
+        crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
+            self.backend
+                .destroy_gpu_instance(&device.gpu_uuid, gi.gi_id)
+        })
+        .map_err(err)?;
+        crate::fault::point("release.after_mig_destroy");
+        tracing::info!(device = %device.name, gi = gi.gi_id, "destroyed bare GPU instance");
+        Ok(())
+    }
+
+    /// Destroys the bare GPU instance `gi_id` if it is there with `mig`'s profile and
+    /// placement. False when one is there and could not be destroyed (logged).
+    fn destroy_recorded_bare(&self, gpu: &str, gi_id: u32, mig: &MigRecord, device: &str) -> bool {
+        if !self.bare_at(gpu, mig).contains(&gi_id) {
+            return true;
+        }
+        tracing::warn!(
+            device,
+            gi = gi_id,
+            "a MIG device of ours lost its compute instance; destroying its GPU instance"
+        );
+        match self.backend.destroy_gpu_instance(gpu, gi_id) {
+            Ok(()) => {
+                crate::fault::point("release.after_mig_destroy");
+                true
+            }
+            Err(e) => {
+                tracing::error!(device, gi = gi_id, error = %e, "destroying a GPU instance without compute instance");
+                false
+            }
+        }
+    }
+
+    /// GPU instances without a compute instance on the MIG-enabled GPUs, by GPU UUID (the
+    /// ones a failed destroy left; the pool publishes their placements as taken). A GPU
+    /// that cannot be listed is skipped with a warning.
+    pub fn bare_gpu_instances(&self) -> BTreeMap<String, Vec<crate::model::BareGpuInstance>> {
+        let gpus: Vec<String> = self
+            .lock_for_view()
+            .inventory
+            .gpus
+            .iter()
+            .filter(|g| g.mig.is_enabled())
+            .map(|g| g.uuid.clone())
+            .collect();
+        let mut out = BTreeMap::new();
+        for gpu in gpus {
+            match self.backend.list_bare_gpu_instances(&gpu) {
+                Ok(list) if !list.is_empty() => {
+                    tracing::warn!(gpu = %gpu, bare = ?list, "GPU instances without compute instance; their placements are published as taken");
+                    out.insert(gpu, list);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(gpu = %gpu, error = %e, "listing GPU instances without compute instance")
+                }
+            }
+        }
+        out
+    }
+
+    /// Ids of the GPU instances without compute instance at exactly `mig`'s profile and
+    /// placement on `gpu` (none when they cannot be listed).
+    fn bare_at(&self, gpu: &str, mig: &MigRecord) -> Vec<u32> {
+        match self.backend.list_bare_gpu_instances(gpu) {
+            Ok(list) => list
+                .iter()
+                .filter(|b| b.profile_id == mig.profile_id && b.placement == mig.placement)
+                .map(|b| b.gi_id)
+                .collect(),
+            Err(e) => {
+                tracing::warn!(gpu, error = %e, "listing GPU instances without compute instance");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Finishes the rollbacks that failed before (records left `PrepareStarted` by another
+    /// claim's prepare whose rollback could not destroy what it made, or by a crashed
+    /// instance). Under the node lock no prepare is in flight, so every such record is a
+    /// leftover. Their devices stay busy, and a bare GPU instance of theirs would make
+    /// NVML refuse its placement to the next claim, so they are retried before every
+    /// prepare; what still fails stays recorded and logged.
+    fn retry_failed_rollbacks(&self, state: &mut State, except: &str) {
+        let pending: Vec<ClaimRecord> = state
+            .data
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::PrepareStarted && r.uid != except)
+            .cloned()
+            .collect();
+        for record in pending {
+            match self.release_record(&record, &state.data) {
+                Ok(()) => {
+                    Self::forget_instances(&mut state.inventory, &record);
+                    state.data.claims.remove(&record.uid);
+                    match self.checkpoint.store(&state.data) {
+                        Ok(()) => {
+                            tracing::info!(claim = %record.uid, "finished an earlier rollback")
+                        }
+                        Err(e) => {
+                            state.data.claims.insert(record.uid.clone(), record.clone());
+                            tracing::error!(claim = %record.uid, error = %e, "recording a finished rollback");
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(claim = %record.uid, error = %e, "earlier rollback still incomplete")
+                }
+            }
+        }
     }
 
     /// Removes the instances a record created from the cached inventory.

@@ -284,6 +284,9 @@ impl Call {
             .as_deref()
             .map(|p| hooks::read(p, false))
             .unwrap_or_default();
+        if let Some(d) = hooks.delay_of(name) {
+            std::thread::sleep(d);
+        }
         let call = Self { name, rt, hooks };
         let unscoped = call.rules().filter(|r| r.device.is_none());
         if let Some(code) = hooks::fail_code(unscoped, name, None) {
@@ -1858,7 +1861,8 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
     })
 }
 
-/// `nvmlComputeInstanceDestroy`.
+/// `nvmlComputeInstanceDestroy`: IN_USE while a process is attached (control file
+/// `attach <gpu> <gi> <ci>`).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlComputeInstanceDestroy(
     compute_instance: nvmlComputeInstance_t,
@@ -1866,6 +1870,10 @@ pub unsafe extern "C" fn nvmlComputeInstanceDestroy(
     entry(|| {
         let c = Call::begin("nvmlComputeInstanceDestroy")?;
         let (g, gi, ci, nonce) = c.ci(compute_instance)?;
+        // nvml.h: IN_USE "if there are compute processes running on the compute instance".
+        if c.hooks.is_attached(g, gi, Some(ci)) {
+            return Err(rc::IN_USE);
+        }
         c.modify(|st| {
             let gs = gpu_state_mut(st, g)?;
             find_mig(gs, gi, ci, nonce)?;

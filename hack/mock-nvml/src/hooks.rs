@@ -9,6 +9,8 @@
 //! xid 0 79                                       # Xid 79 on GPU 0 (no GI/CI)
 //! xid 1 31 7 0                                   # Xid 31 on GPU 1, GI 7, CI 0
 //! lost 3                                         # GPU 3 fell off the bus
+//! attach 0 1 0                                   # a process runs on GPU 0, GI 1, CI 0
+//! delay nvmlGpuInstanceCreateComputeInstance 1500  # that call takes 1.5 s
 //! # comment
 //! ```
 //!
@@ -52,6 +54,31 @@ pub struct Hooks {
     pub xids: Vec<XidEvent>,
     /// Lost GPU indexes.
     pub lost: Vec<u32>,
+    /// Compute instances with a process attached, as `(GPU index, GI ID, CI ID)`: their
+    /// destroy (and their GPU instance's) returns IN_USE, as NVML documents for "processes
+    /// are active" (nvml.h, `nvmlComputeInstanceDestroy`, `nvmlGpuInstanceDestroy`).
+    pub attached: Vec<(u32, u32, u32)>,
+    /// Extra latency of a call, `(function, milliseconds)`: GPU/compute-instance creation
+    /// takes time on hardware (how long is not sourced; tests and benches choose).
+    pub delays: Vec<(String, u64)>,
+}
+
+impl Hooks {
+    /// True if a process is attached to compute instance `ci` of GI `gi` on GPU `gpu`
+    /// (`ci` None: to any compute instance of that GI).
+    pub fn is_attached(&self, gpu: u32, gi: u32, ci: Option<u32>) -> bool {
+        self.attached
+            .iter()
+            .any(|&(g, i, c)| g == gpu && i == gi && ci.is_none_or(|ci| ci == c))
+    }
+
+    /// The extra latency configured for `func`.
+    pub fn delay_of(&self, func: &str) -> Option<std::time::Duration> {
+        self.delays
+            .iter()
+            .find(|(f, _)| f == func)
+            .map(|(_, ms)| std::time::Duration::from_millis(*ms))
+    }
 }
 
 /// Parses `name[@index]=code`.
@@ -113,6 +140,8 @@ pub fn parse(text: &str, source: &str, events_only: bool) -> Hooks {
         let (kw, rest) = match words.first() {
             Some(&"xid") => ("xid", &words[1..]),
             Some(&"lost") if !events_only => ("lost", &words[1..]),
+            Some(&"attach") if !events_only => ("attach", &words[1..]),
+            Some(&"delay") if !events_only => ("delay", &words[1..]),
             Some(&"fail") if !events_only => ("fail", &words[1..]),
             _ if events_only => ("xid", &words[..]),
             _ => ("fail", &words[..]),
@@ -133,6 +162,26 @@ pub fn parse(text: &str, source: &str, events_only: bool) -> Hooks {
                     true
                 }
                 None => false,
+            },
+            "attach" => match rest {
+                [g, i, c] => match (g.parse(), i.parse(), c.parse()) {
+                    (Ok(g), Ok(i), Ok(c)) => {
+                        h.attached.push((g, i, c));
+                        true
+                    }
+                    _ => false,
+                },
+                _ => false,
+            },
+            "delay" => match rest {
+                [f, ms] => match ms.parse() {
+                    Ok(ms) => {
+                        h.delays.push(((*f).to_owned(), ms));
+                        true
+                    }
+                    Err(_) => false,
+                },
+                _ => false,
             },
             "lost" => match rest.first().and_then(|w| w.parse().ok()) {
                 Some(g) => {
@@ -197,6 +246,28 @@ mod tests {
             Some(23)
         );
         assert!(parse_fail_list("garbage").is_empty());
+    }
+
+    #[test]
+    fn parses_attached_processes_and_delays() {
+        let h = parse(
+            "attach 0 1 0\ndelay nvmlGpuInstanceCreateComputeInstance 1500\nattach x\ndelay f\n",
+            "ctl",
+            false,
+        );
+        assert_eq!(h.attached, [(0, 1, 0)]);
+        assert!(h.is_attached(0, 1, Some(0)));
+        assert!(h.is_attached(0, 1, None));
+        assert!(!h.is_attached(0, 1, Some(1)));
+        assert!(!h.is_attached(1, 1, Some(0)));
+        assert_eq!(
+            h.delay_of("nvmlGpuInstanceCreateComputeInstance"),
+            Some(std::time::Duration::from_millis(1500))
+        );
+        assert_eq!(h.delay_of("nvmlDeviceGetUUID"), None);
+        assert!(h.fails.is_empty(), "{:?}", h.fails);
+        // Events files know only Xid lines.
+        assert!(parse("attach 0 1 0", "ev", true).attached.is_empty());
     }
 
     #[test]

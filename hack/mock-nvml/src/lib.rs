@@ -29,6 +29,8 @@ pub mod rc {
     pub const INVALID_ARGUMENT: u32 = 2;
     /// NVML_ERROR_NOT_SUPPORTED.
     pub const NOT_SUPPORTED: u32 = 3;
+    /// NVML_ERROR_NO_PERMISSION.
+    pub const NO_PERMISSION: u32 = 4;
     /// NVML_ERROR_NOT_FOUND.
     pub const NOT_FOUND: u32 = 6;
     /// NVML_ERROR_INSUFFICIENT_SIZE.

@@ -817,6 +817,39 @@ fn child_fail() {
     assert!(matches!(d2.name(), Err(NvmlError::GpuLost)));
     std::fs::write(&ctl, "").unwrap();
     assert!(d2.name().is_ok());
+
+    // A process attached to a compute instance: its destroy is IN_USE (nvml.h), and so
+    // is its GPU instance's (compute instances exist); detached, both go.
+    unsafe {
+        // (GI creation with a placement fails by MOCK_NVML_FAIL here: the lowest free 3g.)
+        let (r, gi) = create_gi(&n, d1.handle(), 9, None);
+        assert_eq!(r, 0);
+        let gi_id = gi_info(&n, gi).id;
+        let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+        // NO_PERMISSION (4) injected like any code, from the control file.
+        std::fs::write(&ctl, "nvmlGpuInstanceCreateComputeInstance=4\n").unwrap();
+        assert_eq!(
+            n.lib().nvmlGpuInstanceCreateComputeInstance(gi, 2, &mut ci),
+            rc::NO_PERMISSION
+        );
+        // Creation latency: the call takes at least the configured time.
+        std::fs::write(&ctl, "delay nvmlGpuInstanceCreateComputeInstance 200\n").unwrap();
+        let started = std::time::Instant::now();
+        assert_eq!(
+            n.lib().nvmlGpuInstanceCreateComputeInstance(gi, 2, &mut ci),
+            0
+        );
+        assert!(started.elapsed() >= std::time::Duration::from_millis(200));
+        let mut info: nvmlComputeInstanceInfo_t = mem::zeroed();
+        assert_eq!(n.lib().nvmlComputeInstanceGetInfo_v2(ci, &mut info), 0);
+        std::fs::write(&ctl, format!("attach 1 {gi_id} {}\n", info.id)).unwrap();
+        assert_eq!(n.lib().nvmlComputeInstanceDestroy(ci), rc::IN_USE);
+        assert_eq!(n.lib().nvmlGpuInstanceDestroy(gi), rc::IN_USE);
+        std::fs::write(&ctl, format!("attach 1 {gi_id} {}\n", info.id + 1)).unwrap();
+        assert_eq!(n.lib().nvmlComputeInstanceDestroy(ci), 0);
+        assert_eq!(n.lib().nvmlGpuInstanceDestroy(gi), 0);
+        std::fs::write(&ctl, "").unwrap();
+    }
     report("ok", 1);
 }
 
