@@ -12,13 +12,25 @@
 //! after losing the plugin) is seen on the watch and repaired after a short debounce.
 //! Failures are retried with jittered exponential backoff; 409 conflicts re-read the
 //! object and re-plan at once (a few times per sync).
+//!
+//! Never publish what the cluster cannot enforce: a pool with shared counters (on-demand
+//! MIG) is safe only if the API server keeps them. With `DRAPartitionableDevices` off it
+//! drops `sharedCounters` and `consumesCounters` on write without an error, and every
+//! overlapping placement would look independently allocatable. Before the first write of a
+//! pool with counters the publisher asks the server with a dry-run create of a slice that
+//! holds them (a dry run goes through the same field dropping as a write); if they are
+//! dropped (or a real write comes back without them), it withdraws every device that
+//! consumes counters, publishes what is still safe, reports it in
+//! [`PublisherStatus::counters`], and asks again every
+//! [`PublisherConfig::counter_probe_interval`]; once counters survive, the full pool is
+//! published.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use cleave_api::pool::PoolDevices;
+use cleave_api::pool::{DeviceGroup, PoolDevices};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourcePool, ResourceSlice};
@@ -139,6 +151,8 @@ pub struct PublisherConfig {
     pub debounce: Duration,
     /// Called per API request (verb, result), e.g. to feed Prometheus.
     pub observer: Option<ApiObserver>,
+    /// While the server drops counters, how often to ask again whether it keeps them.
+    pub counter_probe_interval: Duration,
 }
 
 impl std::fmt::Debug for PublisherConfig {
@@ -151,6 +165,7 @@ impl std::fmt::Debug for PublisherConfig {
             .field("backoff", &self.backoff)
             .field("debounce", &self.debounce)
             .field("observer", &self.observer.is_some())
+            .field("counter_probe_interval", &self.counter_probe_interval)
             .finish()
     }
 }
@@ -167,6 +182,7 @@ impl PublisherConfig {
             backoff: BackoffConfig::default(),
             debounce: Duration::from_millis(20),
             observer: None,
+            counter_probe_interval: Duration::from_secs(60),
         }
     }
 
@@ -225,6 +241,77 @@ pub struct PublisherStatus {
     pub syncs: u64,
     /// Write requests (create, update, delete) made so far.
     pub writes: u64,
+    /// Whether the server keeps the shared counters of the pool.
+    pub counters: CounterSupport,
+    /// Devices withheld because the server drops counters (0 otherwise).
+    pub withdrawn_devices: usize,
+}
+
+/// Whether the API server keeps `sharedCounters` and `consumesCounters`
+/// (the `DRAPartitionableDevices` feature gate).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CounterSupport {
+    /// Not known yet, or the pool has no counters.
+    #[default]
+    Unknown,
+    /// A write (or dry run) kept them.
+    Kept,
+    /// The server dropped them: devices that consume counters are withheld.
+    Dropped,
+}
+
+/// The feature gate without which the API server drops counters.
+pub const PARTITIONABLE_DEVICES_GATE: &str = "DRAPartitionableDevices";
+
+/// `pool` without what depends on counters: counter sets, and every device that consumes
+/// counters (MIG placements and the whole GPUs of on-demand GPUs). Returns it with the
+/// number of devices withheld.
+pub fn without_counters(pool: &PoolDevices) -> (PoolDevices, usize) {
+    let mut withdrawn = 0;
+    let groups = pool
+        .groups
+        .iter()
+        .map(|g| {
+            let devices: Vec<_> = g
+                .devices
+                .iter()
+                .filter(|d| d.consumes_counters.as_ref().is_none_or(Vec::is_empty))
+                .cloned()
+                .collect();
+            withdrawn += g.devices.len() - devices.len();
+            DeviceGroup {
+                counter_sets: Vec::new(),
+                devices,
+            }
+        })
+        .filter(|g| !g.devices.is_empty())
+        .collect();
+    (PoolDevices { groups }, withdrawn)
+}
+
+fn consumes_counters(d: &k8s_openapi::api::resource::v1::Device) -> bool {
+    d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
+}
+
+fn uses_counters(spec: &crate::plan::SliceSpec) -> bool {
+    !spec.shared_counters.is_empty() || spec.devices.iter().any(consumes_counters)
+}
+
+/// Whether the server dropped counters that `written` carried.
+fn lost_counters(stored: &ResourceSlice, written: &ResourceSlice) -> bool {
+    let w = &written.spec;
+    let st = &stored.spec;
+    let sets = |s: &k8s_openapi::api::resource::v1::ResourceSliceSpec| {
+        s.shared_counters.as_ref().map_or(0, Vec::len)
+    };
+    let consuming = |s: &k8s_openapi::api::resource::v1::ResourceSliceSpec| {
+        s.devices
+            .iter()
+            .flatten()
+            .filter(|d| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()))
+            .count()
+    };
+    sets(st) < sets(w) || consuming(st) < consuming(w)
 }
 
 /// Desired state plus its sequence number.
@@ -275,6 +362,8 @@ impl SlicePublisher {
             last_generation: 0,
             status: status_tx,
             desired: desired_rx,
+            counters: CounterSupport::Unknown,
+            next_counter_probe: None,
         };
         let task = tokio::spawn(worker.run(stop_rx));
         Self {
@@ -440,6 +529,8 @@ enum Applied {
     Done {
         /// Some object came back different from what was written.
         altered: bool,
+        /// Some object came back without the counters it was written with.
+        counters_lost: bool,
     },
     /// A write hit a conflict or a vanished object; the cache was refreshed: re-plan.
     Replan(String),
@@ -461,6 +552,9 @@ struct Worker {
     last_generation: i64,
     status: watch::Sender<PublisherStatus>,
     desired: watch::Receiver<Desired>,
+    counters: CounterSupport,
+    /// When to ask again whether counters are kept (while they are dropped).
+    next_counter_probe: Option<Instant>,
 }
 
 /// Whether the server stored `written` differently (semantically) from how it was sent.
@@ -540,8 +634,9 @@ impl Worker {
                         r = self.sync(&pool) => r,
                     };
                     match result {
-                        Ok((generation, slices)) => {
+                        Ok((generation, slices, withdrawn)) => {
                             backoff.reset();
+                            let counters = self.counters;
                             self.status.send_modify(|s| {
                                 s.published = true;
                                 s.published_version = version;
@@ -550,7 +645,13 @@ impl Worker {
                                 s.layout = self.layout;
                                 s.last_error = None;
                                 s.syncs += 1;
+                                s.counters = counters;
+                                s.withdrawn_devices = withdrawn;
                             });
+                            // Ask again later whether the server keeps counters now.
+                            if let Some(t) = self.next_counter_probe {
+                                due = Some(due.map_or(t, |d| d.min(t)));
+                            }
                         }
                         Err(e) => {
                             let delay = match e {
@@ -652,10 +753,121 @@ impl Worker {
         Ok(uid)
     }
 
-    /// One sync: returns (generation, slice count) once the server matches `pool`.
-    async fn sync(&mut self, pool: &PoolDevices) -> Result<(i64, usize), Error> {
+    /// Asks the server, with dry-run creates, whether it keeps the counters of `full`
+    /// (one slice with counter sets, one with counter-consuming devices). Sets
+    /// [`Self::counters`]; a failed dry run leaves it as it was (writes still detect it).
+    async fn probe_counters(&mut self, full: &[crate::plan::SliceSpec]) {
+        let mut probes: Vec<&crate::plan::SliceSpec> = Vec::new();
+        if let Some(s) = full.iter().find(|s| !s.shared_counters.is_empty()) {
+            probes.push(s);
+        }
+        if let Some(s) = full
+            .iter()
+            .find(|s| s.devices.iter().any(consumes_counters))
+            && !probes.iter().any(|p| std::ptr::eq(*p, s))
+        {
+            probes.push(s);
+        }
+        let pool = ResourcePool {
+            name: self.config.node_name.clone(),
+            generation: self.last_generation,
+            resource_slice_count: i64::try_from(full.len()).unwrap_or(i64::MAX),
+        };
+        let pp = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        let mut dropped = false;
+        for spec in probes {
+            let obj = ResourceSlice {
+                metadata: ObjectMeta {
+                    generate_name: Some(generate_name(
+                        &self.config.node_name,
+                        &self.config.driver_name,
+                    )),
+                    ..ObjectMeta::default()
+                },
+                spec: spec.to_spec(
+                    &self.config.driver_name,
+                    &self.config.node_name,
+                    pool.clone(),
+                ),
+            };
+            let r = self.api.create(&pp, &obj).await;
+            self.config.observe_result("dry_run_create", &r);
+            match r {
+                Ok(o) => dropped |= lost_counters(&o, &obj),
+                Err(e) => {
+                    warn!(error = %e, "dry-run create to check that the API server keeps counters failed; relying on the writes");
+                    return;
+                }
+            }
+        }
+        self.set_counters(if dropped {
+            CounterSupport::Dropped
+        } else {
+            CounterSupport::Kept
+        });
+    }
+
+    fn set_counters(&mut self, now: CounterSupport) {
+        if now == CounterSupport::Dropped {
+            self.next_counter_probe = Some(Instant::now() + self.config.counter_probe_interval);
+        } else {
+            self.next_counter_probe = None;
+        }
+        if now == self.counters {
+            return;
+        }
+        match now {
+            CounterSupport::Dropped => warn!(
+                gate = PARTITIONABLE_DEVICES_GATE,
+                "the API server drops sharedCounters/consumesCounters (feature gate {PARTITIONABLE_DEVICES_GATE} off?): withholding every device that consumes counters (MIG placements, whole GPUs of on-demand GPUs)"
+            ),
+            CounterSupport::Kept if self.counters == CounterSupport::Dropped => {
+                info!("the API server keeps counters now; publishing the full pool")
+            }
+            _ => {}
+        }
+        self.counters = now;
+    }
+
+    /// One sync: returns (generation, slice count, withheld devices) once the server
+    /// matches `pool`, or `pool` without what depends on counters when the server drops them.
+    async fn sync(&mut self, pool: &PoolDevices) -> Result<(i64, usize, usize), Error> {
         let layout = self.layout().await?;
-        let desired = plan_slices(pool, layout)?;
+        let full = plan_slices(pool, layout)?;
+        let has_counters = full.iter().any(uses_counters);
+        if !has_counters {
+            self.counters = CounterSupport::Unknown;
+            self.next_counter_probe = None;
+        } else if self.counters != CounterSupport::Dropped
+            && diff(
+                self.cache.values(),
+                &full,
+                &PoolTarget {
+                    driver: &self.config.driver_name,
+                    node: &self.config.node_name,
+                    min_generation: self.last_generation,
+                },
+            )
+            .is_empty()
+        {
+            // The server holds the full pool, counters included (a restart with nothing
+            // changed): they are kept, and nothing is written or asked.
+            self.set_counters(CounterSupport::Kept);
+        } else if self.counters == CounterSupport::Unknown
+            || self.next_counter_probe.is_some_and(|t| Instant::now() >= t)
+        {
+            self.probe_counters(&full).await;
+        }
+        let (mut desired, mut withdrawn) =
+            if has_counters && self.counters == CounterSupport::Dropped {
+                let (safe, n) = without_counters(pool);
+                (plan_slices(&safe, layout)?, n)
+            } else {
+                (full, 0)
+            };
         let mut replans = 0;
         loop {
             let target = PoolTarget {
@@ -666,7 +878,7 @@ impl Worker {
             let plan = diff(self.cache.values(), &desired, &target);
             if plan.is_empty() {
                 self.last_generation = plan.generation;
-                return Ok((plan.generation, desired.len()));
+                return Ok((plan.generation, desired.len(), withdrawn));
             }
             debug!(
                 generation = plan.generation,
@@ -679,13 +891,27 @@ impl Worker {
             match self.apply(plan).await? {
                 // Every write came back as written: the server now holds `desired`
                 // (the cache has the returned objects), no second diff needed.
-                Applied::Done { altered: false } => {
+                Applied::Done { altered: false, .. } => {
+                    if has_counters && withdrawn == 0 {
+                        self.set_counters(CounterSupport::Kept);
+                    }
                     self.last_generation = generation;
-                    return Ok((generation, desired.len()));
+                    return Ok((generation, desired.len(), withdrawn));
+                }
+                // The counters were dropped on write (the dry run did not tell): what was
+                // just written is unsafe. Withhold what depends on counters and write again.
+                Applied::Done {
+                    counters_lost: true,
+                    ..
+                } if withdrawn == 0 => {
+                    self.set_counters(CounterSupport::Dropped);
+                    let (safe, n) = without_counters(pool);
+                    desired = plan_slices(&safe, layout)?;
+                    withdrawn = n;
                 }
                 // Accepted, yet stored differently (a field dropped): a re-diff would only
                 // write again.
-                Applied::Done { altered: true } => return Err(Error::ServerAlteredSlices),
+                Applied::Done { altered: true, .. } => return Err(Error::ServerAlteredSlices),
                 Applied::Replan(name) => {
                     replans += 1;
                     if replans > self.config.backoff.conflict_retries {
@@ -723,6 +949,7 @@ impl Worker {
 
     async fn apply(&mut self, plan: SyncPlan) -> Result<Applied, Error> {
         let mut altered = false;
+        let mut counters_lost = false;
         for s in plan.deletes {
             let name = s.metadata.name.clone().unwrap_or_default();
             let dp = DeleteParams {
@@ -758,6 +985,7 @@ impl Worker {
             match r {
                 Ok(o) => {
                     altered |= stored_differs(&o, &s);
+                    counters_lost |= lost_counters(&o, &s);
                     self.cache.insert(name, o);
                 }
                 Err(e) if matches!(status_code(&e), Some(404 | 409)) => {
@@ -794,6 +1022,7 @@ impl Worker {
                 match r {
                     Ok(o) => {
                         altered |= stored_differs(&o, &obj);
+                        counters_lost |= lost_counters(&o, &obj);
                         if let Some(name) = o.metadata.name.clone() {
                             self.cache.insert(name, o);
                         }
@@ -807,7 +1036,10 @@ impl Worker {
                 }
             }
         }
-        Ok(Applied::Done { altered })
+        Ok(Applied::Done {
+            altered,
+            counters_lost,
+        })
     }
 }
 

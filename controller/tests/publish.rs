@@ -61,8 +61,9 @@ fn device_names(slices: &[ResourceSlice]) -> BTreeSet<String> {
         .collect()
 }
 
+/// Creates, updates and deletes of slices; dry runs change nothing and do not count.
 fn writes(s: &StandIn) -> usize {
-    s.count("create", "resourceslices")
+    s.count("create", "resourceslices") - s.count_dry_runs("create", "resourceslices")
         + s.count("update", "resourceslices")
         + s.count("delete", "resourceslices")
 }
@@ -108,9 +109,9 @@ async fn publish_and_wait(s: &StandIn, stats: &Arc<ApiStats>, pool: PoolDevices)
 
 #[tokio::test]
 async fn first_publish_of_an_8_gpu_mig_node_is_valid_in_both_layouts() {
-    for (version, layout, expected) in [
-        (KubeVersion::V1_34, SliceLayout::CountersWithDevices, 8),
-        (KubeVersion::V1_35, SliceLayout::SeparateCounterSlices, 9),
+    for (version, layout, expected, probes) in [
+        (KubeVersion::V1_34, SliceLayout::CountersWithDevices, 8, 1),
+        (KubeVersion::V1_35, SliceLayout::SeparateCounterSlices, 9, 2),
     ] {
         let s = standin(version).await;
         let stats = ApiStats::new();
@@ -145,8 +146,16 @@ async fn first_publish_of_an_8_gpu_mig_node_is_valid_in_both_layouts() {
             );
             assert_eq!(owner.controller, Some(true));
         }
-        // Minimum: /version + node GET + list + one create per slice (+ the watch).
-        assert_eq!(s.count("create", "resourceslices"), expected);
+        // Minimum: /version + node GET + list + one create per slice (+ the watch), and
+        // before them the dry-run creates asking whether counters are kept: one slice with
+        // counter sets, one with counter-consuming devices (the same slice on 1.34).
+        assert_eq!(
+            s.count("create", "resourceslices") - s.count_dry_runs("create", "resourceslices"),
+            expected
+        );
+        assert_eq!(s.count_dry_runs("create", "resourceslices"), probes);
+        assert_eq!(st.counters, cleave_controller::CounterSupport::Kept);
+        assert_eq!(st.withdrawn_devices, 0);
         assert_eq!(
             s.count("update", "resourceslices") + s.count("delete", "resourceslices"),
             0
@@ -443,4 +452,78 @@ async fn unpublishable_pool_is_reported_without_writes() {
     p.publish(whole_gpu_pool(1));
     p.wait_published(WAIT).await.unwrap();
     p.shutdown().await;
+}
+
+/// A server without `DRAPartitionableDevices` drops counters on write: nothing that
+/// depends on them is ever stored (the dry run tells before the first write), what is safe
+/// is published, the status says so, nothing is rewritten in a loop; once the server keeps
+/// counters, the full pool is published.
+#[tokio::test]
+async fn counters_dropped_by_the_server_withhold_what_depends_on_them() {
+    for version in [KubeVersion::V1_34, KubeVersion::V1_35] {
+        let s = StandIn::start(StandInOptions {
+            partitionable_devices: false,
+            ..StandInOptions::with_version(version)
+        })
+        .await
+        .unwrap();
+        s.put(&cleave_apiserver_standin::fixtures::node(NODE))
+            .unwrap();
+        let stats = ApiStats::new();
+        // Two on-demand MIG GPUs plus two whole GPUs without counters.
+        let mut pool = on_demand_mig_pool(2);
+        pool.groups
+            .extend(whole_gpu_pool(2).groups.into_iter().map(|mut g| {
+                for d in &mut g.devices {
+                    d.name = format!("{}-plain", d.name);
+                }
+                g
+            }));
+        let (safe, withdrawn) = cleave_controller::without_counters(&pool);
+        assert_eq!(safe.device_count(), 2);
+        assert_eq!(withdrawn, pool.device_count() - 2);
+        let p = SlicePublisher::start(
+            s.client(),
+            PublisherConfig {
+                counter_probe_interval: Duration::from_millis(200),
+                ..config(&stats)
+            },
+        );
+        p.publish(pool.clone());
+        let st = p.wait_published(WAIT).await.unwrap();
+        assert_eq!(st.counters, cleave_controller::CounterSupport::Dropped);
+        assert_eq!(st.withdrawn_devices, withdrawn);
+        let have = slices(&s);
+        assert_eq!(
+            device_names(&have),
+            safe.devices().map(|d| d.name.clone()).collect(),
+            "{version}"
+        );
+        assert!(have.iter().all(|x| x.spec.shared_counters.is_none()));
+        assert_eq!(
+            s.count("create", "resourceslices") - s.count_dry_runs("create", "resourceslices"),
+            have.len(),
+            "only the safe slices were ever written"
+        );
+        // No rewrite loop: probes only (dry runs), no writes, for a while.
+        let before = writes(&s);
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert_eq!(writes(&s), before, "{:?}", s.requests());
+        assert!(s.count_dry_runs("create", "resourceslices") >= 2);
+
+        // The gate comes on: the next probe sees counters kept and the full pool goes out.
+        s.set_partitionable_devices(true);
+        eventually("the full pool", || {
+            let st = p.status().borrow().clone();
+            st.counters == cleave_controller::CounterSupport::Kept && st.published
+        })
+        .await;
+        let st = p.status().borrow().clone();
+        assert_eq!(st.withdrawn_devices, 0);
+        eventually("all devices stored", || {
+            device_names(&slices(&s)) == pool.devices().map(|d| d.name.clone()).collect()
+        })
+        .await;
+        p.shutdown().await;
+    }
 }

@@ -183,6 +183,11 @@ pub struct LifecycleArgs {
     /// GPUs is treated as "driver not ready" and retried.
     #[arg(long, env = "ALLOW_NO_GPUS")]
     pub allow_no_gpus: bool,
+    /// While the API server drops shared counters (feature gate DRAPartitionableDevices
+    /// off) and the devices that need them are withheld, how often (seconds) to ask it
+    /// again with a dry-run create.
+    #[arg(long, env = "COUNTER_PROBE_INTERVAL_SECS", default_value_t = 60)]
+    pub counter_probe_interval_secs: u64,
 }
 
 impl Default for LifecycleArgs {
@@ -191,6 +196,7 @@ impl Default for LifecycleArgs {
             retry_initial_ms: 1000,
             retry_max_ms: 30000,
             allow_no_gpus: false,
+            counter_probe_interval_secs: 60,
         }
     }
 }

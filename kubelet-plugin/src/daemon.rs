@@ -16,7 +16,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use cleave_controller::{PublisherConfig, SlicePublisher, uninstall_slices};
+use cleave_controller::{
+    CounterSupport, PARTITIONABLE_DEVICES_GATE, PublisherConfig, SlicePublisher, uninstall_slices,
+};
 use cleave_driver::backend::GpuBackend;
 use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::nvml::NvmlBackend;
@@ -334,6 +336,8 @@ pub async fn start_with_backend(
     );
     let mut publisher_config =
         PublisherConfig::new(plugin.driver_name.clone(), args.node_name.clone());
+    publisher_config.counter_probe_interval =
+        std::time::Duration::from_secs(args.lifecycle.counter_probe_interval_secs.max(1));
     if let Some(m) = &metrics {
         publisher_config.observer = Some(m.observability.api_observer());
         m.observability.set_published(&pool);
@@ -462,6 +466,51 @@ impl RunningPlugin {
     }
 }
 
+/// Event reason: devices are withheld because the API server drops shared counters.
+pub const REASON_COUNTERS_DROPPED: &str = "PartitionableDevicesDisabled";
+
+/// Says on the Node (a Warning Event), in `/readyz` and in the log that devices are
+/// withheld because the API server drops counters, or that the full pool is back.
+async fn report_counter_support(
+    client: &kube::Client,
+    events: &EventReporter,
+    node_name: &str,
+    degraded: &tokio::sync::watch::Sender<Option<String>>,
+    status: &cleave_controller::PublisherStatus,
+) {
+    if status.counters == CounterSupport::Dropped {
+        let note = format!(
+            "the API server drops sharedCounters/consumesCounters from ResourceSlices (feature gate {PARTITIONABLE_DEVICES_GATE} off; alpha and off by default before Kubernetes 1.36): \
+             {} devices that depend on counters (on-demand MIG placements and their GPUs) are withheld so that the scheduler cannot hand out overlapping MIG placements; \
+             GPUs without on-demand MIG are published. Fix: enable {PARTITIONABLE_DEVICES_GATE} on kube-apiserver and kube-scheduler (or run the plugin without --dynamic-mig); \
+             the plugin notices within a minute and publishes the full pool",
+            status.withdrawn_devices
+        );
+        warn!(
+            withheld = status.withdrawn_devices,
+            gate = PARTITIONABLE_DEVICES_GATE,
+            "devices withheld: the API server drops counters"
+        );
+        degraded.send_replace(Some(format!(
+            "{} devices withheld: the API server drops shared counters (enable the {PARTITIONABLE_DEVICES_GATE} feature gate)",
+            status.withdrawn_devices
+        )));
+        let node = crate::events::node_reference(client, node_name).await;
+        events
+            .publish(
+                &node,
+                Severity::Warning,
+                REASON_COUNTERS_DROPPED,
+                "Publish",
+                &note,
+            )
+            .await;
+    } else {
+        info!("the API server keeps counters; the full pool is published");
+        degraded.send_replace(None);
+    }
+}
+
 /// A Warning Event on each claim whose MPS daemon had died and was started again: its
 /// running clients lost their server and need a restart (`kubectl describe
 /// resourceclaim` shows it).
@@ -521,6 +570,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         tokio::sync::watch::channel(RegistrationState::Pending);
     let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
     let blocker = Arc::new(tokio::sync::watch::channel(Some("starting".to_owned())).0);
+    let (degraded_tx, degraded_rx) = tokio::sync::watch::channel(None::<String>);
     let heartbeat = Arc::new(Heartbeat::default());
     heartbeat.beat();
     let heartbeat_task = heartbeat.spawn();
@@ -531,6 +581,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 registration: registration_rx,
                 published: ready_rx,
                 blocker: blocker.subscribe(),
+                degraded: degraded_rx,
                 heartbeat: Arc::clone(&heartbeat),
             };
             let (local, task) = crate::metrics::start(addr, state)
@@ -578,6 +629,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut published = plugin.publisher.status();
     let mut last_error: Option<String> = None;
     let mut was_published = false;
+    let mut counters_reported = false;
+    let counter_client = taint_client.clone();
+    let counter_events = EventReporter::new(counter_client.clone(), args.node_name.clone());
     let mut health_changes = plugin.server.health().map(|h| h.subscribe());
     let mut mps_refresh = tokio::time::interval(MPS_GAUGE_REFRESH);
     mps_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -702,6 +756,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     ready_tx.send_replace(true);
                     if let Some(m) = &metrics {
                         m.set_slices_published(s.slices);
+                        m.set_devices_withheld(s.withdrawn_devices);
+                    }
+                    let withheld = s.counters == CounterSupport::Dropped;
+                    if withheld != counters_reported {
+                        counters_reported = withheld;
+                        report_counter_support(&counter_client, &counter_events, &args.node_name, &degraded_tx, &s).await;
                     }
                 }
                 if s.published && !was_published {

@@ -61,6 +61,7 @@ pub struct Metrics {
     durations: Family<OperationLabels, Histogram, fn() -> Histogram>,
     registered: Gauge,
     slices_published: Gauge,
+    devices_withheld: Gauge,
     /// Device health events and unhealthy devices (see [`crate::health`]).
     pub health: crate::health::HealthMetrics,
     /// Call latency by result, API requests, published devices (see [`crate::observability`]).
@@ -104,6 +105,12 @@ impl Metrics {
             "ResourceSlices of this node as last published (0 before the first publish)",
             slices_published.clone(),
         );
+        let devices_withheld = Gauge::default();
+        registry.register(
+            "devices_withheld",
+            "Devices not published because the API server drops shared counters (feature gate DRAPartitionableDevices off); 0 normally",
+            devices_withheld.clone(),
+        );
         let health = crate::health::HealthMetrics::register(&mut registry);
         let observability = crate::observability::ObservabilityMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
@@ -113,6 +120,7 @@ impl Metrics {
             durations,
             registered,
             slices_published,
+            devices_withheld,
             health,
             observability,
             lifecycle,
@@ -151,6 +159,12 @@ impl Metrics {
             .set(i64::try_from(slices).unwrap_or(i64::MAX));
     }
 
+    /// Sets the withheld-devices gauge.
+    pub fn set_devices_withheld(&self, devices: usize) {
+        self.devices_withheld
+            .set(i64::try_from(devices).unwrap_or(i64::MAX));
+    }
+
     /// The metrics in Prometheus text format.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -172,6 +186,9 @@ pub struct HealthState {
     pub published: watch::Receiver<bool>,
     /// What blocks start-up (missing NVIDIA driver, unreadable checkpoint); None: nothing.
     pub blocker: watch::Receiver<Option<String>>,
+    /// What a ready plugin does not serve and why (devices withheld because the API server
+    /// drops counters); shown in the `/readyz` body, which stays 200.
+    pub degraded: watch::Receiver<Option<String>>,
     /// Beats while the runtime schedules tasks.
     pub heartbeat: Arc<Heartbeat>,
 }
@@ -214,10 +231,11 @@ fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
             } else if !published {
                 unavailable("ResourceSlices not published yet".into())
             } else {
-                respond(
-                    StatusCode::OK,
-                    format!("ready (registration: {registration:?})\n"),
-                )
+                let mut body = format!("ready (registration: {registration:?})\n");
+                if let Some(why) = state.degraded.borrow().as_deref() {
+                    body.push_str(&format!("degraded: {why}\n"));
+                }
+                respond(StatusCode::OK, body)
             }
         }
         "/metrics" => {
@@ -330,11 +348,13 @@ mod tests {
         let (block_tx, blocker) = watch::channel(Some("NVIDIA driver not ready: x".to_owned()));
         let heartbeat = Arc::new(Heartbeat::default());
         heartbeat.beat();
+        let (degraded_tx, degraded) = watch::channel(None);
         let state = HealthState {
             metrics: Arc::new(Metrics::new()),
             registration,
             published,
             blocker,
+            degraded,
             heartbeat,
         };
         assert_eq!(handle(&state, "/healthz").status(), StatusCode::OK);
@@ -348,6 +368,22 @@ mod tests {
         assert!(body(r).contains("registration"));
         reg_tx.send_replace(RegistrationState::Registered);
         assert_eq!(handle(&state, "/readyz").status(), StatusCode::OK);
+        // Withheld devices are said, and the plugin stays ready for what it serves.
+        degraded_tx.send_replace(Some("16 devices withheld: DRAPartitionableDevices".into()));
+        let r = handle(&state, "/readyz");
+        assert_eq!(r.status(), StatusCode::OK);
+        let b = body(r);
+        assert!(
+            b.contains("degraded: 16 devices withheld: DRAPartitionableDevices"),
+            "{b}"
+        );
+        state.metrics.set_devices_withheld(16);
+        assert!(
+            state
+                .metrics
+                .encode()
+                .contains("cleave_kubelet_plugin_devices_withheld 16")
+        );
         assert_eq!(handle(&state, "/nope").status(), StatusCode::NOT_FOUND);
     }
 

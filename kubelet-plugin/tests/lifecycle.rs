@@ -515,3 +515,82 @@ async fn zero_gpus_waits_unless_allowed() {
         .sum();
     assert_eq!(devices, 0);
 }
+
+/// On-demand MIG against an API server without `DRAPartitionableDevices` (it drops
+/// counters on write): no MIG placement device is ever published, the Node gets a Warning
+/// Event naming the gate and the fix, `/readyz` and a metric say how many devices are
+/// withheld, and nothing is rewritten in a loop. Once the gate is on, the full pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_dropped_by_the_api_server_withhold_mig_devices_until_the_gate_is_on() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    standin.set_partitionable_devices(false);
+    let port = free_port();
+    let mut cmd = command(&dirs, &mock_lib(), port);
+    cmd.arg("--dynamic-mig")
+        .env("MOCK_NVML_MIG", "on")
+        .env("COUNTER_PROBE_INTERVAL_SECS", "1");
+    let mut plugin = Spawned {
+        child: cmd.spawn().unwrap(),
+    };
+    register_and_wait_ready(&dirs, port).await;
+
+    let event = wait_event(&standin, "PartitionableDevicesDisabled").await;
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["regarding"]["kind"], "Node");
+    let note = event["note"].as_str().unwrap();
+    assert!(
+        note.contains("DRAPartitionableDevices") && note.contains("Fix: enable"),
+        "{note}"
+    );
+    let devices = |standin: &StandIn| -> Vec<String> {
+        slices(standin)
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone()))
+            .collect()
+    };
+    let published = devices(&standin);
+    assert!(
+        published.iter().all(|d| !d.contains("-mig-")),
+        "{published:?}"
+    );
+    assert!(
+        slices(&standin)
+            .iter()
+            .all(|s| s.spec.shared_counters.is_none())
+    );
+    let withheld = metric(port, "cleave_kubelet_plugin_devices_withheld").unwrap();
+    assert!(withheld > 8.0, "{withheld}");
+    let (status, body) = http_get(port, "/readyz").unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("devices withheld") && body.contains("DRAPartitionableDevices"),
+        "{body}"
+    );
+    // No rewrite loop: the dry-run probes every second change nothing.
+    let writes = |s: &StandIn| {
+        s.count("create", "resourceslices") - s.count_dry_runs("create", "resourceslices")
+            + s.count("update", "resourceslices")
+            + s.count("delete", "resourceslices")
+    };
+    let before = writes(&standin);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(writes(&standin), before);
+    assert!(plugin.child.try_wait().unwrap().is_none());
+
+    // The gate comes on: the full pool, counters included, and the metric back at 0.
+    standin.set_partitionable_devices(true);
+    wait_some("MIG placement devices published", &dirs, || {
+        devices(&standin)
+            .iter()
+            .any(|d| d.contains("-mig-"))
+            .then_some(())
+    })
+    .await;
+    wait_some("devices_withheld 0", &dirs, || {
+        (metric(port, "cleave_kubelet_plugin_devices_withheld") == Some(0.0)).then_some(())
+    })
+    .await;
+    let (_, body) = http_get(port, "/readyz").unwrap();
+    assert!(!body.contains("withheld"), "{body}");
+}

@@ -141,6 +141,10 @@ pub struct StandInOptions {
     pub validate: bool,
     /// Loopback port to listen on; 0 (default) picks a free one.
     pub port: u16,
+    /// The `DRAPartitionableDevices` feature gate (default on). Off, the stand-in drops
+    /// `sharedCounters` and `consumesCounters` from ResourceSlices on create and update
+    /// (dry runs too), as a gate-off API server does; see [`StandIn::set_partitionable_devices`].
+    pub partitionable_devices: bool,
 }
 
 impl Default for StandInOptions {
@@ -151,6 +155,7 @@ impl Default for StandInOptions {
             history_limit: 4096,
             validate: true,
             port: 0,
+            partitionable_devices: true,
         }
     }
 }
@@ -229,6 +234,7 @@ impl StandIn {
             faults: Mutex::new(Vec::new()),
             latency_ms: AtomicU64::new(0),
             unavailable: AtomicBool::new(false),
+            partitionable_devices: AtomicBool::new(opts.partitionable_devices),
             shutdown: shutdown_rx.clone(),
             watch_epoch: watch::channel(0).0,
         });
@@ -368,6 +374,23 @@ impl StandIn {
             .count()
     }
 
+    /// Like [`StandIn::count`], only requests with `dryRun=All` (which change nothing).
+    pub fn count_dry_runs(&self, method: &str, resource: &str) -> usize {
+        lock(&self.shared.records)
+            .iter()
+            .filter(|r| {
+                r.rec.query.split('&').any(|kv| kv == "dryRun=All")
+                    && server::pattern_matches(
+                        method,
+                        resource,
+                        &r.rec.method,
+                        &r.rec.verb,
+                        &r.rec.resource,
+                    )
+            })
+            .count()
+    }
+
     /// Forgets recorded requests.
     pub fn reset_counts(&self) {
         lock(&self.shared.records).clear();
@@ -395,6 +418,14 @@ impl StandIn {
     pub fn set_latency(&self, latency: Duration) {
         let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
         self.shared.latency_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Turns the `DRAPartitionableDevices` gate on or off from now on (an upgrade of the
+    /// API server); what is stored stays as it is.
+    pub fn set_partitionable_devices(&self, on: bool) {
+        self.shared
+            .partitionable_devices
+            .store(on, Ordering::Relaxed);
     }
 
     /// While on, every request is answered 503 ServiceUnavailable.

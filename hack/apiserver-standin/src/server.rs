@@ -51,6 +51,8 @@ pub(crate) struct Shared {
     pub faults: Mutex<Vec<Fault>>,
     pub latency_ms: AtomicU64,
     pub unavailable: AtomicBool,
+    /// The `DRAPartitionableDevices` gate; off, counters are dropped on write.
+    pub partitionable_devices: AtomicBool,
     pub shutdown: watch::Receiver<bool>,
     /// Bumped to end every open watch stream.
     pub watch_epoch: watch::Sender<u64>,
@@ -361,6 +363,27 @@ fn ns_of(route: &Route) -> Result<String, ApiError> {
     }
 }
 
+/// What a server with `DRAPartitionableDevices` off does to a ResourceSlice on write: it
+/// drops `spec.sharedCounters` and every device's `consumesCounters` (kubernetes
+/// pkg/registry/resource/resourceslice/strategy.go, `dropDisabledFields`, called from
+/// `PrepareForCreate` and `PrepareForUpdate`, so dry runs see it too), without an error.
+/// `perDeviceNodeSelection` and per-device node fields, gated the same way, are not
+/// written by cleave and not modelled.
+fn drop_disabled_fields(shared: &Shared, res: &ResourceDef, mut obj: Value) -> Value {
+    if res.kind != "ResourceSlice" || shared.partitionable_devices.load(Ordering::Relaxed) {
+        return obj;
+    }
+    if let Some(spec) = obj.get_mut("spec").and_then(Value::as_object_mut) {
+        spec.remove("sharedCounters");
+        if let Some(devices) = spec.get_mut("devices").and_then(Value::as_array_mut) {
+            for d in devices.iter_mut().filter_map(Value::as_object_mut) {
+                d.remove("consumesCounters");
+            }
+        }
+    }
+    obj
+}
+
 fn check_new(shared: &Shared, res: &'static ResourceDef, obj: &Value) -> Result<(), ApiError> {
     if shared.validate && res.kind == "ResourceSlice" {
         let errs = validate::slice_errors(obj, shared.version);
@@ -441,14 +464,32 @@ fn dispatch(
                     "the namespace of the provided object does not match the namespace sent on the request".into(),
                 ));
             }
+            let obj = drop_disabled_fields(shared, res, obj);
             check_new(shared, res, &obj)?;
+            if params
+                .pairs
+                .iter()
+                .any(|(k, v)| k == "dryRun" && v == "All")
+            {
+                // Dry run: everything a create does (field dropping, validation, a
+                // generated name) except storing it.
+                let mut obj = obj;
+                if let Some(meta) = obj.get_mut("metadata").and_then(Value::as_object_mut)
+                    && !meta.contains_key("name")
+                    && let Some(prefix) = meta.get("generateName").and_then(Value::as_str)
+                {
+                    let name = format!("{prefix}dryrun");
+                    meta.insert("name".into(), json!(name));
+                }
+                return Ok(Reply::Json(StatusCode::CREATED, obj));
+            }
             let created = shared.store.create(res, &ns, obj)?;
             Ok(Reply::Json(StatusCode::CREATED, created))
         }
         "update" => {
             let ns = ns_of(route)?;
             let name = require_name(route)?;
-            let obj = parse_body(body)?;
+            let obj = drop_disabled_fields(shared, res, parse_body(body)?);
             let updated = shared
                 .store
                 .replace(res, &ns, name, obj, status_only, &|old, new| {

@@ -373,3 +373,48 @@ async fn events_can_be_posted_in_both_groups() {
     assert_eq!(s.list("events.events.k8s.io").len(), 1);
     assert_eq!(s.list("events").len(), 1);
 }
+
+/// With `DRAPartitionableDevices` off the stand-in drops counters on create and update, as
+/// a gate-off API server does, without an error; a dry-run create shows the same and
+/// stores nothing; turned on, counters are kept.
+#[tokio::test]
+async fn partitionable_devices_gate_off_drops_counters_and_dry_run_stores_nothing() {
+    let s = StandIn::start(StandInOptions {
+        partitionable_devices: false,
+        ..StandInOptions::default()
+    })
+    .await
+    .unwrap();
+    let api: Api<ResourceSlice> = Api::all(s.client());
+    let with = common::slice_with_counters("a", "node-a", 2);
+    let dry = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    let shown = api.create(&dry, &with).await.unwrap();
+    assert!(shown.spec.shared_counters.is_none());
+    assert!(
+        api.get_opt("a").await.unwrap().is_none(),
+        "a dry run stores nothing"
+    );
+    assert_eq!(s.count_dry_runs("create", "resourceslices"), 1);
+    let stored = api.create(&PostParams::default(), &with).await.unwrap();
+    assert!(stored.spec.shared_counters.is_none());
+    assert!(
+        stored
+            .spec
+            .devices
+            .iter()
+            .flatten()
+            .all(|d| d.consumes_counters.is_none())
+    );
+    s.set_partitionable_devices(true);
+    let mut again = with.clone();
+    again.metadata.resource_version = stored.metadata.resource_version.clone();
+    let kept = api
+        .replace("a", &PostParams::default(), &again)
+        .await
+        .unwrap();
+    assert_eq!(kept.spec.shared_counters, with.spec.shared_counters);
+    assert_eq!(s.count_dry_runs("create", "resourceslices"), 1);
+}
