@@ -3,12 +3,20 @@
 //! small-file writes (write, fsync, rename, fsync directory), which is the I/O a whole-GPU
 //! prepare cannot avoid (CDI spec + checkpoint).
 //!
+//! Then the same for an on-demand MIG claim (a 1g.10gb placement created at prepare and
+//! destroyed at unprepare, `--dynamic-mig` on MIG-enabled GPUs): its floor is the same
+//! claim GET and two durable writes plus the mock's NVML time for creating the instance,
+//! measured inside the same prepare (the driver's `mig_create` step). `MIG_LATENCY_MS`
+//! gives GPU- and compute-instance creation that much extra latency each (the mock's
+//! `delay` control lines; default 0, the mock's own speed).
+//!
 //! Run: `cargo bench -p cleave-kubelet-plugin --bench prepare` (ITERATIONS env to change
 //! the sample count). Prints p50/p99 and the ratios; asserts nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::io::Write as _;
 use std::path::Path;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
@@ -17,6 +25,16 @@ use cleave_kubelet_plugin::proto::dra::v1;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const NODE: &str = "bench-node";
+const MIG_NODE: &str = "bench-mig-node";
+
+/// Durations of the driver's `mig_create` steps since the last take.
+static MIG_CREATES: Mutex<Vec<Duration>> = Mutex::new(Vec::new());
+
+fn take_mig_creates() -> Duration {
+    std::mem::take(&mut *MIG_CREATES.lock().unwrap())
+        .into_iter()
+        .sum()
+}
 
 fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort();
@@ -52,6 +70,14 @@ fn main() {
         "MOCK_NVML_STATE",
         &dir.path().join("mock.json").display().to_string(),
     );
+    let control = dir.path().join("mock-control");
+    std::fs::write(&control, "").unwrap();
+    cleave_kubelet_plugin::mock::set_env("MOCK_NVML_CONTROL", &control.display().to_string());
+    cleave_driver::timing::set_observer(Box::new(|step, elapsed| {
+        if step == cleave_driver::timing::step::MIG_CREATE {
+            MIG_CREATES.lock().unwrap().push(elapsed);
+        }
+    }));
     cleave_kubelet_plugin::install_crypto_provider();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -177,6 +203,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         }
     }
     plugin.shutdown().await.unwrap();
+    let mig = mig_phase(&standin, dir, iterations, &args).await;
     let startup = startup_and_memory(&standin, dir).await;
     standin.shutdown().await;
 
@@ -216,6 +243,68 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         p50.as_secs_f64() / f50.as_secs_f64(),
         p99.as_secs_f64() / f99.as_secs_f64()
     );
+    let (m50, m99) = (
+        percentile(&mut mig.prepare.clone(), 0.5),
+        percentile(&mut mig.prepare.clone(), 0.99),
+    );
+    let (mu50, mu99) = (
+        percentile(&mut mig.unprepare.clone(), 0.5),
+        percentile(&mut mig.unprepare.clone(), 0.99),
+    );
+    let (n50, n99) = (
+        percentile(&mut mig.nvml.clone(), 0.5),
+        percentile(&mut mig.nvml.clone(), 0.99),
+    );
+    let (mf50, mf99) = (
+        percentile(&mut mig.floor.clone(), 0.5),
+        percentile(&mut mig.floor.clone(), 0.99),
+    );
+    println!(
+        "on-demand MIG claim (1g.10gb placement created at prepare) over the DRA socket, {iterations} samples, extra mock latency per GI/CI create {} ms",
+        mig.latency_ms
+    );
+    println!("  {:<44} {:>9} {:>9}", "", "p50 ms", "p99 ms");
+    println!(
+        "  {:<44} {:>9.3} {:>9.3}",
+        "prepare (NodePrepareResources)",
+        ms(m50),
+        ms(m99)
+    );
+    println!(
+        "  {:<44} {:>9.3} {:>9.3}",
+        "unprepare (NodeUnprepareResources)",
+        ms(mu50),
+        ms(mu99)
+    );
+    println!(
+        "  {:<44} {:>9.3} {:>9.3}",
+        "  of prepare: NVML create (mock, mig_create)",
+        ms(n50),
+        ms(n99)
+    );
+    println!(
+        "  {:<44} {:>9.3} {:>9.3}",
+        "floor (claim GET + 2 durable writes + NVML)",
+        ms(mf50),
+        ms(mf99)
+    );
+    let (mi50, mi99) = (
+        percentile(&mut mig.floor_with_intent.clone(), 0.5),
+        percentile(&mut mig.floor_with_intent.clone(), 0.99),
+    );
+    println!(
+        "  {:<44} {:>9.3} {:>9.3}",
+        "floor + intent record (3 durable writes)",
+        ms(mi50),
+        ms(mi99)
+    );
+    println!(
+        "  ratio prepare/floor: p50 {:.2}x, p99 {:.2}x; with the intent write: p50 {:.2}x, p99 {:.2}x (target: the floor plus the NVML calls, nothing more)",
+        m50.as_secs_f64() / mf50.as_secs_f64(),
+        m99.as_secs_f64() / mf99.as_secs_f64(),
+        m50.as_secs_f64() / mi50.as_secs_f64(),
+        m99.as_secs_f64() / mi99.as_secs_f64()
+    );
     println!("plugin binary (separate process, same mock node and stand-in)");
     println!(
         "  start -> registration socket {:.1} ms, -> first ResourceSlices {:.1} ms (target: 200 ms)",
@@ -230,6 +319,160 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         "    of which: after start {}, after the cycles {}",
         startup.split_start, startup.split_after
     );
+}
+
+struct MigSamples {
+    prepare: Vec<Duration>,
+    unprepare: Vec<Duration>,
+    /// NVML time of each prepare (the driver's `mig_create` step).
+    nvml: Vec<Duration>,
+    /// Claim GET + two durable writes, measured after each prepare, plus its NVML time.
+    floor: Vec<Duration>,
+    /// The same plus a third durable write (the intent record).
+    floor_with_intent: Vec<Duration>,
+    latency_ms: u64,
+}
+
+/// On-demand MIG prepare/unprepare over the socket of an in-process plugin: the mock's
+/// GPUs are put in MIG mode (`nvmlDeviceSetMigMode`, as `nvidia-smi -mig 1` would, while no
+/// plugin runs), and each sample prepares a 1g.10gb placement of one GPU and releases it.
+async fn mig_phase(
+    standin: &StandIn,
+    dir: &Path,
+    iterations: usize,
+    whole: &RunArgs,
+) -> MigSamples {
+    {
+        let lib =
+            cleave_kubelet_plugin::mock::find_library(&std::env::current_exe().unwrap()).unwrap();
+        let nvml = nvml_wrapper::Nvml::builder()
+            .lib_path(lib.as_os_str())
+            .init()
+            .unwrap();
+        for i in 0..nvml.device_count().unwrap() {
+            let gpu = nvml.device_by_index(i).unwrap();
+            gpu.set_mig_mode(true).unwrap();
+        }
+    }
+    let latency_ms: u64 = std::env::var("MIG_LATENCY_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    if latency_ms > 0 {
+        std::fs::write(
+            dir.join("mock-control"),
+            format!(
+                "delay nvmlDeviceCreateGpuInstanceWithPlacement {latency_ms}\ndelay nvmlGpuInstanceCreateComputeInstance {latency_ms}\n"
+            ),
+        )
+        .unwrap();
+    }
+    standin.put(&fixtures::node(MIG_NODE)).unwrap();
+    let root = dir.join("mig");
+    let mut args = whole.clone();
+    args.node_name = MIG_NODE.into();
+    args.kubelet.kubelet_registrar_directory_path = root.join("registry");
+    args.kubelet.kubelet_plugins_directory_path = root.join("plugins");
+    args.driver.cdi_root = root.join("cdi");
+    args.driver.dynamic_mig = true;
+    let plugin = cleave_kubelet_plugin::daemon::start(&args, standin.client())
+        .await
+        .unwrap();
+    let mut dra = v1::dra_plugin_client::DraPluginClient::new(
+        cleave_kubelet_plugin::connect_unix(plugin.server.dra_socket())
+            .await
+            .unwrap(),
+    );
+    let client = standin.client();
+    let floor_dir = root.join("floor");
+    std::fs::create_dir_all(&floor_dir).unwrap();
+    let mut out = MigSamples {
+        prepare: Vec::new(),
+        unprepare: Vec::new(),
+        nvml: Vec::new(),
+        floor: Vec::new(),
+        floor_with_intent: Vec::new(),
+        latency_ms,
+    };
+    let warmup = 10;
+    for i in 0..iterations + warmup {
+        let uid = format!("22222222-0000-4000-8000-{i:012}");
+        let name = format!("mig-{i}");
+        let device = format!("gpu-{}-mig-1g10gb-{}", i % 8, (i / 8) % 7);
+        standin
+            .put(&fixtures::resource_claim(
+                "default",
+                &name,
+                &uid,
+                cleave_api::names::DRIVER_NAME,
+                MIG_NODE,
+                &[("mig", device.as_str())],
+                &[],
+            ))
+            .unwrap();
+        let request = v1::Claim {
+            namespace: "default".into(),
+            name: name.clone(),
+            uid: uid.clone(),
+        };
+        take_mig_creates();
+        let t = Instant::now();
+        let resp = dra
+            .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                claims: vec![request.clone()],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let prep = t.elapsed();
+        assert_eq!(resp.claims[&uid].error, "", "MIG prepare failed");
+        let nvml = take_mig_creates();
+
+        let t = Instant::now();
+        let resp = dra
+            .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+                claims: vec![request],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let unprep = t.elapsed();
+        assert_eq!(resp.claims[&uid].error, "", "MIG unprepare failed");
+
+        let t = Instant::now();
+        let api: kube::Api<ResourceClaim> = kube::Api::namespaced(client.clone(), "default");
+        let got = api.get(&name).await.unwrap();
+        let body = serde_json::to_vec(&got.metadata.uid).unwrap();
+        durable_write(
+            &floor_dir,
+            "spec.json",
+            &[&body[..], &[b' '; 1500]].concat(),
+        );
+        durable_write(
+            &floor_dir,
+            "checkpoint.json",
+            &[&body[..], &[b' '; 800]].concat(),
+        );
+        let fl = t.elapsed() + nvml;
+        // The third durable write an on-demand prepare cannot avoid either: the intent
+        // record (PrepareStarted) before the instance exists.
+        let t = Instant::now();
+        durable_write(
+            &floor_dir,
+            "intent.json",
+            &[&body[..], &[b' '; 800]].concat(),
+        );
+        let fl3 = fl + t.elapsed();
+        if i >= warmup {
+            out.prepare.push(prep);
+            out.unprepare.push(unprep);
+            out.nvml.push(nvml);
+            out.floor.push(fl);
+            out.floor_with_intent.push(fl3);
+        }
+    }
+    plugin.shutdown().await.unwrap();
+    out
 }
 
 struct Startup {
