@@ -21,6 +21,17 @@ pub enum BackendError {
         /// nvmlReturn_t value.
         code: u32,
     },
+    /// Creating a MIG device failed after its GPU instance had been made, and destroying
+    /// that GPU instance failed too: it is left without compute instance (see
+    /// [`GpuBackend::list_bare_gpu_instances`]). Every other error of
+    /// [`GpuBackend::create_mig`] leaves nothing behind.
+    #[error("{source}; the GPU instance it created ({}) could not be destroyed and is left without a compute instance", gi_id.map_or("id unknown".to_owned(), |id| format!("id {id}")))]
+    LeftBare {
+        /// Its GPU-instance id, when NVML could still tell it.
+        gi_id: Option<u32>,
+        /// Why the MIG device could not be made.
+        source: Box<BackendError>,
+    },
     /// A GPU with this UUID is not present.
     #[error("GPU {0} not found")]
     GpuNotFound(String),
@@ -38,7 +49,8 @@ pub trait GpuBackend: Send + Sync {
 
     /// Creates a GPU instance of `profile_id` at exactly `placement` on the GPU with
     /// `gpu_uuid`, plus its full-size compute instance, and returns the new MIG device.
-    /// On failure nothing is left behind.
+    /// On failure nothing is left behind, except where the rollback itself fails:
+    /// [`BackendError::LeftBare`].
     fn create_mig(
         &self,
         gpu_uuid: &str,

@@ -545,13 +545,19 @@ impl GpuBackend for NvmlBackend {
                 if let Err(e) = gi.destroy(&self.nvml) {
                     // Left bare: the caller's rollback finds it by the recorded placement
                     // (list_bare_gpu_instances) and destroys it, retrying until it goes.
+                    let gi_id = gi.info(&self.nvml).ok().map(|i| i.id);
                     tracing::error!(
                         gpu = gpu_uuid,
                         profile_id,
                         placement_start = placement.start,
+                        gi_id,
                         error = ?e,
                         "rollback: destroying GPU instance failed; a bare GPU instance is left for the next rollback"
                     );
+                    return Err(BackendError::LeftBare {
+                        gi_id,
+                        source: Box::new(error),
+                    });
                 }
                 Err(error)
             }

@@ -309,6 +309,55 @@ fn failing_ci_create_and_gi_destroy_leave_nothing_once_nvml_works() {
     assert_clean(&dir, &nvml, "after another claim");
 }
 
+/// A GPU instance without compute instance that cleave did not make (an administrator's
+/// `nvidia-smi mig -cgi` without `-C`, made after the pool was published) at the allocated
+/// placement: creation fails with NVML's insufficient resources, and the rollback leaves
+/// that instance alone.
+#[test]
+fn someone_elses_bare_gpu_instance_is_never_destroyed() {
+    const DEVICE: &str = "gpu-0-mig-3g40gb-4";
+    if scenario().is_none() {
+        run(
+            "someone_elses_bare_gpu_instance_is_never_destroyed",
+            "one",
+            &[],
+        );
+        return;
+    }
+    let dir = node_dir();
+    let control = PathBuf::from(std::env::var("MOCK_NVML_CONTROL").unwrap());
+    let nvml = backend();
+    let gpu0 = nvml.inventory().unwrap().gpus[0].uuid.clone();
+    let driver = NodeDriver::start(config(&dir), nvml.clone()).unwrap();
+    // The foreign bare instance, made behind the driver's back.
+    std::fs::write(
+        &control,
+        "nvmlGpuInstanceCreateComputeInstance=999\nnvmlGpuInstanceDestroy=999\n",
+    )
+    .unwrap();
+    let placement = cleave_driver::model::Placement { start: 4, size: 4 };
+    let e = nvml.create_mig(&gpu0, 9, placement).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            cleave_driver::backend::BackendError::LeftBare { gi_id: Some(_), .. }
+        ),
+        "{e}"
+    );
+    std::fs::write(&control, "").unwrap();
+    assert_eq!(bare_gis(&nvml), 1);
+
+    let e = driver.prepare(&claim(UID, DEVICE)).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("return code 23"), "{msg}");
+    assert_eq!(bare_gis(&nvml), 1, "the foreign instance was destroyed");
+    let data = CheckpointStore::in_dir(&dir.join("state")).load().unwrap();
+    assert!(data.claims.is_empty(), "{data:?}");
+    // Another prepare does not take it either.
+    driver.prepare(&claim(UID, DEVICE)).unwrap_err();
+    assert_eq!(bare_gis(&nvml), 1);
+}
+
 /// The CDI root turns into something that is not a writable directory (here: a regular
 /// file in its place, ENOTDIR, which stops root too) or the file system refuses the write
 /// (injected EROFS): prepare fails naming the spec path, the MIG instance it created is

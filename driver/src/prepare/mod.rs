@@ -1107,15 +1107,32 @@ impl NodeDriver {
             let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
                 continue;
             };
-            let inst = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
+            let created = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
                 self.backend
                     .create_mig(&d.gpu.uuid, mig.profile_id, mig.placement)
-            })
-            .map_err(|source| PrepareError::MigCreate {
-                claim: label.to_owned(),
-                device: d.name.clone(),
-                source,
-            })?;
+            });
+            let inst = match created {
+                Ok(inst) => inst,
+                Err(source) => {
+                    // Tell the rollback what exists: only a GPU instance the backend could
+                    // not destroy (then by its id), else nothing, so that it never takes
+                    // an instance someone else holds at this placement (the usual cause
+                    // of the failure) for ours.
+                    match &source {
+                        BackendError::LeftBare { gi_id, .. } => {
+                            if let Some(m) = record.devices[i].mig.as_mut() {
+                                m.gi_id = *gi_id;
+                            }
+                        }
+                        _ => record.devices[i].mig = None,
+                    }
+                    return Err(PrepareError::MigCreate {
+                        claim: label.to_owned(),
+                        device: d.name.clone(),
+                        source,
+                    });
+                }
+            };
             crate::fault::point("prepare.after_mig_create");
             if let Some(m) = record.devices[i].mig.as_mut() {
                 m.uuid = Some(inst.uuid.clone());
