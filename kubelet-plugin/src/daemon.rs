@@ -11,6 +11,7 @@
 //! Shutdown stops the servers (removing this instance's sockets) and the publisher; the
 //! ResourceSlices stay, so a restart or upgrade takes them over without writes.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use cleave_controller::{
 };
 use cleave_driver::backend::GpuBackend;
 use cleave_driver::driver_root::DriverRootConfig;
+use cleave_driver::model::BareGpuInstance;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::pool::{PoolOptions, build_pool};
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
@@ -224,6 +226,9 @@ pub struct RunningPlugin {
     /// The shared instance lock, held until the plugin is dropped (see
     /// [`crate::lifecycle::INSTANCE_LOCK_FILE`]).
     pub instance_lock: std::fs::File,
+    /// GPU instances without compute instance when the pool was built (their placements
+    /// are published as taken; the periodic check republishes when they change).
+    pub bare_gpu_instances: BTreeMap<String, Vec<BareGpuInstance>>,
 }
 
 impl std::fmt::Debug for RunningPlugin {
@@ -320,12 +325,13 @@ pub async fn start_with_backend(
     }
 
     let inventory = driver.inventory();
+    let bare_gpu_instances = driver.bare_gpu_instances();
     let pool = build_pool(
         &inventory,
         &PoolOptions {
             dynamic_mig: args.driver.dynamic_mig,
             owned_instances: driver.owned_mig_uuids(),
-            bare_gpu_instances: driver.bare_gpu_instances(),
+            bare_gpu_instances: bare_gpu_instances.clone(),
         },
     );
     info!(
@@ -399,6 +405,7 @@ pub async fn start_with_backend(
         driver_wait,
         pending_pool,
         instance_lock,
+        bare_gpu_instances,
     })
 }
 
@@ -656,6 +663,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         args.lifecycle.retry_max_ms.clamp(100, 10_000),
     ));
     driver_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // The periodic check also looks for GPU instances left without compute instance (a
+    // destroy that failed during a rollback) and republishes the pool when they change, so
+    // that their placements are published as taken, never as free.
+    let last_bare = Arc::new(std::sync::Mutex::new(plugin.bare_gpu_instances.clone()));
+    let (pool_tx, mut pool_rx) =
+        tokio::sync::mpsc::unbounded_channel::<cleave_api::pool::PoolDevices>();
+    let dynamic_mig = args.driver.dynamic_mig;
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
@@ -690,6 +704,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     let driver = Arc::clone(&plugin.driver);
                     let serializer = plugin.serializer.clone();
                     let events = mps_events.clone();
+                    let last_bare = Arc::clone(&last_bare);
+                    let pool_tx = pool_tx.clone();
                     mps_check_task = Some(tokio::spawn(async move {
                         let check = Arc::clone(&driver);
                         match serializer
@@ -704,7 +720,45 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                             Ok(Err(e)) => warn!(error = %e, "checking MPS daemons"),
                             Err(e) => warn!(error = %e, "checking MPS daemons"),
                         }
+                        if dynamic_mig {
+                            let check = Arc::clone(&driver);
+                            let Ok(bare) = serializer.run(move || check.bare_gpu_instances()).await else {
+                                return;
+                            };
+                            let changed = {
+                                let mut last = last_bare.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                                let changed = *last != bare;
+                                *last = bare.clone();
+                                changed
+                            };
+                            if changed {
+                                info!(bare = ?bare, "GPU instances without compute instance changed; republishing the pool");
+                                let pool = build_pool(
+                                    &driver.inventory(),
+                                    &PoolOptions {
+                                        dynamic_mig: true,
+                                        owned_instances: driver.owned_mig_uuids(),
+                                        bare_gpu_instances: bare,
+                                    },
+                                );
+                                let _ = pool_tx.send(pool);
+                            }
+                        }
                     }));
+                }
+            }
+            Some(pool) = pool_rx.recv() => {
+                // Health applies its taints to the new pool and triggers the publish.
+                match plugin.server.health() {
+                    Some(h) => h.set_base_pool(pool),
+                    // Nothing is published while the driver root holds no driver.
+                    None if plugin.driver_wait.is_some() => plugin.pending_pool = Some(pool),
+                    None => {
+                        if let Some(m) = &metrics {
+                            m.observability.set_published(&pool);
+                        }
+                        plugin.publisher.publish(pool);
+                    }
                 }
             }
             _ = mps_refresh.tick() => {

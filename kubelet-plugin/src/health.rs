@@ -185,6 +185,8 @@ pub struct DeviceStatus {
 
 #[derive(Debug, Default)]
 struct Inner {
+    /// The pool before health is applied (see [`DeviceHealth::set_base_pool`]).
+    base_pool: PoolDevices,
     /// Devices of the published pool, in pool order.
     devices: Vec<String>,
     /// Conditions by device name.
@@ -196,7 +198,6 @@ struct Inner {
 #[derive(Debug)]
 pub struct DeviceHealth {
     pool_name: String,
-    base_pool: PoolDevices,
     taints: TaintMode,
     /// Taints in use now (`on`, or `auto` until the server showed it drops them).
     use_taints: std::sync::atomic::AtomicBool,
@@ -217,13 +218,13 @@ impl DeviceHealth {
         let devices = pool.devices().map(|d| d.name.clone()).collect();
         Self {
             pool_name: pool_name.into(),
-            base_pool: pool,
             taints: args.device_taints,
             use_taints: std::sync::atomic::AtomicBool::new(args.device_taints != TaintMode::Off),
             taints_verified: std::sync::atomic::AtomicBool::new(false),
             xid_duration: (args.xid_unhealthy_duration > 0)
                 .then(|| Duration::from_secs(args.xid_unhealthy_duration)),
             inner: Mutex::new(Inner {
+                base_pool: pool,
                 devices,
                 conditions: BTreeMap::new(),
             }),
@@ -261,6 +262,18 @@ impl DeviceHealth {
     /// Follows changes (the value counts them).
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changed.subscribe()
+    }
+
+    /// Replaces the pool health is applied to (its counters changed, e.g. a GPU instance
+    /// without compute instance appeared or went) and tells subscribers, which publish
+    /// [`Self::pool_to_publish`] again.
+    pub fn set_base_pool(&self, pool: PoolDevices) {
+        {
+            let mut inner = self.lock();
+            inner.devices = pool.devices().map(|d| d.name.clone()).collect();
+            inner.base_pool = pool;
+        }
+        self.changed.send_modify(|v| *v += 1);
     }
 
     fn bump(&self) {
@@ -381,7 +394,7 @@ impl DeviceHealth {
     /// removed (`off`).
     pub fn pool_to_publish(&self) -> PoolDevices {
         let inner = self.lock();
-        let mut pool = self.base_pool.clone();
+        let mut pool = inner.base_pool.clone();
         let taints = self.use_taints.load(std::sync::atomic::Ordering::SeqCst);
         for group in &mut pool.groups {
             match if taints {

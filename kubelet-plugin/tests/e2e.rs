@@ -537,6 +537,88 @@ async fn checkpoint_reset_keeps_a_healthy_checkpoint() {
     assert!(dirs.cdi_files().is_empty(), "{:?}", dirs.cdi_files());
 }
 
+/// The value of counter `counter` of counter set `set` as published now.
+fn published_counter(
+    standin: &cleave_apiserver_standin::StandIn,
+    set: &str,
+    counter: &str,
+) -> Option<String> {
+    standin
+        .list_as::<ResourceSlice>("resourceslices")
+        .iter()
+        .flat_map(|s| s.spec.shared_counters.iter().flatten())
+        .find(|c| c.name == set)
+        .and_then(|c| c.counters.get(counter))
+        .map(|c| c.value.0.clone())
+}
+
+/// A GPU instance left without compute instance by a failed rollback while the plugin runs
+/// (CI creation and GI destroy failing): its placement is published as taken within the
+/// periodic check, and free again once the next prepare destroyed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bare_gpu_instance_is_published_as_taken_until_it_is_gone() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let control = dirs.path().join("control");
+    std::fs::write(&control, "").unwrap();
+    put_claim(
+        &standin,
+        "m",
+        "uid-m",
+        &[("mig", "gpu-0-mig-3g40gb-4")],
+        &[],
+    );
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            mig: "on",
+            dynamic_mig: true,
+            env: vec![
+                ("MOCK_NVML_CONTROL", control.display().to_string()),
+                ("MPS_CHECK_INTERVAL_SECS", "1".to_owned()),
+            ],
+            ..PluginOptions::default()
+        },
+    );
+    wait_for_slices(&standin).await;
+    let slice4 = || published_counter(&standin, "gpu-0-counters", "memory-slice-4");
+    let started = std::time::Instant::now();
+    while slice4().as_deref() != Some("1") {
+        assert!(started.elapsed() < TIMEOUT, "{:?}", slice4());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    std::fs::write(
+        &control,
+        "nvmlGpuInstanceCreateComputeInstance=999\nnvmlGpuInstanceDestroy=999\n",
+    )
+    .unwrap();
+    let r = prepare(&mut dra, vec![claim("m", "uid-m")]).await;
+    assert!(r.claims["uid-m"].error.contains("999"), "{:?}", r.claims);
+    let started = std::time::Instant::now();
+    while slice4().as_deref() != Some("0") {
+        assert!(
+            started.elapsed() < TIMEOUT,
+            "the bare GPU instance's placement is still published as free: {:?}\n{}",
+            slice4(),
+            dirs.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // NVML works again: the kubelet's retry destroys the bare instance first and prepares.
+    std::fs::write(&control, "").unwrap();
+    let r = prepare(&mut dra, vec![claim("m", "uid-m")]).await;
+    assert_eq!(r.claims["uid-m"].error, "");
+    let u = unprepare(&mut dra, vec![claim("m", "uid-m")]).await;
+    assert_eq!(u.claims["uid-m"].error, "");
+    let started = std::time::Instant::now();
+    while slice4().as_deref() != Some("1") {
+        assert!(started.elapsed() < TIMEOUT, "{:?}", slice4());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(plugin.terminate().success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uninstall_removes_this_nodes_slices_and_exits() {
     let dirs = NodeDirs::new();
