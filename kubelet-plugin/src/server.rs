@@ -416,7 +416,7 @@ async fn publish_socket(tmp: &Path, path: &Path) -> Result<(u64, u64), ServerErr
     std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(0o600)).map_err(perm_err)?;
     let m = std::fs::symlink_metadata(tmp).map_err(perm_err)?;
     let identity = (m.dev(), m.ino());
-    // Two rounds: a stale socket removed, then another instance racing us to the name.
+    // A few rounds: a stale socket removed, then another instance racing us to the name.
     for _ in 0..3 {
         claim_path(path).await?;
         match std::fs::hard_link(tmp, path) {

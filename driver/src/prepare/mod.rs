@@ -75,6 +75,19 @@
 //! prepare's `PrepareStarted` rollback: an administrator who creates an identical instance at
 //! that placement in the same boot, after the crash and before the restart, has it taken
 //! (and destroyed at unprepare) as cleave's.
+//!
+//! # GPU instances without compute instance
+//!
+//! A MIG device is two NVML objects, made and destroyed in two calls each. A crash between
+//! them, or a rollback whose GPU-instance destroy fails ([`BackendError::LeftBare`]), leaves a
+//! GPU instance without compute instance: no MIG device, yet NVML refuses its placement.
+//! `list_mig` does not show it, so every path that looks for an instance of ours by its
+//! record also looks among [`GpuBackend::list_bare_gpu_instances`] at exactly the recorded
+//! profile and placement (and GPU-instance id, when recorded), and destroys what it finds:
+//! the rollback at start, the retry of failed rollbacks before every prepare, unprepare, and
+//! recreation (whose intent marks the placement as ours). A create that failed without
+//! `LeftBare` made nothing, so its rollback looks for nothing. While one exists, the pool
+//! publishes its placement as taken ([`NodeDriver::bare_gpu_instances`]).
 
 pub mod sharing;
 #[cfg(test)]
@@ -1455,7 +1468,6 @@ impl NodeDriver {
                                 let d = &record.devices[i];
                                 self.destroy_bare(&uid, d, &mig)?;
                             }
-                            let bare_before = self.bare_at(&gpu, &mig);
                             let inst = match self.backend.create_mig(
                                 &gpu,
                                 mig.profile_id,
@@ -1468,10 +1480,7 @@ impl NodeDriver {
                                     // this placement (the usual cause of this failure). If
                                     // our own rollback left the GPU instance bare, keep it:
                                     // the next attempt destroys that instance first.
-                                    let left_bare = self
-                                        .bare_at(&gpu, &mig)
-                                        .into_iter()
-                                        .any(|id| !bare_before.contains(&id));
+                                    let left_bare = matches!(e, BackendError::LeftBare { .. });
                                     if !left_bare && let Some(m) = record.devices[i].mig.as_mut() {
                                         m.creating_in_boot = None;
                                     }
