@@ -430,6 +430,7 @@ async fn report_silent_gpus(
         &PoolOptions {
             dynamic_mig,
             owned_instances: driver.owned_mig_uuids(),
+            ..PoolOptions::default()
         },
     );
     for (reason, event_reason) in [
@@ -676,7 +677,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             _ = driver_check.tick(), if plugin.driver_wait.is_some() => {
                 let driver = Arc::clone(&plugin.driver);
                 let found = tokio::task::spawn_blocking(move || {
-                    driver.rediscover_driver_files().map(|()| driver.missing_driver().is_none())
+                    driver
+                        .rediscover_driver_files()
+                        .map(|()| driver.missing_driver().is_none())
+                        .map_err(|e| e.to_string())
                 })
                 .await;
                 match found {

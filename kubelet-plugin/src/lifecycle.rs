@@ -353,7 +353,7 @@ pub(crate) async fn driver_not_ready_event(
     }
     let node = crate::events::node_reference(&ctx.client, &args.node_name).await;
     let note = format!(
-        "{reason} (the plugin stays not ready, registers nothing and retries with backoff)"
+        "{reason} (the plugin stays not ready and publishes no device until this is fixed; it looks again with backoff)"
     );
     ctx.events
         .publish(
