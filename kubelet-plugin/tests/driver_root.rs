@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cleave_apiserver_standin::StandIn;
+use cleave_kubelet_plugin::proto::dra::v1;
 use common::node::*;
 use common::*;
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -36,14 +37,38 @@ async fn wait_devices(standin: &StandIn, dirs: &NodeDirs, want: usize) {
     }
 }
 
-async fn wait_event(standin: &StandIn, reason: &str) -> Value {
-    let found = standin
-        .wait_for("events.events.k8s.io", TIMEOUT, |evs| {
-            evs.iter().any(|e| e["reason"] == reason)
-        })
-        .await
-        .unwrap_or_else(|evs| panic!("no {reason} Event; events: {evs:?}"));
-    found.into_iter().find(|e| e["reason"] == reason).unwrap()
+/// Puts a whole-GPU claim on gpu-0 and an on-demand MIG claim on it, prepares both and
+/// checks that each fails naming every one of `names` and none of `present`.
+async fn both_claims_refused_naming(
+    standin: &StandIn,
+    plugin: &Plugin,
+    names: &[&str],
+    present: &[&str],
+) -> v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel> {
+    put_claim(standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
+    put_claim(
+        standin,
+        "slice",
+        "uid-slice",
+        &[("mig", "gpu-0-mig-3g40gb-4")],
+        &[],
+    );
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let resp = prepare(
+        &mut dra,
+        vec![claim("whole", "uid-whole"), claim("slice", "uid-slice")],
+    )
+    .await;
+    for uid in ["uid-whole", "uid-slice"] {
+        let error = &resp.claims[uid].error;
+        for name in names {
+            assert!(error.contains(name), "{uid}: {name} not named: {error}");
+        }
+        for name in present {
+            assert!(!error.contains(name), "{uid}: {name} is there: {error}");
+        }
+    }
+    dra
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,27 +193,14 @@ async fn claims_whose_containers_would_lack_files_fail_naming_them_until_the_fil
             ..PluginOptions::default()
         },
     );
-    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
-    put_claim(
+    let root_name = root.display().to_string();
+    let mut dra = both_claims_refused_naming(
         &standin,
-        "slice",
-        "uid-slice",
-        &[("mig", "gpu-0-mig-3g40gb-4")],
-        &[],
-    );
-    let mut dra = dra_v1(&plugin.dra_socket).await;
-    let resp = prepare(
-        &mut dra,
-        vec![claim("whole", "uid-whole"), claim("slice", "uid-slice")],
+        &plugin,
+        &["/dev/nvidia0", "libcuda.so.1", &root_name],
+        &["/dev/nvidiactl,"],
     )
     .await;
-    for uid in ["uid-whole", "uid-slice"] {
-        let error = &resp.claims[uid].error;
-        for name in ["/dev/nvidia0", "libcuda.so.1", &root.display().to_string()] {
-            assert!(error.contains(name), "{uid}: {name} not named: {error}");
-        }
-        assert!(!error.contains("/dev/nvidiactl,"), "{error}");
-    }
     assert!(dirs.cdi_files().is_empty(), "no spec for a refused claim");
     // The claim's owner sees why, on the claim.
     let event = wait_event(&standin, "PrepareFailed").await;
@@ -346,31 +358,18 @@ async fn a_root_without_driver_files_publishes_nothing_refuses_claims_and_recove
             .contains("holds no NVIDIA driver files")
     );
 
-    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
-    put_claim(
+    let mut dra = both_claims_refused_naming(
         &standin,
-        "slice",
-        "uid-slice",
-        &[("mig", "gpu-0-mig-3g40gb-4")],
-        &[],
-    );
-    let mut dra = dra_v1(&plugin.dra_socket).await;
-    let resp = prepare(
-        &mut dra,
-        vec![claim("whole", "uid-whole"), claim("slice", "uid-slice")],
-    )
-    .await;
-    for uid in ["uid-whole", "uid-slice"] {
-        let error = &resp.claims[uid].error;
-        for name in [
+        &plugin,
+        &[
             "/dev/nvidia0",
             "/dev/nvidiactl",
             "/dev/nvidia-uvm",
             "libcuda.so.1",
-        ] {
-            assert!(error.contains(name), "{uid}: {name} not named: {error}");
-        }
-    }
+        ],
+        &[],
+    )
+    .await;
     assert_eq!(
         device_count(&standin),
         0,

@@ -15,7 +15,6 @@ use cleave_kubelet_plugin::proto::registration::RegistrationStatus;
 use common::node::*;
 use common::*;
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use serde_json::Value;
 
 /// Fast retries for the tests.
 const RETRY: [(&str, &str); 2] = [("RETRY_INITIAL_MS", "50"), ("RETRY_MAX_MS", "200")];
@@ -118,16 +117,6 @@ async fn register_and_wait_ready(dirs: &NodeDirs, port: u16) {
 
 fn slices(standin: &StandIn) -> Vec<ResourceSlice> {
     standin.list_as("resourceslices")
-}
-
-async fn wait_event(standin: &StandIn, reason: &str) -> Value {
-    let found = standin
-        .wait_for("events.events.k8s.io", TIMEOUT, |evs| {
-            evs.iter().any(|e| e["reason"] == reason)
-        })
-        .await
-        .unwrap_or_else(|evs| panic!("no {reason} Event; events: {evs:?}"));
-    found.into_iter().find(|e| e["reason"] == reason).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

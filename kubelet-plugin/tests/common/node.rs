@@ -376,3 +376,14 @@ pub async fn unprepare(
     .unwrap()
     .into_inner()
 }
+
+/// The first Event with `reason` the stand-in holds, waiting up to [`TIMEOUT`] for one.
+pub async fn wait_event(standin: &StandIn, reason: &str) -> serde_json::Value {
+    let found = standin
+        .wait_for("events.events.k8s.io", TIMEOUT, |evs| {
+            evs.iter().any(|e| e["reason"] == reason)
+        })
+        .await
+        .unwrap_or_else(|evs| panic!("no {reason} Event; events: {evs:?}"));
+    found.into_iter().find(|e| e["reason"] == reason).unwrap()
+}
