@@ -26,16 +26,21 @@
 # timestamps, PIDs, paths and product names), 1 when they differ (the diff is printed and kept
 # in OUT_DIR/diff.txt), 2 when the check itself could not run.
 
-set -uo pipefail
-
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "$here/.." && pwd)"
-timeout_s="${CHECK_TIMEOUT:-30}"
+set -euo pipefail
 
 die() {
     echo "gpu-check: $*" >&2
     exit 2
 }
+
+for tool in dirname mktemp sed timeout diff stat cp chmod mkdir rm tr grep cat; do
+    command -v "$tool" >/dev/null 2>&1 \
+        || die "'$tool' is not installed or not on PATH (needed: coreutils, sed, grep, diffutils)"
+done
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
+timeout_s="${CHECK_TIMEOUT:-30}"
 
 out="${1:-}"
 if [[ -z "$out" ]]; then
@@ -48,8 +53,8 @@ chmod 0755 "$out" 2>/dev/null || true
 
 real_smi="${NVIDIA_SMI:-$(command -v nvidia-smi || true)}"
 real_mps="${MPS_CONTROL:-$(command -v nvidia-cuda-mps-control || true)}"
-[[ -x "$real_smi" ]] || die "nvidia-smi not found (set NVIDIA_SMI)"
-[[ -x "$real_mps" ]] || die "nvidia-cuda-mps-control not found (set MPS_CONTROL)"
+[[ -x "$real_smi" ]] || die "nvidia-smi is not installed or not on PATH (set NVIDIA_SMI)"
+[[ -x "$real_mps" ]] || die "nvidia-cuda-mps-control is not installed or not on PATH (set MPS_CONTROL)"
 
 fakes="${FAKES_DIR:-$repo/target/debug}"
 if [[ ! -x "$fakes/nvidia-smi" || ! -x "$fakes/nvidia-cuda-mps-control" ]]; then
@@ -64,6 +69,7 @@ fi
 # Daemons to quit on exit: pipe directories and the tool serving each.
 started_pipes=()
 started_tools=()
+# shellcheck disable=SC2329 # run by the EXIT trap
 cleanup() {
     local i
     for i in "${!started_pipes[@]}"; do
@@ -94,14 +100,15 @@ first_gpu="${gpu_uuids[0]}"
 step() {
     local side="$1" name="$2"
     shift 2
-    local file="$out/$side/$name.txt"
+    local file="$out/$side/$name.txt" status=0
     {
+        # A failing command is what is being recorded, not a failure of the check.
         if [[ -n "${STDIN:-}" ]]; then
-            printf '%s' "$STDIN" | timeout "$timeout_s" "$@" 2>&1
+            printf '%s' "$STDIN" | timeout "$timeout_s" "$@" 2>&1 || status=$?
         else
-            timeout "$timeout_s" "$@" </dev/null 2>&1
+            timeout "$timeout_s" "$@" </dev/null 2>&1 || status=$?
         fi
-        echo "exit status: $?"
+        echo "exit status: $status"
     } >"$file"
 }
 
@@ -126,7 +133,7 @@ record() {
     started_tools+=("$mps")
     CUDA_VISIBLE_DEVICES="$first_gpu" step "$side" mps-start "$mps" -d
     (cd "$dir/pipe" && for f in *; do printf '%s %s\n' "$(stat -c %F "$f")" "$f"; done) \
-        >"$dir/mps-pipe-dir.txt" 2>&1
+        >"$dir/mps-pipe-dir.txt" 2>&1 || true
     CUDA_VISIBLE_DEVICES="$first_gpu" step "$side" mps-second-start "$mps" -d
     STDIN="get_default_active_thread_percentage
 set_default_active_thread_percentage 25
@@ -194,12 +201,12 @@ plugin="${PLUGIN:-$repo/target/debug/cleave-kubelet-plugin}"
 nvml_status=0
 if [[ -x "$plugin" && -z "${SKIP_NVML:-}" ]]; then
     mkdir -p "$out/nvml"
-    timeout "$timeout_s" "$real_smi" -q >"$out/nvml/nvidia-smi-q.txt" 2>&1
-    timeout "$timeout_s" "$plugin" inspect >"$out/nvml/inspect.txt" 2>&1
-    timeout "$timeout_s" "$plugin" inspect --yaml >"$out/nvml/inspect.yaml" 2>&1
+    timeout "$timeout_s" "$real_smi" -q >"$out/nvml/nvidia-smi-q.txt" 2>&1 || true
+    timeout "$timeout_s" "$plugin" inspect >"$out/nvml/inspect.txt" 2>&1 || nvml_status=1
+    timeout "$timeout_s" "$plugin" inspect --yaml >"$out/nvml/inspect.yaml" 2>&1 || nvml_status=1
     timeout "$timeout_s" "$real_smi" \
         --query-gpu=uuid,name,compute_cap,pci.bus_id,memory.total \
-        --format=csv,noheader,nounits >"$out/nvml/query.csv" 2>&1
+        --format=csv,noheader,nounits >"$out/nvml/query.csv" 2>&1 || nvml_status=1
     : >"$out/nvml/compare.txt"
     while IFS=',' read -r uuid name cc bus mem; do
         uuid="${uuid// /}"; cc="${cc// /}"; bus="${bus// /}"; mem="${mem// /}"
@@ -223,8 +230,8 @@ else
     echo "gpu-check: NVML discovery skipped (no cleave-kubelet-plugin at $plugin; set PLUGIN)" >&2
 fi
 
-diff -ru -x fake-mps-record.log "$out/fake" "$out/real" >"$out/diff.txt"
-status=$?
+status=0
+diff -ru -x fake-mps-record.log "$out/fake" "$out/real" >"$out/diff.txt" || status=$?
 if [[ $status -eq 0 && $nvml_status -eq 0 ]]; then
     echo "gpu-check: the fakes answer like the real tools (outputs in $out)"
     exit 0
