@@ -355,7 +355,7 @@ def chart_lints_clean_default_and_kind() -> None:
 @check
 def rendered_objects_validate_strict_1_34() -> None:
     base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass",
-            "ServiceAccount"]
+            "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     for label, values, extra in (("default", None, ["Role", "RoleBinding"]), ("kind", kind_values(), [])):
         objs = render(values)
         kinds = sorted(o["kind"] for o in objs)
@@ -1068,6 +1068,76 @@ def plugin_binary_accepts_the_chart_flags() -> None:
     used = chart_flags_all_values()
     missing = sorted(f for f in used if not re.search(rf"(^|[\s,]){re.escape(f)}([\s=<\[]|$)", proc.stdout, re.M))
     assert not missing, f"`cleave-kubelet-plugin run --help` lacks {missing}"
+
+
+@check
+def admission_policy_keeps_each_plugin_to_its_own_nodes_slices() -> None:
+    """The node-scoped ValidatingAdmissionPolicy: valid for 1.34 (strict), every CEL expression
+    compiles, and evaluated as the API server does it lets the plugin's ServiceAccount write
+    only the slices of the node in its token; other users are not matched."""
+    objs = render(namespace="gpu-drivers")
+    policy = one(objs, "ValidatingAdmissionPolicy")
+    binding = one(objs, "ValidatingAdmissionPolicyBinding")
+    for o in (policy, binding):
+        validate_k8s(o, "node-scoped slices policy")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    spec = policy["spec"]
+    rules = spec["matchConstraints"]["resourceRules"]
+    assert rules == [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["*"],
+                      "operations": ["CREATE", "UPDATE", "DELETE"], "resources": ["resourceslices"]}], rules
+    sa = one(objs, "ServiceAccount")["metadata"]["name"]
+    user = f"system:serviceaccount:gpu-drivers:{sa}"
+
+    def run(expr: str, activation: dict) -> Any:
+        result = cel_program(expr).evaluate({k: celpy.json_to_cel(v) for k, v in activation.items()})
+        if isinstance(result, Exception):
+            raise AssertionError(f"CEL {expr!r} failed: {result}")
+        return result
+
+    def allowed(username: str, token_node: str | None, op: str, slice_node: str | None) -> bool | None:
+        """None: the policy does not apply; else whether every validation passes."""
+        extra = {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}
+        obj = {"spec": {"nodeName": slice_node}} if slice_node else {"spec": {"allNodes": True}}
+        act = {"request": {"userInfo": {"username": username, "extra": extra}, "operation": op},
+               "object": None if op == "DELETE" else obj, "oldObject": obj if op == "DELETE" else None}
+        if not all(run(c["expression"], act) for c in spec["matchConditions"]):
+            return None
+        act["variables"] = {v["name"]: str(run(v["expression"], act)) for v in spec["variables"]}
+        return all(bool(run(v["expression"], act)) for v in spec["validations"])
+
+    for v in spec["validations"]:
+        if "messageExpression" in v:
+            cel_program(v["messageExpression"])
+    assert allowed(user, "node-a", "CREATE", "node-a") is True
+    assert allowed(user, "node-a", "UPDATE", "node-a") is True
+    assert allowed(user, "node-a", "DELETE", "node-a") is True
+    assert allowed(user, "node-a", "CREATE", "node-b") is False
+    assert allowed(user, "node-a", "DELETE", "node-b") is False
+    assert allowed(user, "node-a", "CREATE", None) is False, "a slice without a node"
+    assert allowed(user, None, "CREATE", "node-a") is False, "a token without a node"
+    assert allowed("system:serviceaccount:other:sa", "node-a", "CREATE", "node-b") is None
+    # Off, or without the chart's RBAC: no policy.
+    for values in ({"nodeScopedSlices": {"enabled": False}}, {"rbac": {"create": False}}):
+        assert not [o for o in render(values) if o["kind"].startswith("ValidatingAdmissionPolicy")]
+
+
+@check
+def default_namespace_is_refused_unless_allowed() -> None:
+    try:
+        render(namespace="default")
+    except Exception as e:  # the Helm SDK raises its own error type
+        assert "refusing to install into the" in str(e), e
+    else:
+        raise AssertionError("the chart installed into the default namespace")
+    objs = render({"allowDefaultNamespace": True}, namespace="default")
+    assert one(objs, "DaemonSet")["metadata"]["namespace"] == "default"
+
+
+@check
+def notes_say_the_image_must_be_built_and_pushed() -> None:
+    notes = render_notes()
+    assert "No image is published yet" in notes and "docker push" in notes, notes
 
 
 def built_plugin() -> Path:
