@@ -26,6 +26,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use cleave_api::names::{CDI_CLASS, CDI_KIND, CDI_VENDOR, DNS_LABEL_MAX};
+use container_device_interface::version::VersionWrapper;
 use serde::Serialize;
 
 use crate::checkpoint::write_file_atomic;
@@ -279,6 +280,43 @@ pub fn mig_device_edits(
 pub struct CdiStore {
     root: PathBuf,
     common: ContainerEdits,
+    /// The common edits checked once (CDI schema and semantic validation) and the lowest
+    /// CDI version they need; the same for every claim, so never checked per prepare.
+    common_check: std::sync::OnceLock<Result<VersionWrapper, String>>,
+}
+
+/// A CDI spec document of `devices` and spec-level `edits` (none when empty).
+fn spec_doc(
+    version: &str,
+    devices: &[serde_json::Value],
+    edits: &ContainerEdits,
+) -> Result<serde_json::Value, String> {
+    let mut doc = serde_json::json!({
+        "cdiVersion": version,
+        "kind": CDI_KIND,
+        "devices": devices,
+    });
+    if !edits.is_empty() {
+        doc["containerEdits"] =
+            serde_json::to_value(edits).map_err(|e| format!("serialising edits: {e}"))?;
+    }
+    Ok(doc)
+}
+
+/// Validates a spec document as a runtime would load it (schema and semantic checks of the
+/// `container-device-interface` crate) and returns the lowest CDI version it needs.
+fn check_doc(doc: &serde_json::Value, path: &Path) -> Result<VersionWrapper, String> {
+    let parse = |v: &serde_json::Value| {
+        serde_json::from_value::<container_device_interface::specs::config::Spec>(v.clone())
+            .map_err(|e| e.to_string())
+    };
+    let version = container_device_interface::version::minimum_required_version(&parse(doc)?)
+        .map_err(|e| format!("{e:#}"))?;
+    let mut versioned = doc.clone();
+    versioned["cdiVersion"] = serde_json::Value::String(version.to_string());
+    container_device_interface::spec::new_spec(&parse(&versioned)?, &path.to_path_buf(), 0)
+        .map_err(|e| format!("{e:#}"))?;
+    Ok(version)
 }
 
 impl CdiStore {
@@ -287,6 +325,7 @@ impl CdiStore {
         Self {
             root: root.into(),
             common,
+            common_check: std::sync::OnceLock::new(),
         }
     }
 
@@ -301,7 +340,9 @@ impl CdiStore {
         Ok(self.root.join(spec_file_name(claim_uid)))
     }
 
-    /// Builds and validates a claim's spec document and returns its bytes (JSON).
+    /// Builds and validates a claim's spec document and returns its bytes (JSON). The
+    /// common edits are validated once per store and the claim's part on every call; the
+    /// checks look at each edit on its own, so the two together equal a check of the whole.
     pub fn render(
         &self,
         claim_uid: &str,
@@ -313,8 +354,23 @@ impl CdiStore {
             path: path.clone(),
             message,
         };
-        let mut spec_edits = self.common.clone();
-        spec_edits.extend(claim_edits);
+        let common_version = self
+            .common_check
+            .get_or_init(|| {
+                let probe = [serde_json::json!({
+                    "name": "common",
+                    "containerEdits": {"env": ["CLEAVE_CDI_CHECK=1"]},
+                })];
+                spec_doc(
+                    container_device_interface::specs::config::CURRENT_VERSION,
+                    &probe,
+                    &self.common,
+                )
+                .and_then(|doc| check_doc(&doc, &path))
+                .map_err(|e| format!("the driver's common edits: {e}"))
+            })
+            .clone()
+            .map_err(&invalid)?;
         let mut device_values = Vec::with_capacity(devices.len());
         for device in devices {
             validate_device_name(&device.device_name)?;
@@ -323,26 +379,23 @@ impl CdiStore {
                 "containerEdits": device.edits,
             }));
         }
-        let mut doc = serde_json::json!({
-            "cdiVersion": container_device_interface::specs::config::CURRENT_VERSION,
-            "kind": CDI_KIND,
-            "devices": device_values,
-        });
-        if !spec_edits.is_empty() {
-            doc["containerEdits"] = serde_json::to_value(&spec_edits)
-                .map_err(|e| invalid(format!("serialising edits: {e}")))?;
-        }
+        let claim_doc = spec_doc(
+            container_device_interface::specs::config::CURRENT_VERSION,
+            &device_values,
+            claim_edits,
+        )
+        .map_err(&invalid)?;
+        let claim_version = check_doc(&claim_doc, &path).map_err(&invalid)?;
         // Emit the lowest version that carries the features used: the widest runtime support.
-        let probe: container_device_interface::specs::config::Spec =
-            serde_json::from_value(doc.clone()).map_err(|e| invalid(e.to_string()))?;
-        let version = container_device_interface::version::minimum_required_version(&probe)
-            .map_err(|e| invalid(format!("{e:#}")))?;
-        doc["cdiVersion"] = serde_json::Value::String(version.to_string());
-        let raw: container_device_interface::specs::config::Spec =
-            serde_json::from_value(doc).map_err(|e| invalid(e.to_string()))?;
-        container_device_interface::spec::new_spec(&raw, &path, 0)
-            .map_err(|e| invalid(format!("{e:#}")))?;
-        serde_json::to_vec(&raw).map_err(|e| invalid(e.to_string()))
+        let version = if claim_version.is_greater_than(&common_version) {
+            claim_version
+        } else {
+            common_version
+        };
+        let mut spec_edits = self.common.clone();
+        spec_edits.extend(claim_edits);
+        let doc = spec_doc(&version.to_string(), &device_values, &spec_edits).map_err(&invalid)?;
+        serde_json::to_vec(&doc).map_err(|e| invalid(e.to_string()))
     }
 
     /// Writes a claim's spec atomically (temp file, fsync, rename, fsync of the directory),
@@ -543,6 +596,28 @@ mod tests {
             e.to_string().contains(&not_a_dir.display().to_string()),
             "{e}"
         );
+    }
+
+    #[test]
+    fn invalid_common_edits_are_caught_though_checked_once() {
+        let common = ContainerEdits {
+            env: vec!["=no-name".into()],
+            ..ContainerEdits::default()
+        };
+        let store = CdiStore::new("/var/run/cdi", common);
+        let devices = [CdiDevice {
+            device_name: "gpu-0".into(),
+            edits: ContainerEdits {
+                env: vec!["A=B".into()],
+                ..Default::default()
+            },
+        }];
+        for _ in 0..2 {
+            let e = store
+                .render(UID, &devices, &ContainerEdits::default())
+                .unwrap_err();
+            assert!(e.to_string().contains("common edits"), "{e}");
+        }
     }
 
     #[test]
