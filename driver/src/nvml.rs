@@ -285,6 +285,22 @@ impl NvmlBackend {
         Ok((profiles, unsupported))
     }
 
+    /// The GPU `uuid` and its profile table when its MIG mode is on; `None` when it is off
+    /// or the GPU cannot do MIG (then it has no MIG instance of any kind).
+    fn mig_enabled_device(
+        &self,
+        uuid: &str,
+    ) -> Result<Option<(Device<'_>, Vec<MigProfile>)>, BackendError> {
+        let device = self.device_by_uuid(uuid)?;
+        match device.mig_mode() {
+            Ok(m) if m.current == MIG_ENABLE => {}
+            Ok(_) | Err(NvmlError::NotSupported) => return Ok(None),
+            Err(e) => return Err(wrapper_err("nvmlDeviceGetMigMode", uuid, e)),
+        }
+        let profiles = self.profiles_for(&device, uuid)?;
+        Ok(Some((device, profiles)))
+    }
+
     /// Profile table of the GPU `uuid` (for naming new instances).
     fn profiles_for(
         &self,
@@ -594,13 +610,9 @@ impl GpuBackend for NvmlBackend {
         &self,
         gpu_uuid: &str,
     ) -> Result<Vec<BareGpuInstance>, BackendError> {
-        let device = self.device_by_uuid(gpu_uuid)?;
-        match device.mig_mode() {
-            Ok(m) if m.current == MIG_ENABLE => {}
-            Ok(_) | Err(NvmlError::NotSupported) => return Ok(Vec::new()),
-            Err(e) => return Err(wrapper_err("nvmlDeviceGetMigMode", gpu_uuid, e)),
-        }
-        let profiles = self.profiles_for(&device, gpu_uuid)?;
+        let Some((device, profiles)) = self.mig_enabled_device(gpu_uuid)? else {
+            return Ok(Vec::new());
+        };
         Ok(self.instances_and_bare(&device, gpu_uuid, &profiles)?.1)
     }
 
@@ -626,13 +638,9 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn list_mig(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, BackendError> {
-        let device = self.device_by_uuid(gpu_uuid)?;
-        match device.mig_mode() {
-            Ok(m) if m.current == MIG_ENABLE => {}
-            Ok(_) | Err(NvmlError::NotSupported) => return Ok(Vec::new()),
-            Err(e) => return Err(wrapper_err("nvmlDeviceGetMigMode", gpu_uuid, e)),
-        }
-        let profiles = self.profiles_for(&device, gpu_uuid)?;
+        let Some((device, profiles)) = self.mig_enabled_device(gpu_uuid)? else {
+            return Ok(Vec::new());
+        };
         self.instances(&device, gpu_uuid, &profiles)
     }
 }
