@@ -55,6 +55,45 @@ fn durable_write(dir: &Path, name: &str, bytes: &[u8]) {
     std::fs::File::open(dir).unwrap().sync_all().unwrap();
 }
 
+/// Sizes of what the prepare of `uid` wrote durably: its CDI spec and the checkpoint
+/// (read while the claim is prepared, outside the timed part).
+fn written_sizes(args: &RunArgs, uid: &str) -> (usize, usize) {
+    let spec = args
+        .driver
+        .cdi_root
+        .join(cleave_driver::cdi::spec_file_name(uid));
+    let checkpoint = args
+        .kubelet
+        .kubelet_plugins_directory_path
+        .join(&args.kubelet.driver_name)
+        .join(cleave_driver::checkpoint::CHECKPOINT_FILE);
+    let len = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len() as usize);
+    (len(&spec), len(&checkpoint))
+}
+
+/// The floor of one prepare: the claim GET and two durable writes of the sizes the prepare
+/// wrote (`sizes`, see [`written_sizes`]). Returns the time and the claim's body (for
+/// further writes of the same kind).
+async fn floor_once(
+    client: &kube::Client,
+    name: &str,
+    floor_dir: &Path,
+    sizes: (usize, usize),
+) -> (Duration, Vec<u8>) {
+    let t = Instant::now();
+    let api: kube::Api<ResourceClaim> = kube::Api::namespaced(client.clone(), "default");
+    let got = api.get(name).await.unwrap();
+    let body = serde_json::to_vec(&got.metadata.uid).unwrap();
+    let padded = |len: usize| {
+        let mut bytes = body.clone();
+        bytes.resize(len.max(body.len()), b' ');
+        bytes
+    };
+    durable_write(floor_dir, "spec.json", &padded(sizes.0));
+    durable_write(floor_dir, "checkpoint.json", &padded(sizes.1));
+    (t.elapsed(), body)
+}
+
 fn main() {
     let iterations: usize = std::env::var("ITERATIONS")
         .ok()
@@ -167,6 +206,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
             .into_inner();
         let prep = t.elapsed();
         assert_eq!(resp.claims[&uid].error, "", "prepare failed");
+        let sizes = written_sizes(&args, &uid);
 
         let t = Instant::now();
         let resp = dra
@@ -179,22 +219,8 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         let unprep = t.elapsed();
         assert_eq!(resp.claims[&uid].error, "", "unprepare failed");
 
-        // The floor: claim GET + two durable small-file writes.
-        let t = Instant::now();
-        let api: kube::Api<ResourceClaim> = kube::Api::namespaced(client.clone(), "default");
-        let got = api.get(&name).await.unwrap();
-        let body = serde_json::to_vec(&got.metadata.uid).unwrap();
-        durable_write(
-            &floor_dir,
-            "spec.json",
-            &[&body[..], &[b' '; 1500]].concat(),
-        );
-        durable_write(
-            &floor_dir,
-            "checkpoint.json",
-            &[&body[..], &[b' '; 800]].concat(),
-        );
-        let fl = t.elapsed();
+        // The floor: claim GET + two durable small-file writes of the sizes prepare wrote.
+        let (fl, _) = floor_once(&client, &name, &floor_dir, sizes).await;
 
         if i >= warmup {
             prepare.push(prep);
@@ -426,6 +452,7 @@ async fn mig_phase(
             .into_inner();
         let prep = t.elapsed();
         assert_eq!(resp.claims[&uid].error, "", "MIG prepare failed");
+        let sizes = written_sizes(&args, &uid);
         let nvml = take_mig_creates();
 
         let t = Instant::now();
@@ -439,21 +466,8 @@ async fn mig_phase(
         let unprep = t.elapsed();
         assert_eq!(resp.claims[&uid].error, "", "MIG unprepare failed");
 
-        let t = Instant::now();
-        let api: kube::Api<ResourceClaim> = kube::Api::namespaced(client.clone(), "default");
-        let got = api.get(&name).await.unwrap();
-        let body = serde_json::to_vec(&got.metadata.uid).unwrap();
-        durable_write(
-            &floor_dir,
-            "spec.json",
-            &[&body[..], &[b' '; 1500]].concat(),
-        );
-        durable_write(
-            &floor_dir,
-            "checkpoint.json",
-            &[&body[..], &[b' '; 800]].concat(),
-        );
-        let fl = t.elapsed() + nvml;
+        let (fl, body) = floor_once(&client, &name, &floor_dir, sizes).await;
+        let fl = fl + nvml;
         // The third durable write an on-demand prepare cannot avoid either: the intent
         // record (PrepareStarted) before the instance exists.
         let t = Instant::now();
