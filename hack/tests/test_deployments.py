@@ -582,6 +582,20 @@ def deviceclass_toggles_and_mps_default_config() -> None:
 
 
 @check
+def gpu_class_serves_an_extended_resource_only_when_asked() -> None:
+    assert "extendedResourceName" not in one(render(), "DeviceClass", "gpu.cleave.dev")["spec"]
+    objs = render({"deviceClasses": {"gpu": {"enabled": True, "extendedResourceName": "nvidia.com/gpu"}}})
+    classes = {o["metadata"]["name"]: o for o in objs if o["kind"] == "DeviceClass"}
+    assert classes["gpu.cleave.dev"]["spec"]["extendedResourceName"] == "nvidia.com/gpu"
+    assert all("extendedResourceName" not in c["spec"] for n, c in classes.items() if n != "gpu.cleave.dev")
+    validate_k8s(classes["gpu.cleave.dev"], "DeviceClass gpu.cleave.dev with extendedResourceName")
+    with helm.Chart.load(CHART) as chart:
+        accepted = schema_accepted(chart, [{"deviceClasses": {"gpu": {"extendedResourceName": n}}}
+                                           for n in ("gpu", "nvidia.com/", "Nvidia.com/gpu", "a/b/c")])
+    assert not accepted, f"schema accepted bad extended resource names: {accepted}"
+
+
+@check
 def rbac_is_least_privilege() -> None:
     objs = render()
     role = one(objs, "ClusterRole")
