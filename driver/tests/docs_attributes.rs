@@ -106,7 +106,11 @@ fn every_published_name_is_documented() {
             missing.is_empty(),
             "{profile}: docs/attributes.md has no table row for {missing:?} (write the name backticked in the first cell)"
         );
-        println!("{profile}: {} attributes, {} capacities documented", attributes.len(), capacities.len());
+        println!(
+            "{profile}: {} attributes, {} capacities documented",
+            attributes.len(),
+            capacities.len()
+        );
         return;
     }
     std::thread::scope(|s| {
