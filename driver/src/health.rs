@@ -1,42 +1,37 @@
 //! Device health from NVML: an event loop for Xid errors and double-bit ECC errors, and a
 //! periodic check for GPUs that disappeared (handle lookup by UUID fails, `GPU_IS_LOST`).
 //!
-//! [`HealthWatcher::spawn`] runs on its own thread with its own NVML handle and bounded
-//! waits ([`WatchOptions::wait`]), so [`HealthWatcher::stop`] returns promptly. It reports
-//! [`HealthEvent`]s through a callback; mapping GPUs and GPU/compute instance ids to
-//! published device names is the caller's business.
+//! [`HealthWatcher::start`] runs on its own thread over an [`EventSource`] (the NVML
+//! backend's, [`crate::backend::GpuBackend::event_source`], so one NVML handle serves
+//! discovery, MIG and health) with bounded waits ([`WatchOptions::wait`]), so
+//! [`HealthWatcher::stop`] returns promptly. It reports [`HealthEvent`]s through a
+//! callback; mapping GPUs and GPU/compute instance ids to published device names is the
+//! caller's business.
 //!
 //! Application-caused Xids (the list the NVIDIA device plugin and DRA driver skip,
-//! MIG-FACTS §8) are reported with `fatal: false` and must not mark a device unhealthy.
-
-#![allow(unsafe_code)]
+//! `NVIDIA/k8s-device-plugin internal/rm/health.go`) are reported with `fatal: false` and
+//! must not mark a device unhealthy.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use nvml_wrapper::Nvml;
-use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::error::NvmlError;
-use nvml_wrapper_sys::bindings::nvmlEventData_t;
 use tracing::{debug, info, warn};
+
+use crate::backend::{
+    BackendError, EVENT_DOUBLE_BIT_ECC, EVENT_XID, EventSource, EventWait, GpuBackend as _,
+};
 
 /// Xids caused by applications (graphics engine exception, page fault, GPU stopped
 /// processing, preemptive cleanup, video processor exception, context switch timeout):
-/// they do not make a device unhealthy (MIG-FACTS §8).
+/// they do not make a device unhealthy (`NVIDIA/k8s-device-plugin internal/rm/health.go`).
 pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
 
 /// NVML's "no GPU/compute instance" id in event data.
 pub const NO_INSTANCE: u32 = 0xFFFF_FFFF;
-
-/// `NVML_ERROR_TIMEOUT`.
-const ERROR_TIMEOUT: u32 = 10;
-/// `NVML_ERROR_GPU_IS_LOST`.
-const ERROR_GPU_IS_LOST: u32 = 15;
 
 /// Which Xids count as device failures.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,23 +141,23 @@ impl HealthEvent {
 /// Why the watcher could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
-    /// NVML could not be loaded or initialised.
+    /// NVML could not be loaded or initialised ([`HealthWatcher::spawn`] only).
     #[error("loading NVML {path} for health checks: {source}")]
     Init {
         /// Library path.
         path: PathBuf,
         /// Underlying error.
-        source: NvmlError,
+        source: BackendError,
     },
-    /// The event set could not be created.
-    #[error("creating an NVML event set: {0}")]
-    CreateEventSet(NvmlError),
+    /// The backend has no event source (a test fake).
+    #[error("the GPU backend offers no health events")]
+    NoEventSource,
     /// The thread could not be spawned.
     #[error("spawning the health thread: {0}")]
     Spawn(std::io::Error),
 }
 
-/// Settings of [`HealthWatcher::spawn`].
+/// Settings of [`HealthWatcher::start`].
 #[derive(Debug, Clone)]
 pub struct WatchOptions {
     /// Which Xids are fatal.
@@ -191,28 +186,21 @@ pub struct HealthWatcher {
 }
 
 impl HealthWatcher {
-    /// Loads NVML from `lib_path`, registers Xid and double-bit ECC events on every GPU in
-    /// `gpu_uuids` and reports events to `sink` from a new thread until stopped. GPUs whose
+    /// Registers Xid and double-bit ECC events on every GPU in `gpu_uuids` with `source`
+    /// and reports events to `sink` from a new thread until stopped. GPUs whose
     /// registration fails are still checked for loss.
-    pub fn spawn(
-        lib_path: &Path,
+    pub fn start(
+        source: Arc<dyn EventSource>,
         gpu_uuids: Vec<String>,
         options: WatchOptions,
         sink: impl Fn(HealthEvent) + Send + 'static,
     ) -> Result<Self, HealthError> {
-        let nvml = Nvml::builder()
-            .lib_path(OsStr::new(lib_path.as_os_str()))
-            .init()
-            .map_err(|source| HealthError::Init {
-                path: lib_path.to_owned(),
-                source,
-            })?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
             .name("cleave-health".into())
             .spawn(move || {
-                if let Err(e) = watch_loop(&nvml, &gpu_uuids, &options, &flag, &sink) {
+                if let Err(e) = watch_loop(source.as_ref(), &gpu_uuids, &options, &flag, &sink) {
                     warn!(error = %e, "device health checks stopped");
                 }
             })
@@ -221,6 +209,24 @@ impl HealthWatcher {
             stop,
             thread: Some(thread),
         })
+    }
+
+    /// [`HealthWatcher::start`] over the event source of an NVML backend loaded from
+    /// `lib_path`. This opens a second NVML handle; a caller that has the backend passes
+    /// its [`crate::backend::GpuBackend::event_source`] to `start` instead.
+    pub fn spawn(
+        lib_path: &Path,
+        gpu_uuids: Vec<String>,
+        options: WatchOptions,
+        sink: impl Fn(HealthEvent) + Send + 'static,
+    ) -> Result<Self, HealthError> {
+        let backend =
+            crate::nvml::NvmlBackend::open(Some(lib_path)).map_err(|source| HealthError::Init {
+                path: lib_path.to_owned(),
+                source,
+            })?;
+        let source = backend.event_source().ok_or(HealthError::NoEventSource)?;
+        Self::start(source, gpu_uuids, options, sink)
     }
 
     /// Stops the thread and waits for it (at most one event wait).
@@ -240,40 +246,6 @@ impl Drop for HealthWatcher {
     }
 }
 
-/// The outcome of one raw event wait.
-enum Waited {
-    Event(nvmlEventData_t),
-    Timeout,
-    GpuLost,
-    Failed(u32),
-}
-
-/// `nvmlEventSetWait_v2` called directly: nvml-wrapper's `EventData` drops the GPU and
-/// compute instance ids.
-fn raw_wait(nvml: &Nvml, set: &nvml_wrapper::EventSet<'_>, timeout_ms: u32) -> Waited {
-    let Ok(wait) = nvml.lib().nvmlEventSetWait_v2.as_ref() else {
-        return Waited::Failed(13);
-    };
-    // SAFETY: `data` is a plain C struct NVML fills in; zeroed is a valid initial value.
-    let mut data: nvmlEventData_t = unsafe { std::mem::zeroed() };
-    // SAFETY: the set handle comes from this `Nvml` and lives while `set` is borrowed;
-    // `data` is a valid, exclusively borrowed out-pointer.
-    let code = unsafe { wait(set.handle(), &mut data, timeout_ms) };
-    match code {
-        0 => Waited::Event(data),
-        ERROR_TIMEOUT => Waited::Timeout,
-        ERROR_GPU_IS_LOST => Waited::GpuLost,
-        c => Waited::Failed(c),
-    }
-}
-
-/// UUIDs of the GPU handles NVML gives out, by raw handle address.
-fn device_uuid_of(nvml: &Nvml, data: &nvmlEventData_t) -> Option<String> {
-    // SAFETY: the handle comes from NVML's event data for this library instance.
-    let device = unsafe { nvml_wrapper::Device::new(data.device, nvml) };
-    device.uuid().ok()
-}
-
 fn instance_id(raw: u32) -> Option<u32> {
     (raw != NO_INSTANCE).then_some(raw)
 }
@@ -287,14 +259,13 @@ pub fn classify(
     ci: u32,
     policy: &XidPolicy,
 ) -> Option<HealthEvent> {
-    let types = EventTypes::from_bits_truncate(event_type);
-    let (kind, xid, fatal) = if types.contains(EventTypes::CRITICAL_XID_ERROR) {
+    let (kind, xid, fatal) = if event_type & EVENT_XID != 0 {
         (
             HealthEventKind::Xid,
             Some(event_data),
             policy.is_fatal(event_data),
         )
-    } else if types.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+    } else if event_type & EVENT_DOUBLE_BIT_ECC != 0 {
         (HealthEventKind::DoubleBitEcc, None, true)
     } else {
         return None;
@@ -312,84 +283,56 @@ pub fn classify(
 }
 
 fn watch_loop(
-    nvml: &Nvml,
+    source: &dyn EventSource,
     gpu_uuids: &[String],
     options: &WatchOptions,
     stop: &AtomicBool,
     sink: &dyn Fn(HealthEvent),
-) -> Result<(), HealthError> {
-    let set = nvml
-        .create_event_set()
-        .map_err(HealthError::CreateEventSet)?;
-    let wanted = EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR;
-    for uuid in gpu_uuids {
-        let device = match nvml.device_by_uuid(uuid.as_str()) {
-            Ok(d) => d,
-            Err(e) => {
-                warn!(gpu = %uuid, error = %e, "no handle for health events");
-                continue;
-            }
-        };
-        let types = device
-            .supported_event_types()
-            .map_or(wanted, |s| s & wanted);
-        // Raw call: nvml-wrapper's `register_events` frees the whole set on any error,
-        // which would drop the GPUs registered before.
-        let Ok(register) = nvml.lib().nvmlDeviceRegisterEvents.as_ref() else {
-            warn!("NVML lacks nvmlDeviceRegisterEvents; only lost GPUs are detected");
-            break;
-        };
-        // SAFETY: both handles come from this `Nvml` and outlive the call.
-        let code = unsafe { register(device.handle(), types.bits(), set.handle()) };
-        if code != 0 {
-            warn!(gpu = %uuid, code, "cannot register health events (too old a GPU or driver?)");
-        }
-    }
+) -> Result<(), BackendError> {
+    let mut events = source.subscribe(gpu_uuids)?;
     info!(
         gpus = gpu_uuids.len(),
+        unregistered = events.unregistered().len(),
         ignored_xids = ?options.policy.ignored().collect::<Vec<_>>(),
         "watching device health"
     );
-    let wait_ms = u32::try_from(options.wait.as_millis()).unwrap_or(u32::MAX);
+    let pace = options.wait.min(Duration::from_millis(200));
     let mut lost: BTreeMap<String, bool> = gpu_uuids.iter().map(|u| (u.clone(), false)).collect();
     let mut next_check = Instant::now();
     while !stop.load(Ordering::SeqCst) {
         let mut check_now = Instant::now() >= next_check;
-        match raw_wait(nvml, &set, wait_ms) {
-            Waited::Event(data) => {
-                let Some(uuid) = device_uuid_of(nvml, &data) else {
+        match events.wait(options.wait) {
+            EventWait::Event(raw) => {
+                let Some(uuid) = raw.gpu_uuid else {
                     debug!("event for a device without UUID; skipped");
                     continue;
                 };
                 if let Some(ev) = classify(
                     uuid,
-                    data.eventType,
-                    data.eventData,
-                    data.gpuInstanceId,
-                    data.computeInstanceId,
+                    raw.event_type,
+                    raw.event_data,
+                    raw.gi,
+                    raw.ci,
                     &options.policy,
                 ) {
                     sink(ev);
                 }
             }
-            Waited::Timeout => {}
-            Waited::GpuLost => {
+            EventWait::Timeout => {}
+            EventWait::GpuLost => {
                 check_now = true;
                 // Waiting again would return at once; pace the loop.
-                std::thread::sleep(options.wait.min(Duration::from_millis(200)));
+                std::thread::sleep(pace);
             }
-            Waited::Failed(code) => {
+            EventWait::Failed(code) => {
                 debug!(code, "event wait failed");
-                std::thread::sleep(options.wait.min(Duration::from_millis(200)));
+                std::thread::sleep(pace);
             }
         }
         if check_now {
             next_check = Instant::now() + options.lost_check_interval;
             for (uuid, was_lost) in &mut lost {
-                let gone = match nvml.device_by_uuid(uuid.as_str()) {
-                    Ok(d) => matches!(d.uuid(), Err(NvmlError::GpuLost)),
-                    Err(_) => true,
-                };
+                let gone = source.is_lost(uuid);
                 if gone != *was_lost {
                     *was_lost = gone;
                     let kind = if gone {
@@ -408,9 +351,6 @@ fn watch_loop(
                 }
             }
         }
-    }
-    if let Err(e) = set.release_events() {
-        debug!(error = %e, "releasing the event set");
     }
     Ok(())
 }
@@ -436,19 +376,112 @@ mod tests {
     #[test]
     fn classify_xid_and_instances() {
         let p = XidPolicy::default();
-        let xid = EventTypes::CRITICAL_XID_ERROR.bits();
+        let xid = EVENT_XID;
         let ev = classify("GPU-a".into(), xid, 79, NO_INSTANCE, NO_INSTANCE, &p).unwrap();
         assert!(ev.fatal && ev.is_gpu_wide());
         assert_eq!(ev.xid, Some(79));
         let ev = classify("GPU-a".into(), xid, 31, 7, 0, &p).unwrap();
         assert!(!ev.fatal);
         assert_eq!((ev.gi, ev.ci), (Some(7), Some(0)));
-        let dbe = EventTypes::DOUBLE_BIT_ECC_ERROR.bits();
+        let dbe = EVENT_DOUBLE_BIT_ECC;
         let ev = classify("GPU-a".into(), dbe, 0, NO_INSTANCE, 3, &p).unwrap();
         assert_eq!(ev.kind, HealthEventKind::DoubleBitEcc);
         assert!(ev.fatal && ev.ci.is_none());
-        let pstate = EventTypes::PSTATE_CHANGE.bits();
+        let pstate = 0x4; // nvmlEventTypePState
         assert!(classify("GPU-a".into(), pstate, 0, 0, 0, &p).is_none());
         assert!(ev.describe().contains("double-bit"));
+    }
+
+    use crate::backend::{EventWait, RawEvent};
+    use crate::prepare::testing::FakeEvents;
+    use std::sync::mpsc;
+
+    fn raw(gpu: &str, event_type: u64, data: u64, gi: u32, ci: u32) -> EventWait {
+        EventWait::Event(RawEvent {
+            gpu_uuid: Some(gpu.into()),
+            event_type,
+            event_data: data,
+            gi,
+            ci,
+        })
+    }
+
+    fn watch(
+        fake: &Arc<FakeEvents>,
+        gpus: &[&str],
+    ) -> (HealthWatcher, mpsc::Receiver<HealthEvent>) {
+        let (tx, rx) = mpsc::channel();
+        let w = HealthWatcher::start(
+            Arc::clone(fake) as Arc<dyn EventSource>,
+            gpus.iter().map(|g| (*g).to_owned()).collect(),
+            WatchOptions {
+                wait: Duration::from_millis(20),
+                lost_check_interval: Duration::from_millis(20),
+                ..WatchOptions::default()
+            },
+            move |e| {
+                let _ = tx.send(e);
+            },
+        )
+        .unwrap();
+        (w, rx)
+    }
+
+    fn next(rx: &mpsc::Receiver<HealthEvent>) -> HealthEvent {
+        rx.recv_timeout(Duration::from_secs(10)).expect("no health event within 10 s")
+    }
+
+    #[test]
+    fn watcher_classifies_events_from_the_source() {
+        let fake = Arc::new(FakeEvents::default());
+        let (w, rx) = watch(&fake, &["GPU-0", "GPU-1"]);
+        fake.push(raw("GPU-1", EVENT_XID, 31, NO_INSTANCE, NO_INSTANCE));
+        fake.push(EventWait::Event(RawEvent {
+            gpu_uuid: None,
+            event_type: EVENT_XID,
+            event_data: 79,
+            gi: NO_INSTANCE,
+            ci: NO_INSTANCE,
+        }));
+        fake.push(raw("GPU-0", 0x4, 0, NO_INSTANCE, NO_INSTANCE));
+        fake.push(EventWait::Failed(999));
+        fake.push(raw("GPU-0", EVENT_XID, 48, 7, 0));
+        fake.push(raw("GPU-0", EVENT_DOUBLE_BIT_ECC, 0, NO_INSTANCE, NO_INSTANCE));
+        let ev = next(&rx);
+        assert_eq!((ev.gpu_uuid.as_str(), ev.xid, ev.fatal), ("GPU-1", Some(31), false));
+        // The UUID-less event, the PState event and the failed wait give nothing.
+        let ev = next(&rx);
+        assert_eq!((ev.xid, ev.gi, ev.ci, ev.fatal), (Some(48), Some(7), Some(0), true));
+        let ev = next(&rx);
+        assert_eq!(ev.kind, HealthEventKind::DoubleBitEcc);
+        assert_eq!(fake.subscribed(), ["GPU-0", "GPU-1"]);
+        w.stop();
+        assert!(fake.released(), "the event set is released at stop");
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn watcher_reports_lost_and_recovered_gpus_even_unregistered() {
+        let mut fake = FakeEvents::default();
+        fake.failing.insert("GPU-1".into());
+        let fake = Arc::new(fake);
+        let (w, rx) = watch(&fake, &["GPU-0", "GPU-1"]);
+        fake.set_lost("GPU-1", true);
+        let ev = next(&rx);
+        assert_eq!((ev.gpu_uuid.as_str(), ev.kind, ev.fatal), ("GPU-1", HealthEventKind::Lost, true));
+        // A GPU_IS_LOST wait triggers a check at once.
+        fake.set_lost("GPU-1", false);
+        fake.set_lost("GPU-0", true);
+        fake.push(EventWait::GpuLost);
+        let mut got = vec![next(&rx), next(&rx)];
+        got.sort_by(|a, b| a.gpu_uuid.cmp(&b.gpu_uuid));
+        assert_eq!(
+            got.iter().map(|e| (e.gpu_uuid.as_str(), e.kind)).collect::<Vec<_>>(),
+            [("GPU-0", HealthEventKind::Lost), ("GPU-1", HealthEventKind::Recovered)]
+        );
+        assert!(!got[1].fatal);
+        let started = Instant::now();
+        w.stop();
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 }

@@ -5,6 +5,7 @@
 //! - [`pool`]: turns the model into published devices; [`inspect`]: human-readable views.
 //! - [`prepare`]: the prepare/unprepare state machine; [`cdi`]: CDI spec files;
 //!   [`checkpoint`]: the durable record of prepared claims; [`driver_root`]: driver files.
+//! - [`health`]: device health events; [`usage`]: per-claim usage sampling and idle claims.
 
 pub mod backend;
 pub mod cdi;
@@ -20,3 +21,4 @@ pub mod pool;
 pub mod prepare;
 pub mod sharing;
 pub mod timing;
+pub mod usage;

@@ -7,13 +7,15 @@
 //! Static facts (profile tables) are read once per GPU and cached; prepare-time calls
 //! (`create_mig`, `destroy_mig`, `list_mig`) only touch what changes.
 
+mod events;
 mod ffi;
+mod usage;
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsStr;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
@@ -57,7 +59,8 @@ const MIB: u64 = 1 << 20;
 /// The NVML-backed [`GpuBackend`]. Cheap to share behind an `Arc`; NVML itself is
 /// thread-safe, and MIG mutations are serialised inside.
 pub struct NvmlBackend {
-    nvml: Nvml,
+    /// Shared with the event and usage sources it hands out: one NVML handle per process.
+    nvml: Arc<Nvml>,
     lib_path: PathBuf,
     sysfs_root: PathBuf,
     /// Profile tables by GPU UUID: read once, they never change while the driver runs.
@@ -148,7 +151,7 @@ impl NvmlBackend {
                 )),
             })?;
         Ok(Self {
-            nvml,
+            nvml: Arc::new(nvml),
             lib_path: path.to_path_buf(),
             sysfs_root: PathBuf::from(DEFAULT_SYSFS_ROOT),
             profiles: Mutex::new(HashMap::new()),
@@ -472,6 +475,14 @@ impl NvmlBackend {
 }
 
 impl GpuBackend for NvmlBackend {
+    fn event_source(&self) -> Option<Arc<dyn crate::backend::EventSource>> {
+        Some(Arc::new(events::NvmlEvents::new(Arc::clone(&self.nvml))))
+    }
+
+    fn usage_source(&self) -> Option<Arc<dyn crate::backend::UsageSource>> {
+        Some(Arc::new(usage::NvmlUsage::new(Arc::clone(&self.nvml))))
+    }
+
     fn nvml_library(&self) -> Option<PathBuf> {
         Some(self.lib_path.clone())
     }

@@ -487,3 +487,269 @@ pub fn with_config(
         });
     claim
 }
+
+// ---------------------------------------------------------------------------------------
+// Fake health events and fake usage (the `EventSource` / `UsageSource` seams).
+
+/// A scripted [`crate::backend::EventSource`]: events are pushed by the test and handed
+/// out by the subscription's bounded wait; lost GPUs are a set the test edits.
+pub struct FakeEvents {
+    tx: Mutex<std::sync::mpsc::Sender<crate::backend::EventWait>>,
+    rx: Mutex<Option<std::sync::mpsc::Receiver<crate::backend::EventWait>>>,
+    lost: Mutex<std::collections::BTreeSet<String>>,
+    /// GPUs whose registration fails.
+    pub failing: std::collections::BTreeSet<String>,
+    subscribed: Mutex<Vec<String>>,
+    released: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Default for FakeEvents {
+    fn default() -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        Self {
+            tx: Mutex::new(tx),
+            rx: Mutex::new(Some(rx)),
+            lost: Mutex::new(std::collections::BTreeSet::new()),
+            failing: std::collections::BTreeSet::new(),
+            subscribed: Mutex::new(Vec::new()),
+            released: std::sync::Arc::default(),
+        }
+    }
+}
+
+impl FakeEvents {
+    /// Queues what the next wait returns.
+    pub fn push(&self, w: crate::backend::EventWait) {
+        self.tx.lock().unwrap().send(w).unwrap();
+    }
+
+    /// Marks a GPU lost or reachable.
+    pub fn set_lost(&self, uuid: &str, lost: bool) {
+        let mut set = self.lost.lock().unwrap();
+        if lost {
+            set.insert(uuid.to_owned());
+        } else {
+            set.remove(uuid);
+        }
+    }
+
+    /// The GPUs the subscription was asked for.
+    pub fn subscribed(&self) -> Vec<String> {
+        self.subscribed.lock().unwrap().clone()
+    }
+
+    /// True once the subscription was dropped (the event set released).
+    pub fn released(&self) -> bool {
+        self.released.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+struct FakeSubscription {
+    rx: std::sync::mpsc::Receiver<crate::backend::EventWait>,
+    unregistered: Vec<String>,
+    released: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl crate::backend::EventSubscription for FakeSubscription {
+    fn wait(&mut self, timeout: std::time::Duration) -> crate::backend::EventWait {
+        self.rx
+            .recv_timeout(timeout)
+            .unwrap_or(crate::backend::EventWait::Timeout)
+    }
+
+    fn unregistered(&self) -> &[String] {
+        &self.unregistered
+    }
+}
+
+impl Drop for FakeSubscription {
+    fn drop(&mut self) {
+        self.released
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl crate::backend::EventSource for FakeEvents {
+    fn subscribe<'s>(
+        &'s self,
+        gpu_uuids: &[String],
+    ) -> Result<Box<dyn crate::backend::EventSubscription + 's>, BackendError> {
+        *self.subscribed.lock().unwrap() = gpu_uuids.to_vec();
+        let rx = self
+            .rx
+            .lock()
+            .unwrap()
+            .take()
+            .ok_or_else(|| BackendError::Other("FakeEvents: subscribed twice".into()))?;
+        Ok(Box::new(FakeSubscription {
+            rx,
+            unregistered: gpu_uuids
+                .iter()
+                .filter(|u| self.failing.contains(*u))
+                .cloned()
+                .collect(),
+            released: std::sync::Arc::clone(&self.released),
+        }))
+    }
+
+    fn is_lost(&self, gpu_uuid: &str) -> bool {
+        self.lost.lock().unwrap().contains(gpu_uuid)
+    }
+}
+
+/// What [`FakeUsage`] answers for one GPU or MIG device.
+#[derive(Debug, Clone, Default)]
+pub struct FakeUsageDevice {
+    /// Used memory, bytes.
+    pub used: u64,
+    /// Total memory, bytes.
+    pub total: u64,
+    /// `nvmlDeviceGetUtilizationRates().gpu`; `None`: not supported.
+    pub utilization: Option<u32>,
+    /// Whole-GPU GPM figures; `None`: no GPM (before Hopper).
+    pub gpm: Option<crate::backend::GpmActivity>,
+    /// Compute processes `(pid, used bytes)`.
+    pub processes: Vec<(u32, u64)>,
+    /// Per-process SM utilization `(pid, percent)`, all stamped 1000 µs; `None`: not
+    /// supported.
+    pub process_util: Option<Vec<(u32, u32)>>,
+}
+
+/// A scripted [`crate::backend::UsageSource`] that logs its calls; GPM warms up like
+/// NVML's (the first call per target gives no figure).
+#[derive(Default)]
+pub struct FakeUsage {
+    devices: Mutex<std::collections::HashMap<String, FakeUsageDevice>>,
+    mig_gpm: Mutex<std::collections::HashMap<(String, u32), f64>>,
+    kept: Mutex<std::collections::BTreeSet<crate::backend::GpmTarget>>,
+    calls: Mutex<Vec<String>>,
+}
+
+impl FakeUsage {
+    /// Sets the answers for a device UUID.
+    pub fn set(&self, uuid: &str, d: FakeUsageDevice) {
+        self.devices.lock().unwrap().insert(uuid.to_owned(), d);
+    }
+
+    /// Sets the GPM SM activity of GPU instance `gi` of `gpu` (whole GPU: `gi` None).
+    pub fn set_gpm(&self, gpu: &str, gi: Option<u32>, sm_activity: f64) {
+        match gi {
+            Some(gi) => {
+                self.mig_gpm
+                    .lock()
+                    .unwrap()
+                    .insert((gpu.to_owned(), gi), sm_activity);
+            }
+            None => {
+                let mut d = self.devices.lock().unwrap();
+                d.entry(gpu.to_owned()).or_default().gpm = Some(crate::backend::GpmActivity {
+                    sm_activity,
+                    sm_occupancy: None,
+                });
+            }
+        }
+    }
+
+    /// Calls so far, one line each.
+    pub fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    /// GPM targets with a kept sample.
+    pub fn kept_gpm(&self) -> Vec<crate::backend::GpmTarget> {
+        self.kept.lock().unwrap().iter().cloned().collect()
+    }
+
+    fn device(&self, uuid: &str) -> Result<FakeUsageDevice, BackendError> {
+        self.devices
+            .lock()
+            .unwrap()
+            .get(uuid)
+            .cloned()
+            .ok_or_else(|| BackendError::GpuNotFound(uuid.to_owned()))
+    }
+
+    fn log(&self, line: String) {
+        self.calls.lock().unwrap().push(line);
+    }
+}
+
+impl crate::backend::UsageSource for FakeUsage {
+    fn memory(&self, uuid: &str) -> Result<crate::backend::MemoryUse, BackendError> {
+        self.log(format!("memory {uuid}"));
+        let d = self.device(uuid)?;
+        Ok(crate::backend::MemoryUse {
+            used: d.used,
+            total: d.total,
+        })
+    }
+
+    fn gpu_utilization(&self, uuid: &str) -> Result<Option<u32>, BackendError> {
+        self.log(format!("utilization {uuid}"));
+        Ok(self.device(uuid)?.utilization)
+    }
+
+    fn gpm(
+        &self,
+        target: &crate::backend::GpmTarget,
+    ) -> Result<crate::backend::GpmReading, BackendError> {
+        self.log(format!("gpm {} {:?}", target.gpu_uuid, target.gi));
+        let activity = match target.gi {
+            None => self.device(&target.gpu_uuid)?.gpm,
+            Some(gi) => self
+                .mig_gpm
+                .lock()
+                .unwrap()
+                .get(&(target.gpu_uuid.clone(), gi))
+                .map(|&sm_activity| crate::backend::GpmActivity {
+                    sm_activity,
+                    sm_occupancy: None,
+                }),
+        };
+        let Some(activity) = activity else {
+            return Ok(crate::backend::GpmReading::Unsupported);
+        };
+        if self.kept.lock().unwrap().insert(target.clone()) {
+            Ok(crate::backend::GpmReading::Warming)
+        } else {
+            Ok(crate::backend::GpmReading::Ready(activity))
+        }
+    }
+
+    fn gpm_retain(&self, live: &[crate::backend::GpmTarget]) {
+        self.kept.lock().unwrap().retain(|t| live.contains(t));
+    }
+
+    fn processes(&self, uuid: &str) -> Result<Vec<crate::backend::ProcessMemory>, BackendError> {
+        self.log(format!("processes {uuid}"));
+        Ok(self
+            .device(uuid)?
+            .processes
+            .into_iter()
+            .map(|(pid, used)| crate::backend::ProcessMemory {
+                pid,
+                used: Some(used),
+                gi: None,
+                ci: None,
+            })
+            .collect())
+    }
+
+    fn process_utilization(
+        &self,
+        uuid: &str,
+        since_us: u64,
+    ) -> Result<Option<Vec<crate::backend::ProcessUtilization>>, BackendError> {
+        self.log(format!("process_util {uuid} since {since_us}"));
+        Ok(self.device(uuid)?.process_util.map(|list| {
+            list.into_iter()
+                .map(|(pid, sm_percent)| crate::backend::ProcessUtilization {
+                    pid,
+                    timestamp_us: 1000,
+                    sm_percent,
+                })
+                .filter(|p| p.timestamp_us > since_us)
+                .collect()
+        }))
+    }
+}

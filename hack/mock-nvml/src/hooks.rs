@@ -11,6 +11,13 @@
 //! lost 3                                         # GPU 3 fell off the bus
 //! attach 0 1 0                                   # a process runs on GPU 0, GI 1, CI 0
 //! delay nvmlGpuInstanceCreateComputeInstance 1500  # that call takes 1.5 s
+//! memory 0 30720                                 # GPU 0 has 30 GiB in use
+//! memory 0 7 0 2048                              # its MIG device GI 7 / CI 0: 2 GiB
+//! util 0 85 40                                   # utilization rates: GPU 85 %, memory 40 %
+//! gpm 0 35.5 20                                  # GPM on GPU 0: SM activity 35.5 %, occupancy 20 %
+//! gpm 0 7 12 6                                   # GPM on GPU instance 7 of GPU 0
+//! process 0 4242 1024 60                         # PID 4242 on GPU 0: 1 GiB, 60 % SM
+//! process 0 7 0 4343 512 10                      # PID 4343 on GPU 0, GI 7, CI 0
 //! # comment
 //! ```
 //!
@@ -45,8 +52,139 @@ pub struct XidEvent {
     pub key: String,
 }
 
+/// Scripted usage of one GPU, MIG device or GPU instance (control-file lines `memory`,
+/// `util`, `gpm`, `process`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Usage {
+    /// `memory <gpu> [<gi> <ci>] <MiB>`: memory in use on a GPU or MIG device.
+    pub memory: Vec<(u32, Option<(u32, u32)>, u64)>,
+    /// `util <gpu> <gpu %> [<memory %>]`: `nvmlDeviceGetUtilizationRates`.
+    pub util: Vec<(u32, u32, u32)>,
+    /// `gpm <gpu> [<gi>] <SM activity %> <SM occupancy %>`: GPM metrics of a GPU or GPU
+    /// instance.
+    pub gpm: Vec<(u32, Option<u32>, f64, f64)>,
+    /// `process <gpu> [<gi> <ci>] <pid> <MiB> <SM %>`: a compute process.
+    pub processes: Vec<Process>,
+}
+
+/// One scripted compute process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Process {
+    /// GPU index.
+    pub gpu: u32,
+    /// `(GI, CI)` of the MIG device it runs on.
+    pub mig: Option<(u32, u32)>,
+    /// Host PID.
+    pub pid: u32,
+    /// Memory it uses, MiB.
+    pub used_mib: u64,
+    /// SM utilization, percent.
+    pub sm_percent: u32,
+}
+
+impl Usage {
+    /// Scripted memory in use (MiB) of GPU `gpu` or its MIG device `mig`: the `memory`
+    /// line, else the sum of the processes on it (a GPU counts its MIG devices' too).
+    pub fn memory_mib(&self, gpu: u32, mig: Option<(u32, u32)>) -> u64 {
+        if let Some(&(_, _, mib)) = self.memory.iter().rev().find(|(g, m, _)| *g == gpu && *m == mig) {
+            return mib;
+        }
+        self.processes_on(gpu, mig).map(|p| p.used_mib).sum()
+    }
+
+    /// Processes on GPU `gpu` (all of them, MIG devices included) or on its MIG device.
+    pub fn processes_on(&self, gpu: u32, mig: Option<(u32, u32)>) -> impl Iterator<Item = &Process> {
+        self.processes
+            .iter()
+            .filter(move |p| p.gpu == gpu && (mig.is_none() || p.mig == mig))
+    }
+
+    /// GPM `(SM activity, SM occupancy)` of a GPU or GPU instance; zero when not scripted.
+    pub fn gpm_of(&self, gpu: u32, gi: Option<u32>) -> (f64, f64) {
+        self.gpm
+            .iter()
+            .rev()
+            .find(|(g, i, _, _)| *g == gpu && *i == gi)
+            .map_or((0.0, 0.0), |&(_, _, a, o)| (a, o))
+    }
+
+    /// Utilization rates `(gpu %, memory %)` of a GPU; zero when not scripted.
+    pub fn util_of(&self, gpu: u32) -> (u32, u32) {
+        self.util
+            .iter()
+            .rev()
+            .find(|(g, _, _)| *g == gpu)
+            .map_or((0, 0), |&(_, u, m)| (u, m))
+    }
+}
+
+fn parse_usage(kw: &str, rest: &[&str], u: &mut Usage) -> bool {
+    fn n<T: std::str::FromStr>(w: &str) -> Option<T> {
+        w.parse().ok()
+    }
+    fn pct(w: &str) -> Option<f64> {
+        n::<f64>(w).filter(|v| (0.0..=100.0).contains(v))
+    }
+    fn ipct(w: &str) -> Option<u32> {
+        n::<u32>(w).filter(|v| *v <= 100)
+    }
+    fn process(gpu: &str, mig: Option<(&str, &str)>, pid: &str, mib: &str, sm: &str) -> Option<Process> {
+        let mig = match mig {
+            Some((gi, ci)) => Some((n(gi)?, n(ci)?)),
+            None => None,
+        };
+        Some(Process {
+            gpu: n(gpu)?,
+            mig,
+            pid: n(pid)?,
+            used_mib: n(mib)?,
+            sm_percent: ipct(sm)?,
+        })
+    }
+    match (kw, rest) {
+        ("memory", [g, mib]) => n(g).zip(n(mib)).map(|(g, m)| u.memory.push((g, None, m))),
+        ("memory", [g, gi, ci, mib]) => match (n(g), n(gi), n(ci), n(mib)) {
+            (Some(g), Some(gi), Some(ci), Some(m)) => {
+                u.memory.push((g, Some((gi, ci)), m));
+                Some(())
+            }
+            _ => None,
+        },
+        ("util", [g, gpu]) => n(g).zip(ipct(gpu)).map(|(g, p)| u.util.push((g, p, 0))),
+        ("util", [g, gpu, mem]) => match (n(g), ipct(gpu), ipct(mem)) {
+            (Some(g), Some(p), Some(m)) => {
+                u.util.push((g, p, m));
+                Some(())
+            }
+            _ => None,
+        },
+        ("gpm", [g, a, o]) => match (n(g), pct(a), pct(o)) {
+            (Some(g), Some(a), Some(o)) => {
+                u.gpm.push((g, None, a, o));
+                Some(())
+            }
+            _ => None,
+        },
+        ("gpm", [g, gi, a, o]) => match (n(g), n(gi), pct(a), pct(o)) {
+            (Some(g), Some(gi), Some(a), Some(o)) => {
+                u.gpm.push((g, Some(gi), a, o));
+                Some(())
+            }
+            _ => None,
+        },
+        ("process", [g, pid, mib, sm]) => {
+            process(g, None, pid, mib, sm).map(|p| u.processes.push(p))
+        }
+        ("process", [g, gi, ci, pid, mib, sm]) => {
+            process(g, Some((gi, ci)), pid, mib, sm).map(|p| u.processes.push(p))
+        }
+        _ => None,
+    }
+    .is_some()
+}
+
 /// Parsed hooks of one control/events source.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Hooks {
     /// Injected failures.
     pub fails: Vec<FailRule>,
@@ -61,6 +199,8 @@ pub struct Hooks {
     /// Extra latency of a call, `(function, milliseconds)`: GPU/compute-instance creation
     /// takes time on hardware (how long is not sourced; tests and benches choose).
     pub delays: Vec<(String, u64)>,
+    /// Scripted usage (memory, utilization, GPM, processes).
+    pub usage: Usage,
 }
 
 impl Hooks {
@@ -143,6 +283,7 @@ pub fn parse(text: &str, source: &str, events_only: bool) -> Hooks {
             Some(&"attach") if !events_only => ("attach", &words[1..]),
             Some(&"delay") if !events_only => ("delay", &words[1..]),
             Some(&"fail") if !events_only => ("fail", &words[1..]),
+            Some(&kw @ ("memory" | "util" | "gpm" | "process")) if !events_only => (kw, &words[1..]),
             _ if events_only => ("xid", &words[..]),
             _ => ("fail", &words[..]),
         };
@@ -183,6 +324,7 @@ pub fn parse(text: &str, source: &str, events_only: bool) -> Hooks {
                 },
                 _ => false,
             },
+            "memory" | "util" | "gpm" | "process" => parse_usage(kw, rest, &mut h.usage),
             "lost" => match rest.first().and_then(|w| w.parse().ok()) {
                 Some(g) => {
                     h.lost.push(g);
@@ -268,6 +410,33 @@ mod tests {
         assert!(h.fails.is_empty(), "{:?}", h.fails);
         // Events files know only Xid lines.
         assert!(parse("attach 0 1 0", "ev", true).attached.is_empty());
+    }
+
+    #[test]
+    fn parses_usage_lines() {
+        let h = parse(
+            "memory 0 30720\nmemory 0 7 0 2048\nutil 1 85 40\nutil 2 10\ngpm 0 35.5 20\ngpm 0 7 12 6\n\
+             process 1 4242 1024 60\nprocess 0 7 0 4343 512 10\n\
+             gpm 0 101 0\nutil 0 x\nprocess 0 1 2\nmemory 0 1 2\n",
+            "ctl",
+            false,
+        );
+        let u = &h.usage;
+        assert_eq!(u.memory, [(0, None, 30720), (0, Some((7, 0)), 2048)]);
+        assert_eq!(u.util, [(1, 85, 40), (2, 10, 0)]);
+        assert_eq!(u.gpm, [(0, None, 35.5, 20.0), (0, Some(7), 12.0, 6.0)]);
+        assert_eq!(u.processes.len(), 2);
+        assert_eq!(u.processes[1].mig, Some((7, 0)));
+        // Bad lines (out of range, wrong arity) are ignored, not read as fail rules.
+        assert!(h.fails.is_empty(), "{:?}", h.fails);
+        assert_eq!(u.memory_mib(0, None), 30720);
+        assert_eq!(u.memory_mib(1, None), 1024, "sum of processes without a memory line");
+        assert_eq!(u.memory_mib(0, Some((7, 0))), 2048);
+        assert_eq!(u.processes_on(0, None).count(), 1);
+        assert_eq!(u.gpm_of(0, Some(7)), (12.0, 6.0));
+        assert_eq!(u.gpm_of(3, None), (0.0, 0.0));
+        assert_eq!(u.util_of(1), (85, 40));
+        assert!(parse("gpm 0 1 1", "ev", true).usage.gpm.is_empty());
     }
 
     #[test]
