@@ -428,7 +428,8 @@ mod tests {
     }
 
     fn next(rx: &mpsc::Receiver<HealthEvent>) -> HealthEvent {
-        rx.recv_timeout(Duration::from_secs(10)).expect("no health event within 10 s")
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("no health event within 10 s")
     }
 
     #[test]
@@ -446,12 +447,24 @@ mod tests {
         fake.push(raw("GPU-0", 0x4, 0, NO_INSTANCE, NO_INSTANCE));
         fake.push(EventWait::Failed(999));
         fake.push(raw("GPU-0", EVENT_XID, 48, 7, 0));
-        fake.push(raw("GPU-0", EVENT_DOUBLE_BIT_ECC, 0, NO_INSTANCE, NO_INSTANCE));
+        fake.push(raw(
+            "GPU-0",
+            EVENT_DOUBLE_BIT_ECC,
+            0,
+            NO_INSTANCE,
+            NO_INSTANCE,
+        ));
         let ev = next(&rx);
-        assert_eq!((ev.gpu_uuid.as_str(), ev.xid, ev.fatal), ("GPU-1", Some(31), false));
+        assert_eq!(
+            (ev.gpu_uuid.as_str(), ev.xid, ev.fatal),
+            ("GPU-1", Some(31), false)
+        );
         // The UUID-less event, the PState event and the failed wait give nothing.
         let ev = next(&rx);
-        assert_eq!((ev.xid, ev.gi, ev.ci, ev.fatal), (Some(48), Some(7), Some(0), true));
+        assert_eq!(
+            (ev.xid, ev.gi, ev.ci, ev.fatal),
+            (Some(48), Some(7), Some(0), true)
+        );
         let ev = next(&rx);
         assert_eq!(ev.kind, HealthEventKind::DoubleBitEcc);
         assert_eq!(fake.subscribed(), ["GPU-0", "GPU-1"]);
@@ -468,7 +481,10 @@ mod tests {
         let (w, rx) = watch(&fake, &["GPU-0", "GPU-1"]);
         fake.set_lost("GPU-1", true);
         let ev = next(&rx);
-        assert_eq!((ev.gpu_uuid.as_str(), ev.kind, ev.fatal), ("GPU-1", HealthEventKind::Lost, true));
+        assert_eq!(
+            (ev.gpu_uuid.as_str(), ev.kind, ev.fatal),
+            ("GPU-1", HealthEventKind::Lost, true)
+        );
         // A GPU_IS_LOST wait triggers a check at once.
         fake.set_lost("GPU-1", false);
         fake.set_lost("GPU-0", true);
@@ -476,8 +492,13 @@ mod tests {
         let mut got = vec![next(&rx), next(&rx)];
         got.sort_by(|a, b| a.gpu_uuid.cmp(&b.gpu_uuid));
         assert_eq!(
-            got.iter().map(|e| (e.gpu_uuid.as_str(), e.kind)).collect::<Vec<_>>(),
-            [("GPU-0", HealthEventKind::Lost), ("GPU-1", HealthEventKind::Recovered)]
+            got.iter()
+                .map(|e| (e.gpu_uuid.as_str(), e.kind))
+                .collect::<Vec<_>>(),
+            [
+                ("GPU-0", HealthEventKind::Lost),
+                ("GPU-1", HealthEventKind::Recovered)
+            ]
         );
         assert!(!got[1].fatal);
         let started = Instant::now();

@@ -21,8 +21,7 @@ use std::time::{Duration, Instant};
 use tracing::warn;
 
 use crate::backend::{
-    BackendError, GpmReading, GpmTarget, MemoryUse, ProcessMemory, ProcessUtilization,
-    UsageSource,
+    BackendError, GpmReading, GpmTarget, MemoryUse, ProcessMemory, ProcessUtilization, UsageSource,
 };
 
 /// Every usage metric the kubelet plugin exports, full names as scraped (the plugin's
@@ -602,11 +601,17 @@ impl IdleTracker {
                         ClaimActivity::Known(0.0, Vec::new()),
                     )
                 });
-            entry.1 = match (std::mem::replace(&mut entry.1, ClaimActivity::Unknown), s.activity) {
+            entry.1 = match (
+                std::mem::replace(&mut entry.1, ClaimActivity::Unknown),
+                s.activity,
+            ) {
                 (ClaimActivity::Unknown, _) => ClaimActivity::Unknown,
                 (_, Activity::NotAttributable | Activity::Unavailable) => ClaimActivity::Unknown,
                 (ClaimActivity::Warming, _) | (_, Activity::Warming) => ClaimActivity::Warming,
-                (ClaimActivity::Known(max, mut sources), Activity::Measured { percent, source }) => {
+                (
+                    ClaimActivity::Known(max, mut sources),
+                    Activity::Measured { percent, source },
+                ) => {
                     if !sources.contains(&source) {
                         sources.push(source);
                     }
@@ -614,7 +619,8 @@ impl IdleTracker {
                 }
             };
         }
-        self.claims.retain(|uid, _| by_claim.contains_key(uid.as_str()));
+        self.claims
+            .retain(|uid, _| by_claim.contains_key(uid.as_str()));
         let mut out = Vec::with_capacity(by_claim.len());
         for (uid, (claim, activity)) in by_claim {
             let t = self
@@ -731,16 +737,19 @@ mod tests {
     #[test]
     fn whole_gpu_uses_gpm_after_one_warming_round() {
         let fake = Arc::new(FakeUsage::default());
-        fake.set("GPU-h", FakeUsageDevice {
-            used: 30 << 30,
-            total: 80 << 30,
-            gpm: Some(GpmActivity {
-                sm_activity: 42.0,
-                sm_occupancy: Some(17.0),
-            }),
-            utilization: Some(99),
-            ..FakeUsageDevice::default()
-        });
+        fake.set(
+            "GPU-h",
+            FakeUsageDevice {
+                used: 30 << 30,
+                total: 80 << 30,
+                gpm: Some(GpmActivity {
+                    sm_activity: 42.0,
+                    sm_occupancy: Some(17.0),
+                }),
+                utilization: Some(99),
+                ..FakeUsageDevice::default()
+            },
+        );
         let mut s = UsageSampler::new(fake.clone());
         let devices = [whole("a", "GPU-h")];
         let r = s.sample(&devices);
@@ -769,17 +778,23 @@ mod tests {
     #[test]
     fn ampere_falls_back_to_utilization_and_mig_has_none() {
         let fake = Arc::new(FakeUsage::default());
-        fake.set("GPU-a", FakeUsageDevice {
-            used: 1 << 30,
-            total: 40 << 30,
-            utilization: Some(63),
-            ..FakeUsageDevice::default()
-        });
-        fake.set("MIG-1", FakeUsageDevice {
-            used: 2 << 30,
-            total: 5 << 30,
-            ..FakeUsageDevice::default()
-        });
+        fake.set(
+            "GPU-a",
+            FakeUsageDevice {
+                used: 1 << 30,
+                total: 40 << 30,
+                utilization: Some(63),
+                ..FakeUsageDevice::default()
+            },
+        );
+        fake.set(
+            "MIG-1",
+            FakeUsageDevice {
+                used: 2 << 30,
+                total: 5 << 30,
+                ..FakeUsageDevice::default()
+            },
+        );
         let mut s = UsageSampler::new(fake);
         let r = s.sample(&[whole("a", "GPU-a"), mig("b", "GPU-a", "MIG-1", 7)]);
         assert_eq!(
@@ -810,23 +825,29 @@ mod tests {
         assert_eq!(got, [Some(11.0), Some(77.0)]);
         // Unprepared instance: its kept GPM sample is dropped.
         s.sample(&devices[..1]);
-        assert_eq!(fake.kept_gpm(), [GpmTarget {
-            gpu_uuid: "GPU-h".into(),
-            gi: Some(3)
-        }]);
+        assert_eq!(
+            fake.kept_gpm(),
+            [GpmTarget {
+                gpu_uuid: "GPU-h".into(),
+                gi: Some(3)
+            }]
+        );
     }
 
     #[test]
     fn shares_attribute_by_process_or_say_they_cannot() {
         let fake = Arc::new(FakeUsage::default());
-        fake.set("GPU-s", FakeUsageDevice {
-            used: 50 << 30,
-            total: 80 << 30,
-            utilization: Some(90),
-            processes: vec![(100, 3 << 30), (200, 5 << 30), (300, 7 << 30)],
-            process_util: Some(vec![(100, 20), (200, 15), (300, 60)]),
-            ..FakeUsageDevice::default()
-        });
+        fake.set(
+            "GPU-s",
+            FakeUsageDevice {
+                used: 50 << 30,
+                total: 80 << 30,
+                utilization: Some(90),
+                processes: vec![(100, 3 << 30), (200, 5 << 30), (300, 7 << 30)],
+                process_util: Some(vec![(100, 20), (200, 15), (300, 60)]),
+                ..FakeUsageDevice::default()
+            },
+        );
         let mut s = UsageSampler::new(fake.clone());
         let r = s.sample(&[
             share("a", "GPU-s", &[100, 200]),
@@ -852,24 +873,43 @@ mod tests {
         assert_eq!(r.samples[2].memory_used, Some(7 << 30));
         // One process list and one per-process query for the GPU, however many shares.
         let calls = fake.calls();
-        assert_eq!(calls.iter().filter(|c| c.starts_with("processes")).count(), 1);
-        assert_eq!(calls.iter().filter(|c| c.starts_with("process_util")).count(), 1);
+        assert_eq!(
+            calls.iter().filter(|c| c.starts_with("processes")).count(),
+            1
+        );
+        assert_eq!(
+            calls
+                .iter()
+                .filter(|c| c.starts_with("process_util"))
+                .count(),
+            1
+        );
         // The next round asks only for newer samples.
         s.sample(&[share("a", "GPU-s", &[100])]);
-        assert!(fake.calls().contains(&"process_util GPU-s since 1000".to_owned()));
+        assert!(
+            fake.calls()
+                .contains(&"process_util GPU-s since 1000".to_owned())
+        );
     }
 
     #[test]
     fn a_failing_device_does_not_spoil_the_round() {
         let fake = Arc::new(FakeUsage::default());
-        fake.set("GPU-1", FakeUsageDevice {
-            utilization: Some(5),
-            ..FakeUsageDevice::default()
-        });
+        fake.set(
+            "GPU-1",
+            FakeUsageDevice {
+                utilization: Some(5),
+                ..FakeUsageDevice::default()
+            },
+        );
         let mut s = UsageSampler::new(fake);
         let r = s.sample(&[whole("a", "GPU-gone"), whole("b", "GPU-1")]);
         assert_eq!(r.samples[0].activity, Activity::Unavailable);
-        assert!(r.samples[0].errors[0].contains("GPU-gone"), "{:?}", r.samples[0].errors);
+        assert!(
+            r.samples[0].errors[0].contains("GPU-gone"),
+            "{:?}",
+            r.samples[0].errors
+        );
         assert_eq!(r.samples[1].activity.percent(), Some(5.0));
     }
 
@@ -912,7 +952,10 @@ mod tests {
         assert_eq!(st[0].peak_percent, Some(4.0));
         assert_eq!(st[0].activity_percent, Some(0.5));
         let text = st[0].describe(&policy, at(600));
-        assert!(text.contains("team-a/claim-a") && text.contains("600s") && text.contains("peak 4.0%"), "{text}");
+        assert!(
+            text.contains("team-a/claim-a") && text.contains("600s") && text.contains("peak 4.0%"),
+            "{text}"
+        );
         assert!(text.contains("gpm_sm_activity"), "{text}");
         // Activity at the threshold resets; the window starts again.
         let st = t.observe(at(660), &[sample("a", gpm(5.0))]);
@@ -938,7 +981,13 @@ mod tests {
         assert!(st[0].below_since.is_none());
         // Unknown is never idle, and clears the window.
         t.observe(at(10), &[sample("a", gpm(1.0))]);
-        let st = t.observe(at(100), &[sample("a", gpm(1.0)), sample("a", Activity::NotAttributable)]);
+        let st = t.observe(
+            at(100),
+            &[
+                sample("a", gpm(1.0)),
+                sample("a", Activity::NotAttributable),
+            ],
+        );
         assert!(!st[0].idle && st[0].below_since.is_none());
         // A warming round changes nothing.
         t.observe(at(200), &[sample("a", gpm(1.0))]);
@@ -946,7 +995,11 @@ mod tests {
         assert_eq!(st[0].below_since, Some(at(200)));
         assert!(st[0].idle);
         // An unprepared claim is forgotten: back later, it starts afresh.
-        assert!(t.observe(at(310), &[sample("b", gpm(1.0))]).iter().all(|s| s.claim.uid == "b"));
+        assert!(
+            t.observe(at(310), &[sample("b", gpm(1.0))])
+                .iter()
+                .all(|s| s.claim.uid == "b")
+        );
         let st = t.observe(at(400), &[sample("a", gpm(1.0))]);
         assert_eq!(st[0].below_since, Some(at(400)));
     }
@@ -957,7 +1010,8 @@ mod tests {
         for name in USAGE_METRIC_NAMES {
             assert!(name.starts_with("cleave_kubelet_plugin_"), "{name}");
             assert!(
-                name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+                name.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
                 "{name}"
             );
             assert!(seen.insert(*name), "duplicate {name}");
@@ -970,7 +1024,11 @@ mod tests {
             .filter(|n| n.starts_with("cleave_"))
             .map(str::to_owned)
             .collect();
-        let seen: std::collections::BTreeSet<String> = seen.into_iter().map(str::to_owned).collect();
-        assert_eq!(in_docs, seen, "docs/usage-metrics.md metric table vs USAGE_METRIC_NAMES");
+        let seen: std::collections::BTreeSet<String> =
+            seen.into_iter().map(str::to_owned).collect();
+        assert_eq!(
+            in_docs, seen,
+            "docs/usage-metrics.md metric table vs USAGE_METRIC_NAMES"
+        );
     }
 }

@@ -19,8 +19,8 @@ use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::nvmlGpmSample_t;
 
 use crate::backend::{
-    BackendError, GpmActivity, GpmReading, GpmTarget, MemoryUse, ProcessMemory,
-    ProcessUtilization, UsageSource,
+    BackendError, GpmActivity, GpmReading, GpmTarget, MemoryUse, ProcessMemory, ProcessUtilization,
+    UsageSource,
 };
 
 /// A GPM sample handle allocated by `nvmlGpmSampleAlloc` of [`NvmlUsage::nvml`], owned

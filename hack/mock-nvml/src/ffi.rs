@@ -21,13 +21,15 @@ use nvml_wrapper_sys::bindings::{
     nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t,
     nvmlComputeInstanceProfileInfo_v2_t, nvmlComputeInstanceProfileInfo_v3_t, nvmlComputeMode_t,
     nvmlDevice_t, nvmlDeviceArchitecture_t, nvmlDeviceAttributes_t, nvmlEnableState_t,
-    nvmlEventData_t, nvmlEventSet_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
-    nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t,
-    nvmlGpuInstanceProfileInfo_v3_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlReturn_t,
+    nvmlEventData_t, nvmlEventSet_t, nvmlGpmMetric_t, nvmlGpmMetricsGet_t, nvmlGpmSample_t,
+    nvmlGpmSupport_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t, nvmlGpuInstanceProfileInfo_v3_t,
+    nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlProcessInfo_t,
+    nvmlProcessUtilizationSample_t, nvmlReturn_t, nvmlUtilization_t,
 };
 
 use crate::fixtures::{self, CiProfile, GiProfile, GpuSpec, NodeConfig};
-use crate::hooks::{self, FailRule, Hooks};
+use crate::hooks::{self, FailRule, Hooks, Process};
 use crate::rc;
 use crate::state::{self, CiState, GiState, GpuState, State, StateStore};
 
@@ -843,7 +845,17 @@ fn memory_of(c: &Call, d: Dev) -> R<(u64, u64)> {
     }
 }
 
-/// `nvmlDeviceGetMemoryInfo` (v1: used = reserved, nothing allocated).
+/// Scripted memory in use of a device, bytes (control-file `memory`/`process` lines),
+/// at most `limit`.
+fn scripted_used(c: &Call, d: Dev, limit: u64) -> u64 {
+    let mib = match d {
+        Dev::Gpu(g) => c.hooks.usage.memory_mib(g, None),
+        Dev::Mig { gpu, gi, ci, .. } => c.hooks.usage.memory_mib(gpu, Some((gi, ci))),
+    };
+    (mib * MIB).min(limit)
+}
+
+/// `nvmlDeviceGetMemoryInfo` (v1: used = reserved + the scripted use).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
@@ -851,19 +863,22 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
 ) -> nvmlReturn_t {
     entry(|| {
         let c = Call::begin("nvmlDeviceGetMemoryInfo")?;
-        let (total, reserved) = memory_of(&c, c.dev(device)?)?;
+        let d = c.dev(device)?;
+        let (total, reserved) = memory_of(&c, d)?;
+        let used = reserved + scripted_used(&c, d, total - reserved);
         put(
             memory,
             nvmlMemory_t {
                 total,
-                free: total - reserved,
-                used: reserved,
+                free: total - used,
+                used,
             },
         )
     })
 }
 
-/// `nvmlDeviceGetMemoryInfo_v2` (checks `version` = nvmlMemory_v2).
+/// `nvmlDeviceGetMemoryInfo_v2` (checks `version` = nvmlMemory_v2; `used` is the scripted
+/// use, `reserved` apart).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
@@ -876,14 +891,15 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             return Err(rc::ARGUMENT_VERSION_MISMATCH);
         }
         let (total, reserved) = memory_of(&c, d)?;
+        let used = scripted_used(&c, d, total - reserved);
         put(
             memory,
             nvmlMemory_v2_t {
                 version: MEMORY_V2,
                 total,
                 reserved,
-                free: total - reserved,
-                used: 0,
+                free: total - reserved - used,
+                used,
             },
         )
     })
@@ -2032,6 +2048,364 @@ pub unsafe extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
         let _c = Call::begin("nvmlEventSetFree")?;
         let id = event_set_id(set)?;
         lock(&EVENT_SETS).remove(&id);
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Usage: utilization, compute processes, per-process utilization, GPM. Values come from
+// the control file (`memory`, `util`, `gpm`, `process` lines); what is NOT_SUPPORTED
+// where follows nvml.h (NVIDIA/go-nvml gen/nvml/nvml.h).
+
+/// `nvmlGpmMetricId_t` values the mock computes (nvml.h).
+const GPM_GRAPHICS_UTIL: u32 = 1;
+const GPM_SM_UTIL: u32 = 2;
+const GPM_SM_OCCUPANCY: u32 = 3;
+/// `NVML_GPM_METRIC_MAX` of the newest nvml.h (API 13); `numMetrics` above it is invalid.
+const GPM_METRIC_MAX: u32 = 333;
+/// `NVML_GPM_METRICS_GET_VERSION`, `NVML_GPM_SUPPORT_VERSION`.
+const GPM_VERSION: u32 = 1;
+/// `gpuInstanceId` / `computeInstanceId` outside MIG mode.
+const NO_ID: u32 = 0xFFFF_FFFF;
+
+/// True if MIG mode is on for GPU `gpu`.
+fn mig_enabled(c: &Call, gpu: u32) -> R<bool> {
+    Ok(gpu_state(&c.state()?, gpu)?.mig_enabled)
+}
+
+/// GPM needs Hopper or newer (nvml.h "For Hopper or newer fully supported devices").
+fn has_gpm(c: &Call, gpu: u32) -> R<bool> {
+    Ok(c.spec(gpu)?.product.architecture >= fixtures::ARCH_HOPPER)
+}
+
+/// `nvmlDeviceGetUtilizationRates`: NOT_SUPPORTED on MIG device handles and on GPUs in
+/// MIG mode (nvml.h: "On MIG-enabled GPUs, querying device utilization rates is not
+/// currently supported").
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlUtilization_t,
+) -> nvmlReturn_t {
+    entry(|| {
+        let c = Call::begin("nvmlDeviceGetUtilizationRates")?;
+        let g = c.gpu(device, rc::NOT_SUPPORTED)?;
+        if mig_enabled(&c, g)? {
+            return Err(rc::NOT_SUPPORTED);
+        }
+        let (gpu, memory) = c.hooks.usage.util_of(g);
+        put(utilization, nvmlUtilization_t { gpu, memory })
+    })
+}
+
+/// The scripted processes a device handle sees: all of its GPU's for a GPU handle (nvml.h:
+/// aggregate information in MIG mode), those of the MIG device for a MIG handle.
+fn processes_of(c: &Call, d: Dev) -> Vec<Process> {
+    match d {
+        Dev::Gpu(g) => c.hooks.usage.processes_on(g, None).copied().collect(),
+        Dev::Mig { gpu, gi, ci, .. } => c
+            .hooks
+            .usage
+            .processes_on(gpu, Some((gi, ci)))
+            .copied()
+            .collect(),
+    }
+}
+
+/// `nvmlDeviceGetComputeRunningProcesses_v3`: `*infoCount` too small (0 to ask) returns
+/// INSUFFICIENT_SIZE with the count needed, SUCCESS when none run (nvml.h).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    info_count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    entry(|| {
+        let c = Call::begin("nvmlDeviceGetComputeRunningProcesses_v3")?;
+        let d = c.dev(device)?;
+        let room = read_u32(info_count)?;
+        let list = processes_of(&c, d);
+        let n = list.len() as u32;
+        if room < n {
+            put(info_count, n)?;
+            return Err(rc::INSUFFICIENT_SIZE);
+        }
+        if n > 0 && infos.is_null() {
+            return Err(rc::INVALID_ARGUMENT);
+        }
+        let mig_mode = mig_enabled(&c, d.gpu())?;
+        for (i, p) in list.iter().enumerate() {
+            let (gi, ci) = match p.mig {
+                Some(ids) if mig_mode => ids,
+                _ => (NO_ID, NO_ID),
+            };
+            // SAFETY: `infos` is non-null and, by the NVML contract, valid for `room` >= n
+            // entries.
+            put(
+                unsafe { infos.add(i) },
+                nvmlProcessInfo_t {
+                    pid: p.pid,
+                    usedGpuMemory: p.used_mib * MIB,
+                    gpuInstanceId: gi,
+                    computeInstanceId: ci,
+                },
+            )?;
+        }
+        put(info_count, n)
+    })
+}
+
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// `nvmlDeviceGetProcessUtilization`: one sample (stamped now) per scripted process of the
+/// GPU with non-zero SM utilization; NOT_FOUND when there is none newer than
+/// `lastSeenTimeStamp`; NOT_SUPPORTED on MIG handles and MIG-enabled GPUs (nvml.h: "On
+/// MIG-enabled GPUs, querying process utilization is not currently supported"). A NULL
+/// buffer or a too small count returns INSUFFICIENT_SIZE with the count needed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlProcessUtilizationSample_t,
+    samples_count: *mut c_uint,
+    last_seen: c_ulonglong,
+) -> nvmlReturn_t {
+    entry(|| {
+        let c = Call::begin("nvmlDeviceGetProcessUtilization")?;
+        let g = c.gpu(device, rc::NOT_SUPPORTED)?;
+        if mig_enabled(&c, g)? {
+            return Err(rc::NOT_SUPPORTED);
+        }
+        let room = read_u32(samples_count)?;
+        let now = now_us();
+        let list: Vec<Process> = c
+            .hooks
+            .usage
+            .processes_on(g, None)
+            .filter(|p| p.sm_percent > 0)
+            .copied()
+            .collect();
+        if list.is_empty() || now <= last_seen {
+            put(samples_count, 0)?;
+            return Err(rc::NOT_FOUND);
+        }
+        let n = list.len() as u32;
+        if utilization.is_null() || room < n {
+            put(samples_count, n)?;
+            return Err(rc::INSUFFICIENT_SIZE);
+        }
+        for (i, p) in list.iter().enumerate() {
+            // SAFETY: non-null and, by the NVML contract, valid for `room` >= n entries.
+            put(
+                unsafe { utilization.add(i) },
+                nvmlProcessUtilizationSample_t {
+                    pid: p.pid,
+                    timeStamp: now,
+                    smUtil: p.sm_percent,
+                    memUtil: 0,
+                    encUtil: 0,
+                    decUtil: 0,
+                },
+            )?;
+        }
+        put(samples_count, n)
+    })
+}
+
+/// What a GPM sample holds: whose it is and the scripted figures when it was taken.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct GpmData {
+    gpu: u32,
+    gi: Option<u32>,
+    sm_activity: f64,
+    sm_occupancy: f64,
+}
+
+/// Allocated GPM samples by address; `None` until a sample is read into it.
+static GPM_SAMPLES: LazyLock<Mutex<HashMap<usize, Option<GpmData>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// `nvmlGpmQueryDeviceSupport` (GPU or MIG handle; checks `version`): supported on Hopper
+/// and newer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmQueryDeviceSupport(
+    device: nvmlDevice_t,
+    support: *mut nvmlGpmSupport_t,
+) -> nvmlReturn_t {
+    entry(|| {
+        let c = Call::begin("nvmlGpmQueryDeviceSupport")?;
+        let d = c.dev(device)?;
+        if read_u32(support.cast::<u32>())? != GPM_VERSION {
+            return Err(rc::ARGUMENT_VERSION_MISMATCH);
+        }
+        put(
+            support,
+            nvmlGpmSupport_t {
+                version: GPM_VERSION,
+                isSupportedDevice: u32::from(has_gpm(&c, d.gpu())?),
+            },
+        )
+    })
+}
+
+/// `nvmlGpmSampleAlloc`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmSampleAlloc(sample: *mut nvmlGpmSample_t) -> nvmlReturn_t {
+    entry(|| {
+        let _c = Call::begin("nvmlGpmSampleAlloc")?;
+        if sample.is_null() {
+            return Err(rc::INVALID_ARGUMENT);
+        }
+        let p = Box::into_raw(Box::new(0u64)) as usize;
+        lock(&GPM_SAMPLES).insert(p, None);
+        put(sample, p as nvmlGpmSample_t)
+    })
+}
+
+/// `nvmlGpmSampleFree`: INVALID_ARGUMENT for a handle not allocated (or already freed).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmSampleFree(sample: nvmlGpmSample_t) -> nvmlReturn_t {
+    entry(|| {
+        let _c = Call::begin("nvmlGpmSampleFree")?;
+        let p = sample as usize;
+        if lock(&GPM_SAMPLES).remove(&p).is_none() {
+            return Err(rc::INVALID_ARGUMENT);
+        }
+        // SAFETY: `p` came from `Box::into_raw` in `nvmlGpmSampleAlloc` and was still in
+        // the registry, so it is freed exactly once.
+        drop(unsafe { Box::from_raw(p as *mut u64) });
+        Ok(())
+    })
+}
+
+fn gpm_read(c: &Call, gpu: u32, gi: Option<u32>, sample: nvmlGpmSample_t) -> R<()> {
+    if !has_gpm(c, gpu)? {
+        return Err(rc::NOT_SUPPORTED);
+    }
+    let (sm_activity, sm_occupancy) = c.hooks.usage.gpm_of(gpu, gi);
+    let mut samples = lock(&GPM_SAMPLES);
+    let slot = samples
+        .get_mut(&(sample as usize))
+        .ok_or(rc::INVALID_ARGUMENT)?;
+    *slot = Some(GpmData {
+        gpu,
+        gi,
+        sm_activity,
+        sm_occupancy,
+    });
+    Ok(())
+}
+
+/// `nvmlGpmSampleGet`: a GPU handle samples the GPU, a MIG device handle its GPU instance
+/// (nvml.h: "This API supports the device handle and MIG device handle"); NOT_SUPPORTED
+/// before Hopper.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmSampleGet(
+    device: nvmlDevice_t,
+    sample: nvmlGpmSample_t,
+) -> nvmlReturn_t {
+    entry(|| {
+        let c = Call::begin("nvmlGpmSampleGet")?;
+        match c.dev(device)? {
+            Dev::Gpu(g) => gpm_read(&c, g, None, sample),
+            Dev::Mig { gpu, gi, .. } => gpm_read(&c, gpu, Some(gi), sample),
+        }
+    })
+}
+
+/// `nvmlGpmMigSampleGet`: GPU instance `gi` of a MIG-enabled GPU (GPU handle). An unknown
+/// GI or MIG off is INVALID_ARGUMENT (what real NVML returns there is unverified).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmMigSampleGet(
+    device: nvmlDevice_t,
+    gpu_instance_id: c_uint,
+    sample: nvmlGpmSample_t,
+) -> nvmlReturn_t {
+    entry(|| {
+        let c = Call::begin("nvmlGpmMigSampleGet")?;
+        let g = c.gpu(device, rc::INVALID_ARGUMENT)?;
+        if !has_gpm(&c, g)? {
+            return Err(rc::NOT_SUPPORTED);
+        }
+        let st = c.state()?;
+        let gs = gpu_state(&st, g)?;
+        if !gs.mig_enabled || !gs.gpu_instances.iter().any(|x| x.id == gpu_instance_id) {
+            return Err(rc::INVALID_ARGUMENT);
+        }
+        gpm_read(&c, g, Some(gpu_instance_id), sample)
+    })
+}
+
+/// `nvmlGpmMetricsGet` (checks `version`): SM activity (`NVML_GPM_METRIC_SM_UTIL`, and
+/// `GRAPHICS_UTIL` with the same figure), SM occupancy; any other metric id gets
+/// NOT_SUPPORTED in its `nvmlReturn`. The figures are those scripted when `sample2` was
+/// taken; both samples must be of the same device.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmMetricsGet(metrics_get: *mut nvmlGpmMetricsGet_t) -> nvmlReturn_t {
+    entry(|| {
+        let _c = Call::begin("nvmlGpmMetricsGet")?;
+        if metrics_get.is_null() {
+            return Err(rc::INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null and, by the NVML contract, a valid nvmlGpmMetricsGet_t header;
+        // only the fields before `metrics` are read here.
+        let (version, count, s1, s2) = unsafe {
+            let m = &*metrics_get;
+            (m.version, m.numMetrics, m.sample1, m.sample2)
+        };
+        if version != GPM_VERSION {
+            return Err(rc::ARGUMENT_VERSION_MISMATCH);
+        }
+        if count > GPM_METRIC_MAX {
+            return Err(rc::INVALID_ARGUMENT);
+        }
+        let samples = lock(&GPM_SAMPLES);
+        let first = samples
+            .get(&(s1 as usize))
+            .copied()
+            .flatten()
+            .ok_or(rc::INVALID_ARGUMENT)?;
+        let second = samples
+            .get(&(s2 as usize))
+            .copied()
+            .flatten()
+            .ok_or(rc::INVALID_ARGUMENT)?;
+        drop(samples);
+        if (first.gpu, first.gi) != (second.gpu, second.gi) {
+            return Err(rc::INVALID_ARGUMENT);
+        }
+        // SAFETY: the caller's struct holds `numMetrics` entries from `metrics` on (a
+        // header with a larger NVML_GPM_METRIC_MAX only adds room after them).
+        let base =
+            unsafe { std::ptr::addr_of_mut!((*metrics_get).metrics) }.cast::<nvmlGpmMetric_t>();
+        for i in 0..count as usize {
+            // SAFETY: i < numMetrics, see above.
+            let m = unsafe { &mut *base.add(i) };
+            let (value, name) = match m.metricId {
+                GPM_SM_UTIL => (Some(second.sm_activity), c"sm_util"),
+                GPM_GRAPHICS_UTIL => (Some(second.sm_activity), c"graphics_util"),
+                GPM_SM_OCCUPANCY => (Some(second.sm_occupancy), c"sm_occupancy"),
+                _ => (None, c""),
+            };
+            match value {
+                Some(v) => {
+                    m.nvmlReturn = rc::SUCCESS;
+                    m.value = v;
+                    m.metricInfo.shortName = name.as_ptr().cast_mut();
+                    m.metricInfo.longName = name.as_ptr().cast_mut();
+                    m.metricInfo.unit = c"%".as_ptr().cast_mut();
+                }
+                None => {
+                    m.nvmlReturn = rc::NOT_SUPPORTED;
+                    m.value = 0.0;
+                    m.metricInfo.shortName = std::ptr::null_mut();
+                    m.metricInfo.longName = std::ptr::null_mut();
+                    m.metricInfo.unit = std::ptr::null_mut();
+                }
+            }
+        }
         Ok(())
     })
 }

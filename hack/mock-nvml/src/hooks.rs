@@ -86,14 +86,23 @@ impl Usage {
     /// Scripted memory in use (MiB) of GPU `gpu` or its MIG device `mig`: the `memory`
     /// line, else the sum of the processes on it (a GPU counts its MIG devices' too).
     pub fn memory_mib(&self, gpu: u32, mig: Option<(u32, u32)>) -> u64 {
-        if let Some(&(_, _, mib)) = self.memory.iter().rev().find(|(g, m, _)| *g == gpu && *m == mig) {
+        if let Some(&(_, _, mib)) = self
+            .memory
+            .iter()
+            .rev()
+            .find(|(g, m, _)| *g == gpu && *m == mig)
+        {
             return mib;
         }
         self.processes_on(gpu, mig).map(|p| p.used_mib).sum()
     }
 
     /// Processes on GPU `gpu` (all of them, MIG devices included) or on its MIG device.
-    pub fn processes_on(&self, gpu: u32, mig: Option<(u32, u32)>) -> impl Iterator<Item = &Process> {
+    pub fn processes_on(
+        &self,
+        gpu: u32,
+        mig: Option<(u32, u32)>,
+    ) -> impl Iterator<Item = &Process> {
         self.processes
             .iter()
             .filter(move |p| p.gpu == gpu && (mig.is_none() || p.mig == mig))
@@ -128,7 +137,13 @@ fn parse_usage(kw: &str, rest: &[&str], u: &mut Usage) -> bool {
     fn ipct(w: &str) -> Option<u32> {
         n::<u32>(w).filter(|v| *v <= 100)
     }
-    fn process(gpu: &str, mig: Option<(&str, &str)>, pid: &str, mib: &str, sm: &str) -> Option<Process> {
+    fn process(
+        gpu: &str,
+        mig: Option<(&str, &str)>,
+        pid: &str,
+        mib: &str,
+        sm: &str,
+    ) -> Option<Process> {
         let mig = match mig {
             Some((gi, ci)) => Some((n(gi)?, n(ci)?)),
             None => None,
@@ -283,7 +298,9 @@ pub fn parse(text: &str, source: &str, events_only: bool) -> Hooks {
             Some(&"attach") if !events_only => ("attach", &words[1..]),
             Some(&"delay") if !events_only => ("delay", &words[1..]),
             Some(&"fail") if !events_only => ("fail", &words[1..]),
-            Some(&kw @ ("memory" | "util" | "gpm" | "process")) if !events_only => (kw, &words[1..]),
+            Some(&kw @ ("memory" | "util" | "gpm" | "process")) if !events_only => {
+                (kw, &words[1..])
+            }
             _ if events_only => ("xid", &words[..]),
             _ => ("fail", &words[..]),
         };
@@ -430,7 +447,11 @@ mod tests {
         // Bad lines (out of range, wrong arity) are ignored, not read as fail rules.
         assert!(h.fails.is_empty(), "{:?}", h.fails);
         assert_eq!(u.memory_mib(0, None), 30720);
-        assert_eq!(u.memory_mib(1, None), 1024, "sum of processes without a memory line");
+        assert_eq!(
+            u.memory_mib(1, None),
+            1024,
+            "sum of processes without a memory line"
+        );
         assert_eq!(u.memory_mib(0, Some((7, 0))), 2048);
         assert_eq!(u.processes_on(0, None).count(), 1);
         assert_eq!(u.gpm_of(0, Some(7)), (12.0, 6.0));

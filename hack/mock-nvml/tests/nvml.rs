@@ -96,6 +96,8 @@ fn worker() {
         "fail" => child_fail(),
         "missing" => child_missing(),
         "events" => child_events(),
+        "usage" => child_usage(),
+        "usage-ampere" => child_usage_ampere(),
         other => panic!("unknown action {other:?}"),
     }
 }
@@ -1005,4 +1007,199 @@ fn yaml_config_describes_the_node() {
     );
     assert_eq!((r["mig"].as_str(), r["mode"].as_str()), ("", "unsupported"));
     assert_eq!(r["name"], "NVIDIA L4");
+}
+
+const MIB: u64 = 1 << 20;
+
+fn gpm_pair<'n>(
+    n: &'n Nvml,
+    ctl: &std::path::Path,
+    lines: &str,
+    take: impl Fn() -> Result<nvml_wrapper::GpmSample<'n>, NvmlError>,
+) -> Vec<Result<f64, NvmlError>> {
+    use nvml_wrapper::enums::gpm::GpmMetricId;
+    let s1 = take().unwrap();
+    std::fs::write(ctl, lines).unwrap();
+    let s2 = take().unwrap();
+    nvml_wrapper::gpm::gpm_metrics_get(
+        n,
+        &s1,
+        &s2,
+        &[
+            GpmMetricId::SmUtil,
+            GpmMetricId::SmOccupancy,
+            GpmMetricId::DramBwUtil,
+        ],
+    )
+    .unwrap()
+    .into_iter()
+    .map(|r| r.map(|m| m.value))
+    .collect()
+}
+
+fn child_usage() {
+    let n = nvml();
+    let ctl = PathBuf::from(env("MOCK_NVML_CONTROL"));
+    let base = "memory 0 30720\nutil 0 85 40\nprocess 0 4242 1024 60\nprocess 0 4343 2048 0\n";
+    std::fs::write(&ctl, format!("{base}gpm 0 35.5 20\n")).unwrap();
+    let d0 = n.device_by_index(0).unwrap();
+    let d1 = n.device_by_index(1).unwrap();
+    // Whole GPU, MIG off: memory, utilization, processes, per-process utilization.
+    let m = d0.memory_info().unwrap();
+    assert_eq!(m.used, 30720 * MIB);
+    assert_eq!(m.free, m.total - m.reserved - m.used);
+    let u = d0.utilization_rates().unwrap();
+    assert_eq!((u.gpu, u.memory), (85, 40));
+    let procs = d0.running_compute_processes().unwrap();
+    assert_eq!(
+        procs.iter().map(|p| p.pid).collect::<Vec<_>>(),
+        [4242, 4343]
+    );
+    assert_eq!(
+        format!("{:?}", procs[0].used_gpu_memory),
+        format!("Used({})", 1024 * MIB)
+    );
+    assert_eq!(
+        (procs[0].gpu_instance_id, procs[0].compute_instance_id),
+        (None, None)
+    );
+    let pu = d0.process_utilization_stats(None).unwrap();
+    assert_eq!(
+        pu.len(),
+        1,
+        "only processes with non-zero utilization have samples"
+    );
+    assert_eq!((pu[0].pid, pu[0].sm_util), (4242, 60));
+    assert!(matches!(
+        d0.process_utilization_stats(u64::MAX),
+        Err(NvmlError::NotFound)
+    ));
+    assert!(matches!(
+        d1.process_utilization_stats(None),
+        Err(NvmlError::NotFound)
+    ));
+    assert_eq!(d1.memory_info().unwrap().used, 0);
+    assert!(d1.running_compute_processes().unwrap().is_empty());
+    // GPM on the whole GPU: the figures scripted at the second sample.
+    assert!(d0.gpm_support().unwrap());
+    let got = gpm_pair(&n, &ctl, &format!("{base}gpm 0 50 25\n"), || {
+        d0.gpm_sample()
+    });
+    assert_eq!(got[0].as_ref().unwrap(), &50.0);
+    assert_eq!(got[1].as_ref().unwrap(), &25.0);
+    assert!(
+        matches!(got[2], Err(NvmlError::NotSupported)),
+        "{:?}",
+        got[2]
+    );
+    // Samples of two devices do not mix; a freed sample is gone.
+    let a = d0.gpm_sample().unwrap();
+    let b = d1.gpm_sample().unwrap();
+    assert!(matches!(
+        nvml_wrapper::gpm::gpm_metrics_get(
+            &n,
+            &a,
+            &b,
+            &[nvml_wrapper::enums::gpm::GpmMetricId::SmUtil]
+        ),
+        Err(NvmlError::InvalidArg)
+    ));
+    let raw = a.into_handle();
+    unsafe {
+        assert_eq!(n.lib().nvmlGpmSampleFree(raw), 0);
+        assert_eq!(n.lib().nvmlGpmSampleFree(raw), rc::INVALID_ARGUMENT);
+    }
+    // MIG on GPU 1 with one 1g device (GI 7, CI 0).
+    let mig = unsafe {
+        let mut status = 0;
+        assert_eq!(n.lib().nvmlDeviceSetMigMode(d1.handle(), 1, &mut status), 0);
+        let (r, gi) = create_gi(&n, d1.handle(), 19, Some((0, 1)));
+        assert_eq!(r, 0);
+        assert_eq!(gi_info(&n, gi).id, 7);
+        let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+        assert_eq!(
+            n.lib().nvmlGpuInstanceCreateComputeInstance(gi, 0, &mut ci),
+            0
+        );
+        d1.mig_device_by_index(0).unwrap()
+    };
+    let mig_lines = format!("{base}memory 1 7 0 2048\nprocess 1 7 0 5555 512 10\ngpm 1 7 12 6\n");
+    std::fs::write(&ctl, &mig_lines).unwrap();
+    let mm = mig.memory_info().unwrap();
+    assert_eq!(mm.used, 2048 * MIB);
+    assert_eq!(mm.total, 9984 * MIB, "1g.10gb of the H100 capture");
+    // nvml.h: no utilization rates, no per-process utilization on MIG-enabled GPUs.
+    assert!(matches!(
+        mig.utilization_rates(),
+        Err(NvmlError::NotSupported)
+    ));
+    assert!(matches!(
+        d1.utilization_rates(),
+        Err(NvmlError::NotSupported)
+    ));
+    assert!(matches!(
+        d1.process_utilization_stats(None),
+        Err(NvmlError::NotSupported)
+    ));
+    assert!(matches!(
+        mig.process_utilization_stats(None),
+        Err(NvmlError::NotSupported)
+    ));
+    let p = mig.running_compute_processes().unwrap();
+    assert_eq!(p.len(), 1);
+    assert_eq!(
+        (p[0].pid, p[0].gpu_instance_id, p[0].compute_instance_id),
+        (5555, Some(7), Some(0))
+    );
+    assert_eq!(
+        d1.running_compute_processes().unwrap().len(),
+        1,
+        "aggregate on the GPU handle"
+    );
+    // GPM per GPU instance, through the parent and through the MIG handle.
+    assert!(mig.gpm_support().unwrap());
+    let got = gpm_pair(&n, &ctl, &mig_lines, || d1.gpm_mig_sample(7));
+    assert_eq!(
+        (got[0].as_ref().unwrap(), got[1].as_ref().unwrap()),
+        (&12.0, &6.0)
+    );
+    let got = gpm_pair(&n, &ctl, &mig_lines, || mig.gpm_sample());
+    assert_eq!(got[0].as_ref().unwrap(), &12.0);
+    assert!(matches!(d1.gpm_mig_sample(3), Err(NvmlError::InvalidArg)));
+    assert!(
+        matches!(d0.gpm_mig_sample(7), Err(NvmlError::InvalidArg)),
+        "MIG off on GPU 0"
+    );
+    report("ok", 1);
+}
+
+fn child_usage_ampere() {
+    let n = nvml();
+    let d0 = n.device_by_index(0).unwrap();
+    std::fs::write(env("MOCK_NVML_CONTROL"), "util 0 63\n").unwrap();
+    assert!(!d0.gpm_support().unwrap());
+    assert!(matches!(d0.gpm_sample(), Err(NvmlError::NotSupported)));
+    assert_eq!(d0.utilization_rates().unwrap().gpu, 63);
+    report("ok", 1);
+}
+
+#[test]
+fn usage_calls_answer_the_scripted_figures_and_not_supported_where_nvml_does() {
+    for (action, profile, mig) in [
+        ("usage", "h100-80gb-x8", "off"),
+        ("usage-ampere", "a100-40gb-x8", "off"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |f: &str| dir.path().join(f).to_str().unwrap().to_string();
+        let r = run(
+            action,
+            &[
+                ("MOCK_NVML_PROFILE", profile),
+                ("MOCK_NVML_MIG", mig),
+                ("MOCK_NVML_STATE", &p("state.json")),
+                ("MOCK_NVML_CONTROL", &p("control")),
+            ],
+        );
+        assert_eq!(r["ok"], "1", "{action}");
+    }
 }
