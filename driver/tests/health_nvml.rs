@@ -25,8 +25,9 @@ fn xid_events_and_lost_gpus() {
         let inv = backend.inventory().unwrap();
         let uuids: Vec<String> = inv.gpus.iter().map(|g| g.uuid.clone()).collect();
         let (tx, rx) = mpsc::channel();
-        let watcher = HealthWatcher::spawn(
-            &mock_lib(),
+        // The backend's own NVML handle serves the events.
+        let watcher = HealthWatcher::start(
+            backend.event_source().unwrap(),
             uuids.clone(),
             WatchOptions {
                 wait: Duration::from_millis(100),
@@ -79,6 +80,18 @@ fn xid_events_and_lost_gpus() {
         watcher.stop();
         assert!(started.elapsed() < Duration::from_secs(2));
         assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        // The path-based entry point still loads its own library, and names a bad one.
+        let err = HealthWatcher::spawn(
+            std::path::Path::new("/nonexistent/libnvidia-ml.so.1"),
+            uuids,
+            WatchOptions::default(),
+            |_| {},
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("/nonexistent/libnvidia-ml.so.1"),
+            "{err}"
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();

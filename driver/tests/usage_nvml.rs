@@ -1,0 +1,184 @@
+//! The usage sampler over the NVML backend and the mock library: usage scripted in the
+//! mock's control file shows up under each claim device within two rounds, with its
+//! source named; Ampere falls back to utilization and has nothing on MIG devices.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use cleave_driver::backend::GpuBackend as _;
+use cleave_driver::model::Placement;
+use cleave_driver::nvml::NvmlBackend;
+use cleave_driver::usage::{
+    Activity, ActivitySource, Allocation, ClaimDevice, ClaimRef, DeviceKind, MemorySource, MigRef,
+    SharingMode, UsageSampler,
+};
+use common::{mock_lib, run_child, scenario};
+
+const MIB: u64 = 1 << 20;
+
+fn node(product: &str) -> String {
+    format!(
+        "name: usage-{product}\ngpus:\n  - product: {product}\n    count: 1\n    migEnabled: false\n  \
+         - product: {product}\n    count: 1\n    migEnabled: true\n  - product: {product}\n    count: 1\n    migEnabled: false\n"
+    )
+}
+
+fn device(
+    uid: &str,
+    kind: DeviceKind,
+    gpu: &str,
+    mig: Option<MigRef>,
+    pids: &[u32],
+) -> ClaimDevice {
+    ClaimDevice {
+        claim: ClaimRef {
+            uid: uid.into(),
+            namespace: "ml".into(),
+            name: format!("claim-{uid}"),
+        },
+        device: format!("dev-{uid}"),
+        kind,
+        sharing: match kind {
+            DeviceKind::Share => SharingMode::TimeSlicing,
+            DeviceKind::Mps => SharingMode::Mps,
+            _ => SharingMode::Exclusive,
+        },
+        share_id: (kind == DeviceKind::Share).then(|| format!("s-{uid}")),
+        gpu_uuid: gpu.into(),
+        mig,
+        allocated: Allocation::default(),
+        pids: pids.to_vec(),
+    }
+}
+
+/// Opens the backend, makes a 1g MIG device on GPU 1 and returns the claim devices:
+/// whole GPU 0, the MIG device, two shares of GPU 2 (one with known processes).
+fn setup() -> (NvmlBackend, Vec<ClaimDevice>, std::path::PathBuf) {
+    let control = std::path::PathBuf::from(std::env::var("MOCK_NVML_CONTROL").unwrap());
+    let backend = NvmlBackend::open(Some(&mock_lib())).unwrap();
+    let inv = backend.inventory().unwrap();
+    let uuid = |i: usize| inv.gpus[i].uuid.clone();
+    let mig = backend
+        .create_mig(&uuid(1), 19, Placement { start: 0, size: 1 })
+        .unwrap();
+    let devices = vec![
+        device("whole", DeviceKind::Whole, &uuid(0), None, &[]),
+        device(
+            "mig",
+            DeviceKind::Mig,
+            &uuid(1),
+            Some(MigRef {
+                uuid: mig.uuid.clone(),
+                gi: mig.gi_id,
+                ci: mig.ci_id,
+            }),
+            &[],
+        ),
+        device("share-a", DeviceKind::Share, &uuid(2), None, &[100, 200]),
+        device("share-b", DeviceKind::Share, &uuid(2), None, &[]),
+    ];
+    (backend, devices, control)
+}
+
+fn scripted(control: &std::path::Path, gpm_whole: f64, gi: u32) {
+    std::fs::write(
+        control,
+        format!(
+            "memory 0 40960\ngpm 0 {gpm_whole} 10\nutil 0 99\nmemory 1 {gi} 0 2048\ngpm 1 {gi} 12 6\n\
+             process 2 100 1024 20\nprocess 2 200 3072 15\nprocess 2 300 512 50\n"
+        ),
+    )
+    .unwrap();
+}
+
+#[test]
+fn usage_over_the_mock() {
+    match scenario().as_deref() {
+        Some("h100") => {
+            let (backend, devices, control) = setup();
+            let gi = devices[1].mig.as_ref().unwrap().gi;
+            scripted(&control, 30.0, gi);
+            let mut sampler = UsageSampler::new(backend.usage_source().unwrap());
+            let r = sampler.sample(&devices);
+            let s = &r.samples;
+            assert!(s.iter().all(|s| s.errors.is_empty()), "{s:?}");
+            assert_eq!(
+                (s[0].memory_used, s[0].activity),
+                (Some(40960 * MIB), Activity::Warming)
+            );
+            assert_eq!(
+                (s[1].memory_used, s[1].activity),
+                (Some(2048 * MIB), Activity::Warming)
+            );
+            assert_eq!(s[1].memory_total, Some(9984 * MIB));
+            assert_eq!(
+                (s[2].memory_used, s[2].memory_source),
+                (Some(4096 * MIB), MemorySource::Processes)
+            );
+            assert_eq!(
+                s[2].activity,
+                Activity::Measured {
+                    percent: 35.0,
+                    source: ActivitySource::ProcessSmUtilization
+                }
+            );
+            assert_eq!(
+                (s[3].activity, s[3].memory_source),
+                (Activity::NotAttributable, MemorySource::NotAttributable)
+            );
+            // Second round: GPM figures (the ones in effect at the second sample).
+            scripted(&control, 55.0, gi);
+            let r = sampler.sample(&devices);
+            let s = &r.samples;
+            assert_eq!(
+                s[0].activity_series(),
+                [
+                    (ActivitySource::GpmSmActivity, 55.0),
+                    (ActivitySource::GpmSmOccupancy, 10.0)
+                ],
+                "GPM, not the 99 % duty cycle"
+            );
+            assert_eq!(s[1].activity.percent(), Some(12.0));
+            assert_eq!(s[1].sm_occupancy, Some(6.0));
+            // Each GPU/device is asked once per round: 3 memory, 2 GPM, 1 process list, 1
+            // per-process utilization.
+            assert_eq!(r.queries, 7, "{r:?}");
+        }
+        Some("a100") => {
+            let (backend, devices, control) = setup();
+            let gi = devices[1].mig.as_ref().unwrap().gi;
+            scripted(&control, 30.0, gi);
+            let mut sampler = UsageSampler::new(backend.usage_source().unwrap());
+            for _ in 0..2 {
+                let r = sampler.sample(&devices[..2]);
+                assert_eq!(
+                    r.samples[0].activity,
+                    Activity::Measured {
+                        percent: 99.0,
+                        source: ActivitySource::GpuUtilization
+                    }
+                );
+                assert_eq!(r.samples[1].activity, Activity::Unavailable);
+                assert_eq!(r.samples[1].memory_used, Some(2048 * MIB));
+            }
+        }
+        Some(other) => panic!("unknown scenario {other}"),
+        None => {
+            for (scenario, product) in [("h100", "h100-80gb"), ("a100", "a100-40gb")] {
+                let dir = tempfile::tempdir().unwrap();
+                let config = dir.path().join("node.yaml");
+                std::fs::write(&config, node(product)).unwrap();
+                let control = dir.path().join("control");
+                std::fs::write(&control, "").unwrap();
+                run_child(
+                    "usage_over_the_mock",
+                    scenario,
+                    &[
+                        ("MOCK_NVML_CONFIG", config.to_str().unwrap()),
+                        ("MOCK_NVML_CONTROL", control.to_str().unwrap()),
+                    ],
+                );
+            }
+        }
+    }
+}
