@@ -83,6 +83,11 @@ RBAC = {
 MPS_POD_RBAC = {("", "pods"): {"get", "list", "create", "delete"}}
 MPS_POD_SRC = ROOT / "kubelet-plugin" / "src" / "mps_pod.rs"
 MPS_DOC = ROOT / "docs" / "mps.md"
+GRAFANA_DASHBOARD = ROOT / "deployments" / "grafana" / "cleave-dashboard.json"
+# The usage metrics the plugin exports: `USAGE_METRIC_NAMES` in the driver (the plugin
+# registers exactly those), listed again in the docs table, which must agree.
+USAGE_RS = ROOT / "driver" / "src" / "usage.rs"
+USAGE_DOC = ROOT / "docs" / "usage-metrics.md"
 
 # ----------------------------------------------------------------------------- runner
 
@@ -1352,6 +1357,70 @@ def kind_scripts_drive_a_fake_cluster() -> None:
             assert rc != 0, f"defect {name}: script exited 0:\n{out[-2000:]}"
             assert defects[name] in out, f"defect {name}: no {defects[name]!r} in output:\n{out[-2000:]}"
 
+
+
+# ----------------------------------------------------------------------------- Grafana dashboard
+
+
+def usage_metric_names() -> set[str]:
+    """`USAGE_METRIC_NAMES` of driver/src/usage.rs."""
+    m = re.search(r"pub const USAGE_METRIC_NAMES: &\[&str\] = &\[(.*?)\];", USAGE_RS.read_text(), re.S)
+    assert m, f"no `pub const USAGE_METRIC_NAMES: &[&str] = &[...];` in {USAGE_RS}"
+    names = re.findall(r'"([^"]*)"', m.group(1))
+    assert names and len(names) == len(set(names)), f"USAGE_METRIC_NAMES empty or with duplicates: {names}"
+    return set(names)
+
+
+def documented_metric_names() -> set[str]:
+    """The first column of the metric table in docs/usage-metrics.md."""
+    return set(re.findall(r"^\| `(cleave_[a-z0-9_]+)` \|", USAGE_DOC.read_text(), re.M))
+
+
+def dashboard_queries(node: Any) -> list[str]:
+    """Every PromQL text of a dashboard: panel targets' `expr`, variables' `query`/`definition`."""
+    out: list[str] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in ("expr", "definition", "query") and isinstance(v, str):
+                out.append(v)
+            else:
+                out.extend(dashboard_queries(v))
+    elif isinstance(node, list):
+        for v in node:
+            out.extend(dashboard_queries(v))
+    return out
+
+
+def referenced_metrics(dash: dict) -> set[str]:
+    return set(re.findall(r"\bcleave_[a-z0-9_]+", "\n".join(dashboard_queries(dash))))
+
+
+@check
+def grafana_dashboard_refers_only_to_exported_usage_metrics() -> None:
+    dash = json.loads(GRAFANA_DASHBOARD.read_text())
+    exported = usage_metric_names()
+    documented = documented_metric_names()
+    assert documented == exported, (
+        f"{USAGE_DOC.name} table vs USAGE_METRIC_NAMES: only in docs {sorted(documented - exported)}, "
+        f"only in code {sorted(exported - documented)}"
+    )
+    used = referenced_metrics(dash)
+    assert used, "the dashboard refers to no cleave_ metric"
+    unknown = used - exported
+    assert not unknown, f"dashboard refers to metrics the plugin does not export: {sorted(unknown)}"
+    # Every panel has a unique id and, unless a row, targets with distinct refIds.
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {ids}"
+    for p in dash["panels"]:
+        if p["type"] == "row":
+            continue
+        refs = [t["refId"] for t in p.get("targets", [])]
+        assert refs and len(refs) == len(set(refs)), f"panel {p['title']!r}: targets {refs}"
+        assert all(t.get("expr") for t in p["targets"]), f"panel {p['title']!r}: a target without expr"
+    # The check itself can fail: a doctored copy naming an unknown metric is caught.
+    doctored = json.loads(json.dumps(dash))
+    doctored["panels"][1]["targets"][0]["expr"] = "sum(cleave_kubelet_plugin_no_such_metric)"
+    assert referenced_metrics(doctored) - exported == {"cleave_kubelet_plugin_no_such_metric"}
 
 if __name__ == "__main__":
     sys.exit(run_all())
