@@ -489,7 +489,7 @@ mod tests {
         fake.set_lost("GPU-1", false);
         fake.set_lost("GPU-0", true);
         fake.push(EventWait::GpuLost);
-        let mut got = vec![next(&rx), next(&rx)];
+        let mut got = [next(&rx), next(&rx)];
         got.sort_by(|a, b| a.gpu_uuid.cmp(&b.gpu_uuid));
         assert_eq!(
             got.iter()

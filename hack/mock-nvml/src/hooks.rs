@@ -52,12 +52,15 @@ pub struct XidEvent {
     pub key: String,
 }
 
+/// `(GI ID, CI ID)` of a MIG device.
+pub type MigIds = (u32, u32);
+
 /// Scripted usage of one GPU, MIG device or GPU instance (control-file lines `memory`,
 /// `util`, `gpm`, `process`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Usage {
     /// `memory <gpu> [<gi> <ci>] <MiB>`: memory in use on a GPU or MIG device.
-    pub memory: Vec<(u32, Option<(u32, u32)>, u64)>,
+    pub memory: Vec<(u32, Option<MigIds>, u64)>,
     /// `util <gpu> <gpu %> [<memory %>]`: `nvmlDeviceGetUtilizationRates`.
     pub util: Vec<(u32, u32, u32)>,
     /// `gpm <gpu> [<gi>] <SM activity %> <SM occupancy %>`: GPM metrics of a GPU or GPU
