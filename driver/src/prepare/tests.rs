@@ -9,8 +9,9 @@ use super::testing::{
     plain_gpu, with_config,
 };
 use super::*;
-use crate::checkpoint::CHECKPOINT_FILE;
-use crate::model::Placement;
+use crate::cdi;
+use crate::checkpoint::{CHECKPOINT_FILE, ClaimRecord, DeviceKind};
+use crate::model::{GpuInfo, MigState, Placement};
 
 const UID_A: &str = "aaaaaaaa-0000-4000-8000-000000000001";
 const UID_B: &str = "bbbbbbbb-0000-4000-8000-000000000002";

@@ -1,0 +1,587 @@
+//! Phase 2 of prepare, and unprepare: execute. Records the intent, creates on-demand MIG
+//! instances, applies sharing, writes the claim's CDI spec and its `Prepared` record; a
+//! failure rolls back what the claim created ([`NodeDriver::release_record`]). Unprepare
+//! is the same release followed by dropping the record.
+//!
+//! # GPU instances without compute instance
+//!
+//! A MIG device is two NVML objects, made and destroyed in two calls each. A crash between
+//! them, or a rollback whose GPU-instance destroy fails ([`BackendError::LeftBare`]), leaves a
+//! GPU instance without compute instance: no MIG device, yet NVML refuses its placement.
+//! `list_mig` does not show it, so every path that looks for an instance of ours by its
+//! record also looks among [`GpuBackend::list_bare_gpu_instances`] at exactly the recorded
+//! profile and placement (and GPU-instance id, when recorded), and destroys what it finds:
+//! the rollback at start, the retry of failed rollbacks before every prepare, unprepare, and
+//! recreation (whose intent marks the placement as ours). A create that failed without
+//! `LeftBare` made nothing, so its rollback looks for nothing. While one exists, the pool
+//! publishes its placement as taken (`NodeDriver::bare_gpu_instances`).
+
+use std::collections::BTreeSet;
+
+use cleave_api::config::DeviceKind as ConfigKind;
+use cleave_api::merge::base_request;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+use super::plan::{PlannedDevice, claim_label};
+use super::recover::recorded_uuids;
+use super::{
+    NodeDriver, PrepareError, PreparedClaim, PreparedDevice, SharingClaim, SharingDevice,
+    SharingEdits, State, device_need, device_uuid,
+};
+use crate::backend::BackendError;
+use crate::cdi::{self, CdiDevice};
+use crate::checkpoint::{
+    CheckpointData, ClaimRecord, ClaimState, DeviceKind, DeviceRecord, MigRecord,
+};
+use crate::driver_root::DeviceNeed;
+use crate::model::{MigState, NodeInventory};
+
+/// The kubelet answer for a recorded claim.
+pub(super) fn answer(record: &ClaimRecord) -> PreparedClaim {
+    PreparedClaim {
+        devices: record
+            .devices
+            .iter()
+            .map(|d| {
+                let mut request_names: Vec<String> = Vec::new();
+                for r in &d.request_names {
+                    let base = base_request(r).to_owned();
+                    if !request_names.contains(&base) {
+                        request_names.push(base);
+                    }
+                }
+                PreparedDevice {
+                    request_names,
+                    pool_name: d.pool.clone(),
+                    device_name: d.name.clone(),
+                    cdi_device_ids: d.cdi_device_ids.clone(),
+                }
+            })
+            .collect(),
+    }
+}
+
+impl NodeDriver {
+    /// Prepares a claim (see the module docs). Idempotent for a prepared claim.
+    pub fn prepare(&self, claim: &ResourceClaim) -> Result<PreparedClaim, PrepareError> {
+        let label = claim_label(claim);
+        let uid = claim
+            .metadata
+            .uid
+            .as_deref()
+            .filter(|u| !u.is_empty())
+            .ok_or_else(|| PrepareError::InvalidClaim {
+                claim: label.clone(),
+                reason: "no UID".into(),
+            })?;
+        cdi::validate_claim_uid(uid).map_err(|e| PrepareError::InvalidClaim {
+            claim: label.clone(),
+            reason: e.to_string(),
+        })?;
+        let span = tracing::info_span!("prepare", claim = %label, uid);
+        let _enter = span.enter();
+
+        let mut state = self.lock_synced()?;
+        if state
+            .data
+            .claims
+            .values()
+            .any(|r| r.state == ClaimState::PrepareStarted && r.uid != uid)
+        {
+            self.retry_failed_rollbacks(&mut state, uid);
+        }
+        if let Some(record) = state.data.claims.get(uid) {
+            match record.state {
+                ClaimState::Prepared => return Ok(answer(record)),
+                ClaimState::NeedsRecreate => {
+                    // The kubelet replays prepare after a reboot: answer only once the
+                    // hardware state exists again.
+                    let state = &mut *state;
+                    let result = self.recreate(uid, &mut state.data);
+                    match self.backend.inventory() {
+                        Ok(inventory) => state.inventory = inventory,
+                        Err(e) => tracing::warn!(error = %e, "rediscovering GPUs after recreation"),
+                    }
+                    return match result {
+                        Ok(()) => {
+                            state.recreate_errors.remove(uid);
+                            tracing::info!("recreated the hardware state of a prepared claim");
+                            state.data.claims.get(uid).map(answer).ok_or_else(|| {
+                                PrepareError::InvalidClaim {
+                                    claim: label.clone(),
+                                    reason: "record vanished during recreation".into(),
+                                }
+                            })
+                        }
+                        Err(e) => {
+                            state.recreate_errors.insert(uid.to_owned(), e.to_string());
+                            Err(e)
+                        }
+                    };
+                }
+                ClaimState::PrepareStarted => {
+                    // Only left behind when a rollback failed; try it again first.
+                    let record = record.clone();
+                    self.release_record(&record, &state.data)?;
+                    Self::forget_instances(&mut state.inventory, &record);
+                    state.data.claims.remove(uid);
+                    self.checkpoint.store(&state.data)?;
+                }
+            }
+        }
+
+        let plan = self.plan(claim, &label, uid, &state)?;
+        let needs: Vec<DeviceNeed> = plan
+            .iter()
+            .map(|d| device_need(d.gpu.minor, d.mig.as_ref()))
+            .collect();
+        self.view_for(&label, &needs)?;
+        let needs_intent = plan.iter().any(|d| {
+            d.mig.as_ref().is_some_and(|m| m.created_by_cleave)
+                || d.config
+                    .as_ref()
+                    .is_some_and(|c| c.config.sharing().is_some())
+        });
+        let mut record = ClaimRecord {
+            uid: uid.to_owned(),
+            namespace: claim.metadata.namespace.clone().unwrap_or_default(),
+            name: claim.metadata.name.clone().unwrap_or_default(),
+            state: ClaimState::PrepareStarted,
+            devices: plan
+                .iter()
+                .map(|d| DeviceRecord {
+                    name: d.name.clone(),
+                    pool: self.config.pool_name.clone(),
+                    request_names: d.request_names.clone(),
+                    kind: d.kind,
+                    gpu_uuid: d.gpu.uuid.clone(),
+                    gpu_minor: d.gpu.minor,
+                    mig: d.mig.clone(),
+                    config: d.config.as_ref().and_then(|c| serde_json::to_value(c).ok()),
+                    cdi_device_ids: vec![cdi::qualified_device_id(uid, &d.name)],
+                })
+                .collect(),
+            sharing: None,
+        };
+        if plan.iter().any(|d| {
+            d.config
+                .as_ref()
+                .is_some_and(|c| c.config.sharing().is_some())
+        }) {
+            record.sharing = Some(serde_json::json!({}));
+        }
+        if needs_intent {
+            state.data.claims.insert(uid.to_owned(), record.clone());
+            if let Err(e) = self.checkpoint.store(&state.data) {
+                state.data.claims.remove(uid);
+                return Err(e.into());
+            }
+        }
+
+        match self.execute(&label, uid, &plan, &mut record, &mut state) {
+            Ok(()) => {
+                tracing::info!(devices = record.devices.len(), "prepared");
+                Ok(answer(&record))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "prepare failed; rolling back");
+                match self.release_record(&record, &state.data) {
+                    Ok(()) => {
+                        Self::forget_instances(&mut state.inventory, &record);
+                        if state.data.claims.remove(uid).is_some()
+                            && let Err(store_err) = self.checkpoint.store(&state.data)
+                        {
+                            // The record stays on disk as PrepareStarted: start() or a later
+                            // prepare of the claim rolls it back again (idempotently).
+                            tracing::error!(error = %store_err, "recording the rollback");
+                        }
+                    }
+                    Err(rollback_err) => {
+                        // Keep what is known so that a retry or the next start finishes it.
+                        tracing::error!(error = %rollback_err, "rollback incomplete; kept in the checkpoint");
+                        let mut record = record;
+                        record.state = ClaimState::PrepareStarted;
+                        state.data.claims.insert(uid.to_owned(), record);
+                        let _ = self.checkpoint.store(&state.data);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Steps 3 and 4 of prepare; on error the caller rolls back what `record` shows.
+    pub(super) fn execute(
+        &self,
+        label: &str,
+        uid: &str,
+        plan: &[PlannedDevice],
+        record: &mut ClaimRecord,
+        state: &mut State,
+    ) -> Result<(), PrepareError> {
+        // Create on-demand MIG instances.
+        for (i, d) in plan.iter().enumerate() {
+            let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
+                continue;
+            };
+            let created = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
+                self.backend
+                    .create_mig(&d.gpu.uuid, mig.profile_id, mig.placement)
+            });
+            let inst = match created {
+                Ok(inst) => inst,
+                Err(source) => {
+                    // Tell the rollback what exists: only a GPU instance the backend could
+                    // not destroy (then by its id), else nothing, so that it never takes
+                    // an instance someone else holds at this placement (the usual cause
+                    // of the failure) for ours.
+                    match &source {
+                        BackendError::LeftBare { gi_id, .. } => {
+                            if let Some(m) = record.devices[i].mig.as_mut() {
+                                m.gi_id = *gi_id;
+                            }
+                        }
+                        _ => record.devices[i].mig = None,
+                    }
+                    return Err(PrepareError::MigCreate {
+                        claim: label.to_owned(),
+                        device: d.name.clone(),
+                        source,
+                    });
+                }
+            };
+            crate::fault::point("prepare.after_mig_create");
+            if let Some(m) = record.devices[i].mig.as_mut() {
+                m.uuid = Some(inst.uuid.clone());
+                m.gi_id = Some(inst.gi_id);
+                m.ci_id = Some(inst.ci_id);
+            }
+            tracing::info!(device = %d.name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "created MIG device");
+            if let Some(gpu) = state
+                .inventory
+                .gpus
+                .iter_mut()
+                .find(|g| g.uuid == d.gpu.uuid)
+                && let MigState::Enabled { instances, .. } = &mut gpu.mig
+            {
+                instances.push(inst);
+            }
+        }
+
+        // Sharing.
+        let shared: Vec<SharingDevice> = plan
+            .iter()
+            .zip(&record.devices)
+            .filter_map(|(d, r)| {
+                let sharing = d.config.as_ref()?.config.sharing()?.clone();
+                Some(SharingDevice {
+                    device_name: d.name.clone(),
+                    kind: if r.kind == DeviceKind::Mig {
+                        ConfigKind::Mig
+                    } else {
+                        ConfigKind::Gpu
+                    },
+                    uuid: device_uuid(r),
+                    gpu_uuid: r.gpu_uuid.clone(),
+                    sharing,
+                })
+            })
+            .collect();
+        let edits = if shared.is_empty() {
+            SharingEdits::default()
+        } else {
+            let claim = SharingClaim {
+                uid,
+                namespace: &record.namespace,
+                name: &record.name,
+            };
+            let edits = crate::timing::timed(crate::timing::step::SHARING_APPLY, || {
+                self.sharing.apply(&claim, &shared)
+            })?;
+            crate::fault::point("prepare.after_sharing_apply");
+            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+            edits
+        };
+
+        // CDI spec.
+        crate::timing::timed(crate::timing::step::CDI_WRITE, || {
+            self.write_cdi(uid, record, &edits)
+        })?;
+
+        // Durable record, then the answer.
+        record.state = ClaimState::Prepared;
+        let previous = state.data.claims.insert(uid.to_owned(), record.clone());
+        if let Err(e) = self.checkpoint.store(&state.data) {
+            match previous {
+                Some(p) => state.data.claims.insert(uid.to_owned(), p),
+                None => state.data.claims.remove(uid),
+            };
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Writes the claim's CDI spec from its record and the sharing edits.
+    pub(super) fn write_cdi(
+        &self,
+        uid: &str,
+        record: &ClaimRecord,
+        edits: &SharingEdits,
+    ) -> Result<(), PrepareError> {
+        let needs: Vec<DeviceNeed> = record
+            .devices
+            .iter()
+            .map(|r| device_need(r.gpu_minor, r.mig.as_ref()))
+            .collect();
+        let label = format!("{}/{}", record.namespace, record.name);
+        let view = self.view_for(&label, &needs)?;
+        let devices: Vec<CdiDevice> = record
+            .devices
+            .iter()
+            .map(|r| {
+                let mut device_edits = match (&r.mig, r.kind) {
+                    (Some(m), _) => cdi::mig_device_edits(
+                        &view.files,
+                        &r.name,
+                        &device_uuid(r),
+                        r.gpu_minor,
+                        m.gi_id.unwrap_or_default(),
+                        m.ci_id.unwrap_or_default(),
+                    ),
+                    (None, _) => {
+                        cdi::gpu_device_edits(&view.files, &r.name, &r.gpu_uuid, r.gpu_minor)
+                    }
+                };
+                if let Some(extra) = edits.device_edits.get(&r.name) {
+                    device_edits.extend(extra);
+                }
+                CdiDevice {
+                    device_name: r.name.clone(),
+                    edits: device_edits,
+                }
+            })
+            .collect();
+        view.cdi
+            .write_claim_spec(uid, &devices, &edits.claim_edits)
+            .map_err(|source| PrepareError::Cdi {
+                claim: uid.to_owned(),
+                source,
+            })?;
+        Ok(())
+    }
+
+    /// Undoes everything a record describes, except the checkpoint entry: sharing, MIG
+    /// instances cleave created (verified against NVML first), the CDI spec. Idempotent.
+    /// An instance without a recorded UUID is looked for by profile and placement (skipping
+    /// the UUIDs recorded in `data`) only for an interrupted prepare of this boot
+    /// (`PrepareStarted`) or a recreation intent of this boot; never otherwise for a claim
+    /// waiting for recreation, whose unrecorded instances do not exist.
+    pub(super) fn release_record(
+        &self,
+        record: &ClaimRecord,
+        data: &CheckpointData,
+    ) -> Result<(), PrepareError> {
+        if record.sharing.is_some() {
+            self.sharing.release(&record.uid, record.sharing.as_ref())?;
+            crate::fault::point("release.after_sharing_release");
+        }
+        let taken = recorded_uuids(data, record);
+        for d in record.devices.iter().rev() {
+            let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
+                continue;
+            };
+            let by_placement = record.state == ClaimState::PrepareStarted
+                || mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str());
+            if mig.uuid.is_none() && !by_placement {
+                continue;
+            }
+            self.destroy_owned(&record.uid, d, mig, &taken)?;
+        }
+        self.view()
+            .cdi
+            .remove_claim_spec(&record.uid)
+            .map_err(|source| PrepareError::Cdi {
+                claim: record.uid.clone(),
+                source,
+            })?;
+        Ok(())
+    }
+
+    /// Destroys the instance cleave created for `device`, if it still exists. It is found by
+    /// its UUID, or (when prepare or recreation was interrupted before the UUID was recorded)
+    /// by profile and placement, never among `taken` (UUIDs recorded for claims); an instance
+    /// that is not ours (different UUID) is left alone.
+    pub(super) fn destroy_owned(
+        &self,
+        claim: &str,
+        device: &DeviceRecord,
+        mig: &MigRecord,
+        taken: &BTreeSet<String>,
+    ) -> Result<(), PrepareError> {
+        let err = |source| PrepareError::MigDestroy {
+            claim: claim.to_owned(),
+            device: device.name.clone(),
+            source,
+        };
+        let existing = match self.backend.list_mig(&device.gpu_uuid) {
+            Ok(list) => list,
+            // The GPU is gone (or NVML lost it): nothing of ours can be left on it.
+            Err(BackendError::GpuNotFound(_)) => return Ok(()),
+            Err(e) => return Err(err(e)),
+        };
+        let target = existing.iter().find(|i| match &mig.uuid {
+            Some(uuid) => &i.uuid == uuid,
+            None => {
+                i.profile_id == mig.profile_id
+                    && i.placement == mig.placement
+                    && !taken.contains(&i.uuid)
+            }
+        });
+        let Some(inst) = target else {
+            return self.destroy_bare(claim, device, mig);
+        };
+        crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
+            self.backend
+                .destroy_mig(&device.gpu_uuid, inst.gi_id, inst.ci_id)
+        })
+        .map_err(err)?;
+        crate::fault::point("release.after_mig_destroy");
+        tracing::info!(device = %device.name, mig = %inst.uuid, "destroyed MIG device");
+        Ok(())
+    }
+
+    /// The second half of [`Self::destroy_owned`]: no MIG device of ours is left, but the
+    /// GPU instance may be, without its compute instance (a crash or a failed rollback
+    /// between the two creates, or between the two destroys). It is ours when it has the
+    /// recorded profile and placement and, if an id was recorded, that GPU-instance id; it
+    /// is destroyed, and an error keeps the record so that the next prepare, unprepare or
+    /// start tries again.
+    pub(super) fn destroy_bare(
+        &self,
+        claim: &str,
+        device: &DeviceRecord,
+        mig: &MigRecord,
+    ) -> Result<(), PrepareError> {
+        let err = |source| PrepareError::MigDestroy {
+            claim: claim.to_owned(),
+            device: device.name.clone(),
+            source,
+        };
+        let bare = match self.backend.list_bare_gpu_instances(&device.gpu_uuid) {
+            Ok(list) => list,
+            Err(BackendError::GpuNotFound(_)) => return Ok(()),
+            Err(e) => return Err(err(e)),
+        };
+        let Some(gi) = bare.iter().find(|b| {
+            b.profile_id == mig.profile_id
+                && b.placement == mig.placement
+                && mig.gi_id.is_none_or(|id| id == b.gi_id)
+        }) else {
+            tracing::info!(device = %device.name, "MIG device already gone");
+            return Ok(());
+        };
+        tracing::warn!(
+            device = %device.name,
+            gi = gi.gi_id,
+            placement_start = gi.placement.start,
+            "found a GPU instance of ours without compute instance; destroying it"
+        );
+        crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
+            self.backend
+                .destroy_gpu_instance(&device.gpu_uuid, gi.gi_id)
+        })
+        .map_err(err)?;
+        crate::fault::point("release.after_mig_destroy");
+        tracing::info!(device = %device.name, gi = gi.gi_id, "destroyed bare GPU instance");
+        Ok(())
+    }
+
+    /// Finishes the rollbacks that failed before (records left `PrepareStarted` by another
+    /// claim's prepare whose rollback could not destroy what it made, or by a crashed
+    /// instance). Under the node lock no prepare is in flight, so every such record is a
+    /// leftover. Their devices stay busy, and a bare GPU instance of theirs would make
+    /// NVML refuse its placement to the next claim, so they are retried before every
+    /// prepare; what still fails stays recorded and logged.
+    pub(super) fn retry_failed_rollbacks(&self, state: &mut State, except: &str) {
+        let pending: Vec<ClaimRecord> = state
+            .data
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::PrepareStarted && r.uid != except)
+            .cloned()
+            .collect();
+        for record in pending {
+            match self.release_record(&record, &state.data) {
+                Ok(()) => {
+                    Self::forget_instances(&mut state.inventory, &record);
+                    state.data.claims.remove(&record.uid);
+                    match self.checkpoint.store(&state.data) {
+                        Ok(()) => {
+                            tracing::info!(claim = %record.uid, "finished an earlier rollback")
+                        }
+                        Err(e) => {
+                            state.data.claims.insert(record.uid.clone(), record.clone());
+                            tracing::error!(claim = %record.uid, error = %e, "recording a finished rollback");
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(claim = %record.uid, error = %e, "earlier rollback still incomplete")
+                }
+            }
+        }
+    }
+
+    /// Removes the instances a record created from the cached inventory.
+    pub(super) fn forget_instances(inventory: &mut NodeInventory, record: &ClaimRecord) {
+        for d in &record.devices {
+            let Some(uuid) = d
+                .mig
+                .as_ref()
+                .filter(|m| m.created_by_cleave)
+                .and_then(|m| m.uuid.as_ref())
+            else {
+                continue;
+            };
+            for gpu in &mut inventory.gpus {
+                if let MigState::Enabled { instances, .. } = &mut gpu.mig {
+                    instances.retain(|i| &i.uuid != uuid);
+                }
+            }
+        }
+    }
+
+    /// Unprepares a claim: releases sharing, destroys the MIG instances it created, deletes
+    /// its CDI spec and drops its record. An unknown claim succeeds (its CDI spec is removed
+    /// if one is left).
+    pub fn unprepare(&self, claim_uid: &str) -> Result<(), PrepareError> {
+        cdi::validate_claim_uid(claim_uid).map_err(|e| PrepareError::InvalidClaim {
+            claim: claim_uid.to_owned(),
+            reason: e.to_string(),
+        })?;
+        let span = tracing::info_span!("unprepare", uid = claim_uid);
+        let _enter = span.enter();
+        let mut state = self.lock_synced()?;
+        let Some(record) = state.data.claims.get(claim_uid).cloned() else {
+            self.view()
+                .cdi
+                .remove_claim_spec(claim_uid)
+                .map_err(|source| PrepareError::Cdi {
+                    claim: claim_uid.to_owned(),
+                    source,
+                })?;
+            return Ok(());
+        };
+        self.release_record(&record, &state.data)?;
+        Self::forget_instances(&mut state.inventory, &record);
+        state.data.claims.remove(claim_uid);
+        if let Err(e) = self.checkpoint.store(&state.data) {
+            // Everything is released; keeping the record (now describing nothing that
+            // exists) lets a retry finish the bookkeeping.
+            state.data.claims.insert(claim_uid.to_owned(), record);
+            return Err(e.into());
+        }
+        tracing::info!("unprepared");
+        Ok(())
+    }
+}

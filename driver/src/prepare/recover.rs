@@ -1,0 +1,554 @@
+//! Recovery: what brings the node back in line with the checkpoint after a crash, a
+//! restart or a reboot, and later whenever something recorded is found missing: the
+//! rollback of interrupted prepares and the CDI sweep at start, the reboot and
+//! vanished-instance handling with recreation, the reconciliation of sharing (MPS daemons
+//! that died), and the rediscovery of the driver root when a claim needs a file that was
+//! missing.
+//!
+//! # Reboots and vanished instances
+//!
+//! The checkpoint records the kernel boot ID (`DriverConfig::boot_id_path`) of the boot its
+//! hardware state belongs to, for the whole file. When [`NodeDriver::start`] finds another
+//! boot ID, nothing the records describe exists any more (MIG instances, MPS daemons, time
+//! slices, and usually the CDI specs, which live on a tmpfs), and nothing is assumed to:
+//! - every MIG record loses its UUID and GPU/compute-instance IDs (those IDs may now belong
+//!   to someone else's instance; nothing is ever destroyed by them);
+//! - `Prepared` claims become [`ClaimState::NeedsRecreate`]; `PrepareStarted` claims are
+//!   rolled back without any MIG destroy (their MIG records are dropped): sharing released,
+//!   CDI spec removed, record dropped;
+//! - the new boot ID is stored before anything is created.
+//!
+//! Start without a new boot checks once, cheaply, that the instances recorded for `Prepared`
+//! claims still exist (one `list_mig` per GPU that has any); a claim whose instance vanished
+//! (someone destroyed it) loses that instance's IDs and becomes `NeedsRecreate` too. A GPU
+//! that cannot be listed is skipped with a warning.
+//!
+//! Recreation (eagerly at start, best effort and logged per claim; and again on every
+//! prepare of a `NeedsRecreate` claim, which the kubelet replays after a reboot):
+//! 1. per MIG device in record order: an instance recorded in this boot that still exists is
+//!    kept; an instance cleave created is created again with exactly the recorded profile and
+//!    placement (`create_mig`) and recorded at once, after its intent (`MigRecord::
+//!    creating_in_boot` = this boot ID) was recorded durably; a static instance (not created
+//!    by cleave) must exist again with the recorded profile and placement, else the claim
+//!    fails with [`PrepareError::StaticMigMissing`] naming the device;
+//! 2. sharing is applied again ([`SharingHandler::apply`] with the device UUIDs of now: MPS
+//!    daemon started again, time slices set again);
+//! 3. the CDI spec is rewritten: the same CDI device names and IDs, new per-device values
+//!    (MIG UUIDs change);
+//! 4. the record becomes `Prepared` with the new UUIDs and IDs.
+//!
+//! A failed recreation keeps the claim `NeedsRecreate` (with what it did create, recorded by
+//! UUID), removes its CDI spec, and keeps the error (see [`NodeDriver::claims_needing_recreate`]);
+//! prepare then fails with that error and never answers for a claim whose hardware is
+//! missing. Start passes only claims that are not `NeedsRecreate` to
+//! [`SharingHandler::reconcile`], so a daemon of a claim still waiting is stopped rather than
+//! restarted with stale device UUIDs. Unprepare of a `NeedsRecreate` claim releases sharing,
+//! destroys the instances recorded in this boot (by UUID) and those of a recreation intent of
+//! this boot (by profile and placement, as below), and drops the record.
+//!
+//! A crash between creating an instance and recording it leaves the instance unrecorded but
+//! its intent recorded. The next recreation (or unprepare) of the claim takes the instance at
+//! exactly the intended profile and placement as its own when the intent names the current
+//! boot and no claim records that instance's UUID: it adopts it (records its UUID and IDs)
+//! instead of creating again, which would fail with NVML's insufficient resources at that
+//! placement. The intent names the boot, so an instance a boot-time MIG configuration (or an
+//! administrator) made in a later boot is never taken: start clears every intent after a
+//! reboot, and only the boot that wrote an intent honours it. A create that fails clears its
+//! intent, so an instance someone else already holds at the placement (the usual cause of
+//! that failure) is never adopted by a retry. What remains is the same narrow window as for
+//! prepare's `PrepareStarted` rollback: an administrator who creates an identical instance at
+//! that placement in the same boot, after the crash and before the restart, has it taken
+//! (and destroyed at unprepare) as cleave's.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use cleave_api::config::DeviceKind as ConfigKind;
+use cleave_api::merge::ResolvedConfig;
+
+use super::{
+    DriverView, NodeDriver, PrepareError, SharingClaim, SharingDevice, SharingEdits, device_uuid,
+};
+use crate::backend::BackendError;
+use crate::cdi;
+use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, DeviceKind, MigRecord};
+use crate::driver_root::{DeviceNeed, DriverFiles};
+
+/// Forgets the IDs of every MIG instance of a record, and any recreation intent (after a
+/// reboot none of them exists).
+pub(super) fn forget_instances_of(record: &mut ClaimRecord) {
+    for m in record.devices.iter_mut().filter_map(|d| d.mig.as_mut()) {
+        m.uuid = None;
+        m.gi_id = None;
+        m.ci_id = None;
+        m.creating_in_boot = None;
+    }
+}
+
+/// UUIDs of the MIG instances recorded for any claim, `record` (the copy being recreated)
+/// included: an instance among them is never adopted by a recreation.
+pub(super) fn recorded_uuids(data: &CheckpointData, record: &ClaimRecord) -> BTreeSet<String> {
+    data.claims
+        .values()
+        .filter(|r| r.uid != record.uid)
+        .chain(std::iter::once(record))
+        .flat_map(|r| &r.devices)
+        .filter_map(|d| d.mig.as_ref()?.uuid.clone())
+        .collect()
+}
+
+/// The sharing devices of a record, from the effective configs it recorded.
+pub(super) fn recorded_sharing(record: &ClaimRecord) -> Vec<SharingDevice> {
+    record
+        .devices
+        .iter()
+        .filter_map(|r| {
+            let resolved: ResolvedConfig = match serde_json::from_value(r.config.clone()?) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(claim = %record.uid, device = %r.name, error = %e, "recorded config does not decode; no sharing");
+                    return None;
+                }
+            };
+            let sharing = resolved.config.sharing()?.clone();
+            Some(SharingDevice {
+                device_name: r.name.clone(),
+                kind: if r.kind == DeviceKind::Mig {
+                    ConfigKind::Mig
+                } else {
+                    ConfigKind::Gpu
+                },
+                uuid: device_uuid(r),
+                gpu_uuid: r.gpu_uuid.clone(),
+                sharing,
+            })
+        })
+        .collect()
+}
+
+impl NodeDriver {
+    /// The driver files for a claim with these devices. When something they need is
+    /// missing the driver root is looked at again (the driver may have been installed, or
+    /// its nodes created, since the last look); what is still missing fails the claim.
+    pub(super) fn view_for(
+        &self,
+        claim: &str,
+        needs: &[DeviceNeed],
+    ) -> Result<Arc<DriverView>, PrepareError> {
+        let view = self.view();
+        if view.files.missing_for(needs).is_empty() {
+            return Ok(view);
+        }
+        let files = DriverFiles::discover(&self.config.driver_root)?;
+        let missing = files.missing_for(needs);
+        let fresh = Arc::new(DriverView::new(files, &self.config));
+        *self
+            .files
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::clone(&fresh);
+        if missing.is_empty() {
+            tracing::info!(root = %fresh.files.root.display(), "driver files a claim needs appeared since the driver root was last examined");
+            return Ok(fresh);
+        }
+        Err(PrepareError::MissingDriverFiles {
+            claim: claim.to_owned(),
+            root: fresh.files.root.clone(),
+            dev_dir: fresh.files.dev_dir.clone(),
+            missing,
+        })
+    }
+
+    /// When NVML sees GPUs but the driver root holds no driver files at all (a wrong
+    /// `--driver-root`, or a driver container still installing): the error saying so.
+    /// Claims are refused meanwhile (naming the files); the shell keeps the node from
+    /// being offered.
+    pub fn missing_driver(&self) -> Option<PrepareError> {
+        let view = self.view();
+        let gpus = self.lock_for_view().inventory.gpus.len();
+        (gpus > 0 && view.files.holds_no_driver()).then(|| PrepareError::NoDriverFiles {
+            root: view.files.root.clone(),
+            dev_dir: view.files.dev_dir.clone(),
+            gpus,
+        })
+    }
+
+    /// Looks at the driver root again (for [`Self::missing_driver`] to clear once the
+    /// driver is installed).
+    pub fn rediscover_driver_files(&self) -> Result<(), PrepareError> {
+        let files = DriverFiles::discover(&self.config.driver_root)?;
+        *self
+            .files
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Arc::new(DriverView::new(files, &self.config));
+        Ok(())
+    }
+
+    /// Removes spec files (and temp files) of this driver's kind whose claim is not recorded.
+    pub(super) fn sweep_cdi_root(&self, data: &CheckpointData) {
+        let prefix = cdi::spec_file_name("");
+        let prefix = prefix.trim_end_matches(".json");
+        let Ok(entries) = std::fs::read_dir(&self.config.cdi_root) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let stale = if let Some(uid) = name
+                .strip_prefix(prefix)
+                .and_then(|rest| rest.strip_suffix(".json"))
+            {
+                !data.claims.contains_key(uid)
+            } else {
+                name.starts_with(&format!(".{prefix}")) && name.ends_with(".tmp")
+            };
+            if stale {
+                tracing::info!(file = %name, "removing CDI spec of an unrecorded claim");
+                if let Err(e) = std::fs::remove_file(entry.path()) {
+                    tracing::warn!(file = %name, error = %e, "removing stale CDI spec");
+                }
+            }
+        }
+    }
+
+    /// Checks the sharing set-up of the recorded claims now, as at start: MPS daemons of
+    /// live claims that died are started again (and their CDI specs rewritten), daemons of
+    /// claims that are gone are stopped. Returns the claims whose sharing was restarted.
+    /// Call it like prepare: under the node lock, from a blocking thread.
+    pub fn reconcile_sharing(&self) -> Result<BTreeSet<String>, PrepareError> {
+        let mut state = self.lock_synced()?;
+        let live: BTreeSet<String> = state
+            .data
+            .claims
+            .values()
+            .filter(|r| r.state != ClaimState::NeedsRecreate)
+            .map(|r| r.uid.clone())
+            .collect();
+        let restarted = self.sharing.reconcile(&live);
+        for uid in &restarted {
+            if let Err(e) = self.refresh_sharing(uid, &mut state.data) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+            }
+        }
+        Ok(restarted)
+    }
+
+    /// After the sharing of a prepared claim was started again (its MPS daemon had died):
+    /// takes the sharing edits of now (a restarted daemon pod has a new `/dev/shm`), records
+    /// them and rewrites the claim's CDI spec, so that containers started from now on use
+    /// the new daemon.
+    pub(super) fn refresh_sharing(
+        &self,
+        uid: &str,
+        data: &mut CheckpointData,
+    ) -> Result<(), PrepareError> {
+        let Some(mut record) = data.claims.get(uid).cloned() else {
+            return Ok(());
+        };
+        let shared = recorded_sharing(&record);
+        if shared.is_empty() {
+            return Ok(());
+        }
+        let claim = SharingClaim {
+            uid,
+            namespace: &record.namespace,
+            name: &record.name,
+        };
+        let edits = self.sharing.apply(&claim, &shared)?;
+        record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+        self.write_cdi(uid, &record, &edits)?;
+        data.claims.insert(uid.to_owned(), record);
+        self.checkpoint.store(data)?;
+        tracing::info!(claim = %uid, "rewrote the CDI spec of a claim whose sharing was restarted");
+        Ok(())
+    }
+
+    /// Marks `Prepared` claims whose recorded MIG instances no longer exist as
+    /// `NeedsRecreate` and forgets the vanished instances' IDs (one `list_mig` per GPU).
+    pub(super) fn mark_vanished(&self, data: &mut CheckpointData) {
+        let mut listed: BTreeMap<String, Option<Vec<crate::model::MigInstance>>> = BTreeMap::new();
+        let boot_id = data.boot_id.clone();
+        for record in data
+            .claims
+            .values_mut()
+            .filter(|r| r.state == ClaimState::Prepared)
+        {
+            let mut vanished = Vec::new();
+            for d in &mut record.devices {
+                let Some(mig) = d.mig.as_mut() else { continue };
+                let Some(uuid) = mig.uuid.clone() else {
+                    continue;
+                };
+                let list = listed.entry(d.gpu_uuid.clone()).or_insert_with(|| {
+                    match self.backend.list_mig(&d.gpu_uuid) {
+                        Ok(list) => Some(list),
+                        Err(e) => {
+                            tracing::warn!(gpu = %d.gpu_uuid, error = %e, "listing MIG devices to check prepared claims; not checked");
+                            None
+                        }
+                    }
+                });
+                let Some(list) = list else { continue };
+                if !list.iter().any(|i| i.uuid == uuid) {
+                    // Half destroyed by us (a crash between the compute-instance and the
+                    // GPU-instance destroy): the GPU instance with the recorded id, profile
+                    // and placement is still there, bare. It is ours; destroy it now, or its
+                    // placement stays refused while the pool says it is free.
+                    // If that fails, an intent of this boot makes recreation and
+                    // unprepare look for it by placement and try again.
+                    if mig.created_by_cleave
+                        && let Some(gi_id) = mig.gi_id
+                        && !self.destroy_recorded_bare(&d.gpu_uuid, gi_id, mig, &d.name)
+                    {
+                        mig.creating_in_boot = Some(boot_id.clone());
+                    }
+                    vanished.push(d.name.clone());
+                    mig.uuid = None;
+                    mig.gi_id = None;
+                    mig.ci_id = None;
+                }
+            }
+            if !vanished.is_empty() {
+                tracing::warn!(claim = %record.uid, devices = ?vanished, "MIG devices of a prepared claim vanished; recreating them");
+                record.state = ClaimState::NeedsRecreate;
+            }
+        }
+    }
+
+    /// Recreates the hardware state of the `NeedsRecreate` claim `uid` (see the module
+    /// docs) and records it `Prepared`. On failure the claim stays `NeedsRecreate` with what
+    /// was created recorded, and its CDI spec is removed.
+    pub(super) fn recreate(
+        &self,
+        uid: &str,
+        data: &mut CheckpointData,
+    ) -> Result<(), PrepareError> {
+        let Some(mut record) = data.claims.get(uid).cloned() else {
+            return Ok(());
+        };
+        let result = self.recreate_record(&mut record, data);
+        if let Err(e) = &result {
+            if let Some(r) = data.claims.get_mut(uid) {
+                r.state = ClaimState::NeedsRecreate;
+            }
+            tracing::warn!(claim = %uid, error = %e, "recreation failed");
+            if let Err(cdi_err) = self.view().cdi.remove_claim_spec(uid) {
+                tracing::warn!(claim = %uid, error = %cdi_err, "removing the CDI spec of a claim waiting for recreation");
+            }
+        }
+        result
+    }
+
+    pub(super) fn recreate_record(
+        &self,
+        record: &mut ClaimRecord,
+        data: &mut CheckpointData,
+    ) -> Result<(), PrepareError> {
+        let uid = record.uid.clone();
+        let label = format!("{}/{}", record.namespace, record.name);
+        let mut listed: BTreeMap<String, Vec<crate::model::MigInstance>> = BTreeMap::new();
+        for i in 0..record.devices.len() {
+            let d = &record.devices[i];
+            let Some(mig) = d.mig.clone() else { continue };
+            let (gpu, name) = (d.gpu_uuid.clone(), d.name.clone());
+            let recreate_err = |source| PrepareError::MigRecreate {
+                claim: label.clone(),
+                device: name.clone(),
+                profile: mig.profile_name.clone(),
+                placement: mig.placement,
+                source: Box::new(source),
+            };
+            if !listed.contains_key(&gpu) {
+                let list = self.backend.list_mig(&gpu).map_err(recreate_err)?;
+                listed.insert(gpu.clone(), list);
+            }
+            let list = listed.entry(gpu.clone()).or_default();
+            // An instance recorded in this boot that still exists is kept.
+            let kept = mig
+                .uuid
+                .as_ref()
+                .and_then(|u| list.iter().find(|i| &i.uuid == u))
+                .cloned();
+            let inst = match kept {
+                Some(inst) => inst,
+                None if mig.created_by_cleave => {
+                    let adopted = if mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str())
+                    {
+                        // A crash of this boot came between our create and its record: the
+                        // instance at exactly this profile and placement, recorded for nothing
+                        // else, is ours.
+                        let taken = recorded_uuids(data, record);
+                        list.iter()
+                            .find(|i| {
+                                i.profile_id == mig.profile_id
+                                    && i.placement == mig.placement
+                                    && !taken.contains(&i.uuid)
+                            })
+                            .cloned()
+                    } else {
+                        None
+                    };
+                    match adopted {
+                        Some(inst) => {
+                            tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "adopted the MIG device an interrupted recreation created");
+                            inst
+                        }
+                        None => {
+                            // Intent first, so that a crash after the create leaves an
+                            // instance the next attempt recognises as ours.
+                            if mig.creating_in_boot.as_deref() != Some(data.boot_id.as_str()) {
+                                if let Some(m) = record.devices[i].mig.as_mut() {
+                                    m.creating_in_boot = Some(data.boot_id.clone());
+                                }
+                                data.claims.insert(uid.clone(), record.clone());
+                                if let Err(e) = self.checkpoint.store(data) {
+                                    // Not recorded and nothing created: no intent either.
+                                    if let Some(m) = data
+                                        .claims
+                                        .get_mut(&uid)
+                                        .and_then(|r| r.devices.get_mut(i))
+                                        .and_then(|d| d.mig.as_mut())
+                                    {
+                                        m.creating_in_boot = None;
+                                    }
+                                    return Err(e.into());
+                                }
+                                crate::fault::point("recreate.after_intent");
+                            } else {
+                                // An intent of this boot without an instance: a crash (or a
+                                // failed rollback) between the GPU instance and its compute
+                                // instance may have left the GPU instance bare. It is ours.
+                                let d = &record.devices[i];
+                                self.destroy_bare(&uid, d, &mig)?;
+                            }
+                            let inst = match self.backend.create_mig(
+                                &gpu,
+                                mig.profile_id,
+                                mig.placement,
+                            ) {
+                                Ok(inst) => inst,
+                                Err(e) => {
+                                    // Nothing was created: drop the intent, so that a later
+                                    // attempt never takes an instance someone else made at
+                                    // this placement (the usual cause of this failure). If
+                                    // our own rollback left the GPU instance bare, keep it:
+                                    // the next attempt destroys that instance first.
+                                    let left_bare = matches!(e, BackendError::LeftBare { .. });
+                                    if !left_bare && let Some(m) = record.devices[i].mig.as_mut() {
+                                        m.creating_in_boot = None;
+                                    }
+                                    data.claims.insert(uid.clone(), record.clone());
+                                    if let Err(store_err) = self.checkpoint.store(data) {
+                                        tracing::warn!(claim = %uid, error = %store_err, "recording a failed recreation");
+                                    }
+                                    return Err(recreate_err(e));
+                                }
+                            };
+                            crate::fault::point("recreate.after_mig_create");
+                            tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
+                            list.push(inst.clone());
+                            inst
+                        }
+                    }
+                }
+                None => list
+                    .iter()
+                    .find(|i| i.profile_id == mig.profile_id && i.placement == mig.placement)
+                    .cloned()
+                    .ok_or_else(|| PrepareError::StaticMigMissing {
+                        claim: label.clone(),
+                        device: name.clone(),
+                        profile: mig.profile_name.clone(),
+                        placement: mig.placement,
+                    })?,
+            };
+            let changed = mig.uuid.as_deref() != Some(inst.uuid.as_str())
+                || record.devices[i]
+                    .mig
+                    .as_ref()
+                    .is_some_and(|m| m.creating_in_boot.is_some());
+            if let Some(m) = record.devices[i].mig.as_mut() {
+                m.uuid = Some(inst.uuid.clone());
+                m.gi_id = Some(inst.gi_id);
+                m.ci_id = Some(inst.ci_id);
+                m.creating_in_boot = None;
+            }
+            if changed && mig.created_by_cleave {
+                // Recorded at once, so that unprepare or a retry finds it by UUID.
+                data.claims.insert(uid.clone(), record.clone());
+                self.checkpoint.store(data)?;
+            }
+        }
+
+        let shared = recorded_sharing(record);
+        let edits = if shared.is_empty() {
+            SharingEdits::default()
+        } else {
+            let claim = SharingClaim {
+                uid: &uid,
+                namespace: &record.namespace,
+                name: &record.name,
+            };
+            let edits = self.sharing.apply(&claim, &shared)?;
+            crate::fault::point("recreate.after_sharing_apply");
+            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+            edits
+        };
+        self.write_cdi(&uid, record, &edits)?;
+
+        record.state = ClaimState::Prepared;
+        let previous = data.claims.insert(uid.clone(), record.clone());
+        if let Err(e) = self.checkpoint.store(data) {
+            if let Some(p) = previous {
+                data.claims.insert(uid, p);
+            }
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Destroys the bare GPU instance `gi_id` if it is there with `mig`'s profile and
+    /// placement. False when one is there and could not be destroyed (logged).
+    pub(super) fn destroy_recorded_bare(
+        &self,
+        gpu: &str,
+        gi_id: u32,
+        mig: &MigRecord,
+        device: &str,
+    ) -> bool {
+        if !self.bare_at(gpu, mig).contains(&gi_id) {
+            return true;
+        }
+        tracing::warn!(
+            device,
+            gi = gi_id,
+            "a MIG device of ours lost its compute instance; destroying its GPU instance"
+        );
+        match self.backend.destroy_gpu_instance(gpu, gi_id) {
+            Ok(()) => {
+                crate::fault::point("release.after_mig_destroy");
+                true
+            }
+            Err(e) => {
+                tracing::error!(device, gi = gi_id, error = %e, "destroying a GPU instance without compute instance");
+                false
+            }
+        }
+    }
+
+    /// Ids of the GPU instances without compute instance at exactly `mig`'s profile and
+    /// placement on `gpu` (none when they cannot be listed).
+    pub(super) fn bare_at(&self, gpu: &str, mig: &MigRecord) -> Vec<u32> {
+        match self.backend.list_bare_gpu_instances(gpu) {
+            Ok(list) => list
+                .iter()
+                .filter(|b| b.profile_id == mig.profile_id && b.placement == mig.placement)
+                .map(|b| b.gi_id)
+                .collect(),
+            Err(e) => {
+                tracing::warn!(gpu, error = %e, "listing GPU instances without compute instance");
+                Vec::new()
+            }
+        }
+    }
+}
