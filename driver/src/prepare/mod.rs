@@ -48,7 +48,6 @@ use crate::checkpoint::{
 };
 use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootError};
 use crate::model::NodeInventory;
-use recover::forget_instances_of;
 
 pub use sharing::{
     NoopSharing, SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler,
@@ -404,93 +403,7 @@ impl NodeDriver {
             }),
         };
 
-        let rebooted = !data.boot_id.is_empty() && data.boot_id != boot_id;
-        if rebooted {
-            // MIG instances, MPS daemons and time slices do not survive a reboot, and the CDI
-            // root is usually a tmpfs. Instances present now were made by someone else (e.g.
-            // a boot-time MIG config), possibly with the recorded IDs: forget every ID.
-            tracing::info!(
-                claims = data.claims.len(),
-                old = %data.boot_id,
-                new = %boot_id,
-                "boot ID changed since the checkpoint was written; recreating the hardware state of prepared claims"
-            );
-            for record in data.claims.values_mut() {
-                match record.state {
-                    ClaimState::PrepareStarted => {
-                        // Nothing of it exists; its rollback must destroy nothing.
-                        for d in &mut record.devices {
-                            if d.mig.as_ref().is_some_and(|m| m.created_by_cleave) {
-                                d.mig = None;
-                            }
-                        }
-                    }
-                    ClaimState::Prepared | ClaimState::NeedsRecreate => {
-                        forget_instances_of(record);
-                        record.state = ClaimState::NeedsRecreate;
-                    }
-                }
-            }
-        } else {
-            driver.mark_vanished(&mut data);
-        }
-        data.boot_id = boot_id;
-        driver.checkpoint.store(&data)?;
-
-        let half_done: Vec<String> = data
-            .claims
-            .values()
-            .filter(|r| r.state == ClaimState::PrepareStarted)
-            .map(|r| r.uid.clone())
-            .collect();
-        for uid in half_done {
-            let Some(record) = data.claims.get(&uid).cloned() else {
-                continue;
-            };
-            tracing::info!(claim = %uid, "rolling back an interrupted prepare");
-            match driver.release_record(&record, &data) {
-                Ok(()) => {
-                    crate::fault::point("start.after_rollback");
-                    data.claims.remove(&uid);
-                }
-                // Keep serving: the record stays (its devices count as busy) and the next
-                // prepare or unprepare of the claim retries the rollback.
-                Err(e) => tracing::error!(claim = %uid, error = %e, "rollback failed; kept"),
-            }
-        }
-        driver.checkpoint.store(&data)?;
-
-        let pending: Vec<String> = data
-            .claims
-            .values()
-            .filter(|r| r.state == ClaimState::NeedsRecreate)
-            .map(|r| r.uid.clone())
-            .collect();
-        let mut recreate_errors = BTreeMap::new();
-        for uid in pending {
-            match driver.recreate(&uid, &mut data) {
-                Ok(()) => {
-                    tracing::info!(claim = %uid, "recreated the hardware state of a prepared claim")
-                }
-                Err(e) => {
-                    tracing::error!(claim = %uid, error = %e, "recreating a prepared claim failed; retried at its next prepare");
-                    recreate_errors.insert(uid, e.to_string());
-                }
-            }
-        }
-
-        driver.sweep_cdi_root(&data);
-        let live: BTreeSet<String> = data
-            .claims
-            .values()
-            .filter(|r| r.state != ClaimState::NeedsRecreate)
-            .map(|r| r.uid.clone())
-            .collect();
-        for uid in driver.sharing.reconcile(&live) {
-            if let Err(e) = driver.refresh_sharing(&uid, &mut data) {
-                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
-            }
-        }
+        let recreate_errors = driver.recover_at_start(&mut data, boot_id)?;
 
         let inventory = driver
             .backend

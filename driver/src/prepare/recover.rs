@@ -127,6 +127,106 @@ pub(super) fn recorded_sharing(record: &ClaimRecord) -> Vec<SharingDevice> {
 }
 
 impl NodeDriver {
+    /// Start's recovery, in order: after a reboot forgets every instance ID and marks the
+    /// prepared claims `NeedsRecreate`, else checks recorded instances still exist; stores
+    /// the new boot ID; rolls back interrupted prepares; recreates `NeedsRecreate` claims
+    /// (best effort, errors returned by claim UID); sweeps CDI files of unrecorded claims;
+    /// reconciles sharing of the live claims.
+    pub(super) fn recover_at_start(
+        &self,
+        data: &mut CheckpointData,
+        boot_id: String,
+    ) -> Result<BTreeMap<String, String>, PrepareError> {
+        let rebooted = !data.boot_id.is_empty() && data.boot_id != boot_id;
+        if rebooted {
+            // MIG instances, MPS daemons and time slices do not survive a reboot, and the CDI
+            // root is usually a tmpfs. Instances present now were made by someone else (e.g.
+            // a boot-time MIG config), possibly with the recorded IDs: forget every ID.
+            tracing::info!(
+                claims = data.claims.len(),
+                old = %data.boot_id,
+                new = %boot_id,
+                "boot ID changed since the checkpoint was written; recreating the hardware state of prepared claims"
+            );
+            for record in data.claims.values_mut() {
+                match record.state {
+                    ClaimState::PrepareStarted => {
+                        // Nothing of it exists; its rollback must destroy nothing.
+                        for d in &mut record.devices {
+                            if d.mig.as_ref().is_some_and(|m| m.created_by_cleave) {
+                                d.mig = None;
+                            }
+                        }
+                    }
+                    ClaimState::Prepared | ClaimState::NeedsRecreate => {
+                        forget_instances_of(record);
+                        record.state = ClaimState::NeedsRecreate;
+                    }
+                }
+            }
+        } else {
+            self.mark_vanished(data);
+        }
+        data.boot_id = boot_id;
+        self.checkpoint.store(data)?;
+
+        let half_done: Vec<String> = data
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::PrepareStarted)
+            .map(|r| r.uid.clone())
+            .collect();
+        for uid in half_done {
+            let Some(record) = data.claims.get(&uid).cloned() else {
+                continue;
+            };
+            tracing::info!(claim = %uid, "rolling back an interrupted prepare");
+            match self.release_record(&record, data) {
+                Ok(()) => {
+                    crate::fault::point("start.after_rollback");
+                    data.claims.remove(&uid);
+                }
+                // Keep serving: the record stays (its devices count as busy) and the next
+                // prepare or unprepare of the claim retries the rollback.
+                Err(e) => tracing::error!(claim = %uid, error = %e, "rollback failed; kept"),
+            }
+        }
+        self.checkpoint.store(data)?;
+
+        let pending: Vec<String> = data
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::NeedsRecreate)
+            .map(|r| r.uid.clone())
+            .collect();
+        let mut recreate_errors = BTreeMap::new();
+        for uid in pending {
+            match self.recreate(&uid, data) {
+                Ok(()) => {
+                    tracing::info!(claim = %uid, "recreated the hardware state of a prepared claim")
+                }
+                Err(e) => {
+                    tracing::error!(claim = %uid, error = %e, "recreating a prepared claim failed; retried at its next prepare");
+                    recreate_errors.insert(uid, e.to_string());
+                }
+            }
+        }
+
+        self.sweep_cdi_root(data);
+        let live: BTreeSet<String> = data
+            .claims
+            .values()
+            .filter(|r| r.state != ClaimState::NeedsRecreate)
+            .map(|r| r.uid.clone())
+            .collect();
+        for uid in self.sharing.reconcile(&live) {
+            if let Err(e) = self.refresh_sharing(&uid, data) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+            }
+        }
+        Ok(recreate_errors)
+    }
+
     /// The driver files for a claim with these devices. When something they need is
     /// missing the driver root is looked at again (the driver may have been installed, or
     /// its nodes created, since the last look); what is still missing fails the claim.

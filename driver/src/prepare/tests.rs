@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use serde_json::json;
 
+use super::recover::forget_instances_of;
 use super::testing::{
     Call, FakeBackend, config_in, config_with_empty_root, gpu_uuid, inventory, mig_gpu, node_claim,
     plain_gpu, with_config,
