@@ -11,8 +11,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cleave_api::config::{DeviceKind, Sharing};
-use cleave_driver::model::{GpuInfo, MigState, NodeInventory};
-use cleave_driver::prepare::SharingDevice;
+use cleave_driver::model::{GpuInfo, MigState};
+use cleave_driver::prepare::{GpuFacts, SharingDevice};
 use cleave_driver::sharing::{MpsTimings, SharingBinaries, SharingConfig, SharingManager};
 
 const GPU: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000001";
@@ -45,25 +45,20 @@ fn main() {
     config.boot_id_path = root.join("boot_id");
     config.extra_env = vec![("FAKE_MPS_IDLE_EXIT_SECS".into(), "60".into())];
     let manager = SharingManager::new(config);
-    manager.set_inventory(&NodeInventory {
-        driver_version: "570.148.08".into(),
-        driver_semver: "570.148.8".into(),
-        cuda_driver_semver: "12.8.0".into(),
-        gpus: vec![GpuInfo {
-            index: 0,
-            minor: 0,
-            uuid: GPU.into(),
-            product_name: "NVIDIA H100 80GB HBM3".into(),
-            brand: "Tesla".into(),
-            architecture: "Hopper".into(),
-            cuda_compute_capability: (9, 0),
-            memory_bytes: 80 << 30,
-            multiprocessors: Some(132),
-            pci_bus_id: "0000:01:00.0".into(),
-            pcie_root: None,
-            mig: MigState::NotCapable,
-        }],
-    });
+    let gpu = GpuInfo {
+        index: 0,
+        minor: 0,
+        uuid: GPU.into(),
+        product_name: "NVIDIA H100 80GB HBM3".into(),
+        brand: "Tesla".into(),
+        architecture: "Hopper".into(),
+        cuda_compute_capability: (9, 0),
+        memory_bytes: 80 << 30,
+        multiprocessors: Some(132),
+        pci_bus_id: "0000:01:00.0".into(),
+        pcie_root: None,
+        mig: MigState::NotCapable,
+    };
     let mut sharing: Sharing = serde_json::from_value(serde_json::json!({
         "strategy": "MPS",
         "mps": {"activeThreadPercentage": 25, "pinnedMemoryLimit": {"default": "10Gi"}}
@@ -75,6 +70,7 @@ fn main() {
         kind: DeviceKind::Gpu,
         uuid: GPU.into(),
         gpu_uuid: GPU.into(),
+        gpu: Some(GpuFacts::of(&gpu, "gpu-0")),
         sharing,
     }];
 
@@ -85,11 +81,13 @@ fn main() {
     for round in 0..=rounds {
         let uid = format!("bench-{round}");
         let t = Instant::now();
-        let edits = manager.apply_claim(&uid, &devices).unwrap();
+        let edits = manager.apply_claim(&uid, &devices, &[]).unwrap();
         let a = t.elapsed();
         let timings = manager.last_mps_timings().unwrap();
         let t = Instant::now();
-        manager.release_claim(&uid, edits.state.as_ref()).unwrap();
+        manager
+            .release_claim(&uid, edits.state.as_ref(), &[])
+            .unwrap();
         let r = t.elapsed();
         if round > 0 {
             apply.push(a);

@@ -371,8 +371,7 @@ fn child(role: &str) {
         .try_init();
     let lib = PathBuf::from(std::env::var("MOCK_NVML_LIB").unwrap());
     let backend = Arc::new(NvmlBackend::open(Some(&lib)).unwrap());
-    let manager =
-        Arc::new(SharingManager::new(world.sharing_config()).with_backend(backend.clone()));
+    let manager = Arc::new(SharingManager::new(world.sharing_config()));
     let driver = NodeDriver::start_with_sharing(world.driver_config(), backend, manager).unwrap();
     let prepare_all = || {
         for uid in scenario.claims {

@@ -229,9 +229,9 @@ proptest! {
                 // Every writer refuses it before touching a file.
                 let state = tempfile::tempdir().unwrap();
                 let m = manager(state.path());
-                let refused = m.release_claim(&uid, None).unwrap_err();
+                let refused = m.release_claim(&uid, None, &[]).unwrap_err();
                 prop_assert!(matches!(refused, SharingFailure::InvalidClaim(_)), "{refused}");
-                prop_assert!(m.apply_claim(&uid, &[]).is_err());
+                prop_assert!(m.apply_claim(&uid, &[], &[]).is_err());
                 prop_assert!(store.remove_claim_spec(&uid).is_err());
                 prop_assert!(store.write_claim_spec(&uid, &[], &ContainerEdits::default()).is_err());
             }

@@ -110,8 +110,7 @@ impl World {
     }
 
     fn start(&self, backend: &Arc<RebootBackend>) -> NodeDriver {
-        let manager =
-            Arc::new(SharingManager::new(self.sharing_config()).with_backend(backend.clone()));
+        let manager = Arc::new(SharingManager::new(self.sharing_config()));
         NodeDriver::start_with_sharing(self.driver_config(), backend.clone(), manager).unwrap()
     }
 

@@ -24,7 +24,9 @@ use cleave_driver::checkpoint::{
     DeviceRecord,
 };
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
-use cleave_driver::prepare::{DriverConfig, NodeDriver, SharingDevice};
+use cleave_driver::prepare::{
+    DriverConfig, GpuFacts, NodeDriver, SharingDevice, TimeSliceNeed, time_slice_needs,
+};
 use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
 use cleave_driver::sharing::{
     SharingBinaries, SharingConfig, SharingFailure, SharingManager, SharingState,
@@ -173,9 +175,13 @@ impl World {
     }
 
     fn manager_with(&self, config: SharingConfig) -> SharingManager {
-        let m = SharingManager::new(config);
-        m.set_inventory(&inventory());
-        m
+        SharingManager::new(config)
+    }
+
+    /// The time slices the checkpoint in the state directory records (what the node driver
+    /// hands the manager with every call).
+    fn needs(&self) -> Vec<TimeSliceNeed> {
+        time_slice_needs(&CheckpointStore::in_dir(&self.state).load().unwrap())
     }
 
     fn manager(&self, knobs: &[(&str, &str)]) -> SharingManager {
@@ -337,12 +343,23 @@ fn timeslice(interval: &str) -> Sharing {
     sharing(json!({"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}))
 }
 
+/// The facts the node driver hands the manager for a device on `gpu` (none for a GPU the
+/// inventory does not have).
+fn facts(gpu: &str, device: &str) -> Option<GpuFacts> {
+    inventory()
+        .gpus
+        .iter()
+        .find(|g| g.uuid == gpu)
+        .map(|g| GpuFacts::of(g, device))
+}
+
 fn whole(minor: u32, uuid: &str, s: Sharing) -> SharingDevice {
     SharingDevice {
         device_name: format!("gpu-{minor}"),
         kind: DeviceKind::Gpu,
         uuid: uuid.into(),
         gpu_uuid: uuid.into(),
+        gpu: facts(uuid, &format!("gpu-{minor}")),
         sharing: s,
     }
 }
@@ -353,6 +370,7 @@ fn mig_device(s: Sharing) -> SharingDevice {
         kind: DeviceKind::Mig,
         uuid: MIG_1.into(),
         gpu_uuid: GPU_MIG.into(),
+        gpu: facts(GPU_MIG, "gpu-3-mig-1g10gb-0"),
         sharing: s,
     }
 }
@@ -417,6 +435,7 @@ fn two_claims_get_own_daemons_limits_and_edits() {
         .apply_claim(
             "claim-a",
             &[whole(0, GPU_A, mps(25, Some("10Gi"), json!({})))],
+            &world.needs(),
         )
         .unwrap();
     let b = m
@@ -427,6 +446,7 @@ fn two_claims_get_own_daemons_limits_and_edits() {
                 GPU_B,
                 mps(50, Some("8Gi"), json!({ "0": "1536Mi" })),
             )],
+            &world.needs(),
         )
         .unwrap();
 
@@ -517,7 +537,8 @@ fn two_claims_get_own_daemons_limits_and_edits() {
     assert!(timings.launch > Duration::ZERO && timings.total >= timings.launch);
 
     // Release: daemon gone, directories gone, compute mode back to DEFAULT.
-    m.release_claim("claim-a", a.state.as_ref()).unwrap();
+    m.release_claim("claim-a", a.state.as_ref(), &world.needs())
+        .unwrap();
     assert!(wait_dead(pa, Duration::from_secs(5)));
     assert!(
         alive(pb),
@@ -529,19 +550,21 @@ fn two_claims_get_own_daemons_limits_and_edits() {
         Some("DEFAULT")
     );
     assert!(world.commands("claim-a").last().unwrap() == "quit");
-    m.release_claim("claim-b", b.state.as_ref()).unwrap();
+    m.release_claim("claim-b", b.state.as_ref(), &world.needs())
+        .unwrap();
     world.assert_nothing_left();
     // Releasing again is a no-op.
-    m.release_claim("claim-b", b.state.as_ref()).unwrap();
+    m.release_claim("claim-b", b.state.as_ref(), &world.needs())
+        .unwrap();
 }
 
 fn repeated_apply_is_idempotent_and_changed_settings_restart() {
     let world = World::new();
     let m = world.manager(&[]);
     let devices = [whole(0, GPU_A, mps(40, None, json!({})))];
-    let first = m.apply_claim("claim-a", &devices).unwrap();
+    let first = m.apply_claim("claim-a", &devices, &world.needs()).unwrap();
     let smi_calls = world.smi_lines().len();
-    let second = m.apply_claim("claim-a", &devices).unwrap();
+    let second = m.apply_claim("claim-a", &devices, &world.needs()).unwrap();
     assert_eq!(first, second);
     assert_eq!(world.started_pids().len(), 1, "no second daemon");
     assert_eq!(world.smi_lines().len(), smi_calls, "no nvidia-smi call");
@@ -555,7 +578,11 @@ fn repeated_apply_is_idempotent_and_changed_settings_restart() {
 
     // Different settings for the same claim: the old daemon goes, a new one comes.
     let changed = m
-        .apply_claim("claim-a", &[whole(0, GPU_A, mps(60, None, json!({})))])
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(60, None, json!({})))],
+            &world.needs(),
+        )
         .unwrap();
     let (old, new) = (daemon_pid(&first), daemon_pid(&changed));
     assert_ne!(old, new);
@@ -566,7 +593,8 @@ fn repeated_apply_is_idempotent_and_changed_settings_restart() {
             .commands("claim-a")
             .contains(&"set_default_active_thread_percentage 60".to_owned())
     );
-    m.release_claim("claim-a", changed.state.as_ref()).unwrap();
+    m.release_claim("claim-a", changed.state.as_ref(), &world.needs())
+        .unwrap();
     world.assert_nothing_left();
 }
 
@@ -578,10 +606,15 @@ fn restart_refinds_live_daemons_and_stops_gone_claims() {
             .apply_claim(
                 "claim-a",
                 &[whole(0, GPU_A, mps(30, Some("4Gi"), json!({})))],
+                &world.needs(),
             )
             .unwrap();
         let b = m
-            .apply_claim("claim-b", &[whole(1, GPU_B, mps(30, None, json!({})))])
+            .apply_claim(
+                "claim-b",
+                &[whole(1, GPU_B, mps(30, None, json!({})))],
+                &world.needs(),
+            )
             .unwrap();
         (a, b)
         // The manager (the "plugin") goes away; the daemons must not.
@@ -637,7 +670,11 @@ fn failed_start_leaves_nothing() {
     let world = World::new();
     let m = world.manager(&[("FAKE_MPS_FAIL_START", "1")]);
     let err = m
-        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(50, None, json!({})))],
+            &world.needs(),
+        )
         .unwrap_err();
     assert!(matches!(err, SharingFailure::DaemonStart { .. }), "{err}");
     let msg = err.to_string();
@@ -661,7 +698,11 @@ fn multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported() {
     let world = World::new();
     let m = world.manager(&[]);
     let edits = m
-        .apply_claim("claim-a", &[whole(0, GPU_A, multi_user(true))])
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, multi_user(true))],
+            &world.needs(),
+        )
         .unwrap();
     let record = state_of(&edits).mps.unwrap();
     assert!(record.spec.multi_user);
@@ -673,11 +714,16 @@ fn multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported() {
         "{:?}",
         world.mps_lines()
     );
-    m.release_claim("claim-a", edits.state.as_ref()).unwrap();
+    m.release_claim("claim-a", edits.state.as_ref(), &world.needs())
+        .unwrap();
     world.assert_nothing_left();
     // Off by default: a plain `-d`.
     let edits = m
-        .apply_claim("claim-b", &[whole(0, GPU_A, multi_user(false))])
+        .apply_claim(
+            "claim-b",
+            &[whole(0, GPU_A, multi_user(false))],
+            &world.needs(),
+        )
         .unwrap();
     assert!(!state_of(&edits).mps.unwrap().spec.multi_user);
     assert!(
@@ -689,11 +735,16 @@ fn multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported() {
             .unwrap()
             .contains("multiUser")
     );
-    m.release_claim("claim-b", edits.state.as_ref()).unwrap();
+    m.release_claim("claim-b", edits.state.as_ref(), &world.needs())
+        .unwrap();
 
     // Below compute capability 7.0: refused before anything runs, naming multiUser.
     let err = m
-        .apply_claim("claim-c", &[whole(2, GPU_OLD, multi_user(true))])
+        .apply_claim(
+            "claim-c",
+            &[whole(2, GPU_OLD, multi_user(true))],
+            &world.needs(),
+        )
         .unwrap_err();
     assert!(
         matches!(err, SharingFailure::MultiUserUnsupported { .. }),
@@ -708,6 +759,7 @@ fn multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported() {
                 whole(0, GPU_A, multi_user(true)),
                 whole(1, GPU_B, multi_user(false)),
             ],
+            &world.needs(),
         )
         .unwrap_err();
     assert!(
@@ -718,7 +770,11 @@ fn multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported() {
     // A control daemon that refuses `-M`: the claim fails saying so, nothing is left.
     let refusing = world.manager(&[("FAKE_MPS_MULTIUSER", "refuse")]);
     let err = refusing
-        .apply_claim("claim-d", &[whole(0, GPU_A, multi_user(true))])
+        .apply_claim(
+            "claim-d",
+            &[whole(0, GPU_A, multi_user(true))],
+            &world.needs(),
+        )
         .unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, SharingFailure::DaemonStart { .. }), "{msg}");
@@ -743,6 +799,7 @@ fn limits_are_read_back_and_a_daemon_that_drops_them_fails_the_claim() {
         .apply_claim(
             "claim-a",
             &[whole(0, GPU_A, mps(25, Some("1536Mi"), json!({})))],
+            &world.needs(),
         )
         .unwrap_err();
     assert!(
@@ -773,6 +830,7 @@ fn limits_are_read_back_and_a_daemon_that_drops_them_fails_the_claim() {
         .apply_claim(
             "claim-b",
             &[whole(0, GPU_A, mps(25, Some("1536Mi"), json!({})))],
+            &world.needs(),
         )
         .unwrap();
     assert!(
@@ -780,7 +838,8 @@ fn limits_are_read_back_and_a_daemon_that_drops_them_fails_the_claim() {
             .commands("claim-b")
             .ends_with(&["get_default_device_pinned_mem_limit 0".to_owned()])
     );
-    m.release_claim("claim-b", edits.state.as_ref()).unwrap();
+    m.release_claim("claim-b", edits.state.as_ref(), &world.needs())
+        .unwrap();
     world.assert_nothing_left();
 }
 
@@ -793,7 +852,11 @@ fn silent_daemon_times_out_and_is_removed() {
     let m = world.manager_with(config);
     let started = Instant::now();
     let err = m
-        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(50, None, json!({})))],
+            &world.needs(),
+        )
         .unwrap_err();
     assert!(
         started.elapsed() < Duration::from_secs(8),
@@ -819,10 +882,15 @@ fn daemon_ignoring_quit_is_killed() {
     config.stop_timeout = Duration::from_millis(300);
     let m = world.manager_with(config);
     let edits = m
-        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(50, None, json!({})))],
+            &world.needs(),
+        )
         .unwrap();
     let pid = daemon_pid(&edits);
-    m.release_claim("claim-a", edits.state.as_ref()).unwrap();
+    m.release_claim("claim-a", edits.state.as_ref(), &world.needs())
+        .unwrap();
     assert!(world.commands("claim-a").contains(&"quit".to_owned()));
     assert!(!alive(pid));
     world.assert_nothing_left();
@@ -832,7 +900,11 @@ fn compute_mode_failure_names_the_gpu_and_leaves_nothing() {
     let world = World::new();
     let m = world.manager(&[("FAKE_NVIDIA_SMI_FAIL", "-c EXCLUSIVE_PROCESS")]);
     let err = m
-        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(50, None, json!({})))],
+            &world.needs(),
+        )
         .unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, SharingFailure::Tool { .. }), "{msg}");
@@ -870,7 +942,9 @@ fn invalid_limits_and_unsupported_gpus_fail_before_anything_runs() {
         ),
     ];
     for (device, want) in cases {
-        let err = m.apply_claim("claim-x", &[device]).unwrap_err();
+        let err = m
+            .apply_claim("claim-x", &[device], &world.needs())
+            .unwrap_err();
         assert!(err.to_string().contains(want), "{err} (wanted {want:?})");
     }
     let mixed = m
@@ -880,6 +954,7 @@ fn invalid_limits_and_unsupported_gpus_fail_before_anything_runs() {
                 whole(0, GPU_A, mps(50, None, json!({}))),
                 whole(1, GPU_B, mps(60, None, json!({}))),
             ],
+            &world.needs(),
         )
         .unwrap_err();
     assert!(
@@ -894,6 +969,7 @@ fn invalid_limits_and_unsupported_gpus_fail_before_anything_runs() {
                 "GPU-99999999-0000-0000-0000-000000000009",
                 mps(50, None, json!({})),
             )],
+            &world.needs(),
         )
         .unwrap_err();
     assert!(
@@ -909,7 +985,11 @@ fn mig_device_gets_mps_without_compute_mode() {
     let world = World::new();
     let m = world.manager(&[]);
     let edits = m
-        .apply_claim("claim-m", &[mig_device(mps(20, Some("8Gi"), json!({})))])
+        .apply_claim(
+            "claim-m",
+            &[mig_device(mps(20, Some("8Gi"), json!({})))],
+            &world.needs(),
+        )
         .unwrap();
     let starts: Vec<String> = world
         .mps_lines()
@@ -930,18 +1010,24 @@ fn mig_device_gets_mps_without_compute_mode() {
         "no compute mode for MIG: {:?}",
         world.smi_lines()
     );
-    m.release_claim("claim-m", edits.state.as_ref()).unwrap();
+    m.release_claim("claim-m", edits.state.as_ref(), &world.needs())
+        .unwrap();
     world.assert_nothing_left();
 
     // A whole-GPU device on a MIG-enabled GPU: nvidia-smi refuses `-c` there ("not
     // supported on a MIG-enabled device"), so it is never asked.
     let m = world.manager(&[("FAKE_NVIDIA_SMI_GPUS", &format!("{GPU_MIG}:mig"))]);
     let edits = m
-        .apply_claim("claim-w", &[whole(3, GPU_MIG, mps(20, None, json!({})))])
+        .apply_claim(
+            "claim-w",
+            &[whole(3, GPU_MIG, mps(20, None, json!({})))],
+            &world.needs(),
+        )
         .unwrap();
     assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
     assert!(state_of(&edits).mps.unwrap().exclusive_gpus.is_empty());
-    m.release_claim("claim-w", edits.state.as_ref()).unwrap();
+    m.release_claim("claim-w", edits.state.as_ref(), &world.needs())
+        .unwrap();
     world.assert_nothing_left();
 }
 
@@ -951,11 +1037,15 @@ fn release_without_state_finds_the_daemon_on_disk() {
     let world = World::new();
     let m = world.manager(&[]);
     let edits = m
-        .apply_claim("claim-a", &[whole(0, GPU_A, mps(50, None, json!({})))])
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(50, None, json!({})))],
+            &world.needs(),
+        )
         .unwrap();
     let pid = daemon_pid(&edits);
     let m2 = world.manager(&[]);
-    m2.release_claim("claim-a", None).unwrap();
+    m2.release_claim("claim-a", None, &world.needs()).unwrap();
     assert!(wait_dead(pid, Duration::from_secs(5)));
     assert_eq!(
         world.smi_setting(GPU_A, "computeMode").as_deref(),
@@ -981,7 +1071,7 @@ fn release_without_state_finds_the_daemon_on_disk() {
     while !dir.join("pipe/nvidia-cuda-mps-control.pid").exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
-    m2.release_claim("claim-b", None).unwrap();
+    m2.release_claim("claim-b", None, &world.needs()).unwrap();
     world.assert_nothing_left();
 }
 
@@ -992,7 +1082,11 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
     let world = World::new();
     let m = world.manager(&[]);
     let a = m
-        .apply_claim("claim-a", &[whole(0, GPU_A, timeslice("Long"))])
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, timeslice("Long"))],
+            &world.needs(),
+        )
         .unwrap();
     assert_eq!(
         world.smi_lines(),
@@ -1009,7 +1103,8 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
             record("claim-b", GPU_A, 0, Some(ts_config("Long"))),
         ],
     );
-    m.release_claim("claim-a", a.state.as_ref()).unwrap();
+    m.release_claim("claim-a", a.state.as_ref(), &world.needs())
+        .unwrap();
     assert_eq!(world.smi_lines().len(), 1, "b still needs Long: no restore");
     assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("3"));
 
@@ -1019,7 +1114,7 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
         &world,
         vec![record("claim-b", GPU_A, 0, Some(ts_config("Long")))],
     );
-    m.release_claim("claim-b", None).unwrap();
+    m.release_claim("claim-b", None, &world.needs()).unwrap();
     assert_eq!(
         world.smi_lines().last().unwrap(),
         &format!("compute-policy -i {GPU_A} --set-timeslice 0")
@@ -1028,16 +1123,25 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
 
     // Default interval: set, and nothing to restore.
     let d = m
-        .apply_claim("claim-d", &[whole(1, GPU_B, timeslice("Default"))])
+        .apply_claim(
+            "claim-d",
+            &[whole(1, GPU_B, timeslice("Default"))],
+            &world.needs(),
+        )
         .unwrap();
     let n = world.smi_lines().len();
-    m.release_claim("claim-d", d.state.as_ref()).unwrap();
+    m.release_claim("claim-d", d.state.as_ref(), &world.needs())
+        .unwrap();
     assert_eq!(world.smi_lines().len(), n);
 
     // nvidia-smi failing: a clear error naming the GPU, nothing recorded as set.
     let failing = world.manager(&[("FAKE_NVIDIA_SMI_FAIL", "1")]);
     let err = failing
-        .apply_claim("claim-e", &[whole(1, GPU_B, timeslice("Short"))])
+        .apply_claim(
+            "claim-e",
+            &[whole(1, GPU_B, timeslice("Short"))],
+            &world.needs(),
+        )
         .unwrap_err();
     assert!(
         err.to_string().contains(GPU_B) && err.to_string().contains("--set-timeslice 1"),
@@ -1052,7 +1156,11 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
     )]);
     let before = world.smi_lines().len();
     let err = p4
-        .apply_claim("claim-f", &[whole(1, GPU_B, timeslice("Long"))])
+        .apply_claim(
+            "claim-f",
+            &[whole(1, GPU_B, timeslice("Long"))],
+            &world.needs(),
+        )
         .unwrap_err();
     assert!(
         matches!(&err, SharingFailure::TimeSliceNotSupported { gpu, .. } if gpu == GPU_B),
@@ -1073,9 +1181,14 @@ fn time_slicing_set_and_restored_with_refcount_from_checkpoint() {
     assert_eq!(world.smi_setting(GPU_B, "timeslice").as_deref(), Some("0"));
     // Default on such a GPU: it runs its default slice already; the claim prepares.
     let d = p4
-        .apply_claim("claim-g", &[whole(1, GPU_B, timeslice("Default"))])
+        .apply_claim(
+            "claim-g",
+            &[whole(1, GPU_B, timeslice("Default"))],
+            &world.needs(),
+        )
         .unwrap();
-    p4.release_claim("claim-g", d.state.as_ref()).unwrap();
+    p4.release_claim("claim-g", d.state.as_ref(), &world.needs())
+        .unwrap();
 }
 
 fn time_slicing_on_mig_and_conflicts() {
@@ -1083,14 +1196,19 @@ fn time_slicing_on_mig_and_conflicts() {
     let m = world.manager(&[]);
     // MIG device with Default: nothing to do (it runs in the parent's slice).
     let edits = m
-        .apply_claim("claim-m", &[mig_device(timeslice("Default"))])
+        .apply_claim(
+            "claim-m",
+            &[mig_device(timeslice("Default"))],
+            &world.needs(),
+        )
         .unwrap();
     assert!(world.smi_lines().is_empty());
-    m.release_claim("claim-m", edits.state.as_ref()).unwrap();
+    m.release_claim("claim-m", edits.state.as_ref(), &world.needs())
+        .unwrap();
     assert!(world.smi_lines().is_empty());
     // MIG device with another interval: a clear error.
     let err = m
-        .apply_claim("claim-m", &[mig_device(timeslice("Long"))])
+        .apply_claim("claim-m", &[mig_device(timeslice("Long"))], &world.needs())
         .unwrap_err();
     assert!(
         matches!(err, SharingFailure::TimeSlicingOnMig { .. }),
@@ -1104,7 +1222,11 @@ fn time_slicing_on_mig_and_conflicts() {
         vec![record("claim-b", GPU_A, 0, Some(ts_config("Long")))],
     );
     let err = m
-        .apply_claim("claim-c", &[whole(0, GPU_A, timeslice("Short"))])
+        .apply_claim(
+            "claim-c",
+            &[whole(0, GPU_A, timeslice("Short"))],
+            &world.needs(),
+        )
         .unwrap_err();
     let msg = err.to_string();
     assert!(
@@ -1112,8 +1234,12 @@ fn time_slicing_on_mig_and_conflicts() {
         "{msg}"
     );
     // The same slice is fine.
-    m.apply_claim("claim-c", &[whole(0, GPU_A, timeslice("Long"))])
-        .unwrap();
+    m.apply_claim(
+        "claim-c",
+        &[whole(0, GPU_A, timeslice("Long"))],
+        &world.needs(),
+    )
+    .unwrap();
 
     // Mixing strategies in one claim is refused.
     let err = m
@@ -1123,6 +1249,7 @@ fn time_slicing_on_mig_and_conflicts() {
                 whole(0, GPU_A, timeslice("Long")),
                 whole(1, GPU_B, mps(50, None, json!({}))),
             ],
+            &world.needs(),
         )
         .unwrap_err();
     assert!(
@@ -1184,8 +1311,7 @@ fn mps_claim(uid: &str, device: &str, pct: u8, limit: &str) -> ResourceClaim {
 }
 
 fn start_driver(world: &World, knobs: &[(&str, &str)]) -> (NodeDriver, Arc<SharingManager>) {
-    let manager =
-        Arc::new(SharingManager::new(world.config(knobs)).with_backend(Arc::new(StaticBackend)));
+    let manager = Arc::new(SharingManager::new(world.config(knobs)));
     let driver = NodeDriver::start_with_sharing(
         driver_config(world),
         Arc::new(StaticBackend),
@@ -1240,7 +1366,11 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
     // A claim the checkpoint no longer holds (its record was lost), with a daemon running.
     let orphan = world.manager(&[]);
     let orphan_edits = orphan
-        .apply_claim("orphan-claim", &[whole(1, GPU_B, mps(50, None, json!({})))])
+        .apply_claim(
+            "orphan-claim",
+            &[whole(1, GPU_B, mps(50, None, json!({})))],
+            &world.needs(),
+        )
         .unwrap();
     let orphan_pid = daemon_pid(&orphan_edits);
 

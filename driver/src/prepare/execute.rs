@@ -25,8 +25,8 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use super::plan::{PlannedDevice, claim_label};
 use super::recover::recorded_uuids;
 use super::{
-    NodeDriver, PrepareError, PreparedClaim, PreparedDevice, SharingClaim, SharingDevice,
-    SharingEdits, State, device_need, device_uuid,
+    GpuFacts, NodeDriver, PrepareError, PreparedClaim, PreparedDevice, SharingClaim, SharingDevice,
+    SharingEdits, State, device_need, device_uuid, time_slice_needs,
 };
 use crate::backend::BackendError;
 use crate::cdi::{self, CdiDevice};
@@ -97,7 +97,7 @@ impl NodeDriver {
                     // The kubelet replays prepare after a reboot: answer only once the
                     // hardware state exists again.
                     let state = &mut *state;
-                    let result = self.recreate(uid, &mut state.data);
+                    let result = self.recreate(uid, &mut state.data, &mut state.inventory);
                     match self.backend.inventory() {
                         Ok(inventory) => state.inventory = inventory,
                         Err(e) => tracing::warn!(error = %e, "rediscovering GPUs after recreation"),
@@ -283,6 +283,7 @@ impl NodeDriver {
                     },
                     uuid: device_uuid(r),
                     gpu_uuid: r.gpu_uuid.clone(),
+                    gpu: Some(GpuFacts::of(&d.gpu, &d.name)),
                     sharing,
                 })
             })
@@ -296,7 +297,8 @@ impl NodeDriver {
                 name: &record.name,
             };
             let edits = crate::timing::timed(crate::timing::step::SHARING_APPLY, || {
-                self.sharing.apply(&claim, &shared)
+                self.sharing
+                    .apply(&claim, &shared, &time_slice_needs(&state.data))
             })?;
             crate::fault::point("prepare.after_sharing_apply");
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
@@ -382,7 +384,11 @@ impl NodeDriver {
         data: &CheckpointData,
     ) -> Result<(), PrepareError> {
         if record.sharing.is_some() {
-            self.sharing.release(&record.uid, record.sharing.as_ref())?;
+            self.sharing.release(
+                &record.uid,
+                record.sharing.as_ref(),
+                &time_slice_needs(data),
+            )?;
             crate::fault::point("release.after_sharing_release");
         }
         let taken = recorded_uuids(data, record);

@@ -50,7 +50,8 @@ use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootEr
 use crate::model::NodeInventory;
 
 pub use sharing::{
-    NoopSharing, SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler,
+    GpuFacts, NoopSharing, SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler,
+    TimeSliceNeed, time_slice_needs,
 };
 
 /// Node driver settings (from the plugin's flags).
@@ -392,12 +393,7 @@ impl NodeDriver {
             files: std::sync::RwLock::new(Arc::new(view)),
             checkpoint,
             state: Mutex::new(State {
-                inventory: NodeInventory {
-                    driver_version: String::new(),
-                    driver_semver: String::new(),
-                    cuda_driver_semver: String::new(),
-                    gpus: Vec::new(),
-                },
+                inventory: empty_inventory(),
                 data: CheckpointData::default(),
                 recreate_errors: BTreeMap::new(),
             }),
@@ -560,6 +556,16 @@ impl NodeDriver {
     /// The settings the driver runs with.
     pub fn config(&self) -> &DriverConfig {
         &self.config
+    }
+}
+
+/// An inventory with no GPU (before the first discovery).
+fn empty_inventory() -> NodeInventory {
+    NodeInventory {
+        driver_version: String::new(),
+        driver_semver: String::new(),
+        cuda_driver_semver: String::new(),
+        gpus: Vec::new(),
     }
 }
 

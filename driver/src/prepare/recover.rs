@@ -67,12 +67,14 @@ use cleave_api::config::DeviceKind as ConfigKind;
 use cleave_api::merge::ResolvedConfig;
 
 use super::{
-    DriverView, NodeDriver, PrepareError, SharingClaim, SharingDevice, SharingEdits, device_uuid,
+    DriverView, GpuFacts, NodeDriver, PrepareError, SharingClaim, SharingDevice, SharingEdits,
+    device_uuid, empty_inventory, time_slice_needs,
 };
 use crate::backend::BackendError;
 use crate::cdi;
 use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, DeviceKind, MigRecord};
 use crate::driver_root::{DeviceNeed, DriverFiles};
+use crate::model::NodeInventory;
 
 /// Forgets the IDs of every MIG instance of a record, and any recreation intent (after a
 /// reboot none of them exists).
@@ -97,36 +99,67 @@ pub(super) fn recorded_uuids(data: &CheckpointData, record: &ClaimRecord) -> BTr
         .collect()
 }
 
-/// The sharing devices of a record, from the effective configs it recorded.
-pub(super) fn recorded_sharing(record: &ClaimRecord) -> Vec<SharingDevice> {
-    record
-        .devices
-        .iter()
-        .filter_map(|r| {
-            let resolved: ResolvedConfig = match serde_json::from_value(r.config.clone()?) {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(claim = %record.uid, device = %r.name, error = %e, "recorded config does not decode; no sharing");
-                    return None;
-                }
-            };
-            let sharing = resolved.config.sharing()?.clone();
-            Some(SharingDevice {
-                device_name: r.name.clone(),
-                kind: if r.kind == DeviceKind::Mig {
-                    ConfigKind::Mig
-                } else {
-                    ConfigKind::Gpu
-                },
-                uuid: device_uuid(r),
-                gpu_uuid: r.gpu_uuid.clone(),
-                sharing,
-            })
-        })
-        .collect()
-}
-
 impl NodeDriver {
+    /// The sharing devices of a record, from the effective configs it recorded, with the
+    /// facts of their GPUs from `inventory` (see [`Self::gpu_facts`]).
+    pub(super) fn recorded_sharing(
+        &self,
+        record: &ClaimRecord,
+        inventory: &mut NodeInventory,
+    ) -> Vec<SharingDevice> {
+        record
+            .devices
+            .iter()
+            .filter_map(|r| {
+                let resolved: ResolvedConfig = match serde_json::from_value(r.config.clone()?) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(claim = %record.uid, device = %r.name, error = %e, "recorded config does not decode; no sharing");
+                        return None;
+                    }
+                };
+                let sharing = resolved.config.sharing()?.clone();
+                Some(SharingDevice {
+                    device_name: r.name.clone(),
+                    kind: if r.kind == DeviceKind::Mig {
+                        ConfigKind::Mig
+                    } else {
+                        ConfigKind::Gpu
+                    },
+                    uuid: device_uuid(r),
+                    gpu_uuid: r.gpu_uuid.clone(),
+                    gpu: self.gpu_facts(inventory, &r.gpu_uuid, &r.name),
+                    sharing,
+                })
+            })
+            .collect()
+    }
+
+    /// The facts of GPU `gpu_uuid` for `device`, from `inventory`. A GPU the inventory lacks
+    /// (at start it is not discovered yet) is looked for in a fresh discovery, which then
+    /// replaces `inventory`; `None` when it is not there either.
+    pub(super) fn gpu_facts(
+        &self,
+        inventory: &mut NodeInventory,
+        gpu_uuid: &str,
+        device: &str,
+    ) -> Option<GpuFacts> {
+        let find = |inv: &NodeInventory| {
+            inv.gpus
+                .iter()
+                .find(|g| g.uuid == gpu_uuid)
+                .map(|g| GpuFacts::of(g, device))
+        };
+        if let Some(facts) = find(inventory) {
+            return Some(facts);
+        }
+        match self.backend.inventory() {
+            Ok(fresh) => *inventory = fresh,
+            Err(e) => tracing::warn!(error = %e, "rediscovering GPUs for sharing"),
+        }
+        find(inventory)
+    }
+
     /// Start's recovery, in order: after a reboot forgets every instance ID and marks the
     /// prepared claims `NeedsRecreate`, else checks recorded instances still exist; stores
     /// the new boot ID; rolls back interrupted prepares; recreates `NeedsRecreate` claims
@@ -137,6 +170,8 @@ impl NodeDriver {
         data: &mut CheckpointData,
         boot_id: String,
     ) -> Result<BTreeMap<String, String>, PrepareError> {
+        // Discovered only if sharing needs GPU facts; start discovers again at its end.
+        let mut inventory = empty_inventory();
         let rebooted = !data.boot_id.is_empty() && data.boot_id != boot_id;
         if rebooted {
             // MIG instances, MPS daemons and time slices do not survive a reboot, and the CDI
@@ -201,7 +236,7 @@ impl NodeDriver {
             .collect();
         let mut recreate_errors = BTreeMap::new();
         for uid in pending {
-            match self.recreate(&uid, data) {
+            match self.recreate(&uid, data, &mut inventory) {
                 Ok(()) => {
                     tracing::info!(claim = %uid, "recreated the hardware state of a prepared claim")
                 }
@@ -220,7 +255,7 @@ impl NodeDriver {
             .map(|r| r.uid.clone())
             .collect();
         for uid in self.sharing.reconcile(&live) {
-            if let Err(e) = self.refresh_sharing(&uid, data) {
+            if let Err(e) = self.refresh_sharing(&uid, data, &mut inventory) {
                 tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
             }
         }
@@ -326,7 +361,8 @@ impl NodeDriver {
             .collect();
         let restarted = self.sharing.reconcile(&live);
         for uid in &restarted {
-            if let Err(e) = self.refresh_sharing(uid, &mut state.data) {
+            let state = &mut *state;
+            if let Err(e) = self.refresh_sharing(uid, &mut state.data, &mut state.inventory) {
                 tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
             }
         }
@@ -341,11 +377,12 @@ impl NodeDriver {
         &self,
         uid: &str,
         data: &mut CheckpointData,
+        inventory: &mut NodeInventory,
     ) -> Result<(), PrepareError> {
         let Some(mut record) = data.claims.get(uid).cloned() else {
             return Ok(());
         };
-        let shared = recorded_sharing(&record);
+        let shared = self.recorded_sharing(&record, inventory);
         if shared.is_empty() {
             return Ok(());
         }
@@ -354,7 +391,9 @@ impl NodeDriver {
             namespace: &record.namespace,
             name: &record.name,
         };
-        let edits = self.sharing.apply(&claim, &shared)?;
+        let edits = self
+            .sharing
+            .apply(&claim, &shared, &time_slice_needs(data))?;
         record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
         self.write_cdi(uid, &record, &edits)?;
         data.claims.insert(uid.to_owned(), record);
@@ -422,11 +461,12 @@ impl NodeDriver {
         &self,
         uid: &str,
         data: &mut CheckpointData,
+        inventory: &mut NodeInventory,
     ) -> Result<(), PrepareError> {
         let Some(mut record) = data.claims.get(uid).cloned() else {
             return Ok(());
         };
-        let result = self.recreate_record(&mut record, data);
+        let result = self.recreate_record(&mut record, data, inventory);
         if let Err(e) = &result {
             if let Some(r) = data.claims.get_mut(uid) {
                 r.state = ClaimState::NeedsRecreate;
@@ -443,6 +483,7 @@ impl NodeDriver {
         &self,
         record: &mut ClaimRecord,
         data: &mut CheckpointData,
+        inventory: &mut NodeInventory,
     ) -> Result<(), PrepareError> {
         let uid = record.uid.clone();
         let label = format!("{}/{}", record.namespace, record.name);
@@ -580,7 +621,7 @@ impl NodeDriver {
             }
         }
 
-        let shared = recorded_sharing(record);
+        let shared = self.recorded_sharing(record, inventory);
         let edits = if shared.is_empty() {
             SharingEdits::default()
         } else {
@@ -589,7 +630,9 @@ impl NodeDriver {
                 namespace: &record.namespace,
                 name: &record.name,
             };
-            let edits = self.sharing.apply(&claim, &shared)?;
+            let edits = self
+                .sharing
+                .apply(&claim, &shared, &time_slice_needs(data))?;
             crate::fault::point("recreate.after_sharing_apply");
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
             edits

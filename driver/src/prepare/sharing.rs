@@ -7,12 +7,21 @@
 //! state `apply` returned, as recorded in the checkpoint. [`NoopSharing`] accepts every
 //! strategy and sets nothing up: devices are then used exclusively by the claim's containers
 //! (which still share the device through the GPU's default scheduler).
+//!
+//! The prepare state machine owns the inventory and the checkpoint; a strategy gets what it
+//! needs from them with every call: the facts of the GPU behind each device
+//! ([`GpuFacts`]) and the time slices every recorded claim asks for ([`TimeSliceNeed`]).
+//! A strategy keeps no backend and reads no checkpoint of its own.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use cleave_api::config::{DeviceKind, Sharing};
+use cleave_api::config::{DeviceKind, Sharing, SharingStrategy, TimeSliceInterval};
+use cleave_api::merge::ResolvedConfig;
+use cleave_api::names::{DeviceName, profile_label};
 
 use crate::cdi::ContainerEdits;
+use crate::checkpoint::{self, CheckpointData};
+use crate::model::{GpuInfo, MigState};
 
 /// The claim whose devices are being shared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,8 +45,112 @@ pub struct SharingDevice {
     pub uuid: String,
     /// UUID of the (parent) GPU.
     pub gpu_uuid: String,
+    /// The (parent) GPU as the driver's inventory knows it; `None` when the inventory has
+    /// no GPU with `gpu_uuid` (even after a fresh discovery).
+    pub gpu: Option<GpuFacts>,
     /// The effective sharing block (defaults applied, validated).
     pub sharing: Sharing,
+}
+
+/// What a sharing strategy needs to know about the GPU behind a device, taken from the
+/// driver's inventory (discovered through NVML).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuFacts {
+    /// GPU UUID.
+    pub uuid: String,
+    /// NVML index.
+    pub index: u32,
+    /// Minor number (`/dev/nvidia<minor>`).
+    pub minor: u32,
+    /// Product name, for error messages.
+    pub product_name: String,
+    /// CUDA compute capability (major, minor).
+    pub compute_capability: (u32, u32),
+    /// Memory of the device in bytes: the GPU's, or its MIG profile's for a MIG device;
+    /// `None` when the MIG profile is not known.
+    pub device_memory_bytes: Option<u64>,
+    /// Streaming multiprocessors of the GPU, when NVML reports them.
+    pub multiprocessors: Option<u32>,
+    /// MIG mode is on: the GPU has no compute mode of its own to set (`nvidia-smi -c` is
+    /// refused on a MIG-enabled GPU).
+    pub mig_enabled: bool,
+}
+
+impl GpuFacts {
+    /// The facts of `gpu` for the device `device_name` on it.
+    pub fn of(gpu: &GpuInfo, device_name: &str) -> Self {
+        let device_memory_bytes = match device_name.parse::<DeviceName>() {
+            Ok(DeviceName::Mig { profile, .. }) => match &gpu.mig {
+                MigState::Enabled { profiles, .. } => profiles
+                    .iter()
+                    .find(|p| profile_label(&p.name) == profile)
+                    .map(|p| p.memory_mib << 20),
+                _ => None,
+            },
+            _ => Some(gpu.memory_bytes),
+        };
+        Self {
+            uuid: gpu.uuid.clone(),
+            index: gpu.index,
+            minor: gpu.minor,
+            product_name: gpu.product_name.clone(),
+            compute_capability: gpu.cuda_compute_capability,
+            device_memory_bytes,
+            multiprocessors: gpu.multiprocessors,
+            mig_enabled: matches!(gpu.mig, MigState::Enabled { .. }),
+        }
+    }
+}
+
+/// A recorded claim's need of a time slice on a whole GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimeSliceNeed {
+    /// Claim UID.
+    pub claim_uid: String,
+    /// GPU UUID.
+    pub gpu_uuid: String,
+    /// The interval its config asks for.
+    pub interval: TimeSliceInterval,
+}
+
+/// Every time slice the claims recorded in `data` ask for on whole GPUs (MIG devices have
+/// none of their own), from the effective config recorded with every device, so that a
+/// restart never loses count. Devices whose recorded config does not decode are skipped with
+/// a warning (they were written by this or an older release, so this does not happen).
+pub fn time_slice_needs(data: &CheckpointData) -> Vec<TimeSliceNeed> {
+    let mut needs = Vec::new();
+    for claim in data.claims.values() {
+        for device in &claim.devices {
+            let is_whole = device.kind == checkpoint::DeviceKind::Gpu && device.mig.is_none();
+            let Some(raw) = device.config.as_ref().filter(|_| is_whole) else {
+                continue;
+            };
+            let resolved: ResolvedConfig = match serde_json::from_value(raw.clone()) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(claim = %claim.uid, device = %device.name, error = %e, "recorded config does not decode");
+                    continue;
+                }
+            };
+            let Some(sharing) = resolved.config.sharing() else {
+                continue;
+            };
+            if sharing.strategy != SharingStrategy::TimeSlicing {
+                continue;
+            }
+            let interval = sharing
+                .time_slicing
+                .as_ref()
+                .map(|t| t.interval_or_default())
+                .unwrap_or_default();
+            needs.push(TimeSliceNeed {
+                claim_uid: claim.uid.clone(),
+                gpu_uuid: device.gpu_uuid.clone(),
+                interval,
+            });
+        }
+    }
+    needs
 }
 
 /// What a sharing strategy adds to the claim's CDI spec and records in the checkpoint.
@@ -78,12 +191,16 @@ pub enum SharingError {
 /// Calls come with the node driver's lock held, one at a time. Both methods must be
 /// idempotent: after a crash, `release` may be called for a claim whose `apply` never
 /// finished (with `state` `None`), and `apply` may run again for the same claim.
+/// `needs` are the time slices of every claim the checkpoint records at the time of the
+/// call (the claim itself included once it is recorded), from [`time_slice_needs`].
 pub trait SharingHandler: Send + Sync {
-    /// Sets up sharing for `devices` (each with its effective sharing config) of `claim`.
+    /// Sets up sharing for `devices` (each with its effective sharing config and its GPU's
+    /// facts) of `claim`.
     fn apply(
         &self,
         claim: &SharingClaim<'_>,
         devices: &[SharingDevice],
+        needs: &[TimeSliceNeed],
     ) -> Result<SharingEdits, SharingError>;
 
     /// Undoes [`apply`](Self::apply) for the claim; `state` is what `apply` returned.
@@ -91,6 +208,7 @@ pub trait SharingHandler: Send + Sync {
         &self,
         claim_uid: &str,
         state: Option<&serde_json::Value>,
+        needs: &[TimeSliceNeed],
     ) -> Result<(), SharingError>;
 
     /// Called once at start, after interrupted prepares were rolled back, with the UIDs of
@@ -113,6 +231,7 @@ impl SharingHandler for NoopSharing {
         &self,
         claim: &SharingClaim<'_>,
         devices: &[SharingDevice],
+        _needs: &[TimeSliceNeed],
     ) -> Result<SharingEdits, SharingError> {
         for d in devices {
             tracing::warn!(
@@ -129,7 +248,69 @@ impl SharingHandler for NoopSharing {
         &self,
         _claim_uid: &str,
         _state: Option<&serde_json::Value>,
+        _needs: &[TimeSliceNeed],
     ) -> Result<(), SharingError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::{ClaimRecord, ClaimState, DeviceKind, DeviceRecord};
+
+    fn device(gpu: &str, config: Option<serde_json::Value>) -> DeviceRecord {
+        DeviceRecord {
+            name: "gpu-0".into(),
+            pool: "node".into(),
+            request_names: vec!["r".into()],
+            kind: DeviceKind::Gpu,
+            gpu_uuid: gpu.into(),
+            gpu_minor: 0,
+            mig: None,
+            config,
+            cdi_device_ids: vec![],
+        }
+    }
+
+    #[test]
+    fn needs_come_from_recorded_configs() {
+        let ts = |interval: &str| {
+            serde_json::json!({
+                "index": 0, "source": "FromClaim",
+                "config": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                    "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}
+            })
+        };
+        let mut data = CheckpointData::default();
+        for (uid, dev) in [
+            ("a", device("GPU-1", Some(ts("Long")))),
+            ("b", device("GPU-2", None)),
+            (
+                "c",
+                device("GPU-3", Some(serde_json::json!({"garbage": true}))),
+            ),
+        ] {
+            data.claims.insert(
+                uid.into(),
+                ClaimRecord {
+                    uid: uid.into(),
+                    namespace: "ns".into(),
+                    name: uid.into(),
+                    state: ClaimState::Prepared,
+                    devices: vec![dev],
+                    sharing: None,
+                },
+            );
+        }
+        let needs = time_slice_needs(&data);
+        assert_eq!(
+            needs,
+            vec![TimeSliceNeed {
+                claim_uid: "a".into(),
+                gpu_uuid: "GPU-1".into(),
+                interval: TimeSliceInterval::Long,
+            }]
+        );
     }
 }

@@ -376,6 +376,7 @@ impl SharingHandler for RecordingSharing {
         &self,
         claim: &SharingClaim<'_>,
         devices: &[SharingDevice],
+        _needs: &[TimeSliceNeed],
     ) -> Result<SharingEdits, SharingError> {
         self.applied.lock().unwrap().push((
             claim.uid.to_owned(),
@@ -396,6 +397,7 @@ impl SharingHandler for RecordingSharing {
         &self,
         claim_uid: &str,
         state: Option<&serde_json::Value>,
+        _needs: &[TimeSliceNeed],
     ) -> Result<(), SharingError> {
         self.released
             .lock()

@@ -27,20 +27,19 @@ mod process;
 pub mod supervise;
 pub mod timeslice;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cleave_api::config::{DeviceKind as ConfigKind, MpsConfig, SharingStrategy, TimeSliceInterval};
-use cleave_api::names::{DeviceName, profile_label};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::GpuBackend;
 use crate::cdi::{ContainerEdits, Mount};
-use crate::checkpoint::{CheckpointError, CheckpointStore, DEFAULT_BOOT_ID_PATH};
-use crate::model::{GpuInfo, MigState, NodeInventory};
-use crate::prepare::{SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler};
+use crate::checkpoint::DEFAULT_BOOT_ID_PATH;
+use crate::prepare::{
+    GpuFacts, SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler,
+};
 
 pub use mps::{
     DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, MpsRecord, PinnedLimit, ProcessLauncher,
@@ -61,7 +60,7 @@ pub const MPS_MIN_COMPUTE_CAPABILITY: (u32, u32) = (7, 0);
 /// file or tool involved.
 #[derive(Debug, thiserror::Error)]
 pub enum SharingFailure {
-    /// The GPU is not in the inventory the manager knows.
+    /// The GPU is not in the driver's inventory.
     #[error("GPU {gpu} is not known on this node")]
     UnknownGpu {
         /// GPU UUID.
@@ -276,9 +275,6 @@ pub enum SharingFailure {
         /// What is wrong.
         message: String,
     },
-    /// The checkpoint could not be read.
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
     /// A claim UID that cannot name a directory (it would leave the MPS directory).
     #[error(transparent)]
     InvalidClaim(#[from] crate::cdi::CdiError),
@@ -419,9 +415,6 @@ pub struct SharingManager {
     config: SharingConfig,
     launcher: Arc<dyn DaemonLauncher>,
     smi: NvidiaSmi,
-    checkpoint: CheckpointStore,
-    backend: Option<Arc<dyn GpuBackend>>,
-    gpus: Mutex<BTreeMap<String, GpuInfo>>,
     ops: Mutex<()>,
     last_timings: Mutex<Option<MpsTimings>>,
 }
@@ -463,29 +456,12 @@ impl SharingManager {
             config.command_timeout,
         );
         Self {
-            checkpoint: CheckpointStore::in_dir(&config.state_dir),
             config,
             launcher,
             smi,
-            backend: None,
-            gpus: Mutex::new(BTreeMap::new()),
             ops: Mutex::new(()),
             last_timings: Mutex::new(None),
         }
-    }
-
-    /// Lets the manager rediscover GPUs through `backend` when it meets one it does not know.
-    pub fn with_backend(mut self, backend: Arc<dyn GpuBackend>) -> Self {
-        self.backend = Some(backend);
-        self
-    }
-
-    /// Gives the manager the node's GPUs (memory, compute capability, MIG profiles), which
-    /// it needs to check limits and MPS support.
-    pub fn set_inventory(&self, inventory: &NodeInventory) {
-        let mut gpus = lock(&self.gpus);
-        gpus.clear();
-        gpus.extend(inventory.gpus.iter().map(|g| (g.uuid.clone(), g.clone())));
     }
 
     /// The settings.
@@ -501,24 +477,6 @@ impl SharingManager {
     /// Where the time of the last successful MPS start went.
     pub fn last_mps_timings(&self) -> Option<MpsTimings> {
         *lock(&self.last_timings)
-    }
-
-    fn gpu(&self, uuid: &str) -> Result<GpuInfo, SharingFailure> {
-        if let Some(g) = lock(&self.gpus).get(uuid) {
-            return Ok(g.clone());
-        }
-        if let Some(backend) = &self.backend {
-            match backend.inventory() {
-                Ok(inv) => self.set_inventory(&inv),
-                Err(e) => tracing::warn!(error = %e, "rediscovering GPUs for sharing"),
-            }
-        }
-        lock(&self.gpus)
-            .get(uuid)
-            .cloned()
-            .ok_or_else(|| SharingFailure::UnknownGpu {
-                gpu: uuid.to_owned(),
-            })
     }
 
     fn spec(&self, claim_uid: &str, devices: Vec<String>) -> DaemonSpec {
@@ -544,11 +502,13 @@ impl SharingManager {
     /// Sets up sharing for the claim's `devices` and returns the CDI edits and the state to
     /// record. Everything is checked before anything changes; on failure nothing of this
     /// call is left behind. Calling it again with the same devices and settings while the
-    /// daemon runs changes nothing and returns the same edits.
+    /// daemon runs changes nothing and returns the same edits. `needs`: the time slices the
+    /// recorded claims ask for (a conflict with another claim's is refused).
     pub fn apply_claim(
         &self,
         claim_uid: &str,
         devices: &[SharingDevice],
+        needs: &[TimeSliceNeed],
     ) -> Result<SharingEdits, SharingFailure> {
         crate::cdi::validate_claim_uid(claim_uid)?;
         let _ops = lock(&self.ops);
@@ -582,13 +542,13 @@ impl SharingManager {
         } else {
             Some(self.plan_mps(claim_uid, &mps_devices)?)
         };
-        let ts_plan = self.plan_timeslices(claim_uid, &ts_devices)?;
+        let ts_plan = self.plan_timeslices(claim_uid, &ts_devices, needs)?;
 
         // Then act.
         let mut state = SharingState::default();
         for (i, setting) in ts_plan.iter().enumerate() {
             if let Err(e) = self.smi.set_timeslice(&setting.gpu_uuid, setting.interval) {
-                self.restore_timeslices(claim_uid, &ts_plan[..i]);
+                self.restore_timeslices(claim_uid, &ts_plan[..i], needs);
                 return Err(e);
             }
         }
@@ -598,7 +558,7 @@ impl SharingManager {
             let record = match self.start_mps(plan) {
                 Ok(r) => r,
                 Err(e) => {
-                    self.restore_timeslices(claim_uid, &state.time_slicing);
+                    self.restore_timeslices(claim_uid, &state.time_slicing, needs);
                     return Err(e);
                 }
             };
@@ -611,12 +571,13 @@ impl SharingManager {
 
     /// Undoes [`Self::apply_claim`]: stops the claim's daemon (`quit`, then signals), restores
     /// compute modes and time slices no other recorded claim needs, removes the claim's MPS
-    /// directory. Idempotent; works from the files on disk and the checkpoint when `state`
-    /// is missing (a prepare interrupted before its state was recorded).
+    /// directory. Idempotent; works from the files on disk and the recorded `needs` when
+    /// `state` is missing (a prepare interrupted before its state was recorded).
     pub fn release_claim(
         &self,
         claim_uid: &str,
         state: Option<&serde_json::Value>,
+        needs: &[TimeSliceNeed],
     ) -> Result<(), SharingFailure> {
         crate::cdi::validate_claim_uid(claim_uid)?;
         let _ops = lock(&self.ops);
@@ -643,19 +604,18 @@ impl SharingManager {
         }
 
         // Time slices: what the state says, plus what the claim's recorded configs ask for.
-        let data = self.checkpoint.load()?;
         let mut set: Vec<TimeSliceSetting> = state.time_slicing;
-        for need in timeslice::needs_from_checkpoint(&data) {
+        for need in needs {
             if need.claim_uid == claim_uid && !set.iter().any(|s| s.gpu_uuid == need.gpu_uuid) {
                 set.push(TimeSliceSetting {
-                    gpu_uuid: need.gpu_uuid,
+                    gpu_uuid: need.gpu_uuid.clone(),
                     interval: need.interval,
                 });
             }
         }
         let mut first_error = None;
         for s in &set {
-            if let Err(e) = self.restore_timeslice(claim_uid, s, &data) {
+            if let Err(e) = self.restore_timeslice(claim_uid, s, needs) {
                 first_error.get_or_insert(e);
             }
         }
@@ -793,23 +753,25 @@ impl SharingManager {
         let mut exclusive = Vec::new();
         for (ordinal, planned) in (0u32..).zip(devices) {
             let d = planned.device;
-            let gpu = self.gpu(&d.gpu_uuid)?;
-            if multi_user && gpu.cuda_compute_capability < MPS_MIN_COMPUTE_CAPABILITY {
+            let gpu: &GpuFacts = d.gpu.as_ref().ok_or_else(|| SharingFailure::UnknownGpu {
+                gpu: d.gpu_uuid.clone(),
+            })?;
+            if multi_user && gpu.compute_capability < MPS_MIN_COMPUTE_CAPABILITY {
                 return Err(SharingFailure::MultiUserUnsupported {
                     device: d.device_name.clone(),
                     gpu: gpu.uuid.clone(),
                     product: gpu.product_name.clone(),
-                    major: gpu.cuda_compute_capability.0,
-                    minor: gpu.cuda_compute_capability.1,
+                    major: gpu.compute_capability.0,
+                    minor: gpu.compute_capability.1,
                 });
             }
-            if gpu.cuda_compute_capability < MPS_MIN_COMPUTE_CAPABILITY {
+            if gpu.compute_capability < MPS_MIN_COMPUTE_CAPABILITY {
                 return Err(SharingFailure::MpsUnsupported {
                     device: d.device_name.clone(),
                     gpu: gpu.uuid.clone(),
                     product: gpu.product_name.clone(),
-                    major: gpu.cuda_compute_capability.0,
-                    minor: gpu.cuda_compute_capability.1,
+                    major: gpu.compute_capability.0,
+                    minor: gpu.compute_capability.1,
                 });
             }
             if let Some(limit) = planned
@@ -819,7 +781,7 @@ impl SharingManager {
                 .and_then(|l| l.limit_for(&d.uuid, ordinal))
             {
                 let bytes = u64::try_from(limit.value()).unwrap_or(0);
-                if let Some(memory) = device_memory(&gpu, d)
+                if let Some(memory) = gpu.device_memory_bytes
                     && bytes > memory
                 {
                     return Err(SharingFailure::LimitTooLarge {
@@ -845,7 +807,7 @@ impl SharingManager {
             // Compute modes are per GPU; MIG devices have none of their own, and nvidia-smi
             // refuses `-c` on a MIG-enabled GPU ("Setting compute mode to %s is not supported
             // on a MIG-enabled device."), so such a GPU is never asked.
-            let mig_enabled = matches!(gpu.mig, MigState::Enabled { .. });
+            let mig_enabled = gpu.mig_enabled;
             if mig_enabled {
                 tracing::debug!(device = %d.device_name, gpu = %gpu.uuid, "MIG-enabled GPU: compute mode left alone");
             }
@@ -877,13 +839,12 @@ impl SharingManager {
         &self,
         claim_uid: &str,
         devices: &[(&SharingDevice, TimeSliceInterval)],
+        needs: &[TimeSliceNeed],
     ) -> Result<Vec<TimeSliceSetting>, SharingFailure> {
         let mut plan: Vec<TimeSliceSetting> = Vec::new();
         if devices.is_empty() {
             return Ok(plan);
         }
-        let data = self.checkpoint.load()?;
-        let needs = timeslice::needs_from_checkpoint(&data);
         for (d, interval) in devices {
             if d.kind == ConfigKind::Mig || d.uuid.starts_with("MIG-") {
                 if *interval == TimeSliceInterval::Default {
@@ -917,24 +878,22 @@ impl SharingManager {
         Ok(plan)
     }
 
-    /// Restores the default slice on `setting`'s GPU unless another claim in `data` still
+    /// Restores the default slice on `setting`'s GPU unless another claim of `needs` still
     /// needs a non-default one there.
     fn restore_timeslice(
         &self,
         claim_uid: &str,
         setting: &TimeSliceSetting,
-        data: &crate::checkpoint::CheckpointData,
+        needs: &[TimeSliceNeed],
     ) -> Result<(), SharingFailure> {
         if setting.interval == TimeSliceInterval::Default {
             return Ok(());
         }
-        let still_needed = timeslice::needs_from_checkpoint(data)
-            .into_iter()
-            .find(|n| {
-                n.claim_uid != claim_uid
-                    && n.gpu_uuid == setting.gpu_uuid
-                    && n.interval != TimeSliceInterval::Default
-            });
+        let still_needed = needs.iter().find(|n| {
+            n.claim_uid != claim_uid
+                && n.gpu_uuid == setting.gpu_uuid
+                && n.interval != TimeSliceInterval::Default
+        });
         if let Some(n) = still_needed {
             tracing::info!(gpu = %setting.gpu_uuid, other = %n.claim_uid, "time slice still needed by another claim; kept");
             return Ok(());
@@ -944,16 +903,14 @@ impl SharingManager {
     }
 
     /// Best-effort rollback of time slices set by a failing apply.
-    fn restore_timeslices(&self, claim_uid: &str, settings: &[TimeSliceSetting]) {
-        let data = match self.checkpoint.load() {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::error!(error = %e, "rolling back time slices: checkpoint unreadable");
-                return;
-            }
-        };
+    fn restore_timeslices(
+        &self,
+        claim_uid: &str,
+        settings: &[TimeSliceSetting],
+        needs: &[TimeSliceNeed],
+    ) {
         for s in settings {
-            if let Err(e) = self.restore_timeslice(claim_uid, s, &data) {
+            if let Err(e) = self.restore_timeslice(claim_uid, s, needs) {
                 tracing::error!(gpu = %s.gpu_uuid, error = %e, "rolling back a time slice");
             }
         }
@@ -1179,30 +1136,14 @@ fn remove_dir(dir: &Path) -> Result<(), SharingFailure> {
     }
 }
 
-/// Memory of the device: the GPU's, or the MIG profile's for a MIG device; `None` when the
-/// profile is not known.
-fn device_memory(gpu: &GpuInfo, device: &SharingDevice) -> Option<u64> {
-    match device.device_name.parse::<DeviceName>() {
-        Ok(DeviceName::Mig { profile, .. }) => {
-            let MigState::Enabled { profiles, .. } = &gpu.mig else {
-                return None;
-            };
-            profiles
-                .iter()
-                .find(|p| profile_label(&p.name) == profile)
-                .map(|p| p.memory_mib << 20)
-        }
-        _ => Some(gpu.memory_bytes),
-    }
-}
-
 impl SharingHandler for SharingManager {
     fn apply(
         &self,
         claim: &SharingClaim<'_>,
         devices: &[SharingDevice],
+        needs: &[TimeSliceNeed],
     ) -> Result<SharingEdits, SharingError> {
-        self.apply_claim(claim.uid, devices)
+        self.apply_claim(claim.uid, devices, needs)
             .map_err(|e| SharingError::Apply {
                 claim: claim.uid.to_owned(),
                 message: e.to_string(),
@@ -1213,8 +1154,9 @@ impl SharingHandler for SharingManager {
         &self,
         claim_uid: &str,
         state: Option<&serde_json::Value>,
+        needs: &[TimeSliceNeed],
     ) -> Result<(), SharingError> {
-        self.release_claim(claim_uid, state)
+        self.release_claim(claim_uid, state, needs)
             .map_err(|e| SharingError::Release {
                 claim: claim_uid.to_owned(),
                 message: e.to_string(),

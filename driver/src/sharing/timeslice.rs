@@ -11,21 +11,21 @@
 //! which run in their parent GPU's slice: a MIG device with `interval: Default` needs
 //! nothing (no call), any other interval is an error (the config API rejects it already;
 //! this is the second line). The interval a GPU needs is derived from the checkpoint (the
-//! effective config recorded with every prepared device), never from memory, so that a
-//! restart does not lose count: at release the default is restored only when no other
-//! recorded claim on that GPU still needs a non-default interval.
+//! effective config recorded with every prepared device, handed in by the prepare state
+//! machine as [`TimeSliceNeed`]s), never from memory, so that a restart does not lose count:
+//! at release the default is restored only when no other recorded claim on that GPU still
+//! needs a non-default interval.
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use cleave_api::config::{SharingStrategy, TimeSliceInterval};
-use cleave_api::merge::ResolvedConfig;
+use cleave_api::config::TimeSliceInterval;
 use serde::{Deserialize, Serialize};
 
 use super::SharingFailure;
 use super::process;
-use crate::checkpoint::{CheckpointData, DeviceKind};
+pub use crate::prepare::TimeSliceNeed;
 
 /// GPU compute modes cleave sets (`nvidia-smi -c`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,115 +166,4 @@ pub struct TimeSliceSetting {
     pub gpu_uuid: String,
     /// The interval set.
     pub interval: TimeSliceInterval,
-}
-
-/// A recorded claim's need of a time slice on a whole GPU.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TimeSliceNeed {
-    /// Claim UID.
-    pub claim_uid: String,
-    /// GPU UUID.
-    pub gpu_uuid: String,
-    /// The interval its config asks for.
-    pub interval: TimeSliceInterval,
-}
-
-/// Every time slice the claims recorded in `data` ask for on whole GPUs (MIG devices have
-/// none of their own). Devices whose recorded config does not decode are skipped with a
-/// warning (they were written by this or an older release, so this does not happen).
-pub fn needs_from_checkpoint(data: &CheckpointData) -> Vec<TimeSliceNeed> {
-    let mut needs = Vec::new();
-    for claim in data.claims.values() {
-        for device in &claim.devices {
-            let is_whole = device.kind == DeviceKind::Gpu && device.mig.is_none();
-            let Some(raw) = device.config.as_ref().filter(|_| is_whole) else {
-                continue;
-            };
-            let resolved: ResolvedConfig = match serde_json::from_value(raw.clone()) {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::warn!(claim = %claim.uid, device = %device.name, error = %e, "recorded config does not decode");
-                    continue;
-                }
-            };
-            let Some(sharing) = resolved.config.sharing() else {
-                continue;
-            };
-            if sharing.strategy != SharingStrategy::TimeSlicing {
-                continue;
-            }
-            let interval = sharing
-                .time_slicing
-                .as_ref()
-                .map(|t| t.interval_or_default())
-                .unwrap_or_default();
-            needs.push(TimeSliceNeed {
-                claim_uid: claim.uid.clone(),
-                gpu_uuid: device.gpu_uuid.clone(),
-                interval,
-            });
-        }
-    }
-    needs
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::checkpoint::{ClaimRecord, ClaimState, DeviceRecord};
-
-    fn device(gpu: &str, config: Option<serde_json::Value>) -> DeviceRecord {
-        DeviceRecord {
-            name: "gpu-0".into(),
-            pool: "node".into(),
-            request_names: vec!["r".into()],
-            kind: DeviceKind::Gpu,
-            gpu_uuid: gpu.into(),
-            gpu_minor: 0,
-            mig: None,
-            config,
-            cdi_device_ids: vec![],
-        }
-    }
-
-    #[test]
-    fn needs_come_from_recorded_configs() {
-        let ts = |interval: &str| {
-            serde_json::json!({
-                "index": 0, "source": "FromClaim",
-                "config": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
-                    "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}
-            })
-        };
-        let mut data = CheckpointData::default();
-        for (uid, dev) in [
-            ("a", device("GPU-1", Some(ts("Long")))),
-            ("b", device("GPU-2", None)),
-            (
-                "c",
-                device("GPU-3", Some(serde_json::json!({"garbage": true}))),
-            ),
-        ] {
-            data.claims.insert(
-                uid.into(),
-                ClaimRecord {
-                    uid: uid.into(),
-                    namespace: "ns".into(),
-                    name: uid.into(),
-                    state: ClaimState::Prepared,
-                    devices: vec![dev],
-                    sharing: None,
-                },
-            );
-        }
-        let needs = needs_from_checkpoint(&data);
-        assert_eq!(
-            needs,
-            vec![TimeSliceNeed {
-                claim_uid: "a".into(),
-                gpu_uuid: "GPU-1".into(),
-                interval: TimeSliceInterval::Long,
-            }]
-        );
-    }
 }
