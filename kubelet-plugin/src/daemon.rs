@@ -287,11 +287,7 @@ pub async fn start_with_backend(
 
     let mut config = driver_config(args, &plugin);
     config.cdi_hook = install_cdi_hook(args, &config.state_dir)?;
-    let sharing = Arc::new(
-        sharing_manager(args, &config, &client)
-            .await?
-            .with_backend(Arc::clone(&backend)),
-    );
+    let sharing = Arc::new(sharing_manager(args, &config, &client).await?);
     let (driver, instance_lock) = {
         let backend = Arc::clone(&backend);
         let state_dir = plugin.data_dir();
