@@ -28,12 +28,15 @@
 //! - `execute`: MIG create, sharing, CDI and checkpoint writes, rollback, unprepare;
 //! - `recover`: what start and later calls do to bring the node back in line with the
 //!   checkpoint: interrupted prepares, reboots and vanished instances, sharing
-//!   reconciliation, driver-root rediscovery.
+//!   reconciliation, driver-root rediscovery;
+//! - `summary`: read-only views of the checkpoint for metrics and status
+//!   ([`CheckpointReader`], [`NodeDriver::checkpoint_summary`]).
 
 mod execute;
 mod plan;
 mod recover;
 pub mod sharing;
+mod summary;
 #[cfg(test)]
 pub mod testing;
 
@@ -53,6 +56,7 @@ pub use sharing::{
     GpuFacts, NoopSharing, SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler,
     TimeSliceNeed, time_slice_needs,
 };
+pub use summary::{CheckpointReader, CheckpointSummary, RecordedClaim, RecordedState, SharingKind};
 
 /// Node driver settings (from the plugin's flags).
 #[derive(Debug, Clone, PartialEq, Eq)]
