@@ -9,8 +9,7 @@ use std::time::Duration;
 use cleave_api::names::DeviceName;
 use cleave_api::pool::PoolDevices;
 use cleave_controller::ApiObserver;
-use cleave_driver::checkpoint::{CheckpointData, CheckpointStore, ClaimState};
-use cleave_driver::sharing::SharingState;
+use cleave_driver::prepare::CheckpointReader;
 use cleave_driver::timing::step;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -159,13 +158,13 @@ impl ObservabilityMetrics {
             .set(i64::try_from(daemons).unwrap_or(i64::MAX));
     }
 
-    /// Sets `mps_daemons_running` from the checkpoint in `state_dir` (the driver writes it
-    /// atomically after every change, so reading it needs no lock). On a read error the
-    /// gauge keeps its value; the error is logged at debug level (start-up and the driver
-    /// report checkpoint errors themselves).
+    /// Sets `mps_daemons_running` from the checkpoint in `state_dir`, as the driver's
+    /// [`CheckpointReader`] summarises it (the driver writes the file atomically, so reading
+    /// it needs no lock). On a read error the gauge keeps its value; the error is logged at
+    /// debug level (start-up and the driver report checkpoint errors themselves).
     pub fn refresh_mps_daemons(&self, state_dir: &Path) {
-        match CheckpointStore::in_dir(state_dir).load() {
-            Ok(data) => self.set_mps_daemons(mps_daemons_in(&data)),
+        match CheckpointReader::in_dir(state_dir).summary() {
+            Ok(summary) => self.set_mps_daemons(summary.mps_daemons()),
             Err(e) => tracing::debug!(error = %e, "reading the checkpoint for mps_daemons_running"),
         }
     }
@@ -196,23 +195,10 @@ impl ObservabilityMetrics {
     }
 }
 
-/// MPS daemons recorded for prepared claims: claims in state `Prepared` whose sharing state
-/// holds an MPS record (claims being prepared or waiting for recreation are not counted).
-pub fn mps_daemons_in(data: &CheckpointData) -> usize {
-    data.claims
-        .values()
-        .filter(|r| r.state == ClaimState::Prepared)
-        .filter_map(|r| r.sharing.as_ref())
-        .filter(|v| {
-            serde_json::from_value::<SharingState>((*v).clone()).is_ok_and(|s| s.mps.is_some())
-        })
-        .count()
-}
-
 #[cfg(test)]
 mod tests {
-    use cleave_driver::checkpoint::ClaimRecord;
-    use cleave_driver::sharing::{DaemonSpec, MpsRecord};
+    use cleave_driver::checkpoint::{CheckpointData, CheckpointStore, ClaimRecord, ClaimState};
+    use cleave_driver::sharing::{DaemonSpec, MpsRecord, SharingState};
 
     use super::*;
 
@@ -295,32 +281,6 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");
         }
-    }
-
-    #[test]
-    fn mps_daemons_counts_prepared_claims_with_an_mps_record() {
-        let d = data(vec![
-            claim("a", ClaimState::Prepared, Some(mps_state("a"))),
-            claim("b", ClaimState::Prepared, Some(mps_state("b"))),
-            // Time-slicing only / no sharing: no daemon.
-            claim(
-                "c",
-                ClaimState::Prepared,
-                Some(serde_json::to_value(SharingState::default()).unwrap()),
-            ),
-            claim("d", ClaimState::Prepared, None),
-            // Not prepared (rolled back at start) or waiting for recreation: not running.
-            claim("e", ClaimState::PrepareStarted, Some(mps_state("e"))),
-            claim("f", ClaimState::NeedsRecreate, Some(mps_state("f"))),
-            // Unreadable sharing state: not counted.
-            claim(
-                "g",
-                ClaimState::Prepared,
-                Some(serde_json::json!({"mps": 7})),
-            ),
-        ]);
-        assert_eq!(mps_daemons_in(&d), 2);
-        assert_eq!(mps_daemons_in(&CheckpointData::default()), 0);
     }
 
     #[test]
