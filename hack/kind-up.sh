@@ -2,7 +2,8 @@
 # Brings up a kind cluster with cleave installed on mock GPUs:
 #   1. creates the cluster from hack/kind-config.yaml (Kubernetes >= 1.34, CDI on,
 #      DRAPartitionableDevices on), or reuses it if it exists;
-#   2. builds the image from deployments/container/Dockerfile and loads it into kind;
+#   2. builds the image from deployments/container/Dockerfile (target `kind`: with the mock
+#      NVML library and the fake NVIDIA tools) and loads it into kind;
 #   3. installs the Helm chart with deployments/helm/cleave/values-kind.yaml;
 #   4. waits for the plugin pods and for the first ResourceSlices.
 # Then run hack/kind-demo.sh. Tear down with hack/kind-down.sh.
@@ -60,7 +61,7 @@ fi
 
 if [[ -z "${SKIP_BUILD:-}" ]]; then
   log "building $IMAGE"
-  DOCKER_BUILDKIT=1 docker build -f "$ROOT/deployments/container/Dockerfile" -t "$IMAGE" "$ROOT"
+  DOCKER_BUILDKIT=1 docker build -f "$ROOT/deployments/container/Dockerfile" --target kind -t "$IMAGE" "$ROOT"
 fi
 log "loading $IMAGE into kind"
 kind load docker-image "$IMAGE" --name "$CLUSTER_NAME"

@@ -318,12 +318,24 @@ def sample_device(dtype: str, product: str = "NVIDIA H100 80GB HBM3", memory: in
     return {"driver": driver, "attributes": {DRIVER: attrs}, "capacity": {DRIVER: {"memory": memory}}}
 
 
-def dockerfile_copies() -> dict[str, str]:
-    """Destination path -> source of each COPY --from in the final stage."""
+def dockerfile_stages() -> list[tuple[str, str, str]]:
+    """(name, base, text) of each stage, in order; an unnamed stage's name is ""."""
     text = DOCKERFILE.read_text()
-    final = text[text.rindex("\nFROM "):]
-    out = {}
-    for m in re.finditer(r"^COPY\s+--from=\S+\s+(\S+)\s+(\S+)\s*$", final, re.M):
+    heads = list(re.finditer(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?\s*$", text, re.M | re.I))
+    return [
+        (m.group(2) or "", m.group(1), text[m.start():heads[i + 1].start() if i + 1 < len(heads) else len(text)])
+        for i, m in enumerate(heads)
+    ]
+
+
+def dockerfile_copies(stage: str | None = None) -> dict[str, str]:
+    """Destination path -> source of each COPY --from in the image of `stage` (default: the
+    final stage, the image built without --target), including the stages it is built on."""
+    stages = dockerfile_stages()
+    by_name = {name: (base, body) for name, base, body in stages if name}
+    base, body = by_name[stage] if stage else stages[-1][1:]
+    out = dockerfile_copies(base) if base in by_name else {}
+    for m in re.finditer(r"^COPY\s+--from=\S+\s+(\S+)\s+(\S+)\s*$", body, re.M):
         out[m.group(2)] = m.group(1)
     return out
 
@@ -960,7 +972,11 @@ def example_cel_selectors_select_the_right_devices() -> None:
 @check
 def dockerfile_agrees_with_chart_and_cargo() -> None:
     text = DOCKERFILE.read_text()
-    copies = dockerfile_copies()
+    # The default image is the product; the kind target adds the test rig.
+    product = dockerfile_copies()
+    assert product == dockerfile_copies("product"), f"the default target is not the product image ({product})"
+    copies = dockerfile_copies("kind")
+    assert set(product) <= set(copies), f"the kind image is not built on the product image ({copies})"
     entrypoint = dockerfile_json_instr("ENTRYPOINT")
     assert dockerfile_json_instr("CMD") == ["run"]
     assert len(entrypoint) == 1, entrypoint
@@ -975,12 +991,15 @@ def dockerfile_agrees_with_chart_and_cargo() -> None:
     assert "cdylib" in mock["lib"]["crate-type"]
     mock_so = f"lib{mock['lib']['name']}.so"
     mock_dest = [d for d in copies if Path(d).name == mock_so]
-    assert len(mock_dest) == 1, f"{mock_so} is not copied into the image ({copies})"
+    assert len(mock_dest) == 1, f"{mock_so} is not copied into the kind image ({copies})"
+    assert not [d for d in product if Path(d).name == mock_so or "fake" in d], (
+        f"the product image ships the test rig ({product})"
+    )
 
-    build = re.search(r"cargo build[^\n]*", text)
-    assert build and "--release" in build.group(0) and "--locked" in build.group(0), "cargo build --release --locked"
+    builds = re.findall(r"cargo build[^\n]*", text)
+    assert builds and all("--release" in b and "--locked" in b for b in builds), "cargo build --release --locked"
     for pkg in (cargo["package"]["name"], mock["package"]["name"]):
-        assert f"-p {pkg}" in build.group(0), f"Dockerfile does not build {pkg}"
+        assert any(f"-p {pkg}" in b for b in builds), f"Dockerfile does not build {pkg}"
     for src in copies.values():
         built = Path(src).name
         assert re.search(rf"target/(\S+/)?release/{re.escape(built)}\b", text), (
@@ -1009,7 +1028,7 @@ def dockerfile_agrees_with_chart_and_cargo() -> None:
     # The fake tools the kind values pass are [[bin]]s of cleave-fakes, built and copied there.
     fakes = tomllib.loads((ROOT / "hack" / "fakes" / "Cargo.toml").read_text())
     fake_bins = {b["name"] for b in fakes.get("bin", [])}
-    assert f"-p {fakes['package']['name']}" in build.group(0), "Dockerfile does not build the fake tools"
+    assert any(f"-p {fakes['package']['name']}" in b for b in builds), "Dockerfile does not build the fake tools"
     kind_flags = flags(plugin_container(render(kind_values())))
     for flag in ("--mps-control-bin", "--nvidia-smi-bin"):
         path = kind_flags[flag]

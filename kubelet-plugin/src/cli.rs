@@ -1,4 +1,5 @@
-//! Command line: `run` (the daemon), `inspect` (print the discovered devices) and `demo`.
+//! Command line: `run` (the daemon), `inspect` (print the discovered devices), `checkpoint
+//! reset` and `mps-daemon`.
 //!
 //! Every node-facing flag can also be set through the environment (the DaemonSet sets
 //! `NODE_NAME` and `POD_UID` through the downward API).
@@ -33,8 +34,6 @@ pub enum Command {
     Run(RunArgs),
     /// Print the GPUs and the devices this node would publish.
     Inspect(InspectArgs),
-    /// Run the whole plugin in-process against mock GPUs and an API server stand-in.
-    Demo(DemoArgs),
     /// Checkpoint maintenance (recovery from an unreadable checkpoint).
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
@@ -364,14 +363,6 @@ pub struct InspectArgs {
     pub kubernetes_minor: u32,
 }
 
-/// Arguments of `demo`.
-#[derive(Debug, Clone, Args)]
-pub struct DemoArgs {
-    /// Mock node profile.
-    #[arg(long, default_value = "h100-80gb-x8")]
-    pub profile: String,
-}
-
 impl NvmlArgs {
     /// Resolves `--mock` to a library path and applies the mock profile to the
     /// environment. Call before any thread starts.
@@ -421,34 +412,14 @@ pub fn main() -> ExitCode {
 
 fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     // Environment changes must happen while the process is single-threaded.
-    let mut demo = None;
     match &mut cli.command {
         Command::Run(a) => a.nvml.resolve_mock()?,
         Command::Inspect(a) => a.nvml.resolve_mock()?,
         Command::Checkpoint(_) | Command::MpsDaemon(_) => {}
-        Command::Demo(a) => {
-            let exe = std::env::current_exe()?;
-            let lib = crate::mock::find_library(&exe).ok_or_else(|| {
-                anyhow::anyhow!(
-                    "demo: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
-                    crate::mock::MOCK_LIBRARY,
-                    exe.display()
-                )
-            })?;
-            // Short: the MPS daemon's sockets lie below it, and a unix socket path has at
-            // most 107 bytes (`<dir>/plugins/gpu.cleave.dev/mps/<claim uid>/pipe/control_privileged`).
-            let dir = tempfile::Builder::new().prefix("cleave-").tempdir()?;
-            for (key, value) in crate::demo::mock_env(a, dir.path()) {
-                crate::mock::set_env(key, &value);
-            }
-            demo = Some((dir, lib));
-        }
     }
-    // The demo's output is the tour; its logs only say what went wrong.
-    let default_level = if demo.is_some() { "warn" } else { "info" };
     crate::telemetry::init(
         cli.log.log_format,
-        Some(cli.log.log_level.as_deref().unwrap_or(default_level)),
+        Some(cli.log.log_level.as_deref().unwrap_or("info")),
     )
     .map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -459,10 +430,6 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
         Command::Inspect(args) => crate::inspect::run(args),
         Command::Checkpoint(CheckpointCommand::Reset(args)) => checkpoint_reset(args),
         Command::MpsDaemon(args) => runtime.block_on(crate::mps_pod::run_daemon(args.clone())),
-        Command::Demo(args) => match demo {
-            Some((dir, lib)) => runtime.block_on(crate::demo::run(args, dir.path(), lib)),
-            None => anyhow::bail!("demo: no working directory"),
-        },
     }
 }
 

@@ -10,7 +10,6 @@ pub mod cdi_hook;
 pub mod cli;
 pub mod coexistence;
 pub mod daemon;
-pub mod demo;
 pub mod events;
 pub mod grpc;
 pub mod handler;

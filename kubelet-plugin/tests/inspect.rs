@@ -54,3 +54,36 @@ fn yaml_is_resourceslices_for_the_node() {
         .collect();
     assert_eq!(names, ["gpu-0", "gpu-1"]);
 }
+
+/// The shipped binary plays no fake NVIDIA tool (the demo binary does): `__fake` is an
+/// unknown subcommand.
+#[test]
+fn plugin_plays_no_fake_tool() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["__fake", "nvidia-smi", "-L"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("unrecognized subcommand"), "{stderr}");
+}
+
+/// `--mock` loads the mock library from beside the binary; without one there, the error
+/// says how to build it.
+#[test]
+fn mock_without_library_says_how_to_build_it() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let bin = dir.path().join("a/b");
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = bin.join("cleave-kubelet-plugin");
+    std::fs::hard_link(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"), &exe).unwrap();
+    let out = Command::new(&exe)
+        .args(["inspect", "--mock", "h100-80gb-x8"])
+        .env_remove("MOCK_NVML_LIB")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("libmock_nvml.so"), "{stderr}");
+    assert!(stderr.contains("cargo build -p cleave-mock-nvml"), "{stderr}");
+}

@@ -1,7 +1,12 @@
 //! MPS daemons in pods of their own (`run --mps-launcher=pod`), end to end: the real plugin
 //! binary, the API server stand-in, a fake kubelet that runs the daemon pods as local
 //! processes (`tests/common/kubelet.rs`), and the fake `nvidia-cuda-mps-control` and
-//! `nvidia-smi` (this crate's binary plays them, as in the demo).
+//! `nvidia-smi` (of `cleave-fakes`, played by this test binary itself: the shipped plugin
+//! plays no fake tool, so the tool wrappers run `<this test> __fake <tool> <args>...`).
+//!
+//! Built with `harness = false`: [`main`] first plays a fake tool when asked to, then runs
+//! the tests below one by one (a name given on the command line selects the tests whose
+//! names contain it).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -55,7 +60,8 @@ impl World {
         // The fake tools under the driver root: wrappers running this crate's binary.
         let bin = dirs.driver_root().join("usr/bin");
         std::fs::create_dir_all(&bin).unwrap();
-        let exe = env!("CARGO_BIN_EXE_cleave-kubelet-plugin");
+        let exe = std::env::current_exe().unwrap();
+        let exe = exe.display();
         for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
             let path = bin.join(tool);
             std::fs::write(
@@ -209,7 +215,6 @@ fn all_env(spec: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
     let world = World::new();
     let standin = start_standin(&world.dirs).await;
@@ -467,7 +472,6 @@ async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
     drop(kubelet);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing() {
     let world = World::new();
     let standin = start_standin(&world.dirs).await;
@@ -544,7 +548,6 @@ async fn daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing(
     assert!(plugin.terminate().success());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() {
     let world = World::new();
     let standin = start_standin(&world.dirs).await;
@@ -661,7 +664,6 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
     assert!(plugin.terminate().success());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart() {
     for point in [
         "mps.after_launch",
@@ -714,5 +716,84 @@ async fn plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart(
         drop(dra);
         assert!(plugin.terminate().success());
         drop(kubelet);
+    }
+}
+
+/// First argument that makes this test binary play a fake NVIDIA tool.
+const FAKE_TOOL_ARG: &str = "__fake";
+
+/// `<exe> __fake <tool path> <args>...` runs the fake tool of `cleave-fakes` named by the
+/// tool path's file name; the fake MPS control daemon re-runs this executable as
+/// `<tool path> --daemon-loop [-M]` (its own `argv[0]`), which is played too. `None` for
+/// every other command line.
+fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
+    let tool_args = match args.get(1).map(String::as_str) {
+        Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
+        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
+            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
+                && args.first().and_then(|a| Path::new(a).file_name())
+                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
+        {
+            args
+        }
+        _ => return None,
+    };
+    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
+    Some(std::process::ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+type TestFn = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
+
+const TESTS: [(&str, TestFn); 4] = [
+    ("claims_get_own_daemon_pods_which_outlive_plugin_restarts", || {
+        Box::pin(claims_get_own_daemon_pods_which_outlive_plugin_restarts())
+    }),
+    ("daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing", || {
+        Box::pin(daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing())
+    }),
+    ("daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets", || {
+        Box::pin(daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets())
+    }),
+    ("plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart", || {
+        Box::pin(plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart())
+    }),
+];
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = play_fake_tool(&args) {
+        return code;
+    }
+    let filters: Vec<&String> = args.iter().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, test) in TESTS {
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        let result = std::panic::catch_unwind(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(test());
+        });
+        println!("test {name} ... {}", if result.is_ok() { "ok" } else { "FAILED" });
+        if result.is_err() {
+            failed.push(name);
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len()
+    );
+    if failed.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
     }
 }

@@ -1,4 +1,4 @@
-//! The `demo` subcommand runs its whole tour, passes every check and leaves no process behind.
+//! `cleave-demo` runs its whole tour, passes every check and leaves no process behind.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
@@ -17,8 +17,7 @@ fn alive(pid: u32) -> bool {
 #[test]
 fn demo_passes_all_checks() {
     let lib = mock_nvml::locate::cdylib_path().expect("mock NVML library not built");
-    let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
-        .arg("demo")
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave-demo"))
         .env("MOCK_NVML_LIB", lib)
         .env_remove("RUST_LOG")
         .output()
@@ -78,8 +77,7 @@ fn demo_passes_all_checks() {
 #[test]
 fn failed_step_fails_the_demo_and_leaves_no_daemon() {
     let lib = mock_nvml::locate::cdylib_path().expect("mock NVML library not built");
-    let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
-        .arg("demo")
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave-demo"))
         .env("MOCK_NVML_LIB", lib)
         .env("FAKE_NVIDIA_SMI_FAIL", "-c DEFAULT")
         .env_remove("RUST_LOG")
@@ -103,7 +101,7 @@ fn failed_step_fails_the_demo_and_leaves_no_daemon() {
 
 #[test]
 fn fake_tool_argument_is_hidden_from_help() {
-    let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave-demo"))
         .arg("--help")
         .output()
         .unwrap();

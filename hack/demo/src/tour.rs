@@ -1,7 +1,7 @@
-//! `demo`: the whole plugin in one process on a simulated node, as a guided tour.
+//! The tour: the whole plugin in one process on a simulated node.
 //!
 //! The mock NVML library plays an 8-GPU node (MIG on GPUs 0-5, off on 6-7), the API
-//! server stand-in plays the cluster, this very binary plays `nvidia-cuda-mps-control` and
+//! server stand-in plays the cluster, this very binary (`cleave-demo`) plays `nvidia-cuda-mps-control` and
 //! `nvidia-smi` (the fakes of `cleave-fakes`, behind the hidden first argument `__fake`),
 //! and the demo plays the kubelet: it talks to the plugin over its unix sockets exactly as
 //! the kubelet would. Every step is checked; any failure makes the exit code non-zero, and
@@ -19,10 +19,18 @@ use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
 use cleave_driver::model::MigState;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 
-use crate::cli::{DemoArgs, DriverArgs, KubeletArgs, NvmlArgs, RunArgs};
-use crate::proto::dra::v1;
-use crate::proto::registration::{InfoRequest, RegistrationStatus};
-use crate::server::connect_unix;
+use cleave_kubelet_plugin::cli::{DriverArgs, KubeletArgs, NvmlArgs, RunArgs};
+use cleave_kubelet_plugin::connect_unix;
+use cleave_kubelet_plugin::proto::dra::v1;
+use cleave_kubelet_plugin::proto::registration::{InfoRequest, RegistrationStatus};
+
+/// What the demo simulates.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// Mock node profile.
+    #[arg(long, default_value = "h100-80gb-x8")]
+    pub profile: String,
+}
 
 /// Node (and pool) name of the simulated node.
 const NODE: &str = "demo-node";
@@ -317,14 +325,14 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         run_args.driver.driver_root.display()
     );
     let t = Instant::now();
-    let plugin = crate::daemon::start(&run_args, standin.client()).await?;
+    let plugin = cleave_kubelet_plugin::daemon::start(&run_args, standin.client()).await?;
     let reg_socket = plugin.server.registration_socket().to_owned();
     let dra_socket = plugin.server.dra_socket().to_owned();
     println!("  registration socket  {}", reg_socket.display());
     println!("  DRA socket           {}", dra_socket.display());
 
     // The kubelet's side of registration.
-    let mut reg = crate::proto::registration::registration_client::RegistrationClient::new(
+    let mut reg = cleave_kubelet_plugin::proto::registration::registration_client::RegistrationClient::new(
         connect_unix(&reg_socket).await?,
     );
     let info = reg.get_info(InfoRequest {}).await?.into_inner();

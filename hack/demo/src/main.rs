@@ -1,0 +1,74 @@
+//! `cleave-demo`: the whole kubelet plugin in one process on a simulated node, as a guided
+//! tour (see [`tour`]). Built on the plugin library, the API server stand-in, the mock NVML
+//! library and the fake NVIDIA tools; none of them is in the shipped plugin.
+//!
+//! The binary is also the demo's `nvidia-cuda-mps-control` and `nvidia-smi`: the tool
+//! wrappers in the simulated driver root run it as `cleave-demo __fake <tool> <args>...`.
+
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::Parser;
+
+mod tour;
+
+/// Runs the whole cleave kubelet plugin in-process against mock GPUs and an API server
+/// stand-in, and checks every step.
+#[derive(Debug, Parser)]
+#[command(name = "cleave-demo", version, about, long_about = None)]
+struct Cli {
+    /// Logging flags.
+    #[command(flatten)]
+    log: cleave_kubelet_plugin::cli::LogArgs,
+    /// What to simulate.
+    #[command(flatten)]
+    demo: tour::DemoArgs,
+}
+
+fn main() -> ExitCode {
+    // The demo's tool wrappers run this binary as its fake NVIDIA tools (never in --help).
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = tour::play_fake_tool(&args) {
+        return code;
+    }
+    let cli = Cli::parse();
+    cleave_kubelet_plugin::install_crypto_provider();
+    match run(&cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
+    // Environment changes must happen while the process is single-threaded.
+    let exe = std::env::current_exe()?;
+    let lib = cleave_kubelet_plugin::mock::find_library(&exe).ok_or_else(|| {
+        anyhow::anyhow!(
+            "demo: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
+            cleave_kubelet_plugin::mock::MOCK_LIBRARY,
+            exe.display()
+        )
+    })?;
+    // Short: the MPS daemon's sockets lie below it, and a unix socket path has at most 107
+    // bytes (`<dir>/plugins/gpu.cleave.dev/mps/<claim uid>/pipe/control_privileged`).
+    let dir = tempfile::Builder::new()
+        .prefix("cleave-")
+        .tempdir()
+        .context("creating the demo's working directory")?;
+    for (key, value) in tour::mock_env(&cli.demo, dir.path()) {
+        cleave_kubelet_plugin::mock::set_env(key, &value);
+    }
+    // The demo's output is the tour; its logs only say what went wrong.
+    cleave_kubelet_plugin::telemetry::init(
+        cli.log.log_format,
+        Some(cli.log.log_level.as_deref().unwrap_or("warn")),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(tour::run(&cli.demo, dir.path(), lib))
+}
