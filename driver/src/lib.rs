@@ -10,6 +10,7 @@
 pub mod backend;
 pub mod cdi;
 pub mod checkpoint;
+pub mod device_health;
 pub mod driver_root;
 pub mod fault;
 pub mod health;
