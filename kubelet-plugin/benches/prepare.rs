@@ -20,7 +20,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
-use cleave_kubelet_plugin::cli::{DriverArgs, KubeletArgs, NvmlArgs, RunArgs};
+use cleave_kubelet_plugin::args::{DriverArgs, KubeletArgs, NvmlArgs, RunArgs};
 use cleave_kubelet_plugin::proto::dra::v1;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
@@ -161,7 +161,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
     mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
         .lay_out(&args.driver.driver_root)
         .unwrap();
-    let plugin = cleave_kubelet_plugin::daemon::start(&args, standin.client())
+    let plugin = cleave_kubelet_plugin::start::start(&args, standin.client())
         .await
         .unwrap();
     let channel = cleave_kubelet_plugin::connect_unix(plugin.server.dra_socket())
@@ -401,7 +401,7 @@ async fn mig_phase(
     args.kubelet.kubelet_plugins_directory_path = root.join("plugins");
     args.driver.cdi_root = root.join("cdi");
     args.driver.dynamic_mig = true;
-    let plugin = cleave_kubelet_plugin::daemon::start(&args, standin.client())
+    let plugin = cleave_kubelet_plugin::start::start(&args, standin.client())
         .await
         .unwrap();
     let mut dra = v1::dra_plugin_client::DraPluginClient::new(

@@ -2,7 +2,7 @@
 //!
 //! The DRA services validate requests, call a [`ClaimHandler`] with well-formed claim
 //! references and turn its per-claim results into the kubelet's response map. The real
-//! implementation is [`crate::kube_handler::KubeClaimHandler`]; tests use fakes.
+//! implementation is `KubeClaimHandler` (module `kube_handler`); tests use fakes.
 
 use std::collections::BTreeMap;
 

@@ -8,7 +8,7 @@ use cleave_driver::backend::GpuBackend as _;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::pool::{PoolOptions, build_pool};
 
-use crate::cli::InspectArgs;
+use crate::args::InspectArgs;
 
 /// Discovers the GPUs and prints a table (or ResourceSlice YAML with `--yaml`) on stdout.
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {

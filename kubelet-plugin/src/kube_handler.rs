@@ -17,7 +17,7 @@ use tracing::{debug, info, info_span, warn};
 use crate::events::{EventReporter, Severity};
 use crate::handler::{ClaimHandler, ClaimRef, PrepareResult, PreparedDevice, UnprepareResult};
 use crate::health::DeviceHealth;
-use crate::observability::ObservabilityMetrics;
+use crate::metrics::observability::ObservabilityMetrics;
 use crate::serialize::Serializer;
 
 /// Prepares claims by reading them from the API server and calling the node driver.

@@ -1,32 +1,46 @@
-//! cleave-kubelet-plugin: the node daemon.
+//! cleave-kubelet-plugin: the node daemon, the product only (the demo and the test rig
+//! live in `hack/`).
 //!
-//! The shell around the driver: [`server`] serves [`grpc`]'s DRA and registration
-//! services on the kubelet's unix sockets; the DRA services call a
-//! [`handler::ClaimHandler`]; [`serialize`] keeps prepare and unprepare batches of all
-//! plugin instances on a node one at a time. [`cli`] and [`daemon`] wire it to the
-//! driver (`cleave-driver`) and the slice publisher (`cleave-controller`).
+//! What each module owns, from the entry point down: [`cli`] parses the command line into
+//! the plain flag data of [`args`] and runs a subcommand; [`daemon`] is `run`'s loop
+//! (signals, readiness, republishing, periodic checks); [`start`] brings the node up in
+//! order (NVML, driver, publisher, servers) and decides, through its typed `StartError`,
+//! what start-up waits for; [`lifecycle`] holds the node-local locks and `checkpoint reset`.
+//! [`kubelet`] is the gRPC shell the kubelet talks to (protos, the DRA service generic over
+//! [`handler::ClaimHandler`], registration, the health service, the unix-socket server);
+//! [`kube_handler`] is the real handler (claims from the API server, the driver's prepare,
+//! [`serialize`]'s node lock, [`events`]). [`health`] keeps device health (the pure mapping
+//! is the driver's `device_health`); [`metrics`] owns the whole Prometheus registry and the
+//! HTTP endpoints, and the gRPC and health code report into it through observer traits they
+//! define. [`mps_pod`] launches claims' MPS daemons in pods, [`mps_daemon`] is the program
+//! inside such a pod. The rest are small tools: [`inspect`], [`coexistence`] (other GPU
+//! managers on the node), [`cdi_hook`] (installing the hook binary), [`mock`] (loading the
+//! mock NVML library for `--mock`), [`telemetry`] (logging).
 
+pub mod args;
 pub mod cdi_hook;
 pub mod cli;
 pub mod coexistence;
 pub mod daemon;
 pub mod events;
-pub mod grpc;
 pub mod handler;
 pub mod health;
 pub mod inspect;
 pub mod kube_handler;
+pub mod kubelet;
 pub mod lifecycle;
 pub mod metrics;
 pub mod mock;
+pub mod mps_daemon;
 pub mod mps_pod;
-pub mod observability;
-pub mod proto;
 pub mod serialize;
-pub mod server;
+pub mod start;
 pub mod telemetry;
 
-pub use grpc::RegistrationState;
+pub use handler::{ClaimHandler, ClaimRef, PreparedDevice};
+pub use kubelet::proto;
+pub use kubelet::registration::RegistrationState;
+pub use kubelet::server::{PluginConfig, PluginServer, ServerError, connect_unix};
 
 /// Selects rustls' ring crypto provider for the whole process.
 ///
@@ -36,5 +50,3 @@ pub use grpc::RegistrationState;
 pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
-pub use handler::{ClaimHandler, ClaimRef, PreparedDevice};
-pub use server::{PluginConfig, PluginServer, ServerError, connect_unix};

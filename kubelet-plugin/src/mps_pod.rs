@@ -1,5 +1,5 @@
-//! MPS control daemons in pods of their own ([`PodLauncher`]), and the inside of such a pod
-//! ([`run_daemon`], the `mps-daemon` subcommand).
+//! MPS control daemons in pods of their own ([`PodLauncher`]); what runs inside such a pod
+//! is [`crate::mps_daemon`].
 //!
 //! For each MPS claim the plugin creates the pod `cleave-mps-<claim UID>` in its own
 //! namespace, bound to this node (`spec.nodeName`, so no scheduler is involved), running
@@ -15,17 +15,12 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use cleave_driver::sharing::mps::PID_FILE;
-use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
 use cleave_driver::sharing::{
-    DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, ProcessLauncher, SHM_DIR, SharingBinaries,
-    SharingFailure,
+    DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, ProcessLauncher, SHM_DIR, SharingFailure,
 };
 use k8s_openapi::api::core::v1::{
     Container, EmptyDirVolumeSource, EnvVar, HostPathVolumeSource, Pod, PodSpec,
@@ -35,8 +30,6 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use tokio::runtime::Handle;
-
-use crate::cli::MpsDaemonArgs;
 
 /// API calls of the pod launcher, in the plugin's namespace (a Role in the chart):
 /// `(apiGroup, resource, verbs)`. `get` also reads the plugin's own pod for its owner.
@@ -759,55 +752,6 @@ pub async fn resolve_parent(
         },
         image_pull_secrets,
     })
-}
-
-/// The `mps-daemon` subcommand: supervises the claim's control daemon until SIGTERM (then
-/// `quit`) or until the daemon exits by itself; exits 0 in both cases.
-pub async fn run_daemon(args: MpsDaemonArgs) -> anyhow::Result<ExitCode> {
-    let var = |name: &str| {
-        std::env::var(name).with_context(|| format!("{name} is not set (the pod sets it)"))
-    };
-    let control_bin = args
-        .mps_control_bin
-        .clone()
-        .unwrap_or_else(|| SharingBinaries::under_driver_root(&args.driver_root).mps_control);
-    let config = SuperviseConfig {
-        claim_uid: std::env::var("CLEAVE_CLAIM_UID").unwrap_or_default(),
-        control_bin,
-        driver_root: args.driver_root.clone(),
-        lib_dir: Some(args.lib_dir.clone()),
-        pipe_dir: var("CUDA_MPS_PIPE_DIRECTORY")?.into(),
-        log_dir: var("CUDA_MPS_LOG_DIRECTORY")?.into(),
-        env: Vec::new(),
-        multi_user: args.multi_user,
-        start_timeout: Duration::from_secs(args.start_timeout_secs),
-        stop_timeout: Duration::from_secs(args.stop_timeout_secs),
-        poll: Duration::from_millis(200),
-        reap_orphans: std::process::id() == 1,
-    };
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut signals = crate::daemon::ShutdownSignals::install()?;
-    let work = {
-        let stop = Arc::clone(&stop);
-        tokio::task::spawn_blocking(move || supervise(&config, &stop, &mut std::io::stdout()))
-    };
-    tokio::pin!(work);
-    let result = tokio::select! {
-        r = &mut work => r,
-        signal = signals.recv() => {
-            tracing::info!(signal, "stopping");
-            stop.store(true, Ordering::SeqCst);
-            work.await
-        }
-    };
-    match result.context("the supervisor panicked")? {
-        Ok(SuperviseOutcome::Stopped) => {
-            tracing::info!("MPS control daemon stopped");
-            Ok(ExitCode::SUCCESS)
-        }
-        Ok(SuperviseOutcome::Exited) => Ok(ExitCode::SUCCESS),
-        Err(e) => Err(e.into()),
-    }
 }
 
 #[cfg(test)]

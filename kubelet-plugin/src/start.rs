@@ -1,49 +1,69 @@
-//! `run`: the node daemon.
+//! Start-up: NVML -> node driver (checkpoint load and reconcile, under the node lock) ->
+//! release of checkpointed claims the API server no longer has -> pool -> slice
+//! publisher -> DRA service, then registration ([`start_with_backend`]).
 //!
-//! `run` first serves `/healthz`, `/readyz` and `/metrics`, then starts through
-//! [`crate::lifecycle::start_when_possible`] (retrying while the NVIDIA driver is missing or
-//! the checkpoint is unreadable), then checks for other GPU managers on the node
-//! ([`crate::coexistence`]).
+//! Start-up waits instead of crashing on a late NVIDIA driver or an unreadable checkpoint:
+//! [`start_when_possible`] retries with a bounded exponential backoff
+//! (`--retry-initial-ms` .. `--retry-max-ms`, default 1 s .. 30 s), as the [`StartError`]
+//! variant says:
+//! - [`StartError::DriverNotReady`]: NVML cannot be loaded or initialised, or finds no GPU
+//!   (the driver is not installed yet). Zero GPUs counts as "driver not ready" unless
+//!   `--allow-no-gpus` (a node that has the library but no GPU then publishes an empty pool);
+//! - [`StartError::CheckpointUnreadable`]: the checkpoint cannot be read (corrupt, bad
+//!   checksum, unknown layout version, I/O error). The plugin never resets it by itself,
+//!   since pods may still use its claims: it logs the path and reason, sets
+//!   `cleave_kubelet_plugin_checkpoint_healthy` to 0, counts
+//!   `cleave_kubelet_plugin_checkpoint_errors_total`, posts a Warning Event
+//!   `CheckpointUnreadable` on the Node naming the one recovery command
+//!   (`cleave-kubelet-plugin checkpoint reset`, see [`crate::lifecycle::reset_checkpoint`]),
+//!   and reads the file again on every retry, so an operator's fix is picked up without a
+//!   restart;
+//! - [`StartError::Other`]: anything else ends start-up.
 //!
-//! Start order: load NVML -> start the node driver (checkpoint load and reconcile) ->
-//! release checkpointed claims the API server no longer has -> build the pool -> start
-//! the slice publisher -> serve DRA, then registration -> wait for SIGTERM/SIGINT.
-//! Shutdown stops the servers (removing this instance's sockets) and the publisher; the
-//! ResourceSlices stay, so a restart or upgrade takes them over without writes.
+//! Meanwhile nothing is registered with the kubelet (no prepare can arrive), no slice is
+//! published (an empty pool would tell the scheduler the node has no GPUs), `/readyz`
+//! answers 503 with the reason, and `/healthz` stays 200 (the process works; a restart would
+//! not help).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use anyhow::Context as _;
-use cleave_controller::{
-    CounterSupport, PARTITIONABLE_DEVICES_GATE, PublisherConfig, SlicePublisher, uninstall_slices,
-};
+use cleave_controller::{PublisherConfig, SlicePublisher};
 use cleave_driver::backend::GpuBackend;
+use cleave_driver::checkpoint::CheckpointError;
 use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::BareGpuInstance;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::pool::{PoolOptions, build_pool};
-use cleave_driver::prepare::{DriverConfig, NodeDriver};
+use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError};
 use cleave_driver::sharing::{ProcessLauncher, SharingBinaries, SharingConfig, SharingManager};
+use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::cli::{MpsLauncherKind, RunArgs};
+use crate::args::{KubeletArgs, MpsLauncherKind, RunArgs};
 use crate::events::{EventReporter, Severity};
-use crate::grpc::RegistrationState;
 use crate::kube_handler::{KubeClaimHandler, release_orphaned_claims};
-use crate::lifecycle::{Heartbeat, StartContext, start_when_possible};
-use crate::metrics::{HealthState, Metrics};
+use crate::kubelet::server::{PluginConfig, PluginServer};
+use crate::lifecycle::{reset_command, short_reason};
+use crate::metrics::Metrics;
 use crate::serialize::Serializer;
-use crate::server::{PluginConfig, PluginServer};
+
+/// The socket and state layout the kubelet flags describe.
+pub fn plugin_config(args: &KubeletArgs) -> PluginConfig {
+    PluginConfig::new(
+        args.driver_name.clone(),
+        args.kubelet_registrar_directory_path.clone(),
+        args.kubelet_plugins_directory_path.clone(),
+    )
+    .with_pod_uid(args.pod_uid.clone())
+}
 
 /// The kernel's boot ID; the driver forgets prepared claims of an earlier boot.
 pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
-
-/// How often `mps_daemons_running` is re-read from the checkpoint besides after every DRA
-/// call (another plugin instance of a rolling update may have changed it).
-pub const MPS_GAUGE_REFRESH: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Builds a Kubernetes client from a kubeconfig file, or the in-cluster / default
 /// configuration when none is given.
@@ -180,32 +200,6 @@ pub async fn sharing_manager(
     Ok(SharingManager::with_launcher(config, Arc::new(launcher)))
 }
 
-/// SIGTERM and SIGINT listeners, installed once so no signal is missed.
-#[derive(Debug)]
-pub struct ShutdownSignals {
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
-}
-
-impl ShutdownSignals {
-    /// Installs the handlers (from now on these signals no longer kill the process).
-    pub fn install() -> anyhow::Result<Self> {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok(Self {
-            term: signal(SignalKind::terminate()).context("installing SIGTERM handler")?,
-            int: signal(SignalKind::interrupt()).context("installing SIGINT handler")?,
-        })
-    }
-
-    /// Waits for the next SIGTERM or SIGINT and names it.
-    pub async fn recv(&mut self) -> &'static str {
-        tokio::select! {
-            _ = self.term.recv() => "SIGTERM",
-            _ = self.int.recv() => "SIGINT",
-        }
-    }
-}
-
 /// A started plugin: driver, slice publisher and gRPC servers.
 pub struct RunningPlugin {
     /// The GPU backend (NVML).
@@ -262,25 +256,35 @@ pub async fn start_with_metrics(
         .await?
         .context("loading NVML")?,
     );
-    start_with_backend(args, client, metrics, backend).await
+    Ok(start_with_backend(args, client, metrics, backend).await?)
 }
 
-/// [`start_with_metrics`] on an already loaded backend (see
-/// [`crate::lifecycle::start_when_possible`], which retries while NVML or the checkpoint
-/// is not usable).
+/// [`start_with_metrics`] on an already loaded backend (see [`start_when_possible`],
+/// which retries while NVML or the checkpoint is not usable).
 pub async fn start_with_backend(
     args: &RunArgs,
     client: kube::Client,
     metrics: Option<Arc<Metrics>>,
     backend: Arc<dyn GpuBackend>,
+) -> Result<RunningPlugin, StartError> {
+    start_on(args, client, metrics, backend)
+        .await
+        .map_err(StartError::classify)
+}
+
+async fn start_on(
+    args: &RunArgs,
+    client: kube::Client,
+    metrics: Option<Arc<Metrics>>,
+    backend: Arc<dyn GpuBackend>,
 ) -> anyhow::Result<RunningPlugin> {
-    let plugin = args.kubelet.plugin_config();
+    let plugin = plugin_config(&args.kubelet);
     plugin
         .prepare_dirs()
         .context("preparing plugin directories")?;
     // Before the checkpoint or the API server is touched: a second instance on the same
     // socket names stops here, naming the one that runs.
-    crate::server::check_sockets_free(&plugin)
+    crate::kubelet::server::check_sockets_free(&plugin)
         .await
         .context("checking the plugin sockets")?;
     let serializer = Serializer::new(plugin.lock_file());
@@ -356,7 +360,9 @@ pub async fn start_with_backend(
         &pool,
         &inventory,
         &driver,
-        metrics.clone(),
+        metrics
+            .clone()
+            .map(|m| m as Arc<dyn crate::health::HealthObserver>),
     );
     let publisher = SlicePublisher::start(client.clone(), publisher_config);
     // NVML sees GPUs but the driver root holds no driver: offer nothing (every claim would
@@ -389,7 +395,8 @@ pub async fn start_with_backend(
             .with_events(events)
             .with_metrics(metrics.as_ref().map(|m| m.observability.clone())),
     );
-    let server = PluginServer::start_with_health(&plugin, handler, metrics, health)
+    let observer = metrics.map(|m| m as Arc<dyn crate::kubelet::dra::DraObserver>);
+    let server = PluginServer::start_with_health(&plugin, handler, observer, health)
         .await
         .context("starting the plugin servers")?;
     Ok(RunningPlugin {
@@ -470,374 +477,263 @@ impl RunningPlugin {
     }
 }
 
-/// Event reason: devices are withheld because the API server drops shared counters.
-pub const REASON_COUNTERS_DROPPED: &str = "PartitionableDevicesDisabled";
+/// Event reason: the checkpoint cannot be read.
+pub const REASON_CHECKPOINT_UNREADABLE: &str = "CheckpointUnreadable";
+/// Event reason: NVML cannot be loaded, sees no GPU, or the driver root holds no driver.
+pub const REASON_DRIVER_NOT_READY: &str = "NVIDIADriverNotReady";
 
-/// Says on the Node (a Warning Event), in `/readyz` and in the log that devices are
-/// withheld because the API server drops counters, or that the full pool is back.
-async fn report_counter_support(
-    client: &kube::Client,
-    events: &EventReporter,
-    node_name: &str,
-    degraded: &tokio::sync::watch::Sender<Option<String>>,
-    status: &cleave_controller::PublisherStatus,
-) {
-    if status.counters == CounterSupport::Dropped {
-        let note = format!(
-            "the API server drops sharedCounters/consumesCounters from ResourceSlices (feature gate {PARTITIONABLE_DEVICES_GATE} off; alpha and off by default before Kubernetes 1.36): \
-             {} devices that depend on counters (on-demand MIG placements and their GPUs) are withheld so that the scheduler cannot hand out overlapping MIG placements; \
-             GPUs without on-demand MIG are published. Fix: enable {PARTITIONABLE_DEVICES_GATE} on kube-apiserver and kube-scheduler (or run the plugin without --dynamic-mig); \
-             the plugin notices within a minute and publishes the full pool",
-            status.withdrawn_devices
-        );
-        warn!(
-            withheld = status.withdrawn_devices,
-            gate = PARTITIONABLE_DEVICES_GATE,
-            "devices withheld: the API server drops counters"
-        );
-        degraded.send_replace(Some(format!(
-            "{} devices withheld: the API server drops shared counters (enable the {PARTITIONABLE_DEVICES_GATE} feature gate)",
-            status.withdrawn_devices
-        )));
-        let node = crate::events::node_reference(client, node_name).await;
-        events
-            .publish(
-                &node,
-                Severity::Warning,
-                REASON_COUNTERS_DROPPED,
-                "Publish",
-                &note,
-            )
-            .await;
-    } else {
-        info!("the API server keeps counters; the full pool is published");
-        degraded.send_replace(None);
+/// A bounded exponential backoff: `initial`, doubled per failure, at most `max`.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    /// Starts at `initial`; never waits longer than `max`.
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        let initial = initial.min(max);
+        Self {
+            initial,
+            max,
+            next: initial,
+        }
+    }
+
+    /// The wait before the next attempt (and doubles the one after).
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        d
+    }
+
+    /// Back to `initial` (after a success).
+    pub fn reset(&mut self) {
+        self.next = self.initial;
     }
 }
 
-/// A Warning Event on each claim whose MPS daemon had died and was started again: its
-/// running clients lost their server and need a restart (`kubectl describe
-/// resourceclaim` shows it).
-async fn report_mps_restarts(
-    events: &EventReporter,
-    driver: &NodeDriver,
-    restarted: &std::collections::BTreeSet<String>,
-) {
-    for claim in driver
-        .prepared_claims()
-        .into_iter()
-        .filter(|c| restarted.contains(&c.uid))
-    {
-        let regarding = k8s_openapi::api::core::v1::ObjectReference {
-            api_version: Some("resource.k8s.io/v1".into()),
-            kind: Some("ResourceClaim".into()),
-            namespace: Some(claim.namespace.clone()),
-            name: Some(claim.name.clone()),
-            uid: Some(claim.uid.clone()),
-            ..Default::default()
-        };
-        events
-            .publish(
-                &regarding,
-                crate::events::Severity::Warning,
-                "MPSDaemonRestarted",
-                "Reconcile",
-                "the claim's MPS control daemon had stopped and was started again with the \
-                 claim's limits; containers that used the old daemon must be restarted",
-            )
-            .await;
+/// Why start-up did not finish; the variant decides the retry policy
+/// ([`start_when_possible`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// NVML cannot be loaded or initialised, or sees no GPU: retried with backoff.
+    #[error("NVIDIA driver not ready: {0:#}")]
+    DriverNotReady(anyhow::Error),
+    /// The checkpoint cannot be read: retried with backoff, never reset by the plugin.
+    #[error("checkpoint unreadable: {error}")]
+    CheckpointUnreadable {
+        /// The path and what is wrong, without the recovery text (for `/readyz`, Events).
+        reason: String,
+        /// The whole checkpoint error, with its recovery text.
+        error: String,
+    },
+    /// Anything else: start-up fails.
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+impl StartError {
+    /// A checkpoint error anywhere in `e`'s chain is [`Self::CheckpointUnreadable`];
+    /// anything else [`Self::Other`].
+    pub fn classify(e: anyhow::Error) -> Self {
+        match checkpoint_error(&e) {
+            Some(ce) => Self::CheckpointUnreadable {
+                reason: short_reason(ce),
+                error: ce.to_string(),
+            },
+            None => Self::Other(e),
+        }
+    }
+
+    /// Whether [`start_when_possible`] waits and tries again after this error.
+    pub fn is_retried(&self) -> bool {
+        !matches!(self, Self::Other(_))
     }
 }
 
-/// Runs the daemon until SIGTERM or SIGINT.
-pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
-    let mut signals = ShutdownSignals::install()?;
-    let client = kube_client(args.kubeconfig.as_deref()).await?;
+/// Why the plugin is not ready yet (None: nothing blocks start-up); `/readyz` shows it.
+pub type Blocker = watch::Sender<Option<String>>;
 
-    if args.uninstall {
-        let config = PublisherConfig::new(args.kubelet.driver_name.clone(), args.node_name.clone());
-        let deleted = uninstall_slices(&client, &config)
-            .await
-            .context("deleting ResourceSlices")?;
-        info!(deleted, node = %args.node_name, driver = %config.driver_name, "uninstalled ResourceSlices");
-        return Ok(ExitCode::SUCCESS);
-    }
+/// The checkpoint error inside a start failure, if that is what failed.
+pub fn checkpoint_error(e: &anyhow::Error) -> Option<&CheckpointError> {
+    e.chain().find_map(|c| {
+        c.downcast_ref::<CheckpointError>().or_else(|| {
+            c.downcast_ref::<PrepareError>().and_then(|p| match p {
+                PrepareError::Checkpoint(ce) => Some(ce),
+                _ => None,
+            })
+        })
+    })
+}
 
-    let metrics = args.metrics_addr.map(|_| Arc::new(Metrics::new()));
-    if let Some(m) = &metrics {
-        m.observability.install_driver_observer();
+/// Loads NVML for the driver under `driver_root` (the root's libraries first, then the
+/// system's, or `nvml_lib` when given) and checks it sees GPUs; the error says why the
+/// driver is not usable yet, naming every library path tried.
+pub async fn open_backend(
+    driver_root: PathBuf,
+    nvml_lib: Option<PathBuf>,
+    allow_no_gpus: bool,
+) -> anyhow::Result<Arc<dyn GpuBackend>> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn GpuBackend>> {
+        let backend = NvmlBackend::open_in_driver_root(&driver_root, nvml_lib.as_deref())
+            .context("loading NVML")?;
+        let inventory = backend.inventory().context("listing GPUs through NVML")?;
+        if inventory.gpus.is_empty() && !allow_no_gpus {
+            anyhow::bail!(
+                "NVML found no GPU (driver not ready, or a node without GPUs: then pass --allow-no-gpus)"
+            );
+        }
+        Ok(Arc::new(backend))
+    })
+    .await?
+}
+
+/// What [`start_when_possible`] reports to.
+#[derive(Clone)]
+pub struct StartContext {
+    /// The kube client (Events, claims, slices).
+    pub client: kube::Client,
+    /// Metrics, when served.
+    pub metrics: Option<Arc<Metrics>>,
+    /// Not-ready reason for `/readyz`.
+    pub blocker: Arc<Blocker>,
+    /// Events about the Node.
+    pub events: EventReporter,
+}
+
+impl std::fmt::Debug for StartContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StartContext")
+            .field("blocker", &*self.blocker.borrow())
+            .finish_non_exhaustive()
     }
-    let taint_client = client.clone();
-    // Health is served before start-up, which may wait for the NVIDIA driver or a readable
-    // checkpoint (crate::lifecycle); /readyz names what it waits for.
-    let (registration_tx, registration_rx) =
-        tokio::sync::watch::channel(RegistrationState::Pending);
-    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
-    let blocker = Arc::new(tokio::sync::watch::channel(Some("starting".to_owned())).0);
-    let (degraded_tx, degraded_rx) = tokio::sync::watch::channel(None::<String>);
-    let heartbeat = Arc::new(Heartbeat::default());
-    heartbeat.beat();
-    let heartbeat_task = heartbeat.spawn();
-    let http = match (args.metrics_addr, &metrics) {
-        (Some(addr), Some(m)) => {
-            let state = HealthState {
-                metrics: Arc::clone(m),
-                registration: registration_rx,
-                published: ready_rx,
-                blocker: blocker.subscribe(),
-                degraded: degraded_rx,
-                heartbeat: Arc::clone(&heartbeat),
-            };
-            let (local, task) = crate::metrics::start(addr, state)
-                .await
-                .with_context(|| format!("serving metrics on {addr}"))?;
-            info!(addr = %local, "serving /metrics, /healthz and /readyz");
-            Some(task)
-        }
-        _ => None,
-    };
-    let events = EventReporter::new(client.clone(), args.node_name.clone());
-    let mps_events = events.clone();
-    let ctx = StartContext {
-        client: client.clone(),
-        metrics: metrics.clone(),
-        blocker,
-        events: events.clone(),
-    };
-    let plugin = tokio::select! {
-        s = signals.recv() => {
-            info!(signal = s, "shutting down before start-up finished");
-            heartbeat_task.abort();
-            if let Some(task) = http {
-                task.abort();
-            }
-            return Ok(ExitCode::SUCCESS);
-        }
-        r = start_when_possible(&args, &ctx) => r?,
-    };
-    let coexistence = tokio::spawn(crate::coexistence::check_and_report(
-        client,
-        args.node_name.clone(),
-        args.kubelet.driver_name.clone(),
-        plugin
-            .driver
-            .inventory()
-            .gpus
-            .iter()
-            .map(|g| g.uuid.clone())
-            .collect(),
-        events,
-    ));
-    let mut registration = plugin.server.registration_state();
-    registration_tx.send_replace(registration.borrow().clone());
-    let mut published = plugin.publisher.status();
-    let mut last_error: Option<String> = None;
-    let mut was_published = false;
-    let mut counters_reported = false;
-    let counter_client = taint_client.clone();
-    let counter_events = EventReporter::new(counter_client.clone(), args.node_name.clone());
-    let mut health_changes = plugin.server.health().map(|h| h.subscribe());
-    let mut mps_refresh = tokio::time::interval(MPS_GAUGE_REFRESH);
-    mps_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    // Daemons of prepared claims that died (an evicted daemon pod, a crash) are started
-    // again between prepares too, not only at the next start.
-    let check_every = std::time::Duration::from_secs(args.mps.mps_check_interval_secs);
-    let mut mps_check = tokio::time::interval_at(
-        tokio::time::Instant::now() + check_every.max(std::time::Duration::from_secs(1)),
-        check_every.max(std::time::Duration::from_secs(1)),
+}
+
+/// Starts the plugin, retrying with backoff while the NVIDIA driver is missing or the
+/// checkpoint unreadable ([`StartError::is_retried`]); other start errors are returned.
+pub async fn start_when_possible(
+    args: &RunArgs,
+    ctx: &StartContext,
+) -> Result<RunningPlugin, StartError> {
+    let mut backoff = Backoff::new(
+        Duration::from_millis(args.lifecycle.retry_initial_ms),
+        Duration::from_millis(args.lifecycle.retry_max_ms),
     );
-    mps_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut mps_check_task: Option<tokio::task::JoinHandle<()>> = None;
-    // While the driver root holds no driver: not ready with the reason, and looked at again
-    // on the start-up retry schedule's longest wait.
-    let mut plugin = plugin;
-    if let Some(reason) = plugin.driver_wait.clone() {
-        let reason = format!("NVIDIA driver not ready: {reason}");
-        crate::lifecycle::driver_not_ready_event(&args, &ctx, &reason, &mut None).await;
-        ctx.blocker.send_replace(Some(reason));
-    }
-    let mut driver_check = tokio::time::interval(std::time::Duration::from_millis(
-        args.lifecycle.retry_max_ms.clamp(100, 10_000),
-    ));
-    driver_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    // The periodic check also looks for GPU instances left without compute instance (a
-    // destroy that failed during a rollback) and republishes the pool when they change, so
-    // that their placements are published as taken, never as free.
-    let last_bare = Arc::new(std::sync::Mutex::new(plugin.bare_gpu_instances.clone()));
-    let (pool_tx, mut pool_rx) =
-        tokio::sync::mpsc::unbounded_channel::<cleave_api::pool::PoolDevices>();
-    let dynamic_mig = args.driver.dynamic_mig;
-    let signal = loop {
-        tokio::select! {
-            s = signals.recv() => break s,
-            _ = driver_check.tick(), if plugin.driver_wait.is_some() => {
-                let driver = Arc::clone(&plugin.driver);
-                let found = tokio::task::spawn_blocking(move || {
-                    driver
-                        .rediscover_driver_files()
-                        .map(|()| driver.missing_driver().is_none())
-                        .map_err(|e| e.to_string())
-                })
-                .await;
-                match found {
-                    Ok(Ok(true)) => {
-                        info!("the driver root holds the NVIDIA driver now; publishing devices");
-                        let pool = match plugin.server.health() {
-                            Some(h) => h.pool_to_publish(),
-                            None => plugin.pending_pool.take().unwrap_or_default(),
-                        };
-                        if let Some(m) = &metrics {
-                            m.observability.set_published(&pool);
+    let lm = ctx.metrics.as_ref().map(|m| &m.lifecycle);
+    let mut backend: Option<Arc<dyn GpuBackend>> = None;
+    let mut last_checkpoint_reason: Option<String> = None;
+    let mut last_driver_reason: Option<String> = None;
+    loop {
+        let b = match &backend {
+            Some(b) => Arc::clone(b),
+            None => {
+                match open_backend(
+                    args.driver.driver_root.clone(),
+                    args.nvml.nvml_lib.clone(),
+                    args.lifecycle.allow_no_gpus,
+                )
+                .await
+                {
+                    Ok(b) => {
+                        info!("NVML loaded");
+                        if let Some(m) = lm {
+                            m.nvml_available.set(1);
                         }
-                        plugin.publisher.publish(pool);
-                        plugin.driver_wait = None;
-                        plugin.pending_pool = None;
-                        ctx.blocker.send_replace(None);
+                        backoff.reset();
+                        backend = Some(Arc::clone(&b));
+                        b
                     }
-                    Ok(Ok(false)) => {}
-                    Ok(Err(e)) => warn!(error = %e, "looking at the driver root again"),
-                    Err(e) => warn!(error = %e, "looking at the driver root again"),
-                }
-            }
-            _ = mps_check.tick(), if !check_every.is_zero() => {
-                if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
-                    let driver = Arc::clone(&plugin.driver);
-                    let serializer = plugin.serializer.clone();
-                    let events = mps_events.clone();
-                    let last_bare = Arc::clone(&last_bare);
-                    let pool_tx = pool_tx.clone();
-                    mps_check_task = Some(tokio::spawn(async move {
-                        let check = Arc::clone(&driver);
-                        match serializer
-                            .run(move || check.reconcile_sharing().map_err(|e| e.to_string()))
-                            .await
-                        {
-                            Ok(Ok(restarted)) if !restarted.is_empty() => {
-                                info!(claims = ?restarted, "started MPS daemons of prepared claims again");
-                                report_mps_restarts(&events, &driver, &restarted).await;
-                            }
-                            Ok(Ok(_)) => {}
-                            Ok(Err(e)) => warn!(error = %e, "checking MPS daemons"),
-                            Err(e) => warn!(error = %e, "checking MPS daemons"),
+                    Err(e) => {
+                        if let Some(m) = lm {
+                            m.nvml_available.set(0);
                         }
-                        if dynamic_mig {
-                            let check = Arc::clone(&driver);
-                            let Ok(bare) = serializer.run(move || check.bare_gpu_instances()).await else {
-                                return;
-                            };
-                            let changed = {
-                                let mut last = last_bare.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                                let changed = *last != bare;
-                                *last = bare.clone();
-                                changed
-                            };
-                            if changed {
-                                info!(bare = ?bare, "GPU instances without compute instance changed; republishing the pool");
-                                let pool = build_pool(
-                                    &driver.inventory(),
-                                    &PoolOptions {
-                                        dynamic_mig: true,
-                                        owned_instances: driver.owned_mig_uuids(),
-                                        bare_gpu_instances: bare,
-                                    },
-                                );
-                                let _ = pool_tx.send(pool);
-                            }
-                        }
-                    }));
-                }
-            }
-            Some(pool) = pool_rx.recv() => {
-                // Health applies its taints to the new pool and triggers the publish.
-                match plugin.server.health() {
-                    Some(h) => h.set_base_pool(pool),
-                    // Nothing is published while the driver root holds no driver.
-                    None if plugin.driver_wait.is_some() => plugin.pending_pool = Some(pool),
-                    None => {
-                        if let Some(m) = &metrics {
-                            m.observability.set_published(&pool);
-                        }
-                        plugin.publisher.publish(pool);
+                        let reason = StartError::DriverNotReady(e).to_string();
+                        let delay = backoff.next_delay();
+                        warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "waiting for the NVIDIA driver; not registering or publishing");
+                        driver_not_ready_event(args, ctx, &reason, &mut last_driver_reason).await;
+                        ctx.blocker.send_replace(Some(reason));
+                        tokio::time::sleep(delay).await;
+                        continue;
                     }
                 }
             }
-            _ = mps_refresh.tick() => {
-                if let Some(m) = &metrics {
-                    m.observability.refresh_mps_daemons(&plugin.driver.config().state_dir);
+        };
+        match start_with_backend(args, ctx.client.clone(), ctx.metrics.clone(), b).await {
+            Ok(p) => {
+                if let Some(m) = lm {
+                    m.checkpoint_healthy.set(1);
                 }
+                if last_checkpoint_reason.is_some() {
+                    info!("checkpoint readable again");
+                }
+                ctx.blocker.send_replace(None);
+                return Ok(p);
             }
-            Some(()) = async {
-                match health_changes.as_mut() {
-                    Some(rx) => rx.changed().await.ok(),
-                    None => std::future::pending().await,
+            Err(e) => {
+                let StartError::CheckpointUnreadable { reason, error } = e else {
+                    return Err(e);
+                };
+                if let Some(m) = lm {
+                    m.checkpoint_healthy.set(0);
+                    m.checkpoint_errors.inc();
                 }
-            } => {
-                // A device became unhealthy or healthy again: taint or drop it (nothing is
-                // published while the driver root holds no driver).
-                if let Some(h) = plugin.server.health().filter(|_| plugin.driver_wait.is_none()) {
-                    let pool = h.pool_to_publish();
-                    if let Some(m) = &metrics {
-                        m.observability.set_published(&pool);
-                    }
-                    let version = plugin.publisher.publish(pool);
-                    if h.needs_taint_check() {
-                        tokio::spawn(Arc::clone(h).verify_taints(
-                            taint_client.clone(),
-                            args.kubelet.driver_name.clone(),
-                            version,
-                            plugin.publisher.status(),
-                        ));
-                    }
+                let command = reset_command(
+                    &args.kubelet.kubelet_plugins_directory_path,
+                    &args.kubelet.driver_name,
+                );
+                let delay = backoff.next_delay();
+                warn!(error = %error, recovery = %command, retry_in_ms = delay.as_millis() as u64, "checkpoint unreadable; not registering, not serving prepares, retrying");
+                if last_checkpoint_reason.as_deref() != Some(reason.as_str()) {
+                    let node = crate::events::node_reference(&ctx.client, &args.node_name).await;
+                    let note = format!(
+                        "checkpoint {reason}. Recovery, after making sure no pod on this node uses a claim of this driver: {command} (the plugin stays not ready and picks the fix up on its next retry)"
+                    );
+                    ctx.events
+                        .publish(
+                            &node,
+                            Severity::Warning,
+                            REASON_CHECKPOINT_UNREADABLE,
+                            "Start",
+                            &note,
+                        )
+                        .await;
+                    last_checkpoint_reason = Some(reason.clone());
                 }
-            }
-            Ok(()) = registration.changed() => {
-                let state = registration.borrow_and_update().clone();
-                info!(state = ?state, "registration state changed");
-                if let Some(m) = &metrics {
-                    m.set_registered(state == RegistrationState::Registered);
-                }
-                registration_tx.send_replace(state);
-            }
-            Ok(()) = published.changed() => {
-                let s = published.borrow_and_update().clone();
-                if s.last_error != last_error {
-                    if let Some(e) = &s.last_error {
-                        warn!(error = %e, "publishing ResourceSlices failed; retrying");
-                    }
-                    last_error = s.last_error.clone();
-                }
-                if s.published {
-                    ready_tx.send_replace(true);
-                    if let Some(m) = &metrics {
-                        m.set_slices_published(s.slices);
-                        m.set_devices_withheld(s.withdrawn_devices);
-                    }
-                    let withheld = s.counters == CounterSupport::Dropped;
-                    if withheld != counters_reported {
-                        counters_reported = withheld;
-                        report_counter_support(&counter_client, &counter_events, &args.node_name, &degraded_tx, &s).await;
-                    }
-                }
-                if s.published && !was_published {
-                    info!(slices = s.slices, generation = s.generation, writes = s.writes, "ResourceSlices published");
-                }
-                was_published = s.published;
+                ctx.blocker
+                    .send_replace(Some(format!("checkpoint unreadable: {reason}")));
+                tokio::time::sleep(delay).await;
             }
         }
-    };
-    info!(signal, "shutting down");
-    if let Some(task) = mps_check_task {
-        // Let a check that runs finish: it may be starting a daemon.
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(30), task).await;
     }
-    heartbeat_task.abort();
-    coexistence.abort();
-    if let Some(task) = http {
-        task.abort();
+}
+
+/// Posts a Warning Event on the Node for a driver-not-ready reason, once per distinct
+/// reason (a retry loop must not flood the Node's events).
+pub(crate) async fn driver_not_ready_event(
+    args: &RunArgs,
+    ctx: &StartContext,
+    reason: &str,
+    last: &mut Option<String>,
+) {
+    if last.as_deref() == Some(reason) {
+        return;
     }
-    plugin.shutdown().await?;
-    info!("stopped");
-    Ok(ExitCode::SUCCESS)
+    let node = crate::events::node_reference(&ctx.client, &args.node_name).await;
+    let note = format!(
+        "{reason} (the plugin stays not ready and publishes no device until this is fixed; it looks again with backoff)"
+    );
+    ctx.events
+        .publish(
+            &node,
+            Severity::Warning,
+            REASON_DRIVER_NOT_READY,
+            "Start",
+            &note,
+        )
+        .await;
+    *last = Some(reason.to_owned());
 }
 
 #[cfg(test)]
@@ -845,20 +741,16 @@ mod tests {
     use super::*;
     use clap::Parser as _;
 
+    #[derive(clap::Parser)]
+    struct T {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
     fn run_args(extra: &[&str]) -> RunArgs {
-        let mut argv = vec![
-            "x",
-            "run",
-            "--node-name",
-            "n1",
-            "--driver-root",
-            "/driver-root",
-        ];
+        let mut argv = vec!["x", "--node-name", "n1", "--driver-root", "/driver-root"];
         argv.extend_from_slice(extra);
-        match crate::cli::Cli::try_parse_from(argv).unwrap().command {
-            crate::cli::Command::Run(a) => a,
-            _ => unreachable!(),
-        }
+        T::try_parse_from(argv).unwrap().run
     }
 
     #[test]
@@ -869,7 +761,7 @@ mod tests {
             "--nvidia-smi-bin",
             "/opt/smi",
         ]);
-        let plugin = args.kubelet.plugin_config();
+        let plugin = plugin_config(&args.kubelet);
         let driver = driver_config(&args, &plugin);
         assert_eq!(driver.pool_name, "n1");
         assert_eq!(
@@ -889,5 +781,42 @@ mod tests {
             sharing.binaries.mps_control,
             Path::new("/driver-root/usr/bin/nvidia-cuda-mps-control")
         );
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_bound_and_resets() {
+        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+        let got: Vec<u64> = (0..7).map(|_| b.next_delay().as_secs()).collect();
+        assert_eq!(got, [1, 2, 4, 8, 16, 30, 30]);
+        b.reset();
+        assert_eq!(b.next_delay(), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn checkpoint_errors_are_found_through_context() {
+        let ce = CheckpointError::Corrupt {
+            path: "/x/checkpoint.json".into(),
+            reason: "bad".into(),
+        };
+        let e = anyhow::Error::from(PrepareError::from(ce)).context("starting the node driver");
+        assert!(checkpoint_error(&e).is_some());
+        assert!(checkpoint_error(&anyhow::anyhow!("other")).is_none());
+    }
+    #[test]
+    fn start_errors_say_whether_they_are_retried() {
+        let ce = CheckpointError::Corrupt {
+            path: "/x/checkpoint.json".into(),
+            reason: "bad".into(),
+        };
+        let e = StartError::classify(
+            anyhow::Error::from(PrepareError::from(ce)).context("starting the node driver"),
+        );
+        assert!(
+            matches!(&e, StartError::CheckpointUnreadable { reason, .. } if reason == "/x/checkpoint.json is corrupt: bad"),
+            "{e:?}"
+        );
+        assert!(e.is_retried());
+        assert!(StartError::DriverNotReady(anyhow::anyhow!("no NVML")).is_retried());
+        assert!(!StartError::classify(anyhow::anyhow!("other")).is_retried());
     }
 }

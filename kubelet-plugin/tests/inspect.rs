@@ -85,5 +85,8 @@ fn mock_without_library_says_how_to_build_it() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("libmock_nvml.so"), "{stderr}");
-    assert!(stderr.contains("cargo build -p cleave-mock-nvml"), "{stderr}");
+    assert!(
+        stderr.contains("cargo build -p cleave-mock-nvml"),
+        "{stderr}"
+    );
 }

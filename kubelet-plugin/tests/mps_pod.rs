@@ -739,24 +739,30 @@ fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
         _ => return None,
     };
     let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
-    Some(std::process::ExitCode::from(u8::try_from(code).unwrap_or(1)))
+    Some(std::process::ExitCode::from(
+        u8::try_from(code).unwrap_or(1),
+    ))
 }
 
 type TestFn = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
 
 const TESTS: [(&str, TestFn); 4] = [
-    ("claims_get_own_daemon_pods_which_outlive_plugin_restarts", || {
-        Box::pin(claims_get_own_daemon_pods_which_outlive_plugin_restarts())
-    }),
-    ("daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing", || {
-        Box::pin(daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing())
-    }),
-    ("daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets", || {
-        Box::pin(daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets())
-    }),
-    ("plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart", || {
-        Box::pin(plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart())
-    }),
+    (
+        "claims_get_own_daemon_pods_which_outlive_plugin_restarts",
+        || Box::pin(claims_get_own_daemon_pods_which_outlive_plugin_restarts()),
+    ),
+    (
+        "daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing",
+        || Box::pin(daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing()),
+    ),
+    (
+        "daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets",
+        || Box::pin(daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets()),
+    ),
+    (
+        "plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart",
+        || Box::pin(plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart()),
+    ),
 ];
 
 fn main() -> std::process::ExitCode {
@@ -764,7 +770,11 @@ fn main() -> std::process::ExitCode {
     if let Some(code) = play_fake_tool(&args) {
         return code;
     }
-    let filters: Vec<&String> = args.iter().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let filters: Vec<&String> = args
+        .iter()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let mut failed = Vec::new();
     let mut ran = 0;
     for (name, test) in TESTS {
@@ -780,7 +790,10 @@ fn main() -> std::process::ExitCode {
                 .unwrap()
                 .block_on(test());
         });
-        println!("test {name} ... {}", if result.is_ok() { "ok" } else { "FAILED" });
+        println!(
+            "test {name} ... {}",
+            if result.is_ok() { "ok" } else { "FAILED" }
+        );
         if result.is_err() {
             failed.push(name);
         }

@@ -19,7 +19,7 @@ mod tour;
 struct Cli {
     /// Logging flags.
     #[command(flatten)]
-    log: cleave_kubelet_plugin::cli::LogArgs,
+    log: cleave_kubelet_plugin::args::LogArgs,
     /// What to simulate.
     #[command(flatten)]
     demo: tour::DemoArgs,

@@ -19,7 +19,7 @@ use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
 use cleave_driver::model::MigState;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 
-use cleave_kubelet_plugin::cli::{DriverArgs, KubeletArgs, NvmlArgs, RunArgs};
+use cleave_kubelet_plugin::args::{DriverArgs, KubeletArgs, NvmlArgs, RunArgs};
 use cleave_kubelet_plugin::connect_unix;
 use cleave_kubelet_plugin::proto::dra::v1;
 use cleave_kubelet_plugin::proto::registration::{InfoRequest, RegistrationStatus};
@@ -325,16 +325,17 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         run_args.driver.driver_root.display()
     );
     let t = Instant::now();
-    let plugin = cleave_kubelet_plugin::daemon::start(&run_args, standin.client()).await?;
+    let plugin = cleave_kubelet_plugin::start::start(&run_args, standin.client()).await?;
     let reg_socket = plugin.server.registration_socket().to_owned();
     let dra_socket = plugin.server.dra_socket().to_owned();
     println!("  registration socket  {}", reg_socket.display());
     println!("  DRA socket           {}", dra_socket.display());
 
     // The kubelet's side of registration.
-    let mut reg = cleave_kubelet_plugin::proto::registration::registration_client::RegistrationClient::new(
-        connect_unix(&reg_socket).await?,
-    );
+    let mut reg =
+        cleave_kubelet_plugin::proto::registration::registration_client::RegistrationClient::new(
+            connect_unix(&reg_socket).await?,
+        );
     let info = reg.get_info(InfoRequest {}).await?.into_inner();
     println!(
         "  GetInfo              {} {:?} at {} ({})",

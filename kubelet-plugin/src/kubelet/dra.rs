@@ -1,5 +1,5 @@
-//! The gRPC services the kubelet talks to: the DRA node service (v1 and v1beta1, both
-//! generic over one [`ClaimHandler`]) and plugin registration.
+//! The DRA node service (v1 and v1beta1), generic over one [`ClaimHandler`]; each batch is
+//! reported to a [`DraObserver`] (the metrics registry implements it).
 //!
 //! Request problems that concern one claim (an empty UID, namespace or name, a UID
 //! listed twice with different names) become that claim's error in the response map;
@@ -9,32 +9,36 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tokio::sync::watch;
 use tonic::{Request, Response, Status};
-use tracing::{Instrument, debug, info, info_span, warn};
+use tracing::{Instrument, debug, info_span, warn};
 
+use super::proto::dra::{v1, v1beta1};
 use crate::handler::{ClaimHandler, ClaimRef, PreparedDevice};
-use crate::proto::dra::{v1, v1beta1};
-use crate::proto::registration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-    registration_server::{Registration, RegistrationServer},
-};
 
-/// Plugin type the kubelet's DRA handler registers (`PluginInfo.type`).
-pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 /// Advertised token for the v1 DRA service.
 pub const DRA_PLUGIN_V1: &str = "v1.DRAPlugin";
 /// Advertised token for the v1beta1 DRA service.
 pub const DRA_PLUGIN_V1BETA1: &str = "v1beta1.DRAPlugin";
-/// Advertised token for the v1alpha1 health service (advertise only when served).
-pub const DRA_RESOURCE_HEALTH_V1ALPHA1: &str = "v1alpha1.DRAResourceHealth";
+
+/// Where the DRA service reports each finished batch.
+pub trait DraObserver: Send + Sync + std::fmt::Debug {
+    /// `operation` (`prepare` or `unprepare`) answered `succeeded` + `failed` claims in
+    /// `elapsed`.
+    fn batch_done(
+        &self,
+        operation: &'static str,
+        elapsed: std::time::Duration,
+        succeeded: usize,
+        failed: usize,
+    );
+}
 
 /// The DRA node service, generic over the driver logic. Cheap to clone.
 #[derive(Debug)]
 pub struct DraService<H> {
     handler: Arc<H>,
     requests: Arc<AtomicU64>,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    observer: Option<Arc<dyn DraObserver>>,
 }
 
 impl<H> Clone for DraService<H> {
@@ -42,7 +46,7 @@ impl<H> Clone for DraService<H> {
         Self {
             handler: Arc::clone(&self.handler),
             requests: Arc::clone(&self.requests),
-            metrics: self.metrics.clone(),
+            observer: self.observer.clone(),
         }
     }
 }
@@ -53,13 +57,13 @@ impl<H: ClaimHandler> DraService<H> {
         Self {
             handler,
             requests: Arc::new(AtomicU64::new(0)),
-            metrics: None,
+            observer: None,
         }
     }
 
-    /// Records every batch in `metrics`.
-    pub fn with_metrics(mut self, metrics: Option<Arc<crate::metrics::Metrics>>) -> Self {
-        self.metrics = metrics;
+    /// Reports every batch to `observer`.
+    pub fn with_observer(mut self, observer: Option<Arc<dyn DraObserver>>) -> Self {
+        self.observer = observer;
         self
     }
 
@@ -108,8 +112,8 @@ impl<H: ClaimHandler> DraService<H> {
                 out.insert(uid, entry);
             }
             let failed = out.values().filter(|r| !r.error.is_empty()).count();
-            if let Some(m) = &self.metrics {
-                m.record_batch("prepare", started.elapsed(), out.len() - failed, failed);
+            if let Some(o) = &self.observer {
+                o.batch_done("prepare", started.elapsed(), out.len() - failed, failed);
             }
             if failed > 0 {
                 warn!(failed, "NodePrepareResources finished with errors");
@@ -148,8 +152,8 @@ impl<H: ClaimHandler> DraService<H> {
                 out.insert(uid, v1::NodeUnprepareResourceResponse { error });
             }
             let failed = out.values().filter(|r| !r.error.is_empty()).count();
-            if let Some(m) = &self.metrics {
-                m.record_batch("unprepare", started.elapsed(), out.len() - failed, failed);
+            if let Some(o) = &self.observer {
+                o.batch_done("unprepare", started.elapsed(), out.len() - failed, failed);
             }
             if failed > 0 {
                 warn!(failed, "NodeUnprepareResources finished with errors");
@@ -323,90 +327,6 @@ impl<H: ClaimHandler> v1beta1::dra_plugin_server::DraPlugin for DraServiceV1beta
         Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
             claims,
         }))
-    }
-}
-
-/// What the kubelet last said about our registration.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum RegistrationState {
-    /// The kubelet has not reported yet.
-    #[default]
-    Pending,
-    /// The kubelet accepted the plugin.
-    Registered,
-    /// The kubelet rejected the plugin, with its reason.
-    Failed(String),
-}
-
-/// The plugin registration service: identity for the kubelet, and its verdict.
-#[derive(Debug, Clone)]
-pub struct RegistrationService {
-    info: PluginInfo,
-    state: Arc<watch::Sender<RegistrationState>>,
-}
-
-impl RegistrationService {
-    /// A DRA plugin named `driver_name` whose DRA socket is `endpoint` (absolute path).
-    pub fn new(driver_name: &str, endpoint: &std::path::Path) -> Self {
-        let info = PluginInfo {
-            r#type: DRA_PLUGIN_TYPE.to_owned(),
-            name: driver_name.to_owned(),
-            endpoint: endpoint.display().to_string(),
-            supported_versions: vec![DRA_PLUGIN_V1.to_owned(), DRA_PLUGIN_V1BETA1.to_owned()],
-        };
-        Self {
-            info,
-            state: Arc::new(watch::channel(RegistrationState::Pending).0),
-        }
-    }
-
-    /// Advertises one more service version (after those already listed).
-    pub fn with_supported_version(mut self, version: &str) -> Self {
-        self.info.supported_versions.push(version.to_owned());
-        self
-    }
-
-    /// What `GetInfo` answers.
-    pub fn info(&self) -> &PluginInfo {
-        &self.info
-    }
-
-    /// Follows the kubelet's registration verdicts.
-    pub fn state(&self) -> watch::Receiver<RegistrationState> {
-        self.state.subscribe()
-    }
-
-    /// The tonic service.
-    pub fn svc(&self) -> RegistrationServer<Self> {
-        RegistrationServer::new(self.clone())
-    }
-}
-
-#[tonic::async_trait]
-impl Registration for RegistrationService {
-    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
-        debug!("GetInfo");
-        Ok(Response::new(self.info.clone()))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: Request<RegistrationStatus>,
-    ) -> Result<Response<RegistrationStatusResponse>, Status> {
-        let status = request.into_inner();
-        if status.plugin_registered {
-            info!(driver = %self.info.name, "registered with the kubelet");
-            self.state.send_replace(RegistrationState::Registered);
-            Ok(Response::new(RegistrationStatusResponse {}))
-        } else {
-            warn!(driver = %self.info.name, error = %status.error, "kubelet rejected registration");
-            self.state
-                .send_replace(RegistrationState::Failed(status.error.clone()));
-            Err(Status::unknown(format!(
-                "failed registration process: {}",
-                status.error
-            )))
-        }
     }
 }
 

@@ -26,9 +26,11 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tracing::{debug, info, warn};
 
-use crate::grpc::{DraService, RegistrationService, RegistrationState};
+use super::dra::{DraObserver, DraService};
+use super::health::{HEALTH_V1, HEALTH_V1ALPHA1, HealthService};
+use super::registration::{RegistrationService, RegistrationState};
 use crate::handler::ClaimHandler;
-use crate::health::{DeviceHealth, HEALTH_V1, HEALTH_V1ALPHA1, HealthService};
+use crate::health::DeviceHealth;
 
 /// How long shutdown waits for in-flight calls before it aborts a server.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -491,13 +493,13 @@ impl PluginServer {
         Self::start_with_metrics(config, handler, None).await
     }
 
-    /// [`PluginServer::start`], recording every DRA batch in `metrics`.
+    /// [`PluginServer::start`], reporting every DRA batch to `observer`.
     pub async fn start_with_metrics<H: ClaimHandler>(
         config: &PluginConfig,
         handler: Arc<H>,
-        metrics: Option<Arc<crate::metrics::Metrics>>,
+        observer: Option<Arc<dyn DraObserver>>,
     ) -> Result<Self, ServerError> {
-        Self::start_with_health(config, handler, metrics, None).await
+        Self::start_with_health(config, handler, observer, None).await
     }
 
     /// [`PluginServer::start_with_metrics`], also serving the device health stream
@@ -506,14 +508,14 @@ impl PluginServer {
     pub async fn start_with_health<H: ClaimHandler>(
         config: &PluginConfig,
         handler: Arc<H>,
-        metrics: Option<Arc<crate::metrics::Metrics>>,
+        observer: Option<Arc<dyn DraObserver>>,
         health: Option<Arc<DeviceHealth>>,
     ) -> Result<Self, ServerError> {
         config.prepare_dirs()?;
         let dra_socket = absolute(&config.dra_socket());
         let registration_socket = absolute(&config.registration_socket());
 
-        let dra_service = DraService::new(handler).with_metrics(metrics);
+        let dra_service = DraService::new(handler).with_observer(observer);
         let (listener, identity) = bind(&dra_socket).await?;
         let router = tonic::transport::Server::builder()
             .add_service(dra_service.v1_svc())

@@ -5,7 +5,7 @@
 //! heartbeat task beat within [`HEARTBEAT_STALE`] (503 otherwise: a runtime that stopped
 //! scheduling tasks). It stays 200 while start-up waits for the NVIDIA driver or a readable
 //! checkpoint, because a restart would not help. `/readyz` answers 200 only when nothing
-//! blocks start-up ([`crate::lifecycle`]), the kubelet confirmed the registration
+//! blocks start-up (the start module), the kubelet confirmed the registration
 //! (NotifyRegistrationStatus registered=true) and the node's ResourceSlices were published
 //! at least once; 503 with the reason before, so a rolling update waits for the new pod to
 //! be useful.
@@ -26,8 +26,16 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
-use crate::grpc::RegistrationState;
-use crate::lifecycle::{Heartbeat, LifecycleMetrics};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use cleave_driver::health::HealthEvent;
+
+use crate::health::HealthObserver;
+use crate::kubelet::dra::DraObserver;
+use crate::kubelet::registration::RegistrationState;
+
+pub mod observability;
 
 /// `/healthz` fails when the heartbeat is older than this.
 pub const HEARTBEAT_STALE: Duration = Duration::from_secs(30);
@@ -62,11 +70,11 @@ pub struct Metrics {
     registered: Gauge,
     slices_published: Gauge,
     devices_withheld: Gauge,
-    /// Device health events and unhealthy devices (see [`crate::health`]).
-    pub health: crate::health::HealthMetrics,
-    /// Call latency by result, API requests, published devices (see [`crate::observability`]).
-    pub observability: crate::observability::ObservabilityMetrics,
-    /// Start-up state: NVML availability, checkpoint health (see [`crate::lifecycle`]).
+    /// Device health events and unhealthy devices (reported through [`HealthObserver`]).
+    pub health: HealthMetrics,
+    /// Call latency by result, API requests, published devices (see [`observability`]).
+    pub observability: observability::ObservabilityMetrics,
+    /// Start-up state: NVML availability, checkpoint health (set by start-up).
     pub lifecycle: LifecycleMetrics,
 }
 
@@ -111,8 +119,8 @@ impl Metrics {
             "Devices not published because the API server drops shared counters (feature gate DRAPartitionableDevices off); 0 normally",
             devices_withheld.clone(),
         );
-        let health = crate::health::HealthMetrics::register(&mut registry);
-        let observability = crate::observability::ObservabilityMetrics::register(&mut registry);
+        let health = HealthMetrics::register(&mut registry);
+        let observability = observability::ObservabilityMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
         Self {
             registry,
@@ -285,6 +293,158 @@ pub async fn start(
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     Ok((local, tokio::spawn(serve(listener, state))))
+}
+
+impl DraObserver for Metrics {
+    fn batch_done(
+        &self,
+        operation: &'static str,
+        elapsed: Duration,
+        succeeded: usize,
+        failed: usize,
+    ) {
+        self.record_batch(operation, elapsed, succeeded, failed);
+    }
+}
+
+impl HealthObserver for Metrics {
+    fn health_event(&self, event: &HealthEvent) {
+        self.health.record_event(event);
+    }
+    fn unhealthy_devices(&self, count: usize) {
+        self.health.set_unhealthy(count);
+    }
+}
+
+/// Health metrics, registered into the plugin's registry by [`Metrics::new`].
+#[derive(Debug, Clone, Default)]
+pub struct HealthMetrics {
+    events: Family<HealthEventLabels, Counter>,
+    unhealthy: Gauge,
+}
+
+/// Labels of `health_events_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HealthEventLabels {
+    /// `xid`, `ecc-dbe`, `gpu-lost` or `recovered`.
+    pub kind: &'static str,
+    /// The Xid number; empty for other kinds.
+    pub xid: String,
+    /// `true` if the event marks devices unhealthy.
+    pub fatal: &'static str,
+}
+
+impl HealthMetrics {
+    /// Registers `health_events` (counter by kind, Xid and fatality) and
+    /// `devices_unhealthy` (gauge) in `registry`.
+    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "health_events",
+            "Device health events from NVML (Xid, double-bit ECC, lost and recovered GPUs)",
+            m.events.clone(),
+        );
+        registry.register(
+            "devices_unhealthy",
+            "Published devices currently marked unhealthy",
+            m.unhealthy.clone(),
+        );
+        m
+    }
+
+    /// Counts one event.
+    pub fn record_event(&self, event: &HealthEvent) {
+        self.events
+            .get_or_create(&HealthEventLabels {
+                kind: event.kind.as_str(),
+                xid: event.xid.map(|x| x.to_string()).unwrap_or_default(),
+                fatal: if event.fatal { "true" } else { "false" },
+            })
+            .inc();
+    }
+
+    /// Sets the unhealthy-devices gauge.
+    pub fn set_unhealthy(&self, n: usize) {
+        self.unhealthy.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}
+
+/// Start-up metrics (registered into the plugin's registry by [`Metrics::new`]).
+#[derive(Debug, Default)]
+pub struct LifecycleMetrics {
+    /// 1 when NVML loaded and found GPUs (or `--allow-no-gpus`).
+    pub nvml_available: Gauge,
+    /// 0 while the checkpoint cannot be read.
+    pub checkpoint_healthy: Gauge,
+    /// Failed checkpoint reads at start.
+    pub checkpoint_errors: Counter,
+}
+
+impl LifecycleMetrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        m.checkpoint_healthy.set(1);
+        registry.register(
+            "nvml_available",
+            "1 when NVML loaded and found GPUs; 0 while waiting for the NVIDIA driver",
+            m.nvml_available.clone(),
+        );
+        registry.register(
+            "checkpoint_healthy",
+            "0 while the checkpoint file cannot be read (see the CheckpointUnreadable Event)",
+            m.checkpoint_healthy.clone(),
+        );
+        registry.register(
+            "checkpoint_errors",
+            "Failed reads of the checkpoint file at start",
+            m.checkpoint_errors.clone(),
+        );
+        m
+    }
+}
+
+/// Liveness: the time of the last beat of the runtime's heartbeat task.
+#[derive(Debug)]
+pub struct Heartbeat {
+    origin: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        Self {
+            origin: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Heartbeat {
+    /// Records a beat now.
+    pub fn beat(&self) {
+        let ms = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Time since the last beat.
+    pub fn age(&self) -> Duration {
+        let now = self.origin.elapsed();
+        now.saturating_sub(Duration::from_millis(self.last_ms.load(Ordering::Relaxed)))
+    }
+
+    /// Beats every second on the current runtime until the task is aborted; a runtime whose
+    /// workers are all blocked stops beating, and `/healthz` then fails.
+    pub fn spawn(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                me.beat();
+            }
+        })
+    }
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
-//! Metrics beside the DRA call counters of [`crate::metrics`]: call latency by result,
+//! Metrics beside the DRA call counters of the parent module: call latency by result,
 //! Kubernetes API requests of the slice publisher by verb and result, and published
 //! devices by type, MIG instances created and destroyed, and MPS daemons of prepared claims.
-//! Registered into the plugin's registry by [`crate::metrics::Metrics::new`].
+//! Registered into the plugin's registry by [`super::Metrics::new`].
 
 use std::path::Path;
 use std::time::Duration;

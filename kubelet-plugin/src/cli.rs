@@ -1,0 +1,241 @@
+//! Command line: `run` (the daemon), `inspect` (print the discovered devices), `checkpoint
+//! reset` and `mps-daemon`; the flags themselves are in [`crate::args`].
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::args::{CheckpointResetArgs, InspectArgs, LogArgs, MpsDaemonArgs, NvmlArgs, RunArgs};
+
+/// cleave's kubelet plugin: a DRA driver for NVIDIA GPUs.
+#[derive(Debug, Parser)]
+#[command(name = "cleave-kubelet-plugin", version, about, long_about = None)]
+pub struct Cli {
+    /// Logging flags, accepted before or after the subcommand.
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+// Parsed once per process; boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the node daemon: publish devices, register with the kubelet, serve DRA.
+    Run(RunArgs),
+    /// Print the GPUs and the devices this node would publish.
+    Inspect(InspectArgs),
+    /// Checkpoint maintenance (recovery from an unreadable checkpoint).
+    #[command(subcommand)]
+    Checkpoint(CheckpointCommand),
+    /// Entry point of a per-claim MPS daemon pod (started by `run --mps-launcher=pod`):
+    /// starts the MPS control daemon, streams its log, and quits it on SIGTERM.
+    MpsDaemon(MpsDaemonArgs),
+}
+
+/// `checkpoint` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CheckpointCommand {
+    /// Move an unreadable checkpoint aside (`checkpoint.json.corrupt-<unix seconds>`); the
+    /// plugin then starts with no prepared claims. Refuses while a plugin instance runs on
+    /// the node, and refuses a checkpoint that reads and verifies unless `--force` (which
+    /// lists the claims it abandons). Make sure no pod on the node uses a claim of this
+    /// driver first.
+    Reset(CheckpointResetArgs),
+}
+
+/// Resolves `--mock` to a library path and applies the mock profile to the environment.
+/// Call before any thread starts.
+pub fn resolve_mock(nvml: &mut NvmlArgs) -> anyhow::Result<()> {
+    if let Some(profile) = nvml.mock.take() {
+        let exe = std::env::current_exe()?;
+        let lib = crate::mock::find_library(&exe).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--mock: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
+                crate::mock::MOCK_LIBRARY,
+                exe.display()
+            )
+        })?;
+        nvml.nvml_lib = Some(lib);
+        nvml.mock_profile = Some(profile);
+    }
+    if let Some(profile) = &nvml.mock_profile {
+        crate::mock::set_env("MOCK_NVML_PROFILE", profile);
+    }
+    Ok(())
+}
+
+/// Entry point of the binary: parse, set up logging, run the subcommand.
+pub fn main() -> ExitCode {
+    let mut cli = Cli::parse();
+    crate::install_crypto_provider();
+    match run(&mut cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
+    // Environment changes must happen while the process is single-threaded.
+    match &mut cli.command {
+        Command::Run(a) => resolve_mock(&mut a.nvml)?,
+        Command::Inspect(a) => resolve_mock(&mut a.nvml)?,
+        Command::Checkpoint(_) | Command::MpsDaemon(_) => {}
+    }
+    crate::telemetry::init(
+        cli.log.log_format,
+        Some(cli.log.log_level.as_deref().unwrap_or("info")),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match &cli.command {
+        Command::Run(args) => runtime.block_on(crate::daemon::run(args.clone())),
+        Command::Inspect(args) => crate::inspect::run(args),
+        Command::Checkpoint(CheckpointCommand::Reset(args)) => checkpoint_reset(args),
+        Command::MpsDaemon(args) => runtime.block_on(crate::mps_daemon::run(args.clone())),
+    }
+}
+
+fn checkpoint_reset(args: &CheckpointResetArgs) -> anyhow::Result<ExitCode> {
+    let state_dir = args.plugins_dir.join(&args.driver_name);
+    let options = crate::lifecycle::ResetOptions {
+        force: args.force,
+        remove_cdi_specs_in: args.remove_cdi_specs.then(|| args.cdi_root.clone()),
+    };
+    match crate::lifecycle::reset_checkpoint(&state_dir, &options)? {
+        crate::lifecycle::ResetOutcome::Missing => {
+            println!("no checkpoint in {}: nothing to reset", state_dir.display());
+        }
+        crate::lifecycle::ResetOutcome::MovedAside {
+            moved_to,
+            held,
+            abandoned,
+            left_behind,
+            removed_specs,
+        } => {
+            println!("the checkpoint held: {held}");
+            for claim in &abandoned {
+                println!("abandoned claim: {claim}");
+            }
+            for spec in &removed_specs {
+                println!("removed CDI spec: {}", spec.display());
+            }
+            for item in &left_behind {
+                println!("left on the node: {item}");
+            }
+            println!(
+                "moved to {}; the plugin starts with no prepared claims (it picks this up on its next retry)",
+                moved_to.display()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::{MpsArgs, MpsLauncherKind};
+    use crate::telemetry::LogFormat;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_defaults_match_kubelet_layout() {
+        let cli = Cli::try_parse_from(["x", "run", "--node-name", "n1"]).unwrap();
+        let Command::Run(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.node_name, "n1");
+        let c = crate::start::plugin_config(&a.kubelet);
+        assert_eq!(c.driver_name, "gpu.cleave.dev");
+        assert_eq!(
+            c.registration_socket(),
+            std::path::Path::new("/var/lib/kubelet/plugins_registry/gpu.cleave.dev-reg.sock")
+        );
+        assert_eq!(
+            c.dra_socket(),
+            std::path::Path::new("/var/lib/kubelet/plugins/gpu.cleave.dev/dra.sock")
+        );
+        assert_eq!(a.driver.cdi_root, std::path::Path::new("/var/run/cdi"));
+        assert_eq!(a.driver.driver_root, std::path::Path::new("/"));
+        assert!(!a.driver.dynamic_mig && !a.uninstall);
+    }
+
+    #[test]
+    fn mps_defaults_match_the_flags() {
+        let cli = Cli::try_parse_from(["x", "run", "--node-name", "n1"]).unwrap();
+        let Command::Run(a) = cli.command else {
+            panic!()
+        };
+        let d = MpsArgs::default();
+        assert_eq!(a.mps.mps_launcher, d.mps_launcher);
+        assert_eq!(
+            a.mps.mps_daemon_image_pull_policy,
+            d.mps_daemon_image_pull_policy
+        );
+        assert_eq!(a.mps.kubelet_root_dir, d.kubelet_root_dir);
+        assert_eq!(a.mps.mps_check_interval_secs, d.mps_check_interval_secs);
+        let cli = Cli::try_parse_from(["x", "run", "--node-name", "n1", "--mps-launcher", "pod"])
+            .unwrap();
+        let Command::Run(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.mps.mps_launcher, MpsLauncherKind::Pod);
+        assert!(
+            Cli::try_parse_from(["x", "run", "--node-name", "n1", "--mps-launcher", "x"]).is_err()
+        );
+        let cli = Cli::try_parse_from(["x", "mps-daemon"]).unwrap();
+        let Command::MpsDaemon(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.driver_root, std::path::Path::new("/driver-root"));
+    }
+
+    #[test]
+    fn node_name_is_checked_at_parse_time() {
+        for bad in ["Node_A", "", &"a".repeat(300)] {
+            let e = Cli::try_parse_from(["x", "run", "--node-name", bad]).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains("--node-name"), "{text}");
+            assert!(text.contains("not a Kubernetes node name"), "{text}");
+        }
+        assert!(Cli::try_parse_from(["x", "inspect", "--node-name", "Node_A"]).is_err());
+        assert!(Cli::try_parse_from(["x", "run", "--node-name", "gpu-node-1.example"]).is_ok());
+    }
+
+    #[test]
+    fn mock_conflicts_with_nvml_lib() {
+        let r = Cli::try_parse_from(["x", "inspect", "--mock", "a", "--nvml-lib", "/x.so"]);
+        assert!(r.is_err());
+        let r = Cli::try_parse_from(["x", "inspect", "--mock", "a", "--mock-profile", "b"]);
+        assert!(r.is_err(), "--mock names its profile itself");
+    }
+
+    #[test]
+    fn log_flags_are_global() {
+        let cli = Cli::try_parse_from([
+            "x",
+            "inspect",
+            "--log-format",
+            "json",
+            "--log-level",
+            "debug",
+        ])
+        .unwrap();
+        assert_eq!(cli.log.log_format, LogFormat::Json);
+        assert_eq!(cli.log.log_level.as_deref(), Some("debug"));
+    }
+}

@@ -1,0 +1,427 @@
+//! `run`: the node daemon's loop.
+//!
+//! `run` first serves `/healthz`, `/readyz` and `/metrics`, then starts through
+//! [`crate::start::start_when_possible`] (retrying while the NVIDIA driver is missing or
+//! the checkpoint is unreadable), then checks for other GPU managers on the node
+//! ([`crate::coexistence`]), then reacts to what happens until SIGTERM/SIGINT: each event
+//! source of the loop has a handler below.
+//!
+//! Shutdown stops the servers (removing this instance's sockets) and the publisher; the
+//! ResourceSlices stay, so a restart or upgrade takes them over without writes.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use cleave_controller::{
+    CounterSupport, PARTITIONABLE_DEVICES_GATE, PublisherConfig, uninstall_slices,
+};
+use cleave_driver::pool::{PoolOptions, build_pool};
+use cleave_driver::prepare::NodeDriver;
+use tracing::{info, warn};
+
+use crate::args::RunArgs;
+use crate::events::{EventReporter, Severity};
+use crate::kubelet::registration::RegistrationState;
+use crate::metrics::{HealthState, Heartbeat, Metrics};
+use crate::start::{StartContext, kube_client, start_when_possible};
+
+/// How often `mps_daemons_running` is re-read from the checkpoint besides after every DRA
+/// call (another plugin instance of a rolling update may have changed it).
+pub const MPS_GAUGE_REFRESH: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// SIGTERM and SIGINT listeners, installed once so no signal is missed.
+#[derive(Debug)]
+pub struct ShutdownSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    /// Installs the handlers (from now on these signals no longer kill the process).
+    pub fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing SIGINT handler")?,
+        })
+    }
+
+    /// Waits for the next SIGTERM or SIGINT and names it.
+    pub async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
+
+/// Event reason: devices are withheld because the API server drops shared counters.
+pub const REASON_COUNTERS_DROPPED: &str = "PartitionableDevicesDisabled";
+
+/// Says on the Node (a Warning Event), in `/readyz` and in the log that devices are
+/// withheld because the API server drops counters, or that the full pool is back.
+async fn report_counter_support(
+    client: &kube::Client,
+    events: &EventReporter,
+    node_name: &str,
+    degraded: &tokio::sync::watch::Sender<Option<String>>,
+    status: &cleave_controller::PublisherStatus,
+) {
+    if status.counters == CounterSupport::Dropped {
+        let note = format!(
+            "the API server drops sharedCounters/consumesCounters from ResourceSlices (feature gate {PARTITIONABLE_DEVICES_GATE} off; alpha and off by default before Kubernetes 1.36): \
+             {} devices that depend on counters (on-demand MIG placements and their GPUs) are withheld so that the scheduler cannot hand out overlapping MIG placements; \
+             GPUs without on-demand MIG are published. Fix: enable {PARTITIONABLE_DEVICES_GATE} on kube-apiserver and kube-scheduler (or run the plugin without --dynamic-mig); \
+             the plugin notices within a minute and publishes the full pool",
+            status.withdrawn_devices
+        );
+        warn!(
+            withheld = status.withdrawn_devices,
+            gate = PARTITIONABLE_DEVICES_GATE,
+            "devices withheld: the API server drops counters"
+        );
+        degraded.send_replace(Some(format!(
+            "{} devices withheld: the API server drops shared counters (enable the {PARTITIONABLE_DEVICES_GATE} feature gate)",
+            status.withdrawn_devices
+        )));
+        let node = crate::events::node_reference(client, node_name).await;
+        events
+            .publish(
+                &node,
+                Severity::Warning,
+                REASON_COUNTERS_DROPPED,
+                "Publish",
+                &note,
+            )
+            .await;
+    } else {
+        info!("the API server keeps counters; the full pool is published");
+        degraded.send_replace(None);
+    }
+}
+
+/// A Warning Event on each claim whose MPS daemon had died and was started again: its
+/// running clients lost their server and need a restart (`kubectl describe
+/// resourceclaim` shows it).
+async fn report_mps_restarts(
+    events: &EventReporter,
+    driver: &NodeDriver,
+    restarted: &std::collections::BTreeSet<String>,
+) {
+    for claim in driver
+        .prepared_claims()
+        .into_iter()
+        .filter(|c| restarted.contains(&c.uid))
+    {
+        let regarding = k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("resource.k8s.io/v1".into()),
+            kind: Some("ResourceClaim".into()),
+            namespace: Some(claim.namespace.clone()),
+            name: Some(claim.name.clone()),
+            uid: Some(claim.uid.clone()),
+            ..Default::default()
+        };
+        events
+            .publish(
+                &regarding,
+                crate::events::Severity::Warning,
+                "MPSDaemonRestarted",
+                "Reconcile",
+                "the claim's MPS control daemon had stopped and was started again with the \
+                 claim's limits; containers that used the old daemon must be restarted",
+            )
+            .await;
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let mut signals = ShutdownSignals::install()?;
+    let client = kube_client(args.kubeconfig.as_deref()).await?;
+
+    if args.uninstall {
+        let config = PublisherConfig::new(args.kubelet.driver_name.clone(), args.node_name.clone());
+        let deleted = uninstall_slices(&client, &config)
+            .await
+            .context("deleting ResourceSlices")?;
+        info!(deleted, node = %args.node_name, driver = %config.driver_name, "uninstalled ResourceSlices");
+        return Ok(ExitCode::SUCCESS);
+    }
+
+    let metrics = args.metrics_addr.map(|_| Arc::new(Metrics::new()));
+    if let Some(m) = &metrics {
+        m.observability.install_driver_observer();
+    }
+    let taint_client = client.clone();
+    // Health is served before start-up, which may wait for the NVIDIA driver or a readable
+    // checkpoint (see the start module); /readyz names what it waits for.
+    let (registration_tx, registration_rx) =
+        tokio::sync::watch::channel(RegistrationState::Pending);
+    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
+    let blocker = Arc::new(tokio::sync::watch::channel(Some("starting".to_owned())).0);
+    let (degraded_tx, degraded_rx) = tokio::sync::watch::channel(None::<String>);
+    let heartbeat = Arc::new(Heartbeat::default());
+    heartbeat.beat();
+    let heartbeat_task = heartbeat.spawn();
+    let http = match (args.metrics_addr, &metrics) {
+        (Some(addr), Some(m)) => {
+            let state = HealthState {
+                metrics: Arc::clone(m),
+                registration: registration_rx,
+                published: ready_rx,
+                blocker: blocker.subscribe(),
+                degraded: degraded_rx,
+                heartbeat: Arc::clone(&heartbeat),
+            };
+            let (local, task) = crate::metrics::start(addr, state)
+                .await
+                .with_context(|| format!("serving metrics on {addr}"))?;
+            info!(addr = %local, "serving /metrics, /healthz and /readyz");
+            Some(task)
+        }
+        _ => None,
+    };
+    let events = EventReporter::new(client.clone(), args.node_name.clone());
+    let mps_events = events.clone();
+    let ctx = StartContext {
+        client: client.clone(),
+        metrics: metrics.clone(),
+        blocker,
+        events: events.clone(),
+    };
+    let plugin = tokio::select! {
+        s = signals.recv() => {
+            info!(signal = s, "shutting down before start-up finished");
+            heartbeat_task.abort();
+            if let Some(task) = http {
+                task.abort();
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        r = start_when_possible(&args, &ctx) => r?,
+    };
+    let coexistence = tokio::spawn(crate::coexistence::check_and_report(
+        client,
+        args.node_name.clone(),
+        args.kubelet.driver_name.clone(),
+        plugin
+            .driver
+            .inventory()
+            .gpus
+            .iter()
+            .map(|g| g.uuid.clone())
+            .collect(),
+        events,
+    ));
+    let mut registration = plugin.server.registration_state();
+    registration_tx.send_replace(registration.borrow().clone());
+    let mut published = plugin.publisher.status();
+    let mut last_error: Option<String> = None;
+    let mut was_published = false;
+    let mut counters_reported = false;
+    let counter_client = taint_client.clone();
+    let counter_events = EventReporter::new(counter_client.clone(), args.node_name.clone());
+    let mut health_changes = plugin.server.health().map(|h| h.subscribe());
+    let mut mps_refresh = tokio::time::interval(MPS_GAUGE_REFRESH);
+    mps_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // Daemons of prepared claims that died (an evicted daemon pod, a crash) are started
+    // again between prepares too, not only at the next start.
+    let check_every = std::time::Duration::from_secs(args.mps.mps_check_interval_secs);
+    let mut mps_check = tokio::time::interval_at(
+        tokio::time::Instant::now() + check_every.max(std::time::Duration::from_secs(1)),
+        check_every.max(std::time::Duration::from_secs(1)),
+    );
+    mps_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut mps_check_task: Option<tokio::task::JoinHandle<()>> = None;
+    // While the driver root holds no driver: not ready with the reason, and looked at again
+    // on the start-up retry schedule's longest wait.
+    let mut plugin = plugin;
+    if let Some(reason) = plugin.driver_wait.clone() {
+        let reason = format!("NVIDIA driver not ready: {reason}");
+        crate::start::driver_not_ready_event(&args, &ctx, &reason, &mut None).await;
+        ctx.blocker.send_replace(Some(reason));
+    }
+    let mut driver_check = tokio::time::interval(std::time::Duration::from_millis(
+        args.lifecycle.retry_max_ms.clamp(100, 10_000),
+    ));
+    driver_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // The periodic check also looks for GPU instances left without compute instance (a
+    // destroy that failed during a rollback) and republishes the pool when they change, so
+    // that their placements are published as taken, never as free.
+    let last_bare = Arc::new(std::sync::Mutex::new(plugin.bare_gpu_instances.clone()));
+    let (pool_tx, mut pool_rx) =
+        tokio::sync::mpsc::unbounded_channel::<cleave_api::pool::PoolDevices>();
+    let dynamic_mig = args.driver.dynamic_mig;
+    let signal = loop {
+        tokio::select! {
+            s = signals.recv() => break s,
+            _ = driver_check.tick(), if plugin.driver_wait.is_some() => {
+                let driver = Arc::clone(&plugin.driver);
+                let found = tokio::task::spawn_blocking(move || {
+                    driver
+                        .rediscover_driver_files()
+                        .map(|()| driver.missing_driver().is_none())
+                        .map_err(|e| e.to_string())
+                })
+                .await;
+                match found {
+                    Ok(Ok(true)) => {
+                        info!("the driver root holds the NVIDIA driver now; publishing devices");
+                        let pool = match plugin.server.health() {
+                            Some(h) => h.pool_to_publish(),
+                            None => plugin.pending_pool.take().unwrap_or_default(),
+                        };
+                        if let Some(m) = &metrics {
+                            m.observability.set_published(&pool);
+                        }
+                        plugin.publisher.publish(pool);
+                        plugin.driver_wait = None;
+                        plugin.pending_pool = None;
+                        ctx.blocker.send_replace(None);
+                    }
+                    Ok(Ok(false)) => {}
+                    Ok(Err(e)) => warn!(error = %e, "looking at the driver root again"),
+                    Err(e) => warn!(error = %e, "looking at the driver root again"),
+                }
+            }
+            _ = mps_check.tick(), if !check_every.is_zero() => {
+                if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
+                    let driver = Arc::clone(&plugin.driver);
+                    let serializer = plugin.serializer.clone();
+                    let events = mps_events.clone();
+                    let last_bare = Arc::clone(&last_bare);
+                    let pool_tx = pool_tx.clone();
+                    mps_check_task = Some(tokio::spawn(async move {
+                        let check = Arc::clone(&driver);
+                        match serializer
+                            .run(move || check.reconcile_sharing().map_err(|e| e.to_string()))
+                            .await
+                        {
+                            Ok(Ok(restarted)) if !restarted.is_empty() => {
+                                info!(claims = ?restarted, "started MPS daemons of prepared claims again");
+                                report_mps_restarts(&events, &driver, &restarted).await;
+                            }
+                            Ok(Ok(_)) => {}
+                            Ok(Err(e)) => warn!(error = %e, "checking MPS daemons"),
+                            Err(e) => warn!(error = %e, "checking MPS daemons"),
+                        }
+                        if dynamic_mig {
+                            let check = Arc::clone(&driver);
+                            let Ok(bare) = serializer.run(move || check.bare_gpu_instances()).await else {
+                                return;
+                            };
+                            let changed = {
+                                let mut last = last_bare.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                                let changed = *last != bare;
+                                *last = bare.clone();
+                                changed
+                            };
+                            if changed {
+                                info!(bare = ?bare, "GPU instances without compute instance changed; republishing the pool");
+                                let pool = build_pool(
+                                    &driver.inventory(),
+                                    &PoolOptions {
+                                        dynamic_mig: true,
+                                        owned_instances: driver.owned_mig_uuids(),
+                                        bare_gpu_instances: bare,
+                                    },
+                                );
+                                let _ = pool_tx.send(pool);
+                            }
+                        }
+                    }));
+                }
+            }
+            Some(pool) = pool_rx.recv() => {
+                // Health applies its taints to the new pool and triggers the publish.
+                match plugin.server.health() {
+                    Some(h) => h.set_base_pool(pool),
+                    // Nothing is published while the driver root holds no driver.
+                    None if plugin.driver_wait.is_some() => plugin.pending_pool = Some(pool),
+                    None => {
+                        if let Some(m) = &metrics {
+                            m.observability.set_published(&pool);
+                        }
+                        plugin.publisher.publish(pool);
+                    }
+                }
+            }
+            _ = mps_refresh.tick() => {
+                if let Some(m) = &metrics {
+                    m.observability.refresh_mps_daemons(&plugin.driver.config().state_dir);
+                }
+            }
+            Some(()) = async {
+                match health_changes.as_mut() {
+                    Some(rx) => rx.changed().await.ok(),
+                    None => std::future::pending().await,
+                }
+            } => {
+                // A device became unhealthy or healthy again: taint or drop it (nothing is
+                // published while the driver root holds no driver).
+                if let Some(h) = plugin.server.health().filter(|_| plugin.driver_wait.is_none()) {
+                    let pool = h.pool_to_publish();
+                    if let Some(m) = &metrics {
+                        m.observability.set_published(&pool);
+                    }
+                    let version = plugin.publisher.publish(pool);
+                    if h.needs_taint_check() {
+                        tokio::spawn(Arc::clone(h).verify_taints(
+                            taint_client.clone(),
+                            args.kubelet.driver_name.clone(),
+                            version,
+                            plugin.publisher.status(),
+                        ));
+                    }
+                }
+            }
+            Ok(()) = registration.changed() => {
+                let state = registration.borrow_and_update().clone();
+                info!(state = ?state, "registration state changed");
+                if let Some(m) = &metrics {
+                    m.set_registered(state == RegistrationState::Registered);
+                }
+                registration_tx.send_replace(state);
+            }
+            Ok(()) = published.changed() => {
+                let s = published.borrow_and_update().clone();
+                if s.last_error != last_error {
+                    if let Some(e) = &s.last_error {
+                        warn!(error = %e, "publishing ResourceSlices failed; retrying");
+                    }
+                    last_error = s.last_error.clone();
+                }
+                if s.published {
+                    ready_tx.send_replace(true);
+                    if let Some(m) = &metrics {
+                        m.set_slices_published(s.slices);
+                        m.set_devices_withheld(s.withdrawn_devices);
+                    }
+                    let withheld = s.counters == CounterSupport::Dropped;
+                    if withheld != counters_reported {
+                        counters_reported = withheld;
+                        report_counter_support(&counter_client, &counter_events, &args.node_name, &degraded_tx, &s).await;
+                    }
+                }
+                if s.published && !was_published {
+                    info!(slices = s.slices, generation = s.generation, writes = s.writes, "ResourceSlices published");
+                }
+                was_published = s.published;
+            }
+        }
+    };
+    info!(signal, "shutting down");
+    if let Some(task) = mps_check_task {
+        // Let a check that runs finish: it may be starting a daemon.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(30), task).await;
+    }
+    heartbeat_task.abort();
+    coexistence.abort();
+    if let Some(task) = http {
+        task.abort();
+    }
+    plugin.shutdown().await?;
+    info!("stopped");
+    Ok(ExitCode::SUCCESS)
+}
