@@ -9,13 +9,16 @@
 //! Shutdown stops the servers (removing this instance's sockets) and the publisher; the
 //! ResourceSlices stay, so a restart or upgrade takes them over without writes.
 
+use std::collections::BTreeMap;
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context as _;
+use cleave_api::pool::PoolDevices;
 use cleave_controller::{
     CounterSupport, PARTITIONABLE_DEVICES_GATE, PublisherConfig, uninstall_slices,
 };
+use cleave_driver::model::BareGpuInstance;
 use cleave_driver::pool::{PoolOptions, build_pool};
 use cleave_driver::prepare::NodeDriver;
 use tracing::{info, warn};
@@ -24,7 +27,8 @@ use crate::args::RunArgs;
 use crate::events::{EventReporter, Severity};
 use crate::kubelet::registration::RegistrationState;
 use crate::metrics::{HealthState, Heartbeat, Metrics};
-use crate::start::{StartContext, kube_client, start_when_possible};
+use crate::serialize::Serializer;
+use crate::start::{Blocker, RunningPlugin, StartContext, kube_client, start_when_possible};
 
 /// How often `mps_daemons_running` is re-read from the checkpoint besides after every DRA
 /// call (another plugin instance of a rolling update may have changed it).
@@ -257,80 +261,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         tokio::select! {
             s = signals.recv() => break s,
             _ = driver_check.tick(), if plugin.driver_wait.is_some() => {
-                let driver = Arc::clone(&plugin.driver);
-                let found = tokio::task::spawn_blocking(move || {
-                    driver
-                        .rediscover_driver_files()
-                        .map(|()| driver.missing_driver().is_none())
-                        .map_err(|e| e.to_string())
-                })
-                .await;
-                match found {
-                    Ok(Ok(true)) => {
-                        info!("the driver root holds the NVIDIA driver now; publishing devices");
-                        let pool = match plugin.server.health() {
-                            Some(h) => h.pool_to_publish(),
-                            None => plugin.pending_pool.take().unwrap_or_default(),
-                        };
-                        if let Some(m) = &metrics {
-                            m.observability.set_published(&pool);
-                        }
-                        plugin.publisher.publish(pool);
-                        plugin.driver_wait = None;
-                        plugin.pending_pool = None;
-                        ctx.blocker.send_replace(None);
-                    }
-                    Ok(Ok(false)) => {}
-                    Ok(Err(e)) => warn!(error = %e, "looking at the driver root again"),
-                    Err(e) => warn!(error = %e, "looking at the driver root again"),
-                }
+                recheck_driver_root(&mut plugin, metrics.as_deref(), &ctx.blocker).await;
             }
             _ = mps_check.tick(), if !check_every.is_zero() => {
                 if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
-                    let driver = Arc::clone(&plugin.driver);
-                    let serializer = plugin.serializer.clone();
-                    let events = mps_events.clone();
-                    let last_bare = Arc::clone(&last_bare);
-                    let pool_tx = pool_tx.clone();
-                    mps_check_task = Some(tokio::spawn(async move {
-                        let check = Arc::clone(&driver);
-                        match serializer
-                            .run(move || check.reconcile_sharing().map_err(|e| e.to_string()))
-                            .await
-                        {
-                            Ok(Ok(restarted)) if !restarted.is_empty() => {
-                                info!(claims = ?restarted, "started MPS daemons of prepared claims again");
-                                report_mps_restarts(&events, &driver, &restarted).await;
-                            }
-                            Ok(Ok(_)) => {}
-                            Ok(Err(e)) => warn!(error = %e, "checking MPS daemons"),
-                            Err(e) => warn!(error = %e, "checking MPS daemons"),
-                        }
-                        if dynamic_mig {
-                            let check = Arc::clone(&driver);
-                            let Ok(bare) = serializer.run(move || check.bare_gpu_instances()).await else {
-                                return;
-                            };
-                            let changed = {
-                                let mut last = last_bare.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                                let changed = *last != bare;
-                                *last = bare.clone();
-                                changed
-                            };
-                            if changed {
-                                info!(bare = ?bare, "GPU instances without compute instance changed; republishing the pool");
-                                let pool = build_pool(
-                                    &driver.inventory(),
-                                    &PoolOptions {
-                                        dynamic_mig: true,
-                                        owned_instances: driver.owned_mig_uuids(),
-                                        bare_gpu_instances: bare,
-                                    },
-                                );
-                                let _ = pool_tx.send(pool);
-                            }
-                        }
-                    }));
+                    mps_check_task = Some(spawn_sharing_check(
+                        Arc::clone(&plugin.driver),
+                        plugin.serializer.clone(),
+                        mps_events.clone(),
+                        Arc::clone(&last_bare),
+                        pool_tx.clone(),
+                        dynamic_mig,
+                    ));
                 }
             }
             Some(pool) = pool_rx.recv() => {
@@ -340,10 +282,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     // Nothing is published while the driver root holds no driver.
                     None if plugin.driver_wait.is_some() => plugin.pending_pool = Some(pool),
                     None => {
-                        if let Some(m) = &metrics {
-                            m.observability.set_published(&pool);
-                        }
-                        plugin.publisher.publish(pool);
+                        publish(&plugin, metrics.as_deref(), pool);
                     }
                 }
             }
@@ -361,11 +300,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 // A device became unhealthy or healthy again: taint or drop it (nothing is
                 // published while the driver root holds no driver).
                 if let Some(h) = plugin.server.health().filter(|_| plugin.driver_wait.is_none()) {
-                    let pool = h.pool_to_publish();
-                    if let Some(m) = &metrics {
-                        m.observability.set_published(&pool);
-                    }
-                    let version = plugin.publisher.publish(pool);
+                    let version = publish(&plugin, metrics.as_deref(), h.pool_to_publish());
                     if h.needs_taint_check() {
                         tokio::spawn(Arc::clone(h).verify_taints(
                             taint_client.clone(),
@@ -424,4 +359,99 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     plugin.shutdown().await?;
     info!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Publishes `pool` and records it as the published pool.
+fn publish(plugin: &RunningPlugin, metrics: Option<&Metrics>, pool: PoolDevices) -> u64 {
+    if let Some(m) = metrics {
+        m.observability.set_published(&pool);
+    }
+    plugin.publisher.publish(pool)
+}
+
+/// While the driver root holds no driver: looks again, and once the files are there
+/// publishes the pool that was held back and clears the not-ready reason.
+async fn recheck_driver_root(
+    plugin: &mut RunningPlugin,
+    metrics: Option<&Metrics>,
+    blocker: &Blocker,
+) {
+    let driver = Arc::clone(&plugin.driver);
+    let found = tokio::task::spawn_blocking(move || {
+        driver
+            .rediscover_driver_files()
+            .map(|()| driver.missing_driver().is_none())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    match found {
+        Ok(Ok(true)) => {
+            info!("the driver root holds the NVIDIA driver now; publishing devices");
+            let pool = match plugin.server.health() {
+                Some(h) => h.pool_to_publish(),
+                None => plugin.pending_pool.take().unwrap_or_default(),
+            };
+            publish(plugin, metrics, pool);
+            plugin.driver_wait = None;
+            plugin.pending_pool = None;
+            blocker.send_replace(None);
+        }
+        Ok(Ok(false)) => {}
+        Ok(Err(e)) => warn!(error = %e, "looking at the driver root again"),
+        Err(e) => warn!(error = %e, "looking at the driver root again"),
+    }
+}
+
+/// The periodic sharing check, under the node lock: starts dead MPS daemons of prepared
+/// claims again (with an Event on each claim) and, with on-demand MIG, sends a new pool on
+/// `pool_tx` when the GPU instances without compute instance changed.
+fn spawn_sharing_check(
+    driver: Arc<NodeDriver>,
+    serializer: Serializer,
+    events: EventReporter,
+    last_bare: Arc<Mutex<BTreeMap<String, Vec<BareGpuInstance>>>>,
+    pool_tx: tokio::sync::mpsc::UnboundedSender<PoolDevices>,
+    dynamic_mig: bool,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let check = Arc::clone(&driver);
+        match serializer
+            .run(move || check.reconcile_sharing().map_err(|e| e.to_string()))
+            .await
+        {
+            Ok(Ok(restarted)) if !restarted.is_empty() => {
+                info!(claims = ?restarted, "started MPS daemons of prepared claims again");
+                report_mps_restarts(&events, &driver, &restarted).await;
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => warn!(error = %e, "checking MPS daemons"),
+            Err(e) => warn!(error = %e, "checking MPS daemons"),
+        }
+        if dynamic_mig {
+            let check = Arc::clone(&driver);
+            let Ok(bare) = serializer.run(move || check.bare_gpu_instances()).await else {
+                return;
+            };
+            let changed = {
+                let mut last = last_bare
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let changed = *last != bare;
+                *last = bare.clone();
+                changed
+            };
+            if changed {
+                info!(bare = ?bare, "GPU instances without compute instance changed; republishing the pool");
+                let pool = build_pool(
+                    &driver.inventory(),
+                    &PoolOptions {
+                        dynamic_mig: true,
+                        owned_instances: driver.owned_mig_uuids(),
+                        bare_gpu_instances: bare,
+                    },
+                );
+                let _ = pool_tx.send(pool);
+            }
+        }
+    })
 }

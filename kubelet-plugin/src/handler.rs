@@ -25,25 +25,129 @@ impl std::fmt::Display for ClaimRef {
     }
 }
 
-/// One device made ready for a claim, as reported back to the kubelet.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct PreparedDevice {
-    /// Requests of the claim this device satisfies.
-    pub request_names: Vec<String>,
-    /// Pool the device was published in.
-    pub pool_name: String,
-    /// Device name within the pool.
-    pub device_name: String,
-    /// Fully qualified CDI device IDs the container runtime injects.
-    pub cdi_device_ids: Vec<String>,
-    /// Share identifier for consumable-capacity allocations (sent on v1 only).
+/// The driver's answer for one prepared device (requests, pool, device, CDI IDs); the
+/// DRA service converts it once per protocol version.
+pub use cleave_driver::prepare::PreparedDevice;
+
+/// One device of a prepared claim as the kubelet is told: the driver's [`PreparedDevice`]
+/// and, for a consumable-capacity allocation, its share (sent on v1 only).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreparedShare {
+    /// What the driver prepared.
+    pub device: PreparedDevice,
+    /// Share identifier of a consumable-capacity allocation.
     pub share_id: Option<String>,
 }
 
-/// Result of preparing one claim: its devices, or a message for the kubelet.
-pub type PrepareResult = Result<Vec<PreparedDevice>, String>;
+impl From<PreparedDevice> for PreparedShare {
+    /// A whole-device allocation (no share).
+    fn from(device: PreparedDevice) -> Self {
+        Self {
+            device,
+            share_id: None,
+        }
+    }
+}
+
+/// Why one claim could not be prepared or unprepared; the variant names the step that
+/// failed and [`ClaimError::kubelet_message`] is what the kubelet (and the pod's events)
+/// show.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClaimError {
+    /// Reading the ResourceClaim from the API server failed.
+    #[error("getting claim {namespace}/{name}: {reason}")]
+    Read {
+        /// Claim namespace.
+        namespace: String,
+        /// Claim name.
+        name: String,
+        /// The API error.
+        reason: String,
+    },
+    /// The claim no longer exists.
+    #[error("claim {namespace}/{name} not found (UID {uid}): it was deleted")]
+    NotFound {
+        /// Claim namespace.
+        namespace: String,
+        /// Claim name.
+        name: String,
+        /// The UID the kubelet asked for.
+        uid: String,
+    },
+    /// A claim of that name exists, but with another UID.
+    #[error("claim {namespace}/{name} was replaced: UID {uid} != {current}")]
+    Replaced {
+        /// Claim namespace.
+        namespace: String,
+        /// Claim name.
+        name: String,
+        /// The UID the kubelet asked for.
+        uid: String,
+        /// The UID of the object now under that name.
+        current: String,
+    },
+    /// The claim has no allocation.
+    #[error("claim {namespace}/{name} is not allocated")]
+    NotAllocated {
+        /// Claim namespace.
+        namespace: String,
+        /// Claim name.
+        name: String,
+    },
+    /// A new claim for a device that is unhealthy is refused.
+    #[error("claim {namespace}/{name}: device {device} is unhealthy ({why}); not preparing it")]
+    Unhealthy {
+        /// Claim namespace.
+        namespace: String,
+        /// Claim name.
+        name: String,
+        /// The unhealthy device.
+        device: String,
+        /// Its condition.
+        why: String,
+    },
+    /// The driver's prepare failed; `actionable` when the claim's owner can fix it (bad
+    /// config, unknown device, missing driver files), which is also posted as an Event.
+    #[error("{message}")]
+    Prepare {
+        /// The driver's error.
+        message: String,
+        /// Whether the claim's owner can act on it.
+        actionable: bool,
+    },
+    /// The driver's unprepare failed.
+    #[error("{0}")]
+    Unprepare(String),
+    /// The batch never ran (the node lock or its task failed).
+    #[error("{operation} claims: {reason}")]
+    Batch {
+        /// `preparing` or `unpreparing`.
+        operation: &'static str,
+        /// What failed.
+        reason: String,
+    },
+    /// The handler returned no result for a claim it was given.
+    #[error("internal error: no result for claim {uid}")]
+    NoResult {
+        /// The claim UID.
+        uid: String,
+    },
+    /// Another handler's failure, in its own words (fakes, wrappers).
+    #[error("{0}")]
+    Other(String),
+}
+
+impl ClaimError {
+    /// The message the kubelet gets in the claim's response entry.
+    pub fn kubelet_message(&self) -> String {
+        self.to_string()
+    }
+}
+
+/// Result of preparing one claim: its devices, or why not.
+pub type PrepareResult = Result<Vec<PreparedShare>, ClaimError>;
 /// Result of unpreparing one claim.
-pub type UnprepareResult = Result<(), String>;
+pub type UnprepareResult = Result<(), ClaimError>;
 
 /// The driver logic behind the DRA services.
 ///

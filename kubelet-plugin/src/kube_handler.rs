@@ -15,7 +15,9 @@ use kube::Api;
 use tracing::{debug, info, info_span, warn};
 
 use crate::events::{EventReporter, Severity};
-use crate::handler::{ClaimHandler, ClaimRef, PrepareResult, PreparedDevice, UnprepareResult};
+use crate::handler::{
+    ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedShare, UnprepareResult,
+};
 use crate::health::DeviceHealth;
 use crate::metrics::observability::ObservabilityMetrics;
 use crate::serialize::Serializer;
@@ -130,24 +132,31 @@ impl KubeClaimHandler {
 
     /// Reads the claim and checks that it is the object the kubelet means (same UID) and
     /// that it is allocated.
-    async fn fetch(&self, claim: &ClaimRef) -> Result<ResourceClaim, String> {
+    async fn fetch(&self, claim: &ClaimRef) -> Result<ResourceClaim, ClaimError> {
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
         let got = api
             .get_opt(&claim.name)
             .await
-            .map_err(|e| format!("getting claim {}/{}: {e}", claim.namespace, claim.name))?;
+            .map_err(|e| ClaimError::Read {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                reason: e.to_string(),
+            })?;
         let Some(object) = got else {
-            return Err(format!(
-                "claim {}/{} not found (UID {}): it was deleted",
-                claim.namespace, claim.name, claim.uid
-            ));
+            return Err(ClaimError::NotFound {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                uid: claim.uid.clone(),
+            });
         };
         let current = object.metadata.uid.as_deref().unwrap_or_default();
         if current != claim.uid {
-            return Err(format!(
-                "claim {}/{} was replaced: UID {} != {}",
-                claim.namespace, claim.name, claim.uid, current
-            ));
+            return Err(ClaimError::Replaced {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                uid: claim.uid.clone(),
+                current: current.to_owned(),
+            });
         }
         if object
             .status
@@ -155,10 +164,10 @@ impl KubeClaimHandler {
             .and_then(|s| s.allocation.as_ref())
             .is_none()
         {
-            return Err(format!(
-                "claim {}/{} is not allocated",
-                claim.namespace, claim.name
-            ));
+            return Err(ClaimError::NotAllocated {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+            });
         }
         Ok(object)
     }
@@ -188,12 +197,14 @@ impl ClaimHandler for KubeClaimHandler {
                     if !prepared.contains(&claim.uid)
                         && let Some((device, why)) = self.unhealthy_device(&object)
                     {
-                        let e = format!(
-                            "claim {}/{}: device {device} is unhealthy ({why}); not preparing it",
-                            claim.namespace, claim.name
-                        );
+                        let e = ClaimError::Unhealthy {
+                            namespace: claim.namespace.clone(),
+                            name: claim.name.clone(),
+                            device,
+                            why,
+                        };
                         warn!(namespace = %claim.namespace, name = %claim.name, uid = %claim.uid, error = %e, "prepare refused");
-                        self.report(&object, e.clone());
+                        self.report(&object, e.kubelet_message());
                         results.insert(claim.uid, Err(e));
                         continue;
                     }
@@ -228,13 +239,7 @@ impl ClaimHandler for KubeClaimHandler {
                                 prepared
                                     .devices
                                     .into_iter()
-                                    .map(|d| PreparedDevice {
-                                        request_names: d.request_names,
-                                        pool_name: d.pool_name,
-                                        device_name: d.device_name,
-                                        cdi_device_ids: d.cdi_device_ids,
-                                        share_id: None,
-                                    })
+                                    .map(PreparedShare::from)
                                     .collect::<Vec<_>>()
                             })
                             .map_err(|e| {
@@ -245,11 +250,14 @@ impl ClaimHandler for KubeClaimHandler {
                                         | PrepareError::InvalidClaim { .. }
                                         | PrepareError::MissingDriverFiles { .. }
                                 );
-                                (actionable, e.to_string())
+                                ClaimError::Prepare {
+                                    message: e.to_string(),
+                                    actionable,
+                                }
                             });
                         match &result {
                             Ok(devices) => info!(devices = devices.len(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "prepared"),
-                            Err((_, e)) => warn!(error = %e, "prepare failed"),
+                            Err(e) => warn!(error = %e, "prepare failed"),
                         }
                         (claim.uid, result)
                     })
@@ -259,19 +267,24 @@ impl ClaimHandler for KubeClaimHandler {
         match batch {
             Ok(done) => {
                 for (uid, result) in done {
-                    let result = result.map_err(|(actionable, e)| {
-                        if actionable && let Some(object) = objects.get(&uid) {
-                            self.report(object, e.clone());
-                        }
-                        e
-                    });
+                    if let Err(ClaimError::Prepare {
+                        message,
+                        actionable: true,
+                    }) = &result
+                        && let Some(object) = objects.get(&uid)
+                    {
+                        self.report(object, message.clone());
+                    }
                     results.insert(uid, result);
                 }
             }
             Err(e) => {
-                let msg = format!("preparing claims: {e}");
-                warn!(error = %msg, "prepare batch failed");
-                results.extend(uids.into_iter().map(|u| (u, Err(msg.clone()))));
+                let err = ClaimError::Batch {
+                    operation: "preparing",
+                    reason: e.to_string(),
+                };
+                warn!(error = %err, "prepare batch failed");
+                results.extend(uids.into_iter().map(|u| (u, Err(err.clone()))));
             }
         }
         self.refresh_metrics();
@@ -290,7 +303,9 @@ impl ClaimHandler for KubeClaimHandler {
                     .map(|claim| {
                         let span = info_span!(parent: &parent, "unprepare_claim", namespace = %claim.namespace, name = %claim.name, uid = %claim.uid);
                         let _enter = span.enter();
-                        let result = driver.unprepare(&claim.uid).map_err(|e| e.to_string());
+                        let result = driver
+                            .unprepare(&claim.uid)
+                            .map_err(|e| ClaimError::Unprepare(e.to_string()));
                         if let Err(e) = &result {
                             warn!(error = %e, "unprepare failed");
                         }
@@ -302,9 +317,12 @@ impl ClaimHandler for KubeClaimHandler {
         let results = match batch {
             Ok(done) => done.into_iter().collect(),
             Err(e) => {
-                let msg = format!("unpreparing claims: {e}");
-                warn!(error = %msg, "unprepare batch failed");
-                uids.into_iter().map(|u| (u, Err(msg.clone()))).collect()
+                let err = ClaimError::Batch {
+                    operation: "unpreparing",
+                    reason: e.to_string(),
+                };
+                warn!(error = %err, "unprepare batch failed");
+                uids.into_iter().map(|u| (u, Err(err.clone()))).collect()
             }
         };
         self.refresh_metrics();

@@ -37,7 +37,7 @@ pub mod serialize;
 pub mod start;
 pub mod telemetry;
 
-pub use handler::{ClaimHandler, ClaimRef, PreparedDevice};
+pub use handler::{ClaimError, ClaimHandler, ClaimRef, PreparedDevice, PreparedShare};
 pub use kubelet::proto;
 pub use kubelet::registration::RegistrationState;
 pub use kubelet::server::{PluginConfig, PluginServer, ServerError, connect_unix};

@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, debug, info_span, warn};
 
 use super::proto::dra::{v1, v1beta1};
-use crate::handler::{ClaimHandler, ClaimRef, PreparedDevice};
+use crate::handler::{ClaimError, ClaimHandler, ClaimRef, PreparedShare};
 
 /// Advertised token for the v1 DRA service.
 pub const DRA_PLUGIN_V1: &str = "v1.DRAPlugin";
@@ -102,11 +102,11 @@ impl<H: ClaimHandler> DraService<H> {
                     },
                     Some(Err(error)) => v1::NodePrepareResourceResponse {
                         devices: Vec::new(),
-                        error,
+                        error: error.kubelet_message(),
                     },
                     None => v1::NodePrepareResourceResponse {
                         devices: Vec::new(),
-                        error: format!("internal error: no result for claim {uid}"),
+                        error: ClaimError::NoResult { uid: uid.clone() }.kubelet_message(),
                     },
                 };
                 out.insert(uid, entry);
@@ -146,8 +146,8 @@ impl<H: ClaimHandler> DraService<H> {
             for uid in uids {
                 let error = match results.remove(&uid) {
                     Some(Ok(())) => String::new(),
-                    Some(Err(e)) => e,
-                    None => format!("internal error: no result for claim {uid}"),
+                    Some(Err(e)) => e.kubelet_message(),
+                    None => ClaimError::NoResult { uid: uid.clone() }.kubelet_message(),
                 };
                 out.insert(uid, v1::NodeUnprepareResourceResponse { error });
             }
@@ -216,12 +216,13 @@ fn validate<R>(
     (valid, errors)
 }
 
-fn device_to_v1(d: PreparedDevice) -> v1::Device {
+/// The driver's answer on the v1 wire (v1beta1 is converted from it, without the share).
+fn device_to_v1(d: PreparedShare) -> v1::Device {
     v1::Device {
-        request_names: d.request_names,
-        pool_name: d.pool_name,
-        device_name: d.device_name,
-        cdi_device_ids: d.cdi_device_ids,
+        request_names: d.device.request_names,
+        pool_name: d.device.pool_name,
+        device_name: d.device.device_name,
+        cdi_device_ids: d.device.cdi_device_ids,
         share_id: d.share_id,
     }
 }

@@ -9,7 +9,9 @@ use std::time::Duration;
 use cleave_kubelet_plugin::handler::{PrepareResult, UnprepareResult};
 use cleave_kubelet_plugin::proto::dra::{v1, v1beta1};
 use cleave_kubelet_plugin::proto::registration::registration_client::RegistrationClient;
-use cleave_kubelet_plugin::{ClaimHandler, ClaimRef, PluginConfig, PreparedDevice, connect_unix};
+use cleave_kubelet_plugin::{
+    ClaimError, ClaimHandler, ClaimRef, PluginConfig, PreparedDevice, PreparedShare, connect_unix,
+};
 use tonic::transport::Channel;
 
 /// Bound for every wait in these tests.
@@ -42,13 +44,21 @@ impl ClaimHandler for FakeHandler {
             .filter(|c| !(self.forget_lost && c.name.starts_with("lost")))
             .map(|c| {
                 let result = if c.name.starts_with("bad") {
-                    Err(format!("claim {}/{} is bad", c.namespace, c.name))
+                    Err(ClaimError::Other(format!(
+                        "claim {}/{} is bad",
+                        c.namespace, c.name
+                    )))
                 } else {
-                    Ok(vec![PreparedDevice {
-                        request_names: vec!["gpu".into()],
-                        pool_name: "node-a".into(),
-                        device_name: "gpu-0".into(),
-                        cdi_device_ids: vec![format!("k8s.gpu.cleave.dev/claim={}-gpu-0", c.uid)],
+                    Ok(vec![PreparedShare {
+                        device: PreparedDevice {
+                            request_names: vec!["gpu".into()],
+                            pool_name: "node-a".into(),
+                            device_name: "gpu-0".into(),
+                            cdi_device_ids: vec![format!(
+                                "k8s.gpu.cleave.dev/claim={}-gpu-0",
+                                c.uid
+                            )],
+                        },
                         share_id: Some("share-1".into()),
                     }])
                 };
@@ -63,7 +73,7 @@ impl ClaimHandler for FakeHandler {
             .into_iter()
             .map(|c| {
                 let r = if c.name.starts_with("bad") {
-                    Err(format!("cannot unprepare {}", c.name))
+                    Err(ClaimError::Other(format!("cannot unprepare {}", c.name)))
                 } else {
                     Ok(())
                 };
