@@ -17,7 +17,6 @@ pub mod health;
 pub mod inspect;
 pub mod model;
 pub mod nvml;
-pub mod packing;
 pub mod pool;
 pub mod prepare;
 pub mod sharing;

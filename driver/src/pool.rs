@@ -21,6 +21,8 @@
 //! removed from the totals, so no overlapping placement can be allocated. Instances cleave
 //! made for claims keep their counters: the allocations of those claims consume them.
 
+mod order;
+
 use std::collections::{BTreeMap, BTreeSet};
 
 use cleave_api::limits;
@@ -34,7 +36,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use crate::model::{
     BareGpuInstance, GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement,
 };
-use crate::packing::PlacementOrder;
+pub use order::PlacementOrder;
 
 /// How to publish the node's devices.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -176,7 +178,7 @@ pub fn order_profiles(profiles: &mut [&MigProfile]) {
 
 /// The publishing order of one profile's placements: [`PlacementOrder::DEFAULT`], the
 /// candidate that admits the most requests when the scheduler takes the first fitting
-/// device (simulated against the exact optimum in [`crate::packing`]).
+/// device (simulated against the exact optimum in `hack/packing`).
 pub fn order_placements(profile: &MigProfile, placements: &mut [Placement]) {
     PlacementOrder::DEFAULT.sort(profile, placements);
 }

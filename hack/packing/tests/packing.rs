@@ -1,7 +1,7 @@
 //! The packing simulation's first fit is what the published pool makes the scheduler do: a
 //! small allocator over the real `build_pool` output (devices in published order, counters
 //! from the counter sets, the first matching device whose counters fit) picks the same
-//! GPU and placement as `packing::FirstFit` for random streams with departures.
+//! GPU and placement as `cleave_packing::FirstFit` for random streams with departures.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use cleave_api::names::attr;
 use cleave_api::pool::PoolDevices;
 use cleave_driver::model::{GpuInfo, MigState, NodeInventory};
-use cleave_driver::packing::{FirstFit, GpuShape, NodeWalk, PlacementOrder, Product, Rng};
-use cleave_driver::pool::{PoolOptions, build_pool};
+use cleave_driver::pool::{PlacementOrder, PoolOptions, build_pool};
+use cleave_packing::{FirstFit, GpuShape, NodeWalk, Product, Rng};
 
 fn node(product: Product, gpus: u32) -> NodeInventory {
     NodeInventory {

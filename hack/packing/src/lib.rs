@@ -1,6 +1,6 @@
 //! How well the scheduler packs on-demand MIG devices, and which publishing order packs best.
 //!
-//! **Scheduler model.** In on-demand mode (see [`crate::pool`]) every placement of every
+//! **Scheduler model.** In on-demand mode (see `cleave_driver::pool`) every placement of every
 //! profile of a GPU is a device, all consuming one counter set: a counter per memory slice
 //! (overlapping placements share one), `compute-slices` (7) and an instance counter for
 //! profiles that allow fewer instances than placements (`+me`: one per GPU). The DRA
@@ -26,7 +26,7 @@
 //!   time (admitting greedily can block later requests).
 //!
 //! The order is chosen by [`selection_score`] (fill and churn, A100-40GB and H100, three
-//! mixes) and published by [`crate::pool::order_placements`] as [`PlacementOrder::DEFAULT`];
+//! mixes) and published by `cleave_driver::pool::order_placements` as [`PlacementOrder::DEFAULT`];
 //! a unit test fails if another candidate scores higher. On these tables the lower half
 //! (slices 0-3) is mirror-symmetric for every profile that fits in it, so orders that
 //! differ only by that mirror (descending start and upper-half-first) score the same.
@@ -49,7 +49,8 @@
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::model::{MigProfile, Placement};
+use cleave_driver::model::{MigProfile, Placement};
+use cleave_driver::pool::PlacementOrder;
 
 /// Most profiles per GPU the simulation handles (A100/H100/H200 have 7): demand vectors
 /// are packed one byte per profile into a `u64`.
@@ -82,104 +83,6 @@ pub enum PackingError {
         /// The larger profile.
         larger: String,
     },
-}
-
-/// A publishing order of one profile's placements (candidates compared by simulation).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PlacementOrder {
-    /// Highest start first: small instances fill the GPU from the top, keeping the low
-    /// slices (where `4g` and `7g` must start) free longest.
-    DescendingStart,
-    /// Lowest start first (the order NVML lists them).
-    AscendingStart,
-    /// Profiles of up to two memory slices from the top, larger ones from the bottom
-    /// (small and big requests grow towards each other).
-    SmallHighBigLow,
-    /// A fixed preference in the spirit of NVIDIA's packing advice: first the placements
-    /// that no larger profile of the same compute width can use (`1g` at 6, `1g.2x` at 6),
-    /// then the upper half, then the lower half, each from its low end.
-    UpperHalfFirst,
-    /// The top slot first, then the lower half from its top, then the rest of the upper
-    /// half: keeps slices 4-7 whole for a `3g` at 4 (the only `3g` left once the lower
-    /// half is used), at the price of the `4g`/`7g` start at 0.
-    TopThenLowerHalf,
-}
-
-impl PlacementOrder {
-    /// Every candidate, in a fixed order (the default wins ties by being first).
-    pub const ALL: [PlacementOrder; 5] = [
-        PlacementOrder::DescendingStart,
-        PlacementOrder::AscendingStart,
-        PlacementOrder::SmallHighBigLow,
-        PlacementOrder::UpperHalfFirst,
-        PlacementOrder::TopThenLowerHalf,
-    ];
-
-    /// The order [`crate::pool::order_placements`] publishes: the candidate with the best
-    /// [`selection_score`] (a unit test re-runs the comparison and fails if another wins).
-    pub const DEFAULT: PlacementOrder = PlacementOrder::DescendingStart;
-
-    /// Short name for tables.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::DescendingStart => "descending-start",
-            Self::AscendingStart => "ascending-start",
-            Self::SmallHighBigLow => "small-high-big-low",
-            Self::UpperHalfFirst => "upper-half-first",
-            Self::TopThenLowerHalf => "top-then-lower-half",
-        }
-    }
-
-    /// Sorts `placements` of `profile` into this order (stable for equal keys).
-    pub fn sort(self, profile: &MigProfile, placements: &mut [Placement]) {
-        let _ = profile;
-        match self {
-            Self::DescendingStart => {
-                placements.sort_by(|a, b| b.start.cmp(&a.start).then(a.size.cmp(&b.size)));
-            }
-            Self::AscendingStart => {
-                placements.sort_by(|a, b| a.start.cmp(&b.start).then(a.size.cmp(&b.size)));
-            }
-            Self::SmallHighBigLow => placements.sort_by(|a, b| {
-                if a.size.max(b.size) <= 2 {
-                    b.start.cmp(&a.start)
-                } else {
-                    a.start.cmp(&b.start)
-                }
-                .then(a.size.cmp(&b.size))
-            }),
-            Self::UpperHalfFirst => {
-                // Memory slices of these GPUs: 8, halves of 4. Rank: the top slot (6),
-                // then the upper half ascending, then the lower half ascending.
-                let half = 4;
-                let rank = |p: &Placement| {
-                    if p.start + p.size >= 2 * half - 1 && p.size < half {
-                        (0, p.start)
-                    } else if p.start >= half {
-                        (1, p.start)
-                    } else {
-                        (2, p.start)
-                    }
-                };
-                placements.sort_by(|a, b| rank(a).cmp(&rank(b)).then(a.size.cmp(&b.size)));
-            }
-            Self::TopThenLowerHalf => {
-                let half = 4;
-                let rank = |p: &Placement| {
-                    if p.size >= half {
-                        (0, u32::MAX - p.start)
-                    } else if p.start + p.size >= 2 * half - 1 {
-                        (0, 0)
-                    } else if p.start < half {
-                        (1, u32::MAX - p.start)
-                    } else {
-                        (2, u32::MAX - p.start)
-                    }
-                };
-                placements.sort_by(|a, b| rank(a).cmp(&rank(b)).then(a.size.cmp(&b.size)));
-            }
-        }
-    }
 }
 
 /// How the allocator moves from one GPU to the next.

@@ -1,15 +1,16 @@
 //! How many MIG requests the scheduler's first-fit choice admits against the best possible
-//! packing, per product, request mix and placement order (see `cleave_driver::packing`).
+//! packing, per product, request mix and placement order (see `cleave_packing`).
 //! Prints tables; asserts nothing.
 //!
-//! `cargo bench -p cleave-driver --bench packing` (or `-- <trials> [<seed>]`; default 200 streams
-//! per row, 8 GPUs). Modes and references: `cleave_driver::packing::Mode`.
+//! `cargo bench -p cleave-packing --bench packing` (or `-- <trials> [<seed>]`; default 200 streams
+//! per row, 8 GPUs). Modes and references: `cleave_packing::Mode`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::time::Instant;
 
-use cleave_driver::packing::{
-    GpuShape, Mix, Mode, NodeWalk, PlacementOrder, Product, Scenario, compare, selection_score,
+use cleave_driver::pool::PlacementOrder;
+use cleave_packing::{
+    GpuShape, Mix, Mode, NodeWalk, Product, Scenario, compare, selection_score,
 };
 
 const SEED: u64 = 0x00C1_EA7E;
