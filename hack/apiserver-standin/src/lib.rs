@@ -32,6 +32,7 @@
 
 mod error;
 pub mod fixtures;
+pub mod limits;
 mod rand;
 mod select;
 mod server;

@@ -1,11 +1,11 @@
 //! ResourceSlice validation as the API server does it (kubernetes
-//! `pkg/apis/resource/validation/validation.go`, limits from `cleave_api::limits`, see shared
-//! FACTS §6.1-6.2), for 1.34 and 1.35+ rules. Messages follow apimachinery's field errors:
+//! `pkg/apis/resource/validation/validation.go`, limits from the stand-in's own upstream
+//! table in [`crate::limits`]), for 1.34 and 1.35+ rules. Messages follow apimachinery's field errors:
 //! `spec.devices[3].name: Invalid value: "X": a lowercase RFC 1123 label must ...`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use cleave_api::limits;
+use crate::limits;
 use serde_json::{Map, Value};
 
 use crate::KubeVersion;
@@ -118,10 +118,11 @@ const SEMVER_MSG: &str = "must be a string compatible with semver.org spec 2.0.0
 const NODE_FIELDS: &str =
     "exactly one of `nodeName`, `nodeSelector`, `allNodes`, `perDeviceNodeSelection` is required";
 const DEVICE_NODE_FIELDS: &str = "exactly one of `nodeName`, `nodeSelector`, or `allNodes` is required when `perDeviceNodeSelection` is set to true in the ResourceSlice spec";
-const MAX_BINDING_CONDITIONS: usize = 4;
-const MAX_ATTRIBUTE_VALUES_PER_DEVICE_1_36: usize = 48;
-const MAX_TAINTS_PER_DEVICE_1_35: usize = 16;
-const DNS_SUBDOMAIN_MAX: usize = 253;
+const MAX_BINDING_CONDITIONS: usize = limits::BINDING_CONDITIONS_MAX_SIZE;
+const MAX_ATTRIBUTE_VALUES_PER_DEVICE_1_36: usize =
+    limits::RESOURCE_SLICE_MAX_ATTRIBUTE_VALUES_PER_DEVICE_1_36;
+const MAX_TAINTS_PER_DEVICE_1_35: usize = limits::DEVICE_TAINTS_MAX_LENGTH_1_35;
+const DNS_SUBDOMAIN_MAX: usize = limits::DNS1123_SUBDOMAIN_MAX_LENGTH;
 
 /// Go `%q`-like rendering of a string value.
 fn q(s: &str) -> String {
@@ -139,7 +140,7 @@ fn is_dns_label_chars(s: &str) -> bool {
 
 /// `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 characters.
 pub fn is_dns_label(s: &str) -> bool {
-    s.len() <= limits::MAX_DNS_LABEL_LENGTH && is_dns_label_chars(s)
+    s.len() <= limits::DNS1123_LABEL_MAX_LENGTH && is_dns_label_chars(s)
 }
 
 /// RFC 1123 subdomain, at most 253 characters.
@@ -229,13 +230,13 @@ impl Checker {
     }
 
     fn dns_label(&mut self, field: &str, s: &str) {
-        if s.len() > limits::MAX_DNS_LABEL_LENGTH {
+        if s.len() > limits::DNS1123_LABEL_MAX_LENGTH {
             self.invalid(
                 field,
                 q(s),
                 &format!(
                     "must be no more than {} characters",
-                    limits::MAX_DNS_LABEL_LENGTH
+                    limits::DNS1123_LABEL_MAX_LENGTH
                 ),
             );
         }
@@ -268,8 +269,8 @@ impl Checker {
         let Some(name) = name.filter(|n| !n.is_empty()) else {
             return self.required(field, "");
         };
-        if name.len() > limits::MAX_DRIVER_NAME_LENGTH {
-            self.too_long(field, limits::MAX_DRIVER_NAME_LENGTH);
+        if name.len() > limits::DRIVER_NAME_MAX_LENGTH {
+            self.too_long(field, limits::DRIVER_NAME_MAX_LENGTH);
         }
         if !is_dns_subdomain(&name.to_lowercase()) {
             self.invalid(field, q(name), DNS_SUBDOMAIN_MSG);
@@ -283,8 +284,8 @@ impl Checker {
         match pool.get("name").and_then(Value::as_str) {
             None | Some("") => self.required("spec.pool.name", ""),
             Some(name) => {
-                if name.len() > limits::MAX_POOL_NAME_LENGTH {
-                    self.too_long("spec.pool.name", limits::MAX_POOL_NAME_LENGTH);
+                if name.len() > limits::POOL_NAME_MAX_LENGTH {
+                    self.too_long("spec.pool.name", limits::POOL_NAME_MAX_LENGTH);
                 }
                 for part in name.split('/') {
                     if !is_dns_subdomain(part) {
@@ -410,8 +411,8 @@ impl Checker {
             if domain.is_empty() {
                 self.required(field, "the domain must not be empty");
             } else {
-                if domain.len() > limits::MAX_ATTRIBUTE_DOMAIN_LENGTH {
-                    self.too_long(field, limits::MAX_ATTRIBUTE_DOMAIN_LENGTH);
+                if domain.len() > limits::DEVICE_MAX_DOMAIN_LENGTH {
+                    self.too_long(field, limits::DEVICE_MAX_DOMAIN_LENGTH);
                 }
                 if !is_dns_subdomain(&domain.to_lowercase()) {
                     self.invalid(field, q(domain), DNS_SUBDOMAIN_MSG);
@@ -421,8 +422,8 @@ impl Checker {
         if id.is_empty() {
             self.required(field, "the name must not be empty");
         } else {
-            if id.len() > limits::MAX_ATTRIBUTE_ID_LENGTH {
-                self.too_long(field, limits::MAX_ATTRIBUTE_ID_LENGTH);
+            if id.len() > limits::DEVICE_MAX_ID_LENGTH {
+                self.too_long(field, limits::DEVICE_MAX_ID_LENGTH);
             }
             if !is_c_identifier(id) {
                 self.invalid(field, q(id), C_IDENTIFIER_MSG);
@@ -432,8 +433,8 @@ impl Checker {
 
     fn string_value(&mut self, field: &str, v: &Value) {
         match v.as_str() {
-            Some(s) if s.len() > limits::MAX_ATTRIBUTE_VALUE_LENGTH => {
-                self.too_long(field, limits::MAX_ATTRIBUTE_VALUE_LENGTH)
+            Some(s) if s.len() > limits::DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH => {
+                self.too_long(field, limits::DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH)
             }
             Some(_) => {}
             None => self.invalid(field, v.to_string(), "must be a string"),
@@ -446,8 +447,8 @@ impl Checker {
                 if !is_semver(s) {
                     self.invalid(field, q(s), SEMVER_MSG);
                 }
-                if s.len() > limits::MAX_ATTRIBUTE_VALUE_LENGTH {
-                    self.too_long(field, limits::MAX_ATTRIBUTE_VALUE_LENGTH);
+                if s.len() > limits::DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH {
+                    self.too_long(field, limits::DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH);
                 }
             }
             None => self.invalid(field, v.to_string(), "must be a string"),
@@ -561,11 +562,210 @@ impl Checker {
         map.keys().cloned().collect()
     }
 
+    /// A quantity field as an exact integer (the API server's `Quantity.Value()`); `None`
+    /// when absent, an `Invalid` error (and `None`) when it does not parse.
+    fn quantity(&mut self, field: &str, v: Option<&Value>) -> Option<(i64, String)> {
+        let v = v.filter(|v| !v.is_null())?;
+        let text = v
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| v.to_string());
+        match cleave_api::quantity::Quantity::parse(&text) {
+            Ok(qty) => Some((qty.value(), text)),
+            Err(e) => {
+                self.invalid(field, q(&text), &e.to_string());
+                None
+            }
+        }
+    }
+
+    /// `validateRequestPolicy` of a capacity of a device with `allowMultipleAllocations`
+    /// (validation.go): one of `validValues` and `validRange`, a `default` that the
+    /// policy allows, bounds within the capacity, `default` and `max` on a step from `min`.
+    fn request_policy(&mut self, field: &str, cap: &Value, policy: &Value) {
+        let Some((capacity, cap_text)) = self.quantity(&format!("{field}.value"), cap.get("value"))
+        else {
+            return;
+        };
+        let values = policy
+            .get("validValues")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let range = policy.get("validRange").filter(|r| !r.is_null());
+        if !values.is_empty() && range.is_some() {
+            self.push(
+                field,
+                FieldErrorKind::Forbidden,
+                None,
+                r#"exactly one policy can be specified, cannot specify "validValues" and "validRange" at the same time"#,
+            );
+            return;
+        }
+        let default = self.quantity(&format!("{field}.default"), policy.get("default"));
+        if !values.is_empty() {
+            let Some((default, default_text)) = default else {
+                if policy.get("default").is_none_or(Value::is_null) {
+                    self.required(
+                        &format!("{field}.default"),
+                        "required when validValues is defined",
+                    );
+                }
+                return;
+            };
+            let vpath = format!("{field}.validValues");
+            let parsed: Vec<Option<(i64, String)>> = values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| self.quantity(&format!("{vpath}[{i}]"), Some(v)))
+                .collect();
+            for (i, w) in parsed.windows(2).enumerate() {
+                if let (Some(a), Some(b)) = (&w[0], &w[1])
+                    && a.0 > b.0
+                {
+                    self.invalid(
+                        &format!("{vpath}[{}]", i + 1),
+                        q(&b.1),
+                        "values must be sorted in ascending order",
+                    );
+                }
+            }
+            if values.len() > limits::CAPACITY_REQUEST_POLICY_DISCRETE_MAX_OPTIONS {
+                self.too_many(
+                    &vpath,
+                    values.len(),
+                    limits::CAPACITY_REQUEST_POLICY_DISCRETE_MAX_OPTIONS,
+                );
+                return;
+            }
+            let mut seen = BTreeSet::new();
+            for (i, (v, text)) in parsed
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| p.as_ref().map(|p| (i, p)))
+            {
+                if *v > capacity {
+                    self.invalid(
+                        &format!("{vpath}[{i}]"),
+                        q(text),
+                        &format!("option is larger than capacity value: {cap_text}"),
+                    );
+                }
+                if !seen.insert(*v) {
+                    self.duplicate(&format!("{vpath}[{i}]"), &v.to_string());
+                }
+            }
+            if !parsed.iter().flatten().any(|(v, _)| *v == default) {
+                self.invalid(
+                    &vpath,
+                    q(&default_text),
+                    "default value is not valid according to the requestPolicy",
+                );
+            }
+            return;
+        }
+        let Some(range) = range else {
+            return;
+        };
+        let rpath = format!("{field}.validRange");
+        let Some((default, default_text)) = default else {
+            if policy.get("default").is_none_or(Value::is_null) {
+                self.required(
+                    &format!("{field}.default"),
+                    "required when validRange is defined",
+                );
+            }
+            return;
+        };
+        let Some((min, min_text)) = self.quantity(&format!("{rpath}.min"), range.get("min")) else {
+            if range.get("min").is_none_or(Value::is_null) {
+                self.required(
+                    &format!("{rpath}.min"),
+                    "required when validRange is defined",
+                );
+            }
+            return;
+        };
+        if min > capacity {
+            self.invalid(
+                &format!("{rpath}.min"),
+                q(&min_text),
+                &format!("min is larger than capacity value: {cap_text}"),
+            );
+        }
+        if default < min {
+            self.invalid(
+                &format!("{rpath}.min"),
+                q(&default_text),
+                &format!("default is less than min: {min_text}"),
+            );
+        }
+        let max = self.quantity(&format!("{rpath}.max"), range.get("max"));
+        if let Some((max, max_text)) = &max {
+            if min > *max {
+                self.invalid(
+                    &format!("{rpath}.max"),
+                    q(&min_text),
+                    &format!("min is larger than max: {max_text}"),
+                );
+            }
+            if *max > capacity {
+                self.invalid(
+                    &format!("{rpath}.max"),
+                    q(max_text),
+                    &format!("max is larger than capacity value: {cap_text}"),
+                );
+            }
+            if default > *max {
+                self.invalid(
+                    &format!("{rpath}.max"),
+                    q(&default_text),
+                    &format!("default is more than max: {max_text}"),
+                );
+            }
+        }
+        let Some((step, step_text)) = self.quantity(&format!("{rpath}.step"), range.get("step"))
+        else {
+            return;
+        };
+        let spath = format!("{rpath}.step");
+        if step <= 0 {
+            // The API server divides by the step; a stand-in answer instead of a crash.
+            self.invalid(&spath, q(&step_text), "must be greater than zero");
+            return;
+        }
+        if min.saturating_add(step) > capacity {
+            self.invalid(
+                &spath,
+                q(&step_text),
+                &format!(
+                    "one step {} is larger than capacity value: {cap_text}",
+                    min.saturating_add(step)
+                ),
+            );
+        }
+        let mut on_step = |value: i64, text: &str| {
+            if (value - min) % step != 0 {
+                self.invalid(
+                    &spath,
+                    q(text),
+                    &format!(
+                        "value is not a multiple of a given step ({step_text}) from ({min_text})"
+                    ),
+                );
+            }
+        };
+        on_step(default, &default_text);
+        if let Some((max, max_text)) = &max {
+            on_step(*max, max_text);
+        }
+    }
+
     fn taints(&mut self, field: &str, taints: &[Value]) {
         let max = if self.since(35) {
             MAX_TAINTS_PER_DEVICE_1_35
         } else {
-            limits::MAX_TAINTS_PER_DEVICE
+            limits::DEVICE_TAINTS_MAX_LENGTH_1_34
         };
         if taints.len() > max {
             self.too_many(field, taints.len(), max);
@@ -618,13 +818,13 @@ impl Checker {
         let attrs = obj.get("attributes").and_then(Value::as_object);
         let caps = obj.get("capacity").and_then(Value::as_object);
         let n = attrs.map_or(0, Map::len) + caps.map_or(0, Map::len);
-        if n > limits::MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE {
+        if n > limits::RESOURCE_SLICE_MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE {
             self.invalid(
                 &path,
                 n.to_string(),
                 &format!(
                     "the total number of attributes and capacities must not exceed {}",
-                    limits::MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE
+                    limits::RESOURCE_SLICE_MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE
                 ),
             );
         }
@@ -652,13 +852,17 @@ impl Checker {
             {
                 self.required(&format!("{field}.value"), "");
             }
-            if cap.get("requestPolicy").is_some_and(|p| !p.is_null()) && !multi {
-                self.push(
-                    &format!("{field}.requestPolicy"),
-                    FieldErrorKind::Forbidden,
-                    None,
-                    "allowMultipleAllocations must be true",
-                );
+            if let Some(policy) = cap.get("requestPolicy").filter(|p| !p.is_null()) {
+                if multi {
+                    self.request_policy(&format!("{field}.requestPolicy"), cap, policy);
+                } else {
+                    self.push(
+                        &format!("{field}.requestPolicy"),
+                        FieldErrorKind::Forbidden,
+                        None,
+                        "allowMultipleAllocations must be true",
+                    );
+                }
             }
         }
         if let Some(taints) = obj.get("taints").and_then(Value::as_array) {
@@ -670,11 +874,14 @@ impl Checker {
             .map(Vec::as_slice)
             .unwrap_or_default();
         let cc_path = format!("{path}.consumesCounters");
-        if self.since(35) && consumptions.len() > limits::MAX_COUNTER_CONSUMPTIONS_PER_DEVICE {
+        if self.since(35)
+            && consumptions.len()
+                > limits::RESOURCE_SLICE_MAX_DEVICE_COUNTER_CONSUMPTIONS_PER_DEVICE
+        {
             self.too_many(
                 &cc_path,
                 consumptions.len(),
-                limits::MAX_COUNTER_CONSUMPTIONS_PER_DEVICE,
+                limits::RESOURCE_SLICE_MAX_DEVICE_COUNTER_CONSUMPTIONS_PER_DEVICE,
             );
         }
         let mut total = 0;
@@ -691,7 +898,7 @@ impl Checker {
             }
             let max = self
                 .since(35)
-                .then_some(limits::MAX_COUNTERS_PER_COUNTER_SET);
+                .then_some(limits::RESOURCE_SLICE_MAX_COUNTERS_PER_DEVICE_COUNTER_CONSUMPTION);
             let names = self.counters_map(&format!("{cpath}.counters"), c.get("counters"), max);
             total += names.len();
             if !self.since(35) {
@@ -713,13 +920,13 @@ impl Checker {
                 }
             }
         }
-        if !self.since(35) && total > limits::MAX_COUNTERS_PER_DEVICE {
+        if !self.since(35) && total > limits::RESOURCE_SLICE_MAX_COUNTERS_PER_DEVICE_1_34 {
             self.invalid(
                 &path,
                 total.to_string(),
                 &format!(
                     "the total number of counters must not exceed {}",
-                    limits::MAX_COUNTERS_PER_DEVICE
+                    limits::RESOURCE_SLICE_MAX_COUNTERS_PER_DEVICE_1_34
                 ),
             );
         }
@@ -799,11 +1006,11 @@ pub fn slice_errors(slice: &Value, version: KubeVersion) -> Vec<FieldError> {
         .unwrap_or_default();
     let mut counter_sets: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut total_shared = 0;
-    if version.minor >= 35 && sets.len() > limits::MAX_COUNTER_SETS_PER_SLICE {
+    if version.minor >= 35 && sets.len() > limits::RESOURCE_SLICE_MAX_COUNTER_SETS {
         c.too_many(
             "spec.sharedCounters",
             sets.len(),
-            limits::MAX_COUNTER_SETS_PER_SLICE,
+            limits::RESOURCE_SLICE_MAX_COUNTER_SETS,
         );
     }
     for (i, set) in sets.iter().enumerate() {
@@ -813,7 +1020,8 @@ pub fn slice_errors(slice: &Value, version: KubeVersion) -> Vec<FieldError> {
         if !name.is_empty() && counter_sets.contains_key(name) {
             c.duplicate(&format!("{path}.name"), name);
         }
-        let max = (version.minor >= 35).then_some(limits::MAX_COUNTERS_PER_COUNTER_SET);
+        let max =
+            (version.minor >= 35).then_some(limits::RESOURCE_SLICE_MAX_COUNTERS_PER_COUNTER_SET);
         let names = c.counters_map(&format!("{path}.counters"), set.get("counters"), max);
         total_shared += names.len();
         counter_sets
@@ -821,13 +1029,13 @@ pub fn slice_errors(slice: &Value, version: KubeVersion) -> Vec<FieldError> {
             .or_default()
             .extend(names);
     }
-    if version.minor < 35 && total_shared > limits::MAX_SHARED_COUNTERS_PER_SLICE {
+    if version.minor < 35 && total_shared > limits::RESOURCE_SLICE_MAX_SHARED_COUNTERS_1_34 {
         c.invalid(
             "spec.sharedCounters",
             total_shared.to_string(),
             &format!(
                 "the total number of shared counters must not exceed {}",
-                limits::MAX_SHARED_COUNTERS_PER_SLICE
+                limits::RESOURCE_SLICE_MAX_SHARED_COUNTERS_1_34
             ),
         );
     }
@@ -856,9 +1064,9 @@ pub fn slice_errors(slice: &Value, version: KubeVersion) -> Vec<FieldError> {
         nonempty("taints") || nonempty("consumesCounters") || list_attrs
     });
     let max_devices = if version.minor >= 35 && advanced {
-        limits::MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS
+        limits::RESOURCE_SLICE_MAX_DEVICES_WITH_TAINTS_OR_CONSUMES_COUNTERS
     } else {
-        limits::MAX_DEVICES_PER_SLICE
+        limits::RESOURCE_SLICE_MAX_DEVICES
     };
     if devs.len() > max_devices {
         c.too_many("spec.devices", devs.len(), max_devices);
@@ -876,13 +1084,15 @@ pub fn slice_errors(slice: &Value, version: KubeVersion) -> Vec<FieldError> {
             c.duplicate(&format!("spec.devices[{i}].name"), name);
         }
     }
-    if version.minor < 35 && total_counters > limits::MAX_DEVICE_COUNTERS_PER_SLICE {
+    if version.minor < 35
+        && total_counters > limits::RESOURCE_SLICE_MAX_DEVICE_COUNTERS_PER_SLICE_1_34
+    {
         c.invalid(
             "spec.devices",
             total_counters.to_string(),
             &format!(
                 "the total number of counters in devices must not exceed {}",
-                limits::MAX_DEVICE_COUNTERS_PER_SLICE
+                limits::RESOURCE_SLICE_MAX_DEVICE_COUNTERS_PER_SLICE_1_34
             ),
         );
     }
@@ -1086,6 +1296,107 @@ mod tests {
         validate_resource_slice(v, version)
             .err()
             .unwrap_or_default()
+    }
+
+    /// One whole GPU shared by capacity: 81559Mi memory and 132 SMs, each with a request
+    /// policy whose default is the whole device.
+    fn shared(memory_policy: Value) -> Value {
+        let mut s = slice(1);
+        let d = &mut s["spec"]["devices"][0];
+        d["allowMultipleAllocations"] = json!(true);
+        d["capacity"] = json!({
+            "memory": {"value": "81559Mi", "requestPolicy": memory_policy},
+            "multiprocessors": {"value": "132", "requestPolicy": {
+                "default": "132", "validRange": {"min": "1", "max": "132", "step": "1"}}},
+        });
+        s
+    }
+
+    #[test]
+    fn request_policies_are_checked_like_the_api_server() {
+        let ok = json!({"default": "81559Mi", "validRange": {"min": "1Mi", "max": "81559Mi", "step": "1Mi"}});
+        for v in [KubeVersion::V1_34, KubeVersion::V1_35, KubeVersion::V1_36] {
+            assert_eq!(errors(&shared(ok.clone()), v), Vec::<String>::new(), "{v}");
+        }
+        // Discrete values are fine too when the default is one of them.
+        let values = json!({"default": "40Gi", "validValues": ["10Gi", "20Gi", "40Gi"]});
+        assert_eq!(
+            errors(&shared(values), KubeVersion::V1_36),
+            Vec::<String>::new()
+        );
+
+        let f = "spec.devices[0].capacity[memory].requestPolicy";
+        let cases = [
+            (
+                json!({"default": "90Gi", "validRange": {"min": "1Mi", "max": "81559Mi", "step": "1Mi"}}),
+                format!(
+                    "{f}.validRange.max: Invalid value: \"90Gi\": default is more than max: 81559Mi"
+                ),
+            ),
+            (
+                json!({"default": "512Ki", "validRange": {"min": "1Mi", "step": "1Mi"}}),
+                format!(
+                    "{f}.validRange.min: Invalid value: \"512Ki\": default is less than min: 1Mi"
+                ),
+            ),
+            (
+                json!({"default": "81559Mi", "validRange": {"min": "1Gi", "step": "1Gi"}}),
+                format!(
+                    "{f}.validRange.step: Invalid value: \"81559Mi\": value is not a multiple of a given step (1Gi) from (1Gi)"
+                ),
+            ),
+            (
+                json!({"default": "1Gi", "validRange": {"min": "1Gi", "max": "90Gi", "step": "1Gi"}}),
+                format!(
+                    "{f}.validRange.max: Invalid value: \"90Gi\": max is larger than capacity value: 81559Mi"
+                ),
+            ),
+            (
+                json!({"validRange": {"min": "1Mi"}}),
+                format!("{f}.default: Required value: required when validRange is defined"),
+            ),
+            (
+                json!({"default": "1Gi", "validRange": {"step": "1Mi"}}),
+                format!("{f}.validRange.min: Required value: required when validRange is defined"),
+            ),
+            (
+                json!({"default": "1Gi", "validRange": {"min": "1Mi"}, "validValues": ["1Gi"]}),
+                format!(
+                    "{f}: Forbidden: exactly one policy can be specified, cannot specify \"validValues\" and \"validRange\" at the same time"
+                ),
+            ),
+            (
+                json!({"default": "30Gi", "validValues": ["20Gi", "10Gi"]}),
+                format!(
+                    "{f}.validValues[1]: Invalid value: \"10Gi\": values must be sorted in ascending order"
+                ),
+            ),
+            (
+                json!({"default": "30Gi", "validValues": ["10Gi", "20Gi"]}),
+                format!(
+                    "{f}.validValues: Invalid value: \"30Gi\": default value is not valid according to the requestPolicy"
+                ),
+            ),
+            (
+                json!({"default": "1Gi", "validValues": (1..=11).map(|i| format!("{i}Gi")).collect::<Vec<_>>()}),
+                format!("{f}.validValues: Too many: 11: must have at most 10 items"),
+            ),
+        ];
+        for (policy, want) in cases {
+            let e = errors(&shared(policy.clone()), KubeVersion::V1_36);
+            assert!(e.contains(&want), "{policy}: {e:#?}");
+        }
+
+        // A policy without allowMultipleAllocations is forbidden.
+        let mut s = shared(ok);
+        s["spec"]["devices"][0]["allowMultipleAllocations"] = json!(false);
+        let e = errors(&s, KubeVersion::V1_36);
+        assert!(
+            e.contains(&format!(
+                "{f}: Forbidden: allowMultipleAllocations must be true"
+            )),
+            "{e:#?}"
+        );
     }
 
     #[test]

@@ -9,9 +9,7 @@
 use std::time::Instant;
 
 use cleave_driver::pool::PlacementOrder;
-use cleave_packing::{
-    GpuShape, Mix, Mode, NodeWalk, Product, Scenario, compare, selection_score,
-};
+use cleave_packing::{GpuShape, Mix, Mode, NodeWalk, Product, Scenario, compare, selection_score};
 
 const SEED: u64 = 0x00C1_EA7E;
 
