@@ -19,6 +19,9 @@ pub const DEVICE_CLASS_GPU: &str = "gpu.cleave.dev";
 pub const DEVICE_CLASS_MIG: &str = "mig.cleave.dev";
 /// Example DeviceClass that carries a default MPS sharing config.
 pub const DEVICE_CLASS_MPS: &str = "mps.gpu.cleave.dev";
+/// DeviceClass for GPUs shared by capacity (`--consumable-capacity`): devices published
+/// with `allowMultipleAllocations`, claims asking `capacity.requests`.
+pub const DEVICE_CLASS_SHARED: &str = "shared.gpu.cleave.dev";
 
 /// CDI vendor part of the kind.
 pub const CDI_VENDOR: &str = "k8s.gpu.cleave.dev";

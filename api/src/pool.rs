@@ -32,3 +32,78 @@ impl PoolDevices {
         self.groups.iter().flat_map(|g| g.devices.iter())
     }
 }
+
+/// Whether devices are published for sharing by capacity (`DRAConsumableCapacity`):
+/// `--consumable-capacity=off|mps|time-slicing`. Publishing is the same for both sharing
+/// modes; prepare reads the mode to decide how shares are enforced.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum ConsumableCapacity {
+    /// Every device goes to one claim at a time (as before consumable capacity).
+    #[default]
+    Off,
+    /// Shares of a device are enforced with one MPS control daemon per device and client
+    /// limits from each share's consumed capacity.
+    Mps,
+    /// Shares are scheduled by capacity and time-sliced, not enforced.
+    TimeSlicing,
+}
+
+impl ConsumableCapacity {
+    /// Every mode, in the order the flag lists them.
+    pub const ALL: [ConsumableCapacity; 3] = [Self::Off, Self::Mps, Self::TimeSlicing];
+
+    /// The flag value (`off`, `mps`, `time-slicing`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::Mps => "mps",
+            Self::TimeSlicing => "time-slicing",
+        }
+    }
+
+    /// True unless `Off`: devices are published with `allowMultipleAllocations`.
+    pub fn is_on(self) -> bool {
+        self != Self::Off
+    }
+}
+
+impl std::fmt::Display for ConsumableCapacity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A `--consumable-capacity` value that is none of `off`, `mps`, `time-slicing`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown consumable-capacity mode {0:?}: use one of off, mps, time-slicing")]
+pub struct UnknownConsumableCapacity(pub String);
+
+impl std::str::FromStr for ConsumableCapacity {
+    type Err = UnknownConsumableCapacity;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| UnknownConsumableCapacity(s.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consumable_capacity_modes_round_trip_and_bad_names_say_what_is_allowed() {
+        for m in ConsumableCapacity::ALL {
+            assert_eq!(m.as_str().parse::<ConsumableCapacity>(), Ok(m));
+        }
+        assert_eq!(ConsumableCapacity::default(), ConsumableCapacity::Off);
+        assert!(!ConsumableCapacity::Off.is_on() && ConsumableCapacity::Mps.is_on());
+        let e = "MPS".parse::<ConsumableCapacity>().unwrap_err().to_string();
+        assert!(
+            e.contains("\"MPS\"") && e.contains("off, mps, time-slicing"),
+            "{e}"
+        );
+    }
+}

@@ -27,9 +27,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use cleave_api::limits;
 use cleave_api::names::{DeviceName, attr, cap, device_type, profile_label};
-use cleave_api::pool::{DeviceGroup, PoolDevices};
+use cleave_api::pool::{ConsumableCapacity, DeviceGroup, PoolDevices};
 use k8s_openapi::api::resource::v1::{
-    Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Counter, CounterSet, Device,
+    DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
@@ -51,7 +52,18 @@ pub struct PoolOptions {
     /// In on-demand mode their placements are published as taken: NVML refuses them until
     /// the driver has destroyed them.
     pub bare_gpu_instances: BTreeMap<String, Vec<BareGpuInstance>>,
+    /// Publish devices for sharing by capacity (`--consumable-capacity`): whole GPUs and
+    /// MIG devices with `allowMultipleAllocations` and request policies (see
+    /// [`shared_capacity`]). Prepare reads the same value to enforce the shares.
+    pub consumable_capacity: ConsumableCapacity,
 }
+
+/// Step (and minimum) of a share's `memory` request: 1Mi, the unit of MPS's pinned-memory
+/// limit (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<n>M`). The API requires the policy's
+/// default and max to be a whole number of steps from the minimum (kubernetes
+/// `pkg/apis/resource/validation/validation.go`, `validateRequestPolicyRange`), so a device
+/// memory that is not a multiple is rounded down.
+pub const MEMORY_STEP_BYTES: u64 = 1 << 20;
 
 /// Name of the counter set of the GPU with this minor number.
 pub fn counter_set_name(minor: u32) -> String {
@@ -142,6 +154,80 @@ pub fn silent_gpus(inv: &NodeInventory, opts: &PoolOptions) -> Vec<SilentGpu> {
 }
 
 fn gpu_group(inv: &NodeInventory, gpu: &GpuInfo, opts: &PoolOptions) -> DeviceGroup {
+    let mut group = unshared_group(inv, gpu, opts);
+    if opts.consumable_capacity.is_on() {
+        group.devices.iter_mut().for_each(shared_capacity);
+    }
+    group
+}
+
+/// Makes `device` shareable by capacity: `allowMultipleAllocations: true`, and on every
+/// capacity a request policy whose default is the whole of it for `memory` and
+/// `multiprocessors` (so a claim that asks for no capacity still gets the device alone) and
+/// zero for the MIG engine counts (engines are shared by every process in the instance,
+/// not divided). Ranges: `memory` from 1Mi in 1Mi steps, rounded down to the step
+/// ([`MEMORY_STEP_BYTES`]); `multiprocessors` from 1 in steps of 1.
+///
+/// MIG devices are shared too: the allocator (k8s.io/dynamic-resource-allocation
+/// `structured/internal/incubating/allocator_incubating.go`, `allocateDevice`) checks and
+/// consumes a device's counters for its first share only (`skipCounterCheck` once capacity
+/// is in use) and frees them when the last share goes, so an on-demand placement shared by
+/// several claims blocks its overlapping placements exactly once.
+pub fn shared_capacity(device: &mut Device) {
+    let Some(caps) = device.capacity.as_mut() else {
+        return;
+    };
+    for (name, c) in caps.iter_mut() {
+        let Ok(value) = cleave_api::quantity::Quantity::parse(&c.value.0).map(|q| q.value()) else {
+            continue;
+        };
+        let value = u64::try_from(value).unwrap_or(0);
+        c.request_policy = Some(match name.as_str() {
+            cap::MEMORY if value >= 2 * MEMORY_STEP_BYTES => {
+                let whole = bytes_quantity(value - value % MEMORY_STEP_BYTES);
+                policy(
+                    whole.clone(),
+                    bytes_quantity(MEMORY_STEP_BYTES),
+                    whole,
+                    bytes_quantity(MEMORY_STEP_BYTES),
+                )
+            }
+            cap::MULTIPROCESSORS if value >= 2 => {
+                let whole = count_quantity(value);
+                policy(whole.clone(), count_quantity(1), whole, count_quantity(1))
+            }
+            cap::MEMORY | cap::MULTIPROCESSORS => continue,
+            _ => CapacityRequestPolicy {
+                default: Some(count_quantity(0)),
+                valid_range: Some(CapacityRequestPolicyRange {
+                    min: count_quantity(0),
+                    ..Default::default()
+                }),
+                valid_values: None,
+            },
+        });
+    }
+    device.allow_multiple_allocations = Some(true);
+}
+
+fn policy(
+    default: Quantity,
+    min: Quantity,
+    max: Quantity,
+    step: Quantity,
+) -> CapacityRequestPolicy {
+    CapacityRequestPolicy {
+        default: Some(default),
+        valid_range: Some(CapacityRequestPolicyRange {
+            min,
+            max: Some(max),
+            step: Some(step),
+        }),
+        valid_values: None,
+    }
+}
+
+fn unshared_group(inv: &NodeInventory, gpu: &GpuInfo, opts: &PoolOptions) -> DeviceGroup {
     match &gpu.mig {
         MigState::NotCapable | MigState::Disabled { .. } => DeviceGroup {
             counter_sets: Vec::new(),
@@ -899,6 +985,122 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.clone(), v.value.0.clone()))
             .collect()
+    }
+
+    fn shared(mode: ConsumableCapacity, dynamic_mig: bool) -> PoolOptions {
+        PoolOptions {
+            dynamic_mig,
+            consumable_capacity: mode,
+            ..Default::default()
+        }
+    }
+
+    fn range_of(d: &Device, k: &str) -> (String, String, String, String) {
+        let p = d.capacity.as_ref().unwrap()[k]
+            .request_policy
+            .clone()
+            .unwrap();
+        let r = p.valid_range.unwrap();
+        let q = |q: Option<Quantity>| q.map_or_else(|| "-".into(), |q| q.0);
+        (q(p.default), r.min.0, q(r.max), q(r.step))
+    }
+
+    #[test]
+    fn shared_whole_gpu_defaults_to_the_whole_device() {
+        let off = build_pool(
+            &inv(vec![h100(0, MigState::NotCapable)]),
+            &PoolOptions::default(),
+        );
+        for mode in [ConsumableCapacity::Mps, ConsumableCapacity::TimeSlicing] {
+            let pool = build_pool(
+                &inv(vec![h100(0, MigState::NotCapable)]),
+                &shared(mode, false),
+            );
+            let d = &pool.groups[0].devices[0];
+            assert_eq!(d.allow_multiple_allocations, Some(true));
+            // The capacities themselves are unchanged; the policy default is all of each.
+            assert_eq!(cap_of(d, "memory"), "81559Mi");
+            assert_eq!(
+                range_of(d, "memory"),
+                (
+                    "81559Mi".into(),
+                    "1Mi".into(),
+                    "81559Mi".into(),
+                    "1Mi".into()
+                )
+            );
+            assert_eq!(
+                range_of(d, "multiprocessors"),
+                ("132".into(), "1".into(), "132".into(), "1".into())
+            );
+            // Nothing else differs from the unshared device.
+            let mut plain = d.clone();
+            plain.allow_multiple_allocations = None;
+            for c in plain.capacity.as_mut().unwrap().values_mut() {
+                c.request_policy = None;
+            }
+            assert_eq!(plain, off.groups[0].devices[0]);
+            assert!(
+                limit_violations(&pool).is_empty(),
+                "{:?}",
+                limit_violations(&pool)
+            );
+        }
+        // Off publishes no policy at all.
+        let d = &off.groups[0].devices[0];
+        assert_eq!(d.allow_multiple_allocations, None);
+        assert!(
+            d.capacity
+                .as_ref()
+                .unwrap()
+                .values()
+                .all(|c| c.request_policy.is_none())
+        );
+    }
+
+    #[test]
+    fn shared_memory_is_rounded_down_to_the_step() {
+        let mut gpu = h100(0, MigState::NotCapable);
+        // 40 GiB and a half MiB: the default and max drop the half MiB.
+        gpu.memory_bytes = (40 << 30) + (1 << 19);
+        let pool = build_pool(&inv(vec![gpu]), &shared(ConsumableCapacity::Mps, false));
+        let d = &pool.groups[0].devices[0];
+        assert_eq!(cap_of(d, "memory"), "41943552Ki");
+        let (default, min, max, step) = range_of(d, "memory");
+        assert_eq!((default.as_str(), max.as_str()), ("40Gi", "40Gi"));
+        assert_eq!((min.as_str(), step.as_str()), ("1Mi", "1Mi"));
+    }
+
+    #[test]
+    fn shared_mig_devices_keep_counters_and_share_no_engines() {
+        let pool = build_pool(
+            &inv(vec![h100(0, enabled(vec![]))]),
+            &shared(ConsumableCapacity::Mps, true),
+        );
+        let g = &pool.groups[0];
+        assert_eq!(g.devices.len(), 26);
+        for d in &g.devices {
+            assert_eq!(d.allow_multiple_allocations, Some(true), "{}", d.name);
+            assert!(d.consumes_counters.is_some(), "{}", d.name);
+            let (default, _, max, _) = range_of(d, "memory");
+            assert_eq!(default, max, "{}", d.name);
+            assert_eq!(default, cap_of(d, "memory"), "{}", d.name);
+        }
+        let mig = g
+            .devices
+            .iter()
+            .find(|d| d.name == "gpu-0-mig-3g40gb-4")
+            .unwrap();
+        assert_eq!(range_of(mig, "multiprocessors").0, "60");
+        assert_eq!(
+            range_of(mig, "copyEngines"),
+            ("0".into(), "0".into(), "-".into(), "-".into())
+        );
+        assert!(
+            limit_violations(&pool).is_empty(),
+            "{:?}",
+            limit_violations(&pool)
+        );
     }
 
     #[test]
