@@ -140,6 +140,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
             cdi_root: dir.join("cdi"),
             driver_root: dir.join("driver-root"),
             dynamic_mig: false,
+            consumable_capacity: cleave_api::pool::ConsumableCapacity::Off,
             cdi_hook_source: None,
             disable_cdi_hooks: false,
             host_driver_root: None,

@@ -235,6 +235,10 @@ pub struct DriverArgs {
     /// cluster's partitionable-devices support).
     #[arg(long, env = "DYNAMIC_MIG")]
     pub dynamic_mig: bool,
+    /// Publish GPUs for sharing by capacity (needs DRAConsumableCapacity): `mps` enforces
+    /// each share's memory and SMs with MPS, `time-slicing` only schedules them.
+    #[arg(long, env = "CONSUMABLE_CAPACITY", default_value = "off")]
+    pub consumable_capacity: cleave_api::pool::ConsumableCapacity,
     /// cleave's CDI hook binary to install on the node and name in every CDI spec
     /// (default: `cleave-cdi-hook` beside this executable).
     #[arg(long, env = "CDI_HOOK_SOURCE")]
@@ -352,6 +356,9 @@ pub struct InspectArgs {
     /// Show on-demand MIG placements instead of existing instances.
     #[arg(long, env = "DYNAMIC_MIG")]
     pub dynamic_mig: bool,
+    /// Show devices as published for sharing by capacity (`off`, `mps`, `time-slicing`).
+    #[arg(long, env = "CONSUMABLE_CAPACITY", default_value = "off")]
+    pub consumable_capacity: cleave_api::pool::ConsumableCapacity,
     /// Print ResourceSlice YAML instead of a table.
     #[arg(long)]
     pub yaml: bool,

@@ -257,6 +257,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let (pool_tx, mut pool_rx) =
         tokio::sync::mpsc::unbounded_channel::<cleave_api::pool::PoolDevices>();
     let dynamic_mig = args.driver.dynamic_mig;
+    let consumable_capacity = args.driver.consumable_capacity;
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
@@ -272,6 +273,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                         Arc::clone(&last_bare),
                         pool_tx.clone(),
                         dynamic_mig,
+                        consumable_capacity,
                     ));
                 }
             }
@@ -412,6 +414,7 @@ fn spawn_sharing_check(
     last_bare: Arc<Mutex<BTreeMap<String, Vec<BareGpuInstance>>>>,
     pool_tx: tokio::sync::mpsc::UnboundedSender<PoolDevices>,
     dynamic_mig: bool,
+    consumable_capacity: cleave_api::pool::ConsumableCapacity,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let check = Arc::clone(&driver);
@@ -448,6 +451,7 @@ fn spawn_sharing_check(
                         dynamic_mig: true,
                         owned_instances: driver.owned_mig_uuids(),
                         bare_gpu_instances: bare,
+                        consumable_capacity,
                     },
                 );
                 let _ = pool_tx.send(pool);

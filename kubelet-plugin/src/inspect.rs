@@ -20,6 +20,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         &inventory,
         &PoolOptions {
             dynamic_mig: args.dynamic_mig,
+            consumable_capacity: args.consumable_capacity,
             ..PoolOptions::default()
         },
     );

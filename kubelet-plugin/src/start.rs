@@ -332,6 +332,7 @@ async fn start_on(
             dynamic_mig: args.driver.dynamic_mig,
             owned_instances: driver.owned_mig_uuids(),
             bare_gpu_instances: bare_gpu_instances.clone(),
+            consumable_capacity: args.driver.consumable_capacity,
         },
     );
     info!(

@@ -300,6 +300,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             cdi_root: dir.join("cdi"),
             driver_root: dir.join("driver-root"),
             dynamic_mig: true,
+            consumable_capacity: cleave_api::pool::ConsumableCapacity::Off,
             host_driver_root: None,
             mps_control_bin: None,
             nvidia_smi_bin: None,
