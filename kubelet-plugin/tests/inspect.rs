@@ -90,3 +90,61 @@ fn mock_without_library_says_how_to_build_it() {
         "{stderr}"
     );
 }
+
+/// `--consumable-capacity mps`: every whole GPU allows multiple allocations, and its
+/// `memory` and `multiprocessors` request policies default to the whole device; the slices
+/// pass the stand-in's API-server validation on every supported version.
+#[test]
+fn consumable_capacity_publishes_shareable_whole_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = mock_nvml::locate::cdylib_path().expect("mock NVML library not built");
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["inspect", "--nvml-lib"])
+        .arg(lib)
+        .args(["--mock-profile", "h100-80gb-x8", "--consumable-capacity", "mps"])
+        .args(["--yaml", "--node-name", "n7"])
+        .env("MOCK_NVML_STATE", dir.path().join("state.json"))
+        .env("MOCK_NVML_MIG", "off")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let docs: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let mut gpus = 0;
+    for doc in &docs {
+        for v in [
+            cleave_apiserver_standin::KubeVersion::V1_34,
+            cleave_apiserver_standin::KubeVersion::V1_36,
+        ] {
+            let r = cleave_apiserver_standin::validate::validate_resource_slice(doc, v);
+            assert!(r.is_ok(), "{v}: {r:?}");
+        }
+        for dev in doc["spec"]["devices"].as_array().unwrap() {
+            gpus += 1;
+            assert_eq!(dev["allowMultipleAllocations"], true, "{dev}");
+            for cap in ["memory", "multiprocessors"] {
+                let c = &dev["capacity"][cap];
+                assert_eq!(c["requestPolicy"]["default"], c["value"], "{dev}");
+                assert_eq!(c["requestPolicy"]["validRange"]["max"], c["value"], "{dev}");
+            }
+        }
+    }
+    assert_eq!(gpus, 8, "{text}");
+
+    // Off (the default) publishes no policy.
+    let plain = inspect(
+        &["--mock-profile", "l4-x2", "--yaml", "--consumable-capacity", "off"],
+        &dir.path().join("state2.json"),
+    );
+    assert!(!plain.contains("allowMultipleAllocations") && !plain.contains("requestPolicy"));
+    // A wrong mode names the valid ones.
+    let bad = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["inspect", "--consumable-capacity", "MPS"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("off, mps, time-slicing"), "{err}");
+}
