@@ -249,14 +249,18 @@ fn unshared_group(inv: &NodeInventory, gpu: &GpuInfo, opts: &PoolOptions) -> Dev
     }
 }
 
-/// The default publishing order of MIG profiles: bigger first (compute slices, then
-/// memory), then by name. The scheduler takes the first device that fits, so big
-/// requests see big devices first and small ones are packed after.
+/// The publishing order of MIG profiles: smallest first (compute slices, then memory),
+/// then by name (so `1g.10gb` comes before `1g.10gb+me`). The allocator gives a request
+/// the first matching device whose counters fit, in publish order (k8s.io/dynamic-resource-
+/// allocation `structured/internal/incubating/allocator_incubating.go`). A request that
+/// names a profile never matches another profile's devices, so the profile order changes
+/// nothing for it; a request that selects by capacity (`memory >= 20Gi`, or the MIG class
+/// alone) gets the smallest profile that satisfies it instead of the 7g.
 pub fn order_profiles(profiles: &mut [&MigProfile]) {
     profiles.sort_by(|a, b| {
-        b.slice_count
-            .cmp(&a.slice_count)
-            .then(b.memory_mib.cmp(&a.memory_mib))
+        a.slice_count
+            .cmp(&b.slice_count)
+            .then(a.memory_mib.cmp(&b.memory_mib))
             .then(a.name.cmp(&b.name))
             .then(a.id.cmp(&b.id))
     });
@@ -1191,19 +1195,45 @@ mod tests {
         assert_eq!(count("3g40gb"), 2);
         assert_eq!(count("4g40gb"), 1);
         assert_eq!(count("7g80gb"), 1);
-        // Order: whole GPU, then bigger profiles first, placements by descending start.
+        // Order: whole GPU, then smaller profiles first, placements in the default order
+        // (small ones from the bottom, then the top slot; 3g at 4 before 3g at 0).
         let names: Vec<&str> = g.devices.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(
-            &names[..6],
+            &names[..9],
             [
                 "gpu-0",
-                "gpu-0-mig-7g80gb-0",
-                "gpu-0-mig-4g40gb-0",
-                "gpu-0-mig-3g40gb-4",
-                "gpu-0-mig-3g40gb-0",
-                "gpu-0-mig-2g20gb-4",
+                "gpu-0-mig-1g10gb-0",
+                "gpu-0-mig-1g10gb-1",
+                "gpu-0-mig-1g10gb-2",
+                "gpu-0-mig-1g10gb-3",
+                "gpu-0-mig-1g10gb-6",
+                "gpu-0-mig-1g10gb-4",
+                "gpu-0-mig-1g10gb-5",
+                "gpu-0-mig-1g10gbme-0",
             ]
         );
+        assert_eq!(
+            &names[19..],
+            [
+                "gpu-0-mig-2g20gb-0",
+                "gpu-0-mig-2g20gb-2",
+                "gpu-0-mig-2g20gb-4",
+                "gpu-0-mig-3g40gb-4",
+                "gpu-0-mig-3g40gb-0",
+                "gpu-0-mig-4g40gb-0",
+                "gpu-0-mig-7g80gb-0",
+            ]
+        );
+        // A request that selects by capacity (memory >= 20Gi) gets the smallest fit: the
+        // first such device in publish order is a 3g (1g.20gb and 2g.20gb have 19.6Gi).
+        let first_20gi = g.devices[1..]
+            .iter()
+            .find(|d| {
+                let q = cleave_api::quantity::Quantity::parse(&cap_of(d, "memory")).unwrap();
+                q.value() >= 20 << 30
+            })
+            .unwrap();
+        assert_eq!(first_20gi.name, "gpu-0-mig-3g40gb-4");
         for d in &g.devices {
             let parsed: DeviceName = d.name.parse().unwrap();
             assert_eq!(parsed.minor(), 0);
@@ -1394,12 +1424,12 @@ mod tests {
         assert_eq!(
             names,
             [
-                "gpu-2-mig-3g40gb-0",
                 "gpu-2-mig-1g10gb-6",
-                "gpu-2-mig-1g10gb-5"
+                "gpu-2-mig-1g10gb-5",
+                "gpu-2-mig-3g40gb-0"
             ]
         );
-        let d = pool.devices().next().unwrap();
+        let d = pool.devices().nth(2).unwrap();
         assert_eq!(attr_of(d, "uuid").string.as_deref(), Some("MIG-b"));
         assert!(d.consumes_counters.is_none());
         assert!(pool.groups[0].counter_sets.is_empty());

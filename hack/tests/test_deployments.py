@@ -56,13 +56,13 @@ STANDARD_ATTRIBUTES = {"resource.kubernetes.io/pciBusID", "resource.kubernetes.i
 CAPACITIES = {
     "memory", "multiprocessors", "copyEngines", "decoders", "encoders", "jpegEngines", "ofaEngines",
 }
-DEVICE_CLASSES = {"gpu.cleave.dev", "mig.cleave.dev", "mps.gpu.cleave.dev"}
+DEVICE_CLASSES = {"gpu.cleave.dev", "mig.cleave.dev", "mps.gpu.cleave.dev", "shared.gpu.cleave.dev"}
 MOCK_PROFILES = {"a100-40gb-x8", "a100-80gb-x4", "h100-80gb-x8", "h200-141gb-x8", "l4-x2"}
 # Flags of `cleave-kubelet-plugin run` (each also settable from the environment).
 PLUGIN_FLAGS = {
     "--node-name", "--driver-name", "--kubelet-registrar-directory-path",
     "--kubelet-plugins-directory-path", "--cdi-root", "--driver-root", "--host-driver-root", "--nvml-lib",
-    "--dynamic-mig", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
+    "--dynamic-mig", "--consumable-capacity", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
     "--mps-control-bin", "--nvidia-smi-bin",
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--namespace", "--pod-name",
@@ -311,11 +311,12 @@ def cel_select(expr: str, device: dict) -> bool:
 
 
 def sample_device(dtype: str, product: str = "NVIDIA H100 80GB HBM3", memory: int = 81559 * 2**20,
-                  profile: str | None = None, driver: str = DRIVER) -> dict:
+                  profile: str | None = None, driver: str = DRIVER, shared: bool = False) -> dict:
     attrs: dict[str, Any] = {"type": dtype, "productName": product, "uuid": "GPU-0000"}
     if profile:
         attrs["profile"] = profile
-    return {"driver": driver, "attributes": {DRIVER: attrs}, "capacity": {DRIVER: {"memory": memory}}}
+    return {"driver": driver, "allowMultipleAllocations": shared, "attributes": {DRIVER: attrs},
+            "capacity": {DRIVER: {"memory": memory}}}
 
 
 def dockerfile_stages() -> list[tuple[str, str, str]]:
@@ -371,7 +372,7 @@ def chart_lints_clean_default_and_kind() -> None:
 
 @check
 def rendered_objects_validate_strict_1_34() -> None:
-    base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass",
+    base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass", "DeviceClass",
             "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     for label, values, extra in (("default", None, ["Role", "RoleBinding"]), ("kind", kind_values(), [])):
         objs = render(values)
@@ -570,9 +571,11 @@ def deviceclasses_select_what_their_names_say() -> None:
     devices = {
         "gpu": sample_device("gpu"),
         "mig": sample_device("mig", profile="1g.10gb"),
+        "shared-gpu": sample_device("gpu", shared=True),
         "other-driver": sample_device("gpu", driver="gpu.example.com"),
     }
-    expect = {"gpu.cleave.dev": {"gpu"}, "mig.cleave.dev": {"mig"}, "mps.gpu.cleave.dev": {"gpu"}}
+    expect = {"gpu.cleave.dev": {"gpu", "shared-gpu"}, "mig.cleave.dev": {"mig"},
+              "mps.gpu.cleave.dev": {"gpu", "shared-gpu"}, "shared.gpu.cleave.dev": {"shared-gpu"}}
     for name, dc in classes.items():
         exprs = [s["cel"]["expression"] for s in dc["spec"]["selectors"]]
         for e in exprs:
@@ -584,10 +587,11 @@ def deviceclasses_select_what_their_names_say() -> None:
 @check
 def deviceclass_toggles_and_mps_default_config() -> None:
     objs = render({"deviceClasses": {"gpu": {"enabled": False}, "mig": {"enabled": True},
-                                     "mps": {"enabled": False}}})
+                                     "mps": {"enabled": False}, "shared": {"enabled": False}}})
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "DeviceClass"] == ["mig.cleave.dev"]
     assert not [o for o in render({"deviceClasses": {"gpu": {"enabled": False}, "mig": {"enabled": False},
-                                                      "mps": {"enabled": False}}}) if o["kind"] == "DeviceClass"]
+                                                      "mps": {"enabled": False}, "shared": {"enabled": False}}})
+                if o["kind"] == "DeviceClass"]
     mps = one(render(), "DeviceClass", "mps.gpu.cleave.dev")
     (cfg,) = mps["spec"]["config"]
     assert cfg["opaque"]["driver"] == DRIVER

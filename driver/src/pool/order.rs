@@ -25,22 +25,29 @@ pub enum PlacementOrder {
     /// half: keeps slices 4-7 whole for a `3g` at 4 (the only `3g` left once the lower
     /// half is used), at the price of the `4g`/`7g` start at 0.
     TopThenLowerHalf,
+    /// Small instances (under half the GPU) fill the lower half from slice 0 up, then the
+    /// top slot (6, which only a small instance or a `3g` at 4 can use), then the rest of
+    /// the upper half; half-GPU and larger profiles from the highest start (`3g` at 4
+    /// first). Keeps slices 4-7 whole for a `3g` at 4 the longest, giving up the `4g`/`7g`
+    /// start at 0 sooner.
+    LowHalfFirst,
 }
 
 impl PlacementOrder {
     /// Every candidate, in a fixed order (the default wins ties by being first).
-    pub const ALL: [PlacementOrder; 5] = [
+    pub const ALL: [PlacementOrder; 6] = [
         PlacementOrder::DescendingStart,
         PlacementOrder::AscendingStart,
         PlacementOrder::SmallHighBigLow,
         PlacementOrder::UpperHalfFirst,
         PlacementOrder::TopThenLowerHalf,
+        PlacementOrder::LowHalfFirst,
     ];
 
     /// The order [`crate::pool::order_placements`] publishes: the candidate with the best
     /// selection score in `hack/packing` (its test re-runs the comparison and fails if
     /// another candidate wins).
-    pub const DEFAULT: PlacementOrder = PlacementOrder::DescendingStart;
+    pub const DEFAULT: PlacementOrder = PlacementOrder::LowHalfFirst;
 
     /// Short name for tables.
     pub fn name(self) -> &'static str {
@@ -50,6 +57,7 @@ impl PlacementOrder {
             Self::SmallHighBigLow => "small-high-big-low",
             Self::UpperHalfFirst => "upper-half-first",
             Self::TopThenLowerHalf => "top-then-lower-half",
+            Self::LowHalfFirst => "low-half-first",
         }
     }
 
@@ -97,6 +105,21 @@ impl PlacementOrder {
                         (1, u32::MAX - p.start)
                     } else {
                         (2, u32::MAX - p.start)
+                    }
+                };
+                placements.sort_by(|a, b| rank(a).cmp(&rank(b)).then(a.size.cmp(&b.size)));
+            }
+            Self::LowHalfFirst => {
+                let half = 4;
+                let rank = |p: &Placement| {
+                    if p.size >= half {
+                        (0, u32::MAX - p.start)
+                    } else if p.start + p.size <= half {
+                        (0, p.start)
+                    } else if p.start + p.size >= 2 * half - 1 {
+                        (1, 0)
+                    } else {
+                        (2, p.start)
                     }
                 };
                 placements.sort_by(|a, b| rank(a).cmp(&rank(b)).then(a.size.cmp(&b.size)));

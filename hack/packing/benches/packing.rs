@@ -78,7 +78,7 @@ fn main() {
         }
     }
     println!();
-    println!("selection score (mean fraction over A100-40GB and H100, 3 mixes, fill and churn):");
+    println!("selection score (mean fraction over A100-40GB and H100, 4 mixes, fill and churn):");
     let scores = selection_score(trials, seed);
     for (order, s) in PlacementOrder::ALL.iter().zip(&scores) {
         let mark = if *order == PlacementOrder::DEFAULT {

@@ -26,7 +26,7 @@
 //!   time (admitting greedily can block later requests).
 //!
 //! The order is chosen by [`selection_score`] (fill and churn, A100-40GB and H100, three
-//! mixes) and published by `cleave_driver::pool::order_placements` as [`PlacementOrder::DEFAULT`];
+//! mixes, among them the 40/30/20/10 % 1g/2g/3g/4g stream) and published by `cleave_driver::pool::order_placements` as [`PlacementOrder::DEFAULT`];
 //! a unit test fails if another candidate scores higher. On these tables the lower half
 //! (slices 0-3) is mirror-symmetric for every profile that fits in it, so orders that
 //! differ only by that mirror (descending start and upper-half-first) score the same.
@@ -506,6 +506,38 @@ impl<'a> FirstFit<'a> {
         }
     }
 
+    /// Like [`FirstFit::new`], with each profile's placement starts in an explicit order
+    /// (`starts[p]`, one entry per placement of profile `p`): for searching orders that
+    /// no [`PlacementOrder`] names yet.
+    pub fn with_starts(
+        shape: &'a GpuShape,
+        starts: &[Vec<u32>],
+        walk: NodeWalk,
+        gpus: usize,
+    ) -> Self {
+        let masks = shape
+            .profiles
+            .iter()
+            .zip(starts)
+            .map(|(p, st)| {
+                st.iter()
+                    .map(|&start| {
+                        mask(Placement {
+                            start,
+                            size: p.size,
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        Self {
+            masks,
+            shape,
+            walk,
+            gpus: vec![GpuState::default(); gpus],
+        }
+    }
+
     /// Allocates the first fitting device for a request of profile `p` (index into the
     /// profile table); returns (GPU, placement mask) or `None` when rejected.
     pub fn allocate(&mut self, p: usize) -> Option<(usize, u32)> {
@@ -556,6 +588,13 @@ impl Mix {
         weights: [12.0, 1.0, 3.0, 2.0, 1.0, 0.5, 0.5],
     };
 
+    /// The mixed MIG stream: 40/30/20/10 % of 1g/2g/3g/4g requests, each selecting
+    /// its profile (the one-slice 1g, not `+me` or the two-slice 1g).
+    pub const MIG_STREAM: Mix = Mix {
+        name: "1g/2g/3g/4g 40/30/20/10",
+        weights: [4.0, 0.0, 0.0, 3.0, 2.0, 1.0, 0.0],
+    };
+
     /// A guessed realistic mix for a product (more memory per slice: smaller requests).
     /// Invented weights, not measured demand: they only make the comparison less uniform.
     pub fn realistic(product: Product) -> Mix {
@@ -570,9 +609,14 @@ impl Mix {
         }
     }
 
-    /// The three mixes the comparison averages over.
-    pub fn all(product: Product) -> [Mix; 3] {
-        [Self::UNIFORM, Self::SMALL_HEAVY, Self::realistic(product)]
+    /// The four mixes the comparison averages over.
+    pub fn all(product: Product) -> [Mix; 4] {
+        [
+            Self::UNIFORM,
+            Self::SMALL_HEAVY,
+            Self::realistic(product),
+            Self::MIG_STREAM,
+        ]
     }
 
     /// Weight per profile of `shape` (0 for a profile of no known kind).
