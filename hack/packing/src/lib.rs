@@ -46,6 +46,8 @@
 //! unlimited requests, and k is found by binary search (fitting is monotone in k).
 //! Unit tests compare both against a brute force over request-to-placement assignments.
 
+pub mod capacity;
+
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
