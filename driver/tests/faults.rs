@@ -260,6 +260,7 @@ fn failing_ci_create_and_gi_destroy_leave_nothing_once_nvml_works() {
             dynamic_mig: true,
             owned_instances: driver.owned_mig_uuids(),
             bare_gpu_instances: bare,
+            ..Default::default()
         },
     );
     let set = pool
