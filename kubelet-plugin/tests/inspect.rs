@@ -101,13 +101,22 @@ fn consumable_capacity_publishes_shareable_whole_gpus() {
     let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
         .args(["inspect", "--nvml-lib"])
         .arg(lib)
-        .args(["--mock-profile", "h100-80gb-x8", "--consumable-capacity", "mps"])
+        .args([
+            "--mock-profile",
+            "h100-80gb-x8",
+            "--consumable-capacity",
+            "mps",
+        ])
         .args(["--yaml", "--node-name", "n7"])
         .env("MOCK_NVML_STATE", dir.path().join("state.json"))
         .env("MOCK_NVML_MIG", "off")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     let docs: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&text)
         .map(|d| serde::Deserialize::deserialize(d).unwrap())
@@ -135,7 +144,13 @@ fn consumable_capacity_publishes_shareable_whole_gpus() {
 
     // Off (the default) publishes no policy.
     let plain = inspect(
-        &["--mock-profile", "l4-x2", "--yaml", "--consumable-capacity", "off"],
+        &[
+            "--mock-profile",
+            "l4-x2",
+            "--yaml",
+            "--consumable-capacity",
+            "off",
+        ],
         &dir.path().join("state2.json"),
     );
     assert!(!plain.contains("allowMultipleAllocations") && !plain.contains("requestPolicy"));
