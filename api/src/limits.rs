@@ -1,6 +1,6 @@
 //! Limits the API server enforces on resource.k8s.io/v1 ResourceSlices, per Kubernetes
 //! version (sources: `k8s.io/api/resource/v1/types.go` and
-//! `pkg/apis/resource/validation/validation.go`, see shared FACTS §6.2). The publisher
+//! `pkg/apis/resource/validation/validation.go`, see shared API limits, docs/hardware-sources.md). The publisher
 //! keeps to the strictest rule among supported versions unless it says otherwise.
 
 /// Devices per slice (all versions).

@@ -2,7 +2,7 @@
 //!
 //! Pure and synchronous: no client, no I/O. [`plan_slices`] never returns a slice the
 //! API server of the chosen [`SliceLayout`] would reject (limits of
-//! `cleave_api::limits` plus the few defined here, see shared FACTS §6.2); what cannot be
+//! `cleave_api::limits` plus the few defined here, see shared API limits, docs/hardware-sources.md); what cannot be
 //! published at all is a [`PlanError`] naming the offending device, group or counter set.
 //!
 //! Packing policy (so that a change on one GPU touches one slice):

@@ -448,12 +448,12 @@ fn char_device_numbers(meta: &fs::Metadata) -> Option<(u32, u32)> {
     Some((u32::try_from(major).ok()?, u32::try_from(minor).ok()?))
 }
 
-/// Minor of `gpu<gpu>/gi<gi>/access` by the driver's fixed numbering (MIG-FACTS §6).
+/// Minor of `gpu<gpu>/gi<gi>/access` by the driver's fixed numbering (instance IDs and capability nodes, docs/hardware-sources.md).
 pub fn gi_access_minor_formula(gpu_minor: u32, gi: u32) -> u32 {
     3 + 135 * gpu_minor + 9 * gi
 }
 
-/// Minor of `gpu<gpu>/gi<gi>/ci<ci>/access` by the driver's fixed numbering (MIG-FACTS §6).
+/// Minor of `gpu<gpu>/gi<gi>/ci<ci>/access` by the driver's fixed numbering (instance IDs and capability nodes, docs/hardware-sources.md).
 pub fn ci_access_minor_formula(gpu_minor: u32, gi: u32, ci: u32) -> u32 {
     4 + 135 * gpu_minor + 9 * gi + ci
 }

@@ -817,7 +817,7 @@ mod tests {
         }
     }
 
-    /// H100 80GB HBM3 table (MIG-FACTS §4.3).
+    /// H100 80GB HBM3 table (MIG profile tables, docs/hardware-sources.md).
     fn h100_profiles() -> Vec<MigProfile> {
         vec![
             prof(

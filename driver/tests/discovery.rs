@@ -20,7 +20,7 @@ fn open() -> NvmlBackend {
 }
 
 /// Every built-in profile with MIG on (the mock's default): identity, versions and the
-/// profile tables of MIG-FACTS §4.
+/// profile tables of MIG profile tables, docs/hardware-sources.md.
 #[test]
 fn discovers_every_profile() {
     if let Some(profile) = scenario() {
@@ -125,7 +125,7 @@ fn discovers_every_profile() {
                 assert_eq!(got, expected, "{} placements", f.name);
             }
         }
-        // Bus IDs of the HGX layout (MIG-FACTS §2 QX capture): minors 0..7 in bus order.
+        // Bus IDs of the HGX layout (device identity, docs/hardware-sources.md QX capture): minors 0..7 in bus order.
         if profile.starts_with("h100") {
             let expected = [0x53, 0x64, 0x75, 0x86, 0x97, 0xa8, 0xb9, 0xca];
             for (g, bus) in inv.gpus.iter().zip(expected) {

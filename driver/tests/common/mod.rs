@@ -176,7 +176,7 @@ pub fn log_to_stderr() {
         .try_init();
 }
 
-/// Expected identity of one product (MIG-FACTS §2).
+/// Expected identity of one product (device identity, docs/hardware-sources.md).
 #[derive(Debug, Clone, Copy)]
 pub struct ProductFacts {
     /// `nvmlDeviceGetName`.
@@ -193,7 +193,7 @@ pub struct ProductFacts {
     pub profiles: &'static [ProfileFacts],
 }
 
-/// One expected MIG profile (MIG-FACTS §4): name, lgip id, slices, instances, memory MiB
+/// One expected MIG profile (MIG profile tables, docs/hardware-sources.md): name, lgip id, slices, instances, memory MiB
 /// (`None` where the source marks it driver-specific/UNVERIFIED), SMs, [CE, DEC, ENC, JPG,
 /// OFA], placement starts, placement size.
 #[derive(Debug, Clone, Copy)]
@@ -240,7 +240,7 @@ const fn p(
     }
 }
 
-/// A100-SXM4-40GB (§4.1; memory differs between driver branches, so unchecked).
+/// A100-SXM4-40GB (MIG profile tables; memory differs between driver branches, so unchecked).
 pub const A100_40GB: &[ProfileFacts] = &[
     p("1g.5gb", 19, 1, 7, None, 14, [1, 0, 0, 0, 0], S1, 1),
     p("1g.5gb+me", 20, 1, 1, None, 14, [1, 1, 0, 1, 1], S1, 1),
@@ -251,7 +251,7 @@ pub const A100_40GB: &[ProfileFacts] = &[
     p("7g.40gb", 0, 7, 1, None, 98, [7, 5, 0, 1, 1], S0, 8),
 ];
 
-/// A100-SXM4-80GB (§4.2; 1g.20gb engines as on 40GB, memory unchecked).
+/// A100-SXM4-80GB (MIG profile tables; 1g.20gb engines as on 40GB, memory unchecked).
 pub const A100_80GB: &[ProfileFacts] = &[
     p("1g.10gb", 19, 1, 7, Some(9728), 14, [1, 0, 0, 0, 0], S1, 1),
     p(
@@ -272,7 +272,7 @@ pub const A100_80GB: &[ProfileFacts] = &[
     p("7g.80gb", 0, 7, 1, Some(81152), 98, [7, 5, 0, 1, 1], S0, 8),
 ];
 
-/// H100 80GB HBM3 (§4.3).
+/// H100 80GB HBM3 (MIG profile tables).
 pub const H100_80GB: &[ProfileFacts] = &[
     p("1g.10gb", 19, 1, 7, Some(9984), 16, [1, 1, 0, 1, 0], S1, 1),
     p(
@@ -303,7 +303,7 @@ pub const H100_80GB: &[ProfileFacts] = &[
     p("7g.80gb", 0, 7, 1, Some(81152), 132, [8, 7, 0, 7, 1], S0, 8),
 ];
 
-/// H200 141GB (§4.5).
+/// H200 141GB (MIG profile tables).
 pub const H200_141GB: &[ProfileFacts] = &[
     p("1g.18gb", 19, 1, 7, Some(16384), 16, [1, 1, 0, 1, 0], S1, 1),
     p(

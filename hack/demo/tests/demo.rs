@@ -34,7 +34,7 @@ fn demo_passes_all_checks() {
         "default/whole-gpu (a whole GPU): gpu-6 ->",
         "gpu-1-mig-1g10gb-0",
         "gpu-1-mig-3g40gb-4",
-        // MIG devices get their GI and CI access capability nodes (MIG-FACTS §6 minors:
+        // MIG devices get their GI and CI access capability nodes (minors by the driver's fixed numbering, docs/hardware-sources.md:
         // gpu1/gi7 = 3 + 135 + 63 = 201, its ci0 = 202).
         "device node /dev/nvidia-caps/nvidia-cap201 (char 236:201)",
         "device node /dev/nvidia-caps/nvidia-cap202 (char 236:202)",

@@ -50,7 +50,7 @@ const GIP_V2: u32 = struct_version(size_of::<nvmlGpuInstanceProfileInfo_v2_t>(),
 const GIP_V3: u32 = struct_version(size_of::<nvmlGpuInstanceProfileInfo_v3_t>(), 3);
 const CIP_V2: u32 = struct_version(size_of::<nvmlComputeInstanceProfileInfo_v2_t>(), 2);
 const CIP_V3: u32 = struct_version(size_of::<nvmlComputeInstanceProfileInfo_v3_t>(), 3);
-// Layout checks against nvml.h sizes (MIG-FACTS §1.5).
+// Layout checks against nvml.h sizes (NVML constants, docs/hardware-sources.md).
 const _: () = assert!(MEMORY_V2 == 0x0200_0028);
 const _: () = assert!(GIP_V2 == 0x0200_0098);
 const _: () = assert!(GIP_V3 == 0x0300_0098);
@@ -1024,7 +1024,7 @@ pub unsafe extern "C" fn nvmlDeviceSetComputeMode(
 // ---------------------------------------------------------------------------------------
 // MIG mode and MIG devices
 
-/// `nvmlDeviceGetMigMode`: NOT_SUPPORTED on parts without MIG (MIG-FACTS §4.6).
+/// `nvmlDeviceGetMigMode`: NOT_SUPPORTED on parts without MIG (MIG profile tables, docs/hardware-sources.md).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMigMode(
     device: nvmlDevice_t,
@@ -1253,7 +1253,7 @@ fn gip_v1(p: &GiProfile) -> nvmlGpuInstanceProfileInfo_t {
 
 /// Writes a v2 or v3 profile info according to the caller's `version` field. The `name`
 /// field holds the plain profile name (`1g.10gb`); what real NVML writes there is
-/// UNVERIFIED (MIG-FACTS §3).
+/// UNVERIFIED (MIG profile naming, docs/hardware-sources.md).
 fn put_gip_versioned(info: *mut nvmlGpuInstanceProfileInfo_v2_t, p: &GiProfile) -> R<()> {
     match read_u32(info.cast::<u32>())? {
         GIP_V2 => put(
@@ -1555,7 +1555,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
     })
 }
 
-/// `nvmlGpuInstanceGetInfo` (`profileId` = lgip ID, as DRA expects; MIG-FACTS §1.5).
+/// `nvmlGpuInstanceGetInfo` (`profileId` = lgip ID, as DRA expects; NVML constants, docs/hardware-sources.md).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
     gpu_instance: nvmlGpuInstance_t,

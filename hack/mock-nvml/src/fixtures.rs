@@ -1,22 +1,22 @@
 //! Product tables (identity and MIG profiles) and node fixtures (which GPUs exist).
 //!
-//! Every number comes from `/work/shared/MIG-FACTS.md` (section numbers below); the
-//! facts file names the upstream capture or document behind each value.
+//! Every number comes from a public source; the comments name the topic of
+//! `docs/hardware-sources.md` (repository root) that lists the capture or document behind it.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-/// `NVML_DEVICE_ARCH_AMPERE` (MIG-FACTS §1.2).
+/// `NVML_DEVICE_ARCH_AMPERE` (NVML constants, docs/hardware-sources.md).
 pub const ARCH_AMPERE: u32 = 7;
-/// `NVML_DEVICE_ARCH_ADA` (MIG-FACTS §1.2).
+/// `NVML_DEVICE_ARCH_ADA` (NVML constants, docs/hardware-sources.md).
 pub const ARCH_ADA: u32 = 8;
-/// `NVML_DEVICE_ARCH_HOPPER` (MIG-FACTS §1.2).
+/// `NVML_DEVICE_ARCH_HOPPER` (NVML constants, docs/hardware-sources.md).
 pub const ARCH_HOPPER: u32 = 9;
-/// `NVML_BRAND_NVIDIA` (MIG-FACTS §1.2; QX captures report brand NVIDIA).
+/// `NVML_BRAND_NVIDIA` (NVML constants, docs/hardware-sources.md; QX captures report brand NVIDIA).
 pub const BRAND_NVIDIA: u32 = 14;
 
-/// Driver version reported by default (the QX A100 capture's driver, MIG-FACTS §0).
+/// Driver version reported by default (the QX A100 capture's driver, device identity, docs/hardware-sources.md).
 pub const DEFAULT_DRIVER_VERSION: &str = "570.148.08";
 /// CUDA driver version reported by default (12.8, the CUDA version of the R570 branch).
 pub const DEFAULT_CUDA_DRIVER_VERSION: i32 = 12080;
@@ -31,7 +31,7 @@ pub const PROFILE_NAMES: &[&str] = &[
     "l4-x2",
 ];
 
-/// Number of memory slices on every MIG-capable part modelled here (MIG-FACTS §4 key).
+/// Number of memory slices on every MIG-capable part modelled here (MIG profile tables, docs/hardware-sources.md).
 pub const MEMORY_SLICES: u32 = 8;
 /// `NVML_GPU_INSTANCE_PROFILE_COUNT` as in nvml-wrapper-sys 0.10 / nvml.h 13.0 (0x11).
 pub const GPU_INSTANCE_PROFILE_COUNT: u32 = 0x11;
@@ -154,11 +154,11 @@ const fn gi(
     }
 }
 
-// Enum -> lgip ID mapping 0->19, 7->20, 9->15, 1->14, 2->9, 3->5, 4->0: MIG-FACTS §3.
-// Placements {0..6}:1, {0,2,4,6}:2, {0,2,4}:2, {0,4}:4, {0}:4, {0}:8: MIG-FACTS §4.1-§4.5.
+// Enum -> lgip ID mapping 0->19, 7->20, 9->15, 1->14, 2->9, 3->5, 4->0: MIG profile naming, docs/hardware-sources.md.
+// Placements {0..6}:1, {0,2,4,6}:2, {0,2,4}:2, {0,4}:4, {0}:4, {0}:8: MIG profile tables, docs/hardware-sources.md.
 // Engine arrays are [CE, DEC, ENC, JPG, OFA].
 
-/// A100-SXM4-40GB, MIG-FACTS §4.1. Memory column: the newer-driver set from go-nvml
+/// A100-SXM4-40GB, MIG profile tables, docs/hardware-sources.md. Memory column: the newer-driver set from go-nvml
 /// b72647c (driver 550.54.15): 4864/4864/9856/9856/19968/19968/40192 MiB, chosen because
 /// the mock advertises an R570 driver.
 const A100_40GB_PROFILES: &[GiProfile] = &[
@@ -171,7 +171,7 @@ const A100_40GB_PROFILES: &[GiProfile] = &[
     gi(4, 0, "7g.40gb", 7, 1, 40192, 98, [7, 5, 0, 1, 1], 8, S0),
 ];
 
-/// A100-SXM4-80GB, MIG-FACTS §4.2. Memory column: the newer driver (mig-parted#97:
+/// A100-SXM4-80GB, MIG profile tables, docs/hardware-sources.md. Memory column: the newer driver (mig-parted#97:
 /// 9728/9728/19968, 3g 39.25 GiB = 40192); 4g uses 40192 like 3g (UNVERIFIED), 1g.20gb
 /// uses 19968 like 2g (UNVERIFIED), 7g 81152 (only capture, MLSysOps/MIGProfiler).
 const A100_80GB_PROFILES: &[GiProfile] = &[
@@ -184,7 +184,7 @@ const A100_80GB_PROFILES: &[GiProfile] = &[
     gi(4, 0, "7g.80gb", 7, 1, 81152, 98, [7, 5, 0, 1, 1], 8, S0),
 ];
 
-/// H100 80GB HBM3, MIG-FACTS §4.3 (nvidia-smi -lgip/-lgipp on real H100, one column).
+/// H100 80GB HBM3, MIG profile tables, docs/hardware-sources.md (nvidia-smi -lgip/-lgipp on real H100, one column).
 const H100_80GB_PROFILES: &[GiProfile] = &[
     gi(0, 19, "1g.10gb", 1, 7, 9984, 16, [1, 1, 0, 1, 0], 1, S1),
     gi(7, 20, "1g.10gb+me", 1, 1, 9984, 16, [1, 1, 0, 1, 1], 1, S1),
@@ -195,7 +195,7 @@ const H100_80GB_PROFILES: &[GiProfile] = &[
     gi(4, 0, "7g.80gb", 7, 1, 81152, 132, [8, 7, 0, 7, 1], 8, S0),
 ];
 
-/// H200 141GB, MIG-FACTS §4.5 (lgip from NVIDIA/mig-parted#120; placements = H100,
+/// H200 141GB, MIG profile tables, docs/hardware-sources.md (lgip from NVIDIA/mig-parted#120; placements = H100,
 /// UNVERIFIED).
 const H200_141GB_PROFILES: &[GiProfile] = &[
     gi(0, 19, "1g.18gb", 1, 7, 16384, 16, [1, 1, 0, 1, 0], 1, S1),
@@ -207,7 +207,7 @@ const H200_141GB_PROFILES: &[GiProfile] = &[
     gi(4, 0, "7g.141gb", 7, 1, 143104, 132, [8, 7, 0, 7, 1], 8, S0),
 ];
 
-/// The products the mock knows (identity values: MIG-FACTS §2).
+/// The products the mock knows (identity values: device identity, docs/hardware-sources.md).
 pub const PRODUCTS: &[Product] = &[
     Product {
         key: "a100-40gb",
@@ -289,7 +289,7 @@ pub fn product(key: &str) -> Option<&'static Product> {
     PRODUCTS.iter().find(|p| p.key == key)
 }
 
-/// One CI profile available inside a GI (MIG-FACTS §5).
+/// One CI profile available inside a GI (compute-instance profiles, docs/hardware-sources.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CiProfile {
     /// `NVML_COMPUTE_INSTANCE_PROFILE_*` value, also the returned `id`.
@@ -307,7 +307,7 @@ const CI_SLICES: [u32; 7] = [1, 2, 3, 4, 7, 8, 6];
 
 /// The CI profile `ci_enum` inside a GI of profile `gip`, if that GI offers it.
 ///
-/// Rule (MIG-FACTS §5, A100 lcip): a GI of `g` compute slices offers `c`-slice CIs for
+/// Rule (compute-instance profiles, docs/hardware-sources.md, A100 lcip): a GI of `g` compute slices offers `c`-slice CIs for
 /// c in {1,2,3,4,7}, c <= g, except 3c inside 4g; `floor(g/c)` of them. The full-size CI
 /// has the GI's SM count; smaller ones get `sm * c / g` (exact for A100's 14 SM/slice,
 /// UNVERIFIED on Hopper).
@@ -346,7 +346,7 @@ pub fn ci_profile_name(gip: &GiProfile, cip: &CiProfile) -> String {
 ///
 /// The "swizzle ID" rule: IDs enumerate the binary partition tree of the 8 memory slices
 /// (0 = whole GPU, 1-2 = halves, 3-6 = quarters, 7-14 = eighths), so `id = 8/size - 1 +
-/// start/size`. It matches every capture in MIG-FACTS §6: 1g at start s -> 7+s (H100),
+/// start/size`. It matches every capture in instance IDs and capability nodes, docs/hardware-sources.md: 1g at start s -> 7+s (H100),
 /// 3g at 0:4 -> 1 and 4:4 -> 2 (A100), and an A100 3g/2g/1g split with IDs 2, 3, 10; and
 /// it yields gi0..gi14 as in mig-minors. One capture (4g as GI 2) disagrees.
 pub fn gi_id_for_placement(start: u32, size: u32) -> u32 {
@@ -522,7 +522,7 @@ fn entry(product: &str, count: u32, buses: &[u32]) -> Vec<GpuEntry> {
 
 /// The YAML-equivalent description of a built-in node profile.
 ///
-/// PCI bus IDs: H100 node = the QX capture (MIG-FACTS §2 notes: 53/64/75/86/97/A8/B9/CA,
+/// PCI bus IDs: H100 node = the QX capture (device identity, docs/hardware-sources.md notes: 53/64/75/86/97/A8/B9/CA,
 /// minors 0..7); the H200 node reuses that HGX layout; the A100 node uses the DGX A100
 /// layout 07/0F/47/4E/87/90/B7/BD (UNVERIFIED); the others are synthetic.
 pub fn profile(name: &str) -> Option<ConfigFile> {
@@ -666,7 +666,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
-    /// go-nvlib's MIG memory naming rule (MIG-FACTS §3): the names in the tables must
+    /// go-nvlib's MIG memory naming rule (MIG profile naming, docs/hardware-sources.md): the names in the tables must
     /// be what a consumer computes from memorySizeMB and the total memory.
     fn go_nvlib_gb(mem_mib: u64, total_mib: u64) -> u64 {
         let total_b = (total_mib * 1024 * 1024) as f64;

@@ -17,7 +17,7 @@ pub mod state;
 
 mod ffi;
 
-/// NVML return codes (`nvmlReturn_t`, MIG-FACTS §1.1) and their messages.
+/// NVML return codes (`nvmlReturn_t`, NVML constants, docs/hardware-sources.md) and their messages.
 pub mod rc {
     use std::ffi::CStr;
 

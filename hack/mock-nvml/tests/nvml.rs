@@ -163,7 +163,7 @@ unsafe fn placements(n: &Nvml, dev: nvmlDevice_t, profile: u32) -> Vec<(u32, u32
 // Profiles
 
 /// (enum, id, name, slices, instances, memory MiB, SM, CE, DEC, ENC, JPG, OFA, placement
-/// size, starts): H100 80GB HBM3 lgip/lgipp, MIG-FACTS §4.3, written out independently of
+/// size, starts): H100 80GB HBM3 lgip/lgipp, MIG profile tables, docs/hardware-sources.md, written out independently of
 /// the fixture code.
 type Row = (
     u32,
@@ -395,7 +395,7 @@ fn every_builtin_profile_matches_its_product_table() {
     let dir = tempfile::tempdir().unwrap();
     type Expect<'a> = (&'a str, &'a str, Option<(&'a str, &'a str, &'a str)>);
     let mut expect: HashMap<&str, Expect> = HashMap::new();
-    // (architecture, GPU name, (1g name, 1g MiB, 7g MiB)): MIG-FACTS §2, §4.
+    // (architecture, GPU name, (1g name, 1g MiB, 7g MiB)): device identity, docs/hardware-sources.md.
     expect.insert(
         "a100-40gb-x8",
         (

@@ -973,7 +973,7 @@ impl<'a> Oracle<'a> {
     }
 }
 
-/// Products whose MIG tables the comparison covers (MIG-FACTS §4).
+/// Products whose MIG tables the comparison covers (MIG profile tables, docs/hardware-sources.md).
 #[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Product {
@@ -1007,7 +1007,7 @@ impl Product {
     }
 
     /// The GPU-instance profile table (ids, slices, instances, memory, SMs, engines,
-    /// placements) from MIG-FACTS §4; 8 memory slices.
+    /// placements) from MIG profile tables, docs/hardware-sources.md; 8 memory slices.
     pub fn profiles(self) -> Vec<MigProfile> {
         // (id, name, g, inst, MiB, SM, [CE, DEC, ENC, JPG, OFA], starts, size)
         type Row = (
