@@ -228,6 +228,19 @@ pub fn cdi_device_name(claim_uid: &str, device_name: &str) -> String {
     format!("{claim_uid}-{device_name}")
 }
 
+/// Device part of the CDI name of a share (consumable capacity):
+/// `<device name>-share-<shareID>`, cut to 63 bytes (a DNS label, as every CDI device name
+/// here). A claim holds at most one share of a device, so the claim UID and the device name
+/// already make it unique; the share ID says which allocation it is.
+pub fn share_device_name(device_name: &str, share_id: &str) -> String {
+    let mut name = format!("{device_name}-share-{share_id}");
+    name.truncate(DNS_LABEL_MAX);
+    while name.ends_with('-') {
+        name.pop();
+    }
+    name
+}
+
 /// Fully-qualified CDI device ID the kubelet hands to the runtime.
 pub fn qualified_device_id(claim_uid: &str, device_name: &str) -> String {
     format!("{CDI_KIND}={}", cdi_device_name(claim_uid, device_name))

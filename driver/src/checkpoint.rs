@@ -22,6 +22,10 @@
 //! unprepared first.
 //! The MIG record field `creatingInBoot` (recreation intent, written only while an instance
 //! is being recreated, omitted otherwise); older releases ignore it.
+//! The device record field `share` (the share of a device a claim holds under consumable
+//! capacity: the allocation's `shareID` and what it consumed; omitted for exclusive
+//! devices). An older release ignores it and would take the share for an exclusive device,
+//! so a downgrade needs the node's shares unprepared first.
 //!
 //! Recovery from a damaged file (bad checksum, truncated, not JSON, unknown version): the
 //! error names the path. Make sure no pod on the node still uses a claim of this driver (or
@@ -190,6 +194,27 @@ pub struct DeviceRecord {
     /// CDI device IDs handed to the kubelet.
     #[serde(default)]
     pub cdi_device_ids: Vec<String>,
+    /// The share of the device this claim holds (consumable capacity); `None`: the claim has
+    /// the device alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<ShareRecord>,
+}
+
+/// One share of a device allocated with consumable capacity: several claims hold shares of
+/// one device, each with its own `shareID` (resource.k8s.io/v1
+/// `DeviceRequestAllocationResult.shareID`) and what it consumed (`consumedCapacity`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShareRecord {
+    /// The allocation result's `shareID`.
+    #[serde(rename = "shareID")]
+    pub share_id: String,
+    /// Consumed `memory` in bytes, when the allocation names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// Consumed `multiprocessors`, when the allocation names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multiprocessors: Option<u32>,
 }
 
 /// The MIG instance of a device.
@@ -471,6 +496,7 @@ mod tests {
                     cdi_device_ids: vec![
                         "k8s.gpu.cleave.dev/claim=uid-1-gpu-0-mig-1g10gb-3".into(),
                     ],
+                    share: None,
                 }],
                 sharing: None,
             },

@@ -60,6 +60,7 @@ fn sample() -> CheckpointData {
                         json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "MigConfig"}),
                     ),
                     cdi_device_ids: vec![cdi::qualified_device_id(&uid, "gpu-0-mig-1g10gb-3")],
+                    share: None,
                 }],
                 sharing: Some(json!({"mps": null})),
             },

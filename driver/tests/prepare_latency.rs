@@ -89,6 +89,7 @@ fn run(dir: &Path, dynamic: bool, device_for: impl Fn(usize) -> String, label: &
         dynamic_mig: dynamic,
         boot_id_path: dir.join("boot_id"),
         cdi_hook: None,
+        consumable_capacity: Default::default(),
     };
     let backend = Arc::new(NvmlBackend::open(Some(&mock_lib())).unwrap());
     let driver = NodeDriver::start(cfg.clone(), backend).unwrap();

@@ -55,6 +55,7 @@ fn config(dir: &Path, dynamic_mig: bool) -> DriverConfig {
         dynamic_mig,
         boot_id_path,
         cdi_hook: None,
+        consumable_capacity: Default::default(),
     }
 }
 
@@ -287,6 +288,7 @@ fn restart_rolls_back_interrupted_prepare_and_keeps_static_instances() {
                 }),
                 config: None,
                 cdi_device_ids: vec![],
+                share: None,
             }],
             sharing: None,
         },

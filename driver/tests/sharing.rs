@@ -409,6 +409,7 @@ fn record(uid: &str, gpu: &str, minor: u32, config: Option<serde_json::Value>) -
             mig: None,
             config,
             cdi_device_ids: vec![],
+            share: None,
         }],
         sharing: None,
     }

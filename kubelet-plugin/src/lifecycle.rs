@@ -324,6 +324,7 @@ mod tests {
                     }),
                     config: None,
                     cdi_device_ids: vec![],
+                    share: None,
                 }],
                 sharing: None,
             },

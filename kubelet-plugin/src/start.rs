@@ -97,6 +97,7 @@ pub fn driver_config(args: &RunArgs, plugin: &PluginConfig) -> DriverConfig {
         dynamic_mig: args.driver.dynamic_mig,
         boot_id_path: PathBuf::from(BOOT_ID_PATH),
         cdi_hook: None,
+        consumable_capacity: args.driver.consumable_capacity,
     }
 }
 

@@ -24,9 +24,11 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::plan::{PlannedDevice, claim_label};
 use super::recover::recorded_uuids;
+use cleave_api::pool::ConsumableCapacity;
+
 use super::{
-    GpuFacts, NodeDriver, PrepareError, PreparedClaim, PreparedDevice, SharingClaim, SharingDevice,
-    SharingEdits, State, device_need, device_uuid, time_slice_needs,
+    GpuFacts, NodeDriver, PrepareError, PreparedClaim, PreparedDevice, ShareDevice, SharingClaim,
+    SharingDevice, SharingEdits, State, device_need, device_uuid, share_holders, time_slice_needs,
 };
 use crate::backend::BackendError;
 use crate::cdi::{self, CdiDevice};
@@ -61,7 +63,78 @@ pub(super) fn answer(record: &ClaimRecord) -> PreparedClaim {
     }
 }
 
+/// CDI device name (the device part) of a record: the device name, with the share for a
+/// share.
+pub(super) fn cdi_name(device: &str, share: Option<&crate::checkpoint::ShareRecord>) -> String {
+    match share {
+        Some(s) => cdi::share_device_name(device, &s.share_id),
+        None => device.to_owned(),
+    }
+}
+
+/// Adds `more` to `edits` (claim edits, then per-device edits); the state stays `edits'`.
+pub(super) fn merge_edits(edits: &mut SharingEdits, more: SharingEdits) {
+    edits.claim_edits.extend(&more.claim_edits);
+    for (device, e) in more.device_edits {
+        edits.device_edits.entry(device).or_default().extend(&e);
+    }
+}
+
+/// The shares a record holds, without GPU facts (enough to release them).
+pub(super) fn record_shares(record: &ClaimRecord) -> Vec<ShareDevice> {
+    record
+        .devices
+        .iter()
+        .filter_map(|d| {
+            let s = d.share.as_ref()?;
+            Some(ShareDevice {
+                device_name: d.name.clone(),
+                uuid: device_uuid(d),
+                gpu_uuid: d.gpu_uuid.clone(),
+                gpu: None,
+                device_multiprocessors: None,
+                share_id: s.share_id.clone(),
+                memory_bytes: s.memory_bytes,
+                multiprocessors: s.multiprocessors,
+            })
+        })
+        .collect()
+}
+
 impl NodeDriver {
+    /// Enforces the record's shares when consumable capacity is `mps` (the shared daemon of
+    /// each device runs; the edits carry each share's client limits); nothing otherwise.
+    pub(super) fn apply_record_shares(
+        &self,
+        record: &ClaimRecord,
+        data: &CheckpointData,
+        inventory: &mut NodeInventory,
+    ) -> Result<SharingEdits, PrepareError> {
+        if self.config.consumable_capacity != ConsumableCapacity::Mps {
+            return Ok(SharingEdits::default());
+        }
+        let mut shares = record_shares(record);
+        if shares.is_empty() {
+            return Ok(SharingEdits::default());
+        }
+        for s in &mut shares {
+            s.gpu = self.gpu_facts(inventory, &s.gpu_uuid, &s.device_name);
+            s.device_multiprocessors = inventory
+                .gpus
+                .iter()
+                .find(|g| g.uuid == s.gpu_uuid)
+                .and_then(|g| super::sharing::device_multiprocessors(g, &s.device_name));
+        }
+        let claim = SharingClaim {
+            uid: &record.uid,
+            namespace: &record.namespace,
+            name: &record.name,
+        };
+        Ok(self
+            .sharing
+            .apply_shares(&claim, &shares, &share_holders(data))?)
+    }
+
     /// Prepares a claim (see the module docs). Idempotent for a prepared claim.
     pub fn prepare(&self, claim: &ResourceClaim) -> Result<PreparedClaim, PrepareError> {
         let label = claim_label(claim);
@@ -136,8 +209,10 @@ impl NodeDriver {
             .map(|d| device_need(d.gpu.minor, d.mig.as_ref()))
             .collect();
         self.view_for(&label, &needs)?;
+        let mps_shares = self.config.consumable_capacity == ConsumableCapacity::Mps;
         let needs_intent = plan.iter().any(|d| {
             d.mig.as_ref().is_some_and(|m| m.created_by_cleave)
+                || (mps_shares && d.share.is_some())
                 || d.config
                     .as_ref()
                     .is_some_and(|c| c.config.sharing().is_some())
@@ -158,7 +233,11 @@ impl NodeDriver {
                     gpu_minor: d.gpu.minor,
                     mig: d.mig.clone(),
                     config: d.config.as_ref().and_then(|c| serde_json::to_value(c).ok()),
-                    cdi_device_ids: vec![cdi::qualified_device_id(uid, &d.name)],
+                    cdi_device_ids: vec![cdi::qualified_device_id(
+                        uid,
+                        &cdi_name(&d.name, d.share.as_ref()),
+                    )],
+                    share: d.share.clone(),
                 })
                 .collect(),
             sharing: None,
@@ -304,6 +383,12 @@ impl NodeDriver {
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
             edits
         };
+        let mut edits = edits;
+        let share_edits = self.apply_record_shares(record, &state.data, &mut state.inventory)?;
+        if share_edits != SharingEdits::default() {
+            crate::fault::point("prepare.after_share_apply");
+        }
+        merge_edits(&mut edits, share_edits);
 
         // CDI spec.
         crate::timing::timed(crate::timing::step::CDI_WRITE, || {
@@ -358,7 +443,7 @@ impl NodeDriver {
                     device_edits.extend(extra);
                 }
                 CdiDevice {
-                    device_name: r.name.clone(),
+                    device_name: cdi_name(&r.name, r.share.as_ref()),
                     edits: device_edits,
                 }
             })
@@ -390,6 +475,12 @@ impl NodeDriver {
                 &time_slice_needs(data),
             )?;
             crate::fault::point("release.after_sharing_release");
+        }
+        let shares = record_shares(record);
+        if !shares.is_empty() {
+            self.sharing
+                .release_shares(&record.uid, &shares, &share_holders(data))?;
+            crate::fault::point("release.after_share_release");
         }
         let taken = recorded_uuids(data, record);
         for d in record.devices.iter().rev() {

@@ -44,6 +44,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use cleave_api::pool::ConsumableCapacity;
+
 use crate::backend::{BackendError, GpuBackend};
 use crate::cdi::{CdiError, CdiStore};
 use crate::checkpoint::{
@@ -53,8 +55,9 @@ use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootEr
 use crate::model::NodeInventory;
 
 pub use sharing::{
-    GpuFacts, NoopSharing, SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler,
-    TimeSliceNeed, time_slice_needs,
+    GpuFacts, NoopSharing, ShareDevice, ShareHolder, SharingClaim, SharingDevice, SharingEdits,
+    SharingError, SharingHandler, TimeSliceNeed, share_holders, shared_daemon_key,
+    time_slice_needs,
 };
 pub use summary::{CheckpointReader, CheckpointSummary, RecordedClaim, RecordedState, SharingKind};
 
@@ -78,6 +81,9 @@ pub struct DriverConfig {
     /// cleave's CDI hook as a path on the host, named in every claim's spec (soname
     /// links, ld cache, CUDA compat); `None`: specs without hooks.
     pub cdi_hook: Option<PathBuf>,
+    /// Consumable capacity (`--consumable-capacity`): how shares of one device (allocation
+    /// results with a `shareID`) are prepared; `Off` refuses them.
+    pub consumable_capacity: ConsumableCapacity,
 }
 
 /// A prepare or unprepare failure; the message names the claim and the object.
@@ -140,6 +146,16 @@ pub enum PrepareError {
         device: String,
         /// `namespace/name (uid)` of the other claim.
         other: String,
+    },
+    /// A share (consumable capacity) cannot be prepared as allocated.
+    #[error("claim {claim}: device {device}: {reason}")]
+    ShareRefused {
+        /// `namespace/name`.
+        claim: String,
+        /// Device name.
+        device: String,
+        /// Why, and what to do.
+        reason: String,
     },
     /// Creating an on-demand MIG instance failed.
     #[error("claim {claim}: creating MIG device {device}: {source}")]

@@ -10,8 +10,11 @@ use cleave_api::merge::{ResolvedConfig, resolve_claim_configs};
 use cleave_api::names::{DeviceName, profile_label};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
+use cleave_api::config::SharingStrategy;
+use cleave_api::pool::ConsumableCapacity;
+
 use super::{NodeDriver, PrepareError, State};
-use crate::checkpoint::{DeviceKind, MigRecord};
+use crate::checkpoint::{DeviceKind, MigRecord, ShareRecord};
 use crate::model::{GpuInfo, MigState};
 
 /// What prepare will do for one device, decided before anything changes.
@@ -23,6 +26,46 @@ pub(super) struct PlannedDevice {
     /// Instance to use (static) or to create (on demand), if the device is a MIG instance.
     pub(super) mig: Option<MigRecord>,
     pub(super) config: Option<ResolvedConfig>,
+    /// The share of the device the claim gets (an allocation result with a `shareID`);
+    /// `None`: the claim has the device alone.
+    pub(super) share: Option<ShareRecord>,
+}
+
+/// The share an allocation result describes, from its `shareID` and `consumedCapacity`.
+fn share_of(
+    r: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult,
+) -> Result<Option<ShareRecord>, String> {
+    let Some(id) = r.share_id.as_deref() else {
+        return Ok(None);
+    };
+    let valid = !id.is_empty()
+        && id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !valid {
+        return Err(format!(
+            "shareID {id:?} is not a lower-case UUID (the scheduler writes one); it cannot name a CDI device"
+        ));
+    }
+    let consumed = |name: &str| -> Result<Option<u64>, String> {
+        let Some(q) = r.consumed_capacity.as_ref().and_then(|c| c.get(name)) else {
+            return Ok(None);
+        };
+        let parsed = cleave_api::quantity::Quantity::parse(&q.0)
+            .map_err(|e| format!("consumedCapacity.{name} {:?}: {e}", q.0))?;
+        u64::try_from(parsed.value())
+            .map(Some)
+            .map_err(|_| format!("consumedCapacity.{name} {:?} is negative", q.0))
+    };
+    let memory_bytes = consumed(cleave_api::names::cap::MEMORY)?;
+    let multiprocessors = consumed(cleave_api::names::cap::MULTIPROCESSORS)?
+        .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    Ok(Some(ShareRecord {
+        share_id: id.to_owned(),
+        memory_bytes,
+        multiprocessors,
+    }))
 }
 
 pub(super) fn claim_label(claim: &ResourceClaim) -> String {
@@ -57,16 +100,39 @@ impl NodeDriver {
         // Device name -> request names, in allocation order.
         let mut order: Vec<String> = Vec::new();
         let mut requests: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut shares: BTreeMap<String, ShareRecord> = BTreeMap::new();
+        let refuse = |device: &str, reason: String| PrepareError::ShareRefused {
+            claim: label.to_owned(),
+            device: device.to_owned(),
+            reason,
+        };
         for r in results
             .iter()
             .filter(|r| &r.driver == driver && &r.pool == pool)
         {
+            let first = !requests.contains_key(&r.device);
             let entry = requests.entry(r.device.clone()).or_insert_with(|| {
                 order.push(r.device.clone());
                 Vec::new()
             });
             if !entry.contains(&r.request) {
                 entry.push(r.request.clone());
+            }
+            let share = share_of(r).map_err(|reason| refuse(&r.device, reason))?;
+            let known = shares.get(&r.device);
+            let same = match (&share, known) {
+                (None, None) => true,
+                (Some(s), Some(k)) => s.share_id == k.share_id,
+                _ => first,
+            };
+            if !same {
+                return Err(refuse(
+                    &r.device,
+                    "the claim holds two allocations of this device (several shares, or a share and the whole device); request it once per claim".into(),
+                ));
+            }
+            if let Some(s) = share {
+                shares.insert(r.device.clone(), s);
             }
         }
         if order.is_empty() {
@@ -108,14 +174,53 @@ impl NodeDriver {
                 .find(|g| g.minor == name.minor())
                 .ok_or_else(|| unknown(&device, format!("no GPU with minor {}", name.minor())))?;
 
-            // Last line of defence: the scheduler should never hand out a device twice.
+            let share = shares.remove(&device);
+            if let Some(s) = &share
+                && self.config.consumable_capacity == ConsumableCapacity::Off
+            {
+                return Err(refuse(
+                    &device,
+                    format!(
+                        "allocated as share {} (consumable capacity), but this node runs with --consumable-capacity off and publishes no shareable device; start the plugin with --consumable-capacity mps or time-slicing, or allocate the device whole",
+                        s.share_id
+                    ),
+                ));
+            }
+
+            // Last line of defence: the scheduler should never hand out a device twice, nor
+            // a device both whole and in shares.
             for other in state.data.claims.values().filter(|c| c.uid != uid) {
-                if other.devices.iter().any(|d| d.name == device) {
-                    return Err(PrepareError::DeviceBusy {
-                        claim: label.to_owned(),
-                        device,
-                        other: format!("{}/{} ({})", other.namespace, other.name, other.uid),
-                    });
+                let Some(theirs) = other.devices.iter().find(|d| d.name == device) else {
+                    continue;
+                };
+                let other_label = format!("{}/{} ({})", other.namespace, other.name, other.uid);
+                match (&share, &theirs.share) {
+                    (Some(_), Some(_)) => {}
+                    (None, None) => {
+                        return Err(PrepareError::DeviceBusy {
+                            claim: label.to_owned(),
+                            device,
+                            other: other_label,
+                        });
+                    }
+                    (None, Some(s)) => {
+                        return Err(refuse(
+                            &device,
+                            format!(
+                                "allocated whole (no shareID), but it is prepared as share {} for claim {other_label}; a whole-device claim waits until every share of the device is unprepared",
+                                s.share_id
+                            ),
+                        ));
+                    }
+                    (Some(s), None) => {
+                        return Err(refuse(
+                            &device,
+                            format!(
+                                "allocated as share {}, but it is prepared for claim {other_label} alone; a share waits until that claim is unprepared",
+                                s.share_id
+                            ),
+                        ));
+                    }
                 }
             }
 
@@ -145,6 +250,31 @@ impl NodeDriver {
                 }
                 config = resolved;
             }
+            if let (Some(s), Some(sharing)) =
+                (&share, config.as_ref().and_then(|c| c.config.sharing()))
+            {
+                let allowed = self.config.consumable_capacity == ConsumableCapacity::TimeSlicing
+                    && sharing.strategy == SharingStrategy::TimeSlicing;
+                if !allowed {
+                    return Err(refuse(
+                        &device,
+                        format!(
+                            "share {} has a sharing config (strategy {}); under --consumable-capacity {} a share is {}, so drop the config's sharing block{}",
+                            s.share_id,
+                            sharing.strategy,
+                            self.config.consumable_capacity.as_str(),
+                            match self.config.consumable_capacity {
+                                ConsumableCapacity::Mps => "limited by MPS from what it consumed",
+                                _ => "time-sliced with the GPU's other shares",
+                            },
+                            match self.config.consumable_capacity {
+                                ConsumableCapacity::TimeSlicing => " (a TimeSlicing block may set the interval)",
+                                _ => "",
+                            }
+                        ),
+                    ));
+                }
+            }
 
             plan.push(PlannedDevice {
                 name: device,
@@ -153,7 +283,41 @@ impl NodeDriver {
                 gpu: gpu.clone(),
                 mig,
                 config,
+                share,
             });
+        }
+        // A container reaches one MPS daemon (one CUDA_MPS_PIPE_DIRECTORY): a claim's MPS
+        // shares and per-claim MPS devices cannot be mixed.
+        if self.config.consumable_capacity == ConsumableCapacity::Mps {
+            let shared: Vec<&str> = plan
+                .iter()
+                .filter(|d| d.share.is_some())
+                .map(|d| d.name.as_str())
+                .collect();
+            let own_mps = plan.iter().find(|d| {
+                d.config
+                    .as_ref()
+                    .and_then(|c| c.config.sharing())
+                    .is_some_and(|s| s.strategy == SharingStrategy::Mps)
+            });
+            if shared.len() > 1 {
+                return Err(refuse(
+                    shared[1],
+                    format!(
+                        "the claim holds MPS shares of several devices ({}); each device has its own MPS daemon and a container can reach only one, so request shares of one device per claim",
+                        shared.join(", ")
+                    ),
+                ));
+            }
+            if let (Some(s), Some(own)) = (shared.first(), own_mps) {
+                return Err(refuse(
+                    s,
+                    format!(
+                        "the claim holds an MPS share and device {} with its own MPS daemon (sharing strategy MPS); a container can reach only one MPS daemon, so use separate claims",
+                        own.name
+                    ),
+                ));
+            }
         }
         Ok(plan)
     }

@@ -66,9 +66,10 @@ use std::sync::Arc;
 use cleave_api::config::DeviceKind as ConfigKind;
 use cleave_api::merge::ResolvedConfig;
 
+use super::execute::merge_edits;
 use super::{
     DriverView, GpuFacts, NodeDriver, PrepareError, SharingClaim, SharingDevice, SharingEdits,
-    device_uuid, empty_inventory, time_slice_needs,
+    device_uuid, empty_inventory, shared_daemon_key, time_slice_needs,
 };
 use crate::backend::BackendError;
 use crate::cdi;
@@ -89,6 +90,42 @@ pub(super) fn forget_instances_of(record: &mut ClaimRecord) {
 
 /// UUIDs of the MIG instances recorded for any claim, `record` (the copy being recreated)
 /// included: an instance among them is never adopted by a recreation.
+/// What sharing reconciliation must keep: the UIDs of the live claims (not waiting for
+/// recreation) and the shared daemons of the devices they hold shares of.
+pub(super) fn live_sharing(data: &CheckpointData) -> BTreeSet<String> {
+    let live = data
+        .claims
+        .values()
+        .filter(|r| r.state != ClaimState::NeedsRecreate);
+    let mut keys = BTreeSet::new();
+    for r in live {
+        keys.insert(r.uid.clone());
+        for d in r.devices.iter().filter(|d| d.share.is_some()) {
+            keys.insert(shared_daemon_key(&d.name));
+        }
+    }
+    keys
+}
+
+/// The claims whose CDI specs follow the sharing `restarted` by reconciliation: the claims
+/// named, and every live claim with a share of a device whose shared daemon was restarted.
+pub(super) fn claims_of_restarted(
+    data: &CheckpointData,
+    restarted: &BTreeSet<String>,
+) -> BTreeSet<String> {
+    data.claims
+        .values()
+        .filter(|r| r.state != ClaimState::NeedsRecreate)
+        .filter(|r| {
+            restarted.contains(&r.uid)
+                || r.devices
+                    .iter()
+                    .any(|d| d.share.is_some() && restarted.contains(&shared_daemon_key(&d.name)))
+        })
+        .map(|r| r.uid.clone())
+        .collect()
+}
+
 pub(super) fn recorded_uuids(data: &CheckpointData, record: &ClaimRecord) -> BTreeSet<String> {
     data.claims
         .values()
@@ -248,13 +285,9 @@ impl NodeDriver {
         }
 
         self.sweep_cdi_root(data);
-        let live: BTreeSet<String> = data
-            .claims
-            .values()
-            .filter(|r| r.state != ClaimState::NeedsRecreate)
-            .map(|r| r.uid.clone())
-            .collect();
-        for uid in self.sharing.reconcile(&live) {
+        let live = live_sharing(data);
+        let restarted = self.sharing.reconcile(&live);
+        for uid in claims_of_restarted(data, &restarted) {
             if let Err(e) = self.refresh_sharing(&uid, data, &mut inventory) {
                 tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
             }
@@ -352,14 +385,8 @@ impl NodeDriver {
     /// Call it like prepare: under the node lock, from a blocking thread.
     pub fn reconcile_sharing(&self) -> Result<BTreeSet<String>, PrepareError> {
         let mut state = self.lock_synced()?;
-        let live: BTreeSet<String> = state
-            .data
-            .claims
-            .values()
-            .filter(|r| r.state != ClaimState::NeedsRecreate)
-            .map(|r| r.uid.clone())
-            .collect();
-        let restarted = self.sharing.reconcile(&live);
+        let live = live_sharing(&state.data);
+        let restarted = claims_of_restarted(&state.data, &self.sharing.reconcile(&live));
         for uid in &restarted {
             let state = &mut *state;
             if let Err(e) = self.refresh_sharing(uid, &mut state.data, &mut state.inventory) {
@@ -383,18 +410,24 @@ impl NodeDriver {
             return Ok(());
         };
         let shared = self.recorded_sharing(&record, inventory);
-        if shared.is_empty() {
+        let has_shares = record.devices.iter().any(|d| d.share.is_some());
+        if shared.is_empty() && !has_shares {
             return Ok(());
         }
-        let claim = SharingClaim {
-            uid,
-            namespace: &record.namespace,
-            name: &record.name,
-        };
-        let edits = self
-            .sharing
-            .apply(&claim, &shared, &time_slice_needs(data))?;
-        record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+        let mut edits = SharingEdits::default();
+        if !shared.is_empty() {
+            let claim = SharingClaim {
+                uid,
+                namespace: &record.namespace,
+                name: &record.name,
+            };
+            edits = self
+                .sharing
+                .apply(&claim, &shared, &time_slice_needs(data))?;
+            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+        }
+        let share_edits = self.apply_record_shares(&record, data, inventory)?;
+        merge_edits(&mut edits, share_edits);
         self.write_cdi(uid, &record, &edits)?;
         data.claims.insert(uid.to_owned(), record);
         self.checkpoint.store(data)?;
@@ -637,6 +670,12 @@ impl NodeDriver {
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
             edits
         };
+        let mut edits = edits;
+        let share_edits = self.apply_record_shares(record, data, inventory)?;
+        if share_edits != SharingEdits::default() {
+            crate::fault::point("recreate.after_share_apply");
+        }
+        merge_edits(&mut edits, share_edits);
         self.write_cdi(&uid, record, &edits)?;
 
         record.state = ClaimState::Prepared;

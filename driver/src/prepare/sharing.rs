@@ -12,6 +12,14 @@
 //! needs from them with every call: the facts of the GPU behind each device
 //! ([`GpuFacts`]) and the time slices every recorded claim asks for ([`TimeSliceNeed`]).
 //! A strategy keeps no backend and reads no checkpoint of its own.
+//!
+//! Shares (consumable capacity, `--consumable-capacity mps`): a device allocated to several
+//! claims, each with its own `shareID`, is served by one MPS daemon for the device, not one
+//! per claim. Prepare hands the claim's shares to [`SharingHandler::apply_shares`] and
+//! unprepare to [`SharingHandler::release_shares`], each with every other share the
+//! checkpoint records ([`share_holders`]): the daemon is started by the first share and
+//! stopped after the last, counted from the checkpoint, so that a restart or a crash in
+//! between neither kills a daemon other shares use nor leaks one.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -99,6 +107,95 @@ impl GpuFacts {
             multiprocessors: gpu.multiprocessors,
             mig_enabled: matches!(gpu.mig, MigState::Enabled { .. }),
         }
+    }
+}
+
+/// One share of a device held by the claim being prepared (consumable capacity).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareDevice {
+    /// Device name in the pool.
+    pub device_name: String,
+    /// UUID of the device (`GPU-…` or `MIG-…`).
+    pub uuid: String,
+    /// UUID of the (parent) GPU.
+    pub gpu_uuid: String,
+    /// The (parent) GPU's facts; `None` when the inventory has no GPU with `gpu_uuid`.
+    pub gpu: Option<GpuFacts>,
+    /// Streaming multiprocessors of the device itself (the GPU's, or the MIG profile's),
+    /// when known: what `multiprocessors` is published as.
+    pub device_multiprocessors: Option<u32>,
+    /// The allocation result's `shareID`.
+    pub share_id: String,
+    /// Consumed memory in bytes, when the allocation names it.
+    pub memory_bytes: Option<u64>,
+    /// Consumed multiprocessors, when the allocation names it.
+    pub multiprocessors: Option<u32>,
+}
+
+impl ShareDevice {
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` of the share: `floor(consumed SMs × 100 / device
+    /// SMs)`, at least 1 and at most 100; 100 when either count is unknown.
+    pub fn thread_percentage(&self) -> u8 {
+        match (self.multiprocessors, self.device_multiprocessors) {
+            (Some(used), Some(total)) if total > 0 => {
+                let pct = u64::from(used) * 100 / u64::from(total);
+                u8::try_from(pct.clamp(1, 100)).unwrap_or(100)
+            }
+            _ => 100,
+        }
+    }
+}
+
+/// A share recorded in the checkpoint: which claim holds a share of which device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareHolder {
+    /// Claim UID.
+    pub claim_uid: String,
+    /// Device name in the pool (stable across restarts and reboots, unlike MIG UUIDs).
+    pub device_name: String,
+}
+
+/// Every share the checkpoint records, in any state (a half-done prepare holds its share
+/// until its rollback finished).
+pub fn share_holders(data: &CheckpointData) -> Vec<ShareHolder> {
+    data.claims
+        .values()
+        .flat_map(|c| {
+            c.devices
+                .iter()
+                .filter(|d| d.share.is_some())
+                .map(|d| ShareHolder {
+                    claim_uid: c.uid.clone(),
+                    device_name: d.name.clone(),
+                })
+        })
+        .collect()
+}
+
+/// Name of the MPS daemon shared by every share of the device `device_name`:
+/// `shared-<device name>` (device names are DNS labels, so this names directories and pods;
+/// cut to 63 bytes).
+pub fn shared_daemon_key(device_name: &str) -> String {
+    let mut key = format!("shared-{device_name}");
+    key.truncate(63);
+    while key.ends_with('-') {
+        key.pop();
+    }
+    key
+}
+
+/// Streaming multiprocessors of the device `device_name` on `gpu`: its MIG profile's for a
+/// MIG device, else the GPU's.
+pub fn device_multiprocessors(gpu: &GpuInfo, device_name: &str) -> Option<u32> {
+    match device_name.parse::<DeviceName>() {
+        Ok(DeviceName::Mig { profile, .. }) => match &gpu.mig {
+            MigState::Enabled { profiles, .. } => profiles
+                .iter()
+                .find(|p| profile_label(&p.name) == profile)
+                .map(|p| p.multiprocessors),
+            _ => None,
+        },
+        _ => gpu.multiprocessors,
     }
 }
 
@@ -220,6 +317,34 @@ pub trait SharingHandler: Send + Sync {
     fn reconcile(&self, _live_claims: &BTreeSet<String>) -> BTreeSet<String> {
         BTreeSet::new()
     }
+
+    /// Enforces the claim's `shares` (consumable capacity, mode `mps`): the shared daemon
+    /// of each device runs (started if this is the first share), and the edits give each
+    /// share's device its client limits. `holders`: every share the checkpoint records (the
+    /// claim's own included once recorded). Same idempotency rules as `apply`. Default:
+    /// nothing is enforced (logged).
+    fn apply_shares(
+        &self,
+        claim: &SharingClaim<'_>,
+        shares: &[ShareDevice],
+        _holders: &[ShareHolder],
+    ) -> Result<SharingEdits, SharingError> {
+        for s in shares {
+            tracing::warn!(claim = claim.uid, device = %s.device_name, share = %s.share_id, "share accepted but not enforced by this sharing handler");
+        }
+        Ok(SharingEdits::default())
+    }
+
+    /// Undoes [`apply_shares`](Self::apply_shares) for the claim's `shares`: a device's
+    /// daemon is stopped when no other claim of `holders` holds a share of it. Idempotent.
+    fn release_shares(
+        &self,
+        _claim_uid: &str,
+        _shares: &[ShareDevice],
+        _holders: &[ShareHolder],
+    ) -> Result<(), SharingError> {
+        Ok(())
+    }
 }
 
 /// Accepts every sharing config and sets nothing up (until the strategies are implemented).
@@ -270,6 +395,7 @@ mod tests {
             mig: None,
             config,
             cdi_device_ids: vec![],
+            share: None,
         }
     }
 

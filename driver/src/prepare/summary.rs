@@ -227,6 +227,7 @@ mod tests {
                 mig: None,
                 config: None,
                 cdi_device_ids: vec![],
+                share: None,
             })
             .to_vec();
         let s = summarize(&data(vec![

@@ -408,6 +408,7 @@ pub fn config_with_empty_root(dir: &Path, dynamic_mig: bool) -> DriverConfig {
         dynamic_mig,
         boot_id_path,
         cdi_hook: None,
+        consumable_capacity: Default::default(),
     }
 }
 

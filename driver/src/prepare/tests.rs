@@ -689,6 +689,7 @@ fn interrupted_prepare_is_rolled_back_at_start() {
                 }),
                 config: None,
                 cdi_device_ids: vec![],
+                share: None,
             }],
             sharing: None,
         },

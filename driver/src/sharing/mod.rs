@@ -38,7 +38,8 @@ use serde::{Deserialize, Serialize};
 use crate::cdi::{ContainerEdits, Mount};
 use crate::checkpoint::DEFAULT_BOOT_ID_PATH;
 use crate::prepare::{
-    GpuFacts, SharingClaim, SharingDevice, SharingEdits, SharingError, SharingHandler,
+    GpuFacts, ShareDevice, ShareHolder, SharingClaim, SharingDevice, SharingEdits, SharingError,
+    SharingHandler, shared_daemon_key,
 };
 
 pub use mps::{
@@ -87,6 +88,22 @@ pub enum SharingFailure {
         "device {device}: mps.multiUser was requested but multi-user MPS is not supported on GPU {gpu} ({product}, compute capability {major}.{minor}); it needs compute capability 7.0 (Volta) or newer (on Pascal, clients of other users fail with CUDA_ERROR_NOT_PERMITTED)"
     )]
     MultiUserUnsupported {
+        /// Device name.
+        device: String,
+        /// GPU UUID.
+        gpu: String,
+        /// Product name.
+        product: String,
+        /// Compute capability major.
+        major: u32,
+        /// Compute capability minor.
+        minor: u32,
+    },
+    /// A share under `--consumable-capacity mps` on a GPU without multi-user MPS.
+    #[error(
+        "device {device}: --consumable-capacity mps needs multi-user MPS (shares of different pods may run as different users, and a single-user MPS server makes a client of another user wait without an error), which needs compute capability 7.0 (Volta) or newer; GPU {gpu} ({product}) has compute capability {major}.{minor}; run this node with --consumable-capacity time-slicing or off"
+    )]
+    ShareNeedsMultiUser {
         /// Device name.
         device: String,
         /// GPU UUID.
@@ -1090,6 +1107,177 @@ impl SharingManager {
         remove_dir(&self.claim_dir(&record.spec.claim_uid))
     }
 
+    /// Enforces the claim's `shares` (consumable capacity, mode `mps`): each device's shared
+    /// daemon (multi-user, defaults unlimited) runs, started by the first share or found
+    /// running, and each share's device gets its client limits. On failure nothing this
+    /// call started is left running (a daemon other shares were using was not answering, so
+    /// it is started again or stopped). `holders`: every recorded share (for the log).
+    pub fn apply_shares_of(
+        &self,
+        claim_uid: &str,
+        shares: &[ShareDevice],
+        holders: &[ShareHolder],
+    ) -> Result<SharingEdits, SharingFailure> {
+        crate::cdi::validate_claim_uid(claim_uid)?;
+        let _ops = lock(&self.ops);
+        let mut edits = SharingEdits::default();
+        for share in shares {
+            let planned = self.plan_shared(share)?;
+            let others = holders
+                .iter()
+                .filter(|h| h.claim_uid != claim_uid && h.device_name == share.device_name)
+                .count();
+            let record = self.start_mps(planned)?;
+            tracing::info!(
+                claim = claim_uid,
+                device = %share.device_name,
+                share = %share.share_id,
+                other_shares = others,
+                daemon = %record.daemon.as_ref().map(DaemonHandle::describe).unwrap_or_default(),
+                "share served by the device's MPS daemon"
+            );
+            edits
+                .device_edits
+                .insert(share.device_name.clone(), self.share_edits(&record, share));
+        }
+        Ok(edits)
+    }
+
+    /// Undoes [`Self::apply_shares_of`] for the claim: the shared daemon of a device is
+    /// stopped (compute mode restored, directory removed) only when no other claim of
+    /// `holders` holds a share of it. Idempotent.
+    pub fn release_shares_of(
+        &self,
+        claim_uid: &str,
+        shares: &[ShareDevice],
+        holders: &[ShareHolder],
+    ) -> Result<(), SharingFailure> {
+        crate::cdi::validate_claim_uid(claim_uid)?;
+        let _ops = lock(&self.ops);
+        for share in shares {
+            let others: Vec<&str> = holders
+                .iter()
+                .filter(|h| h.claim_uid != claim_uid && h.device_name == share.device_name)
+                .map(|h| h.claim_uid.as_str())
+                .collect();
+            if !others.is_empty() {
+                tracing::info!(claim = claim_uid, device = %share.device_name, others = ?others, "other shares still use the device's MPS daemon; kept");
+                continue;
+            }
+            let key = shared_daemon_key(&share.device_name);
+            self.release_daemon_dir(&key)?;
+            tracing::info!(claim = claim_uid, device = %share.device_name, "last share of the device released; its MPS daemon is stopped");
+        }
+        Ok(())
+    }
+
+    /// Stops the daemon recorded (or only found) under `mps/<key>` and removes the directory.
+    fn release_daemon_dir(&self, key: &str) -> Result<(), SharingFailure> {
+        let dir = self.claim_dir(key);
+        match mps::load_record(&dir) {
+            Ok(Some(record)) => self.stop_mps(&record),
+            Ok(None) | Err(_) if dir.exists() => {
+                let spec = self.spec(key, Vec::new());
+                if let Some(handle) = self.launcher.find(&spec) {
+                    self.stop_daemon(&spec, &handle)?;
+                }
+                remove_dir(&dir)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The shared daemon a share's device needs: multi-user, this device only, no limits
+    /// of its own (each share's clients bring theirs).
+    fn plan_shared(&self, share: &ShareDevice) -> Result<MpsRecord, SharingFailure> {
+        let gpu: &GpuFacts = share
+            .gpu
+            .as_ref()
+            .ok_or_else(|| SharingFailure::UnknownGpu {
+                gpu: share.gpu_uuid.clone(),
+            })?;
+        // Multi-user MPS (all clients served by one root server) is what lets pods of
+        // different users share the daemon; Volta or newer (NVIDIA MPS docs, "Architecture"
+        // and "Troubleshooting"; kubernetes-sigs/dra-driver-nvidia-gpu refuses it below 7.0).
+        if gpu.compute_capability < MPS_MIN_COMPUTE_CAPABILITY {
+            return Err(SharingFailure::ShareNeedsMultiUser {
+                device: share.device_name.clone(),
+                gpu: gpu.uuid.clone(),
+                product: gpu.product_name.clone(),
+                major: gpu.compute_capability.0,
+                minor: gpu.compute_capability.1,
+            });
+        }
+        let key = shared_daemon_key(&share.device_name);
+        crate::cdi::validate_claim_uid(&key)?;
+        let mut spec = self.spec(&key, vec![share.uuid.clone()]);
+        spec.multi_user = true;
+        if let Some(len) = mps::socket_path_too_long(&spec.pipe_dir, mps::CONTROL_SOCKET) {
+            return Err(SharingFailure::PipeDirTooLong {
+                claim: key,
+                path: spec.pipe_dir.join(mps::CONTROL_SOCKET),
+                len,
+            });
+        }
+        let exclusive = if share.uuid.starts_with("GPU-") && !gpu.mig_enabled {
+            vec![share.uuid.clone()]
+        } else {
+            Vec::new()
+        };
+        Ok(MpsRecord {
+            spec,
+            host_pipe_dir: self.host_pipe_dir(&key),
+            active_thread_percentage: 100,
+            pinned_limits: Vec::new(),
+            exclusive_gpus: exclusive,
+            daemon: None,
+        })
+    }
+
+    /// CDI edits of one share's device: the shared daemon's pipe directory (and `/dev/shm`)
+    /// and the share's client limits. The memory limit is keyed by ordinal 0: the daemon
+    /// runs with `CUDA_VISIBLE_DEVICES` = this device alone, so its clients enumerate it as
+    /// device 0 (NVIDIA MPS docs, "Environment Variables": the daemon's
+    /// `CUDA_VISIBLE_DEVICES` remaps the clients' devices), and NVIDIA's device plugin sets
+    /// MPS memory limits by index because limits set by UUID were not applied
+    /// (NVIDIA/k8s-device-plugin `CHANGELOG.md`, v0.15.0-rc.2).
+    fn share_edits(&self, record: &MpsRecord, share: &ShareDevice) -> ContainerEdits {
+        let pipe = &self.config.container_pipe_dir;
+        let mut env = vec![
+            format!("CUDA_MPS_PIPE_DIRECTORY={pipe}"),
+            format!(
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={}",
+                share.thread_percentage()
+            ),
+        ];
+        if let Some(bytes) = share.memory_bytes.filter(|b| *b >= 1 << 20) {
+            env.push(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M", bytes >> 20));
+        }
+        ContainerEdits {
+            env,
+            mounts: self.client_mounts(record),
+            ..ContainerEdits::default()
+        }
+    }
+
+    /// The pipe directory, and the daemon's `/dev/shm` when it has one, for clients.
+    fn client_mounts(&self, record: &MpsRecord) -> Vec<Mount> {
+        let options = || vec!["rw".into(), "nosuid".into(), "nodev".into(), "bind".into()];
+        let mut mounts = vec![Mount {
+            host_path: record.host_pipe_dir.display().to_string(),
+            container_path: self.config.container_pipe_dir.clone(),
+            options: options(),
+        }];
+        if let Some(shm) = record.daemon.as_ref().and_then(|d| d.shm_host_dir.as_ref()) {
+            mounts.push(Mount {
+                host_path: shm.display().to_string(),
+                container_path: SHM_DIR.to_owned(),
+                options: options(),
+            });
+        }
+        mounts
+    }
+
     /// CDI edits for every container of the claim: the pipe directory and the client env.
     fn client_edits(&self, record: &MpsRecord) -> ContainerEdits {
         let pipe = &self.config.container_pipe_dir;
@@ -1103,22 +1291,9 @@ impl SharingManager {
         if let Some(limits) = record.client_memory_limit() {
             env.push(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={limits}"));
         }
-        let options = || vec!["rw".into(), "nosuid".into(), "nodev".into(), "bind".into()];
-        let mut mounts = vec![Mount {
-            host_path: record.host_pipe_dir.display().to_string(),
-            container_path: pipe.clone(),
-            options: options(),
-        }];
-        if let Some(shm) = record.daemon.as_ref().and_then(|d| d.shm_host_dir.as_ref()) {
-            mounts.push(Mount {
-                host_path: shm.display().to_string(),
-                container_path: SHM_DIR.to_owned(),
-                options: options(),
-            });
-        }
         ContainerEdits {
             env,
-            mounts,
+            mounts: self.client_mounts(record),
             ..ContainerEdits::default()
         }
     }
@@ -1157,6 +1332,32 @@ impl SharingHandler for SharingManager {
         needs: &[TimeSliceNeed],
     ) -> Result<(), SharingError> {
         self.release_claim(claim_uid, state, needs)
+            .map_err(|e| SharingError::Release {
+                claim: claim_uid.to_owned(),
+                message: e.to_string(),
+            })
+    }
+
+    fn apply_shares(
+        &self,
+        claim: &SharingClaim<'_>,
+        shares: &[ShareDevice],
+        holders: &[ShareHolder],
+    ) -> Result<SharingEdits, SharingError> {
+        self.apply_shares_of(claim.uid, shares, holders)
+            .map_err(|e| SharingError::Apply {
+                claim: claim.uid.to_owned(),
+                message: e.to_string(),
+            })
+    }
+
+    fn release_shares(
+        &self,
+        claim_uid: &str,
+        shares: &[ShareDevice],
+        holders: &[ShareHolder],
+    ) -> Result<(), SharingError> {
+        self.release_shares_of(claim_uid, shares, holders)
             .map_err(|e| SharingError::Release {
                 claim: claim_uid.to_owned(),
                 message: e.to_string(),

@@ -63,6 +63,7 @@ pub fn node_config(root: &Path, state_dir: PathBuf) -> DriverConfig {
         dynamic_mig: true,
         boot_id_path: root.join("boot_id"),
         cdi_hook: None,
+        consumable_capacity: Default::default(),
     }
 }
 
