@@ -1,6 +1,8 @@
 //! Crash consistency: the driver is killed (SIGKILL, a real crash) at every fault point of
 //! prepare, unprepare, start-up rollback and post-reboot recreation, restarted, and the
-//! kubelet's call is replayed; then the hardware (mock NVML state file), the MPS daemons
+//! kubelet's call is replayed (shares of one GPU under `--consumable-capacity mps` too: two
+//! and three shares served by one MPS daemon, and the unprepare of one share while the
+//! others stay); then the hardware (mock NVML state file), the MPS daemons
 //! (fake tools), the CDI root and the checkpoint must agree with each other and with the set
 //! of claims that should be prepared: nothing orphaned, nothing lost. Every recovered state
 //! is then unprepared and must leave nothing behind.
@@ -28,7 +30,8 @@ use cleave_driver::cdi;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
 use cleave_driver::fault;
 use cleave_driver::nvml::NvmlBackend;
-use cleave_driver::prepare::{DriverConfig, NodeDriver};
+use cleave_api::pool::ConsumableCapacity;
+use cleave_driver::prepare::{DriverConfig, NodeDriver, shared_daemon_key};
 use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager, SharingState};
 use common::harness::{alive, wait_dead};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -49,6 +52,11 @@ const WHOLE: &str = "c0000001-0000-4000-8000-000000000001";
 const MIG: &str = "c0000002-0000-4000-8000-000000000002";
 const MPS: &str = "c0000003-0000-4000-8000-000000000003";
 const MPS_WHOLE: &str = "c0000004-0000-4000-8000-000000000004";
+const SHARE_A: &str = "c0000005-0000-4000-8000-000000000005";
+const SHARE_B: &str = "c0000006-0000-4000-8000-000000000006";
+const SHARE_C: &str = "c0000007-0000-4000-8000-000000000007";
+/// The GPU the shares are of (on a node without MIG).
+const SHARED_GPU: &str = "gpu-4";
 
 // ---------------------------------------------------------------------------------------
 // Scenarios
@@ -58,13 +66,16 @@ struct ClaimDef {
     uid: &'static str,
     devices: &'static [(&'static str, &'static str)],
     mps: bool,
+    /// The allocation's shareID (consumable capacity: 20Gi and 44 SMs of the device).
+    share: Option<&'static str>,
 }
 
-const CLAIMS: [ClaimDef; 4] = [
+const CLAIMS: [ClaimDef; 7] = [
     ClaimDef {
         uid: WHOLE,
         devices: &[("gpu", "gpu-0")],
         mps: false,
+        share: None,
     },
     ClaimDef {
         uid: MIG,
@@ -73,19 +84,48 @@ const CLAIMS: [ClaimDef; 4] = [
             ("big", "gpu-1-mig-3g40gb-4"),
         ],
         mps: false,
+        share: None,
     },
     ClaimDef {
         uid: MPS,
         devices: &[("gpu", "gpu-2-mig-2g20gb-2")],
         mps: true,
+        share: None,
     },
     // On a node without MIG: MPS on a whole GPU switches its compute mode.
     ClaimDef {
         uid: MPS_WHOLE,
         devices: &[("gpu", "gpu-3")],
         mps: true,
+        share: None,
+    },
+    ClaimDef {
+        uid: SHARE_A,
+        devices: &[("gpu", SHARED_GPU)],
+        mps: false,
+        share: Some("5a000000-0000-4000-8000-00000000000a"),
+    },
+    ClaimDef {
+        uid: SHARE_B,
+        devices: &[("gpu", SHARED_GPU)],
+        mps: false,
+        share: Some("5b000000-0000-4000-8000-00000000000b"),
+    },
+    ClaimDef {
+        uid: SHARE_C,
+        devices: &[("gpu", SHARED_GPU)],
+        mps: false,
+        share: Some("5c000000-0000-4000-8000-00000000000c"),
     },
 ];
+
+/// The CDI device name (device part) of a claim's device.
+fn cdi_device(def: &ClaimDef, device: &str) -> String {
+    match def.share {
+        Some(share) => cdi::share_device_name(device, share),
+        None => device.to_owned(),
+    }
+}
 
 fn claim_def(uid: &str) -> &'static ClaimDef {
     CLAIMS.iter().find(|c| c.uid == uid).unwrap()
@@ -100,6 +140,8 @@ enum Action {
     /// `setup` was killed in the middle of prepare; the restart must roll it back (and may
     /// crash while doing so), then the kubelet replays prepare.
     PrepareAfterCrash,
+    /// All claims prepared by `setup`; the first one is unprepared, the others stay.
+    UnprepareFirst,
 }
 
 struct Scenario {
@@ -166,6 +208,36 @@ const SCENARIOS: &[Scenario] = &[
         env: &[("MOCK_NVML_MIG", "off")],
     },
     Scenario {
+        name: "prepare-two-shares",
+        claims: &[SHARE_A, SHARE_B],
+        action: Action::Prepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "prepare-three-shares",
+        claims: &[SHARE_A, SHARE_B, SHARE_C],
+        action: Action::Prepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "unprepare-two-shares",
+        claims: &[SHARE_A, SHARE_B],
+        action: Action::Unprepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "unprepare-one-of-three-shares",
+        claims: &[SHARE_A, SHARE_B, SHARE_C],
+        action: Action::UnprepareFirst,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "recreate-shares-after-reboot",
+        claims: &[SHARE_A, SHARE_B, SHARE_C],
+        action: Action::PrepareAfterReboot,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
         name: "restart-after-crash-in-prepare",
         claims: &[MIG, MPS],
         action: Action::PrepareAfterCrash,
@@ -186,7 +258,12 @@ fn claim(def: &ClaimDef) -> ResourceClaim {
         .devices
         .iter()
         .map(|(request, device)| {
-            json!({"request": request, "driver": DRIVER_NAME, "pool": "node-a", "device": device})
+            let mut r = json!({"request": request, "driver": DRIVER_NAME, "pool": "node-a", "device": device});
+            if let Some(share) = def.share {
+                r["shareID"] = json!(share);
+                r["consumedCapacity"] = json!({"memory": "20Gi", "multiprocessors": "44"});
+            }
+            r
         })
         .collect();
     let requests: Vec<_> = def.devices.iter().map(|(r, _)| *r).collect();
@@ -253,7 +330,10 @@ impl World {
     }
 
     fn driver_config(&self) -> DriverConfig {
-        common::node_config(&self.root, self.state())
+        DriverConfig {
+            consumable_capacity: ConsumableCapacity::Mps,
+            ..common::node_config(&self.root, self.state())
+        }
     }
 
     fn sharing_config(&self) -> SharingConfig {
@@ -385,7 +465,7 @@ fn child(role: &str) {
             let want: Vec<String> = def
                 .devices
                 .iter()
-                .map(|(_, d)| cdi::qualified_device_id(uid, d))
+                .map(|(_, d)| cdi::qualified_device_id(uid, &cdi_device(def, d)))
                 .collect();
             assert_eq!(ids, want, "{uid}");
         }
@@ -402,6 +482,9 @@ fn child(role: &str) {
             Action::Prepare | Action::PrepareAfterReboot | Action::PrepareAfterCrash,
         ) => prepare_all(),
         ("act" | "replay", Action::Unprepare) => unprepare_all(),
+        ("act" | "replay", Action::UnprepareFirst) => {
+            driver.unprepare(scenario.claims[0]).unwrap();
+        }
         ("cleanup", _) => unprepare_all(),
         other => panic!("unknown role {other:?}"),
     }
@@ -530,21 +613,49 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
                 .collect()
         })
         .unwrap_or_default();
-    let want_mps: BTreeSet<String> = expected
+    let own_mps: BTreeSet<String> = expected
         .iter()
         .filter(|u| claim_def(u).mps)
         .map(|u| (*u).to_owned())
         .collect();
+    // One shared daemon per device that any expected claim holds a share of.
+    let shared: BTreeSet<String> = expected
+        .iter()
+        .map(|u| claim_def(u))
+        .filter(|d| d.share.is_some())
+        .flat_map(|d| d.devices.iter().map(|(_, dev)| shared_daemon_key(dev)))
+        .collect();
+    let want_mps: BTreeSet<String> = own_mps.union(&shared).cloned().collect();
     check(
         mps_dirs == want_mps,
         format!("MPS directories {mps_dirs:?} != {want_mps:?}"),
     );
     let mut recorded_pids = BTreeSet::new();
-    for uid in &want_mps {
+    for uid in &own_mps {
         let sharing: SharingState =
             serde_json::from_value(data.claims[uid].sharing.clone().unwrap()).unwrap();
         let pid = sharing.mps.unwrap().daemon.unwrap().pid;
         recorded_pids.insert(pid);
+    }
+    for key in &shared {
+        let record = cleave_driver::sharing::mps::load_record(&world.state().join("mps").join(key))
+            .unwrap()
+            .unwrap_or_else(|| panic!("{ctx}: shared daemon {key} has no record"));
+        check(
+            record.spec.multi_user && record.active_thread_percentage == 100,
+            format!("shared daemon {key} is not multi-user with unlimited defaults"),
+        );
+        recorded_pids.insert(record.daemon.unwrap().pid);
+    }
+    // Each share's CDI spec carries its own client limits (44 of 132 SMs, 20Gi).
+    for uid in expected.iter().filter(|u| claim_def(u).share.is_some()) {
+        let text = std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(uid)))
+            .unwrap_or_default();
+        check(
+            text.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33")
+                && text.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"),
+            format!("CDI spec of share {uid} lacks its client limits"),
+        );
     }
     let running: BTreeSet<u32> = world
         .started_pids()
@@ -566,7 +677,7 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
     let want_exclusive: BTreeSet<String> = data
         .claims
         .values()
-        .filter(|c| claim_def(&c.uid).mps)
+        .filter(|c| claim_def(&c.uid).mps || claim_def(&c.uid).share.is_some())
         .flat_map(|c| &c.devices)
         .filter(|d| d.mig.is_none())
         .map(|d| d.gpu_uuid.clone())
@@ -597,11 +708,15 @@ fn prepared_after(s: &Scenario) -> BTreeSet<&'static str> {
             s.claims.iter().copied().collect()
         }
         Action::Unprepare => BTreeSet::new(),
+        Action::UnprepareFirst => s.claims[1..].iter().copied().collect(),
     }
 }
 
 fn before_act(world: &World, s: &Scenario) {
-    if matches!(s.action, Action::Unprepare | Action::PrepareAfterReboot) {
+    if matches!(
+        s.action,
+        Action::Unprepare | Action::UnprepareFirst | Action::PrepareAfterReboot
+    ) {
         world.run_ok("setup", s.name);
     }
     if s.action == Action::PrepareAfterReboot {
@@ -762,7 +877,13 @@ fn run_harness() -> bool {
     }
     // The crash window of recreation (instance created, not yet recorded) must have been
     // exercised, or the harness proves nothing about it.
-    let required = ["recreate.after_intent", "recreate.after_mig_create"];
+    let required = [
+        "recreate.after_intent",
+        "recreate.after_mig_create",
+        "prepare.after_share_apply",
+        "release.after_share_release",
+        "recreate.after_share_apply",
+    ];
     let missing: Vec<&str> = required
         .iter()
         .copied()

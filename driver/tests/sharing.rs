@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use cleave_api::config::{DeviceKind, Sharing};
 use cleave_api::names::DRIVER_NAME;
+use cleave_api::pool::ConsumableCapacity;
 use cleave_driver::backend::{BackendError, GpuBackend};
 use cleave_driver::checkpoint::{
     CheckpointData, CheckpointStore, ClaimRecord, ClaimState, DeviceKind as RecordKind,
@@ -112,6 +113,18 @@ fn main() {
         (
             "node_driver_prepares_and_unprepares_mps_claims",
             node_driver_prepares_and_unprepares_mps_claims,
+        ),
+        (
+            "shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared",
+            shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared,
+        ),
+        (
+            "shares_are_refused_clearly_where_they_cannot_be_served",
+            shares_are_refused_clearly_where_they_cannot_be_served,
+        ),
+        (
+            "time_slicing_shares_are_scheduled_not_enforced",
+            time_slicing_shares_are_scheduled_not_enforced,
         ),
     ];
     common::harness::main(tests);
@@ -1455,6 +1468,302 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
         err.to_string().contains("larger than the device's memory"),
         "{err}"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Shares (consumable capacity)
+
+/// A claim allocated as a share of `device`: `shareID` and what it consumed; `config`: an
+/// opaque GpuConfig's `sharing` block, if any.
+fn share_claim(
+    uid: &str,
+    device: &str,
+    share: Option<&str>,
+    consumed: (&str, &str),
+    sharing: Option<serde_json::Value>,
+) -> ResourceClaim {
+    let mut result = json!({"request": "gpu", "driver": DRIVER_NAME, "pool": "node-a", "device": device});
+    if let Some(share) = share {
+        result["shareID"] = json!(share);
+        result["consumedCapacity"] = json!({"memory": consumed.0, "multiprocessors": consumed.1});
+    }
+    let config = match sharing {
+        Some(s) => json!([{"source": "FromClaim", "requests": ["gpu"], "opaque": {
+            "driver": DRIVER_NAME,
+            "parameters": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig", "sharing": s}}}]),
+        None => json!([]),
+    };
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": format!("claim-{}", &uid[..8]), "namespace": "default", "uid": uid},
+        "spec": {"devices": {}},
+        "status": {"allocation": {"devices": {"results": [result], "config": config}}}
+    }))
+    .unwrap()
+}
+
+fn start_share_driver(
+    world: &World,
+    mode: ConsumableCapacity,
+    knobs: &[(&str, &str)],
+) -> NodeDriver {
+    let manager = Arc::new(SharingManager::new(world.config(knobs)));
+    let config = DriverConfig {
+        consumable_capacity: mode,
+        ..driver_config(world)
+    };
+    NodeDriver::start_with_sharing(config, Arc::new(StaticBackend), manager).unwrap()
+}
+
+fn cdi_text(world: &World, uid: &str) -> String {
+    std::fs::read_to_string(
+        world
+            .root
+            .join("cdi")
+            .join(cleave_driver::cdi::spec_file_name(uid)),
+    )
+    .unwrap_or_default()
+}
+
+fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
+    let world = World::new();
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    let uids = [
+        "5a000000-0000-4000-8000-000000000001",
+        "5b000000-0000-4000-8000-000000000002",
+        "5c000000-0000-4000-8000-000000000003",
+    ];
+    let share_ids = [
+        "aaaaaaaa-0000-4000-8000-00000000000a",
+        "bbbbbbbb-0000-4000-8000-00000000000b",
+        "cccccccc-0000-4000-8000-00000000000c",
+    ];
+    for (uid, share) in uids.iter().zip(share_ids) {
+        let answer = driver
+            .prepare(&share_claim(uid, "gpu-0", Some(share), ("20Gi", "44"), None))
+            .unwrap();
+        // One CDI device per share, named with the share.
+        assert_eq!(
+            answer.devices[0].cdi_device_ids,
+            [cleave_driver::cdi::qualified_device_id(
+                uid,
+                &format!("gpu-0-share-{share}")
+            )]
+        );
+        assert_eq!(answer.devices[0].device_name, "gpu-0");
+        let text = cdi_text(&world, uid);
+        // floor(44 * 100 / 132) = 33; 20Gi in MiB, keyed by ordinal 0.
+        for want in [
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M",
+            "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+        ] {
+            assert!(text.contains(want), "{uid} lacks {want}: {text}");
+        }
+        let pipe = world.claim_dir("shared-gpu-0").join("pipe");
+        assert!(
+            text.contains(&format!("\"hostPath\":\"{}\"", pipe.display())),
+            "{text}"
+        );
+    }
+    // One daemon for the three shares, multi-user, defaults unlimited.
+    let started = world.started_pids();
+    assert_eq!(started.len(), 1, "{:?}", world.mps_lines());
+    let pid = started[0];
+    assert!(alive(pid));
+    assert!(
+        world.mps_lines().iter().any(|l| l.contains("multiUser=1")),
+        "not multi-user: {:?}",
+        world.mps_lines()
+    );
+    assert!(
+        world
+            .commands("shared-gpu-0")
+            .contains(&"set_default_active_thread_percentage 100".to_owned()),
+        "{:?}",
+        world.commands("shared-gpu-0")
+    );
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("EXCLUSIVE_PROCESS")
+    );
+    let data = CheckpointStore::in_dir(&world.state).load().unwrap();
+    for (uid, share) in uids.iter().zip(share_ids) {
+        let s = data.claims[*uid].devices[0].share.clone().unwrap();
+        assert_eq!(s.share_id, share);
+        assert_eq!(s.memory_bytes, Some(20 * GIB));
+        assert_eq!(s.multiprocessors, Some(44));
+    }
+
+    // A whole-device claim on the shared GPU is refused; a share of an exclusively held
+    // GPU too; an exclusive claim on another GPU works as before.
+    let exclusive = "e0000000-0000-4000-8000-000000000001";
+    let err = driver
+        .prepare(&share_claim(exclusive, "gpu-0", None, ("", ""), None))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("allocated whole (no shareID)"), "{err}");
+    driver
+        .prepare(&share_claim(exclusive, "gpu-1", None, ("", ""), None))
+        .unwrap();
+    assert!(!cdi_text(&world, exclusive).contains("CUDA_MPS"));
+    let err = driver
+        .prepare(&share_claim(
+            "e0000000-0000-4000-8000-000000000002",
+            "gpu-1",
+            Some("dddddddd-0000-4000-8000-00000000000d"),
+            ("20Gi", "44"),
+            None,
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("prepared for claim") && err.contains("alone"), "{err}");
+
+    // Unprepare of one share leaves the others' daemon alone, across a restart too.
+    driver.unprepare(uids[0]).unwrap();
+    assert!(alive(pid));
+    assert!(cdi_text(&world, uids[1]).contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33"));
+    drop(driver);
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    assert!(alive(pid), "restart stopped the shared daemon");
+    assert_eq!(world.started_pids().len(), 1);
+    driver.unprepare(uids[1]).unwrap();
+    assert!(alive(pid));
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("EXCLUSIVE_PROCESS")
+    );
+
+    // The daemon dies while a share remains: the check starts it again and rewrites the
+    // share's spec.
+    Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    let restarted = driver.reconcile_sharing().unwrap();
+    assert_eq!(restarted.into_iter().collect::<Vec<_>>(), [uids[2]]);
+    let pids = world.started_pids();
+    assert_eq!(pids.len(), 2);
+    assert!(alive(pids[1]));
+
+    // The last share stops it and restores the compute mode.
+    driver.unprepare(uids[2]).unwrap();
+    assert!(wait_dead(pids[1], Duration::from_secs(5)));
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+    driver.unprepare(exclusive).unwrap();
+    world.assert_nothing_left();
+}
+
+fn shares_are_refused_clearly_where_they_cannot_be_served() {
+    let world = World::new();
+    let share = Some("aaaaaaaa-0000-4000-8000-00000000000a");
+    let uid = "5a000000-0000-4000-8000-000000000001";
+
+    // Mode off: a share is refused naming the flag.
+    let driver = start_share_driver(&world, ConsumableCapacity::Off, &[]);
+    let err = driver
+        .prepare(&share_claim(uid, "gpu-0", share, ("20Gi", "44"), None))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--consumable-capacity off"), "{err}");
+    drop(driver);
+
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    // A GPU without multi-user MPS (compute capability 6.0): refused at prepare, naming
+    // the GPU and why; nothing starts.
+    let err = driver
+        .prepare(&share_claim(uid, "gpu-2", share, ("4Gi", "10"), None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(GPU_OLD) && err.contains("multi-user MPS") && err.contains("6.0"),
+        "{err}"
+    );
+    assert!(world.started_pids().is_empty());
+    // A sharing config on a share: refused (the limits come from what it consumed).
+    let err = driver
+        .prepare(&share_claim(
+            uid,
+            "gpu-0",
+            share,
+            ("20Gi", "44"),
+            Some(json!({"strategy": "MPS"})),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("has a sharing config"), "{err}");
+    // A shareID that cannot name a CDI device.
+    let err = driver
+        .prepare(&share_claim(uid, "gpu-0", Some("Not/A/UUID"), ("20Gi", "44"), None))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("shareID"), "{err}");
+    // multi-user refused by the control daemon (a driver whose tool has no -M): clear error.
+    drop(driver);
+    let driver = start_share_driver(
+        &world,
+        ConsumableCapacity::Mps,
+        &[("FAKE_MPS_MULTIUSER", "refuse")],
+    );
+    let err = driver
+        .prepare(&share_claim(uid, "gpu-0", share, ("20Gi", "44"), None))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("multi-user"), "{err}");
+    assert!(driver.prepared_claims().is_empty());
+    world.assert_nothing_left();
+}
+
+fn time_slicing_shares_are_scheduled_not_enforced() {
+    let world = World::new();
+    let driver = start_share_driver(&world, ConsumableCapacity::TimeSlicing, &[]);
+    let a = "5a000000-0000-4000-8000-000000000001";
+    let b = "5b000000-0000-4000-8000-000000000002";
+    let long = || Some(json!({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}));
+    driver
+        .prepare(&share_claim(
+            a,
+            "gpu-0",
+            Some("aaaaaaaa-0000-4000-8000-00000000000a"),
+            ("20Gi", "44"),
+            long(),
+        ))
+        .unwrap();
+    driver
+        .prepare(&share_claim(
+            b,
+            "gpu-0",
+            Some("bbbbbbbb-0000-4000-8000-00000000000b"),
+            ("10Gi", "20"),
+            long(),
+        ))
+        .unwrap();
+    // The interval from the config is set; no daemon, no client limits.
+    assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("3"));
+    assert!(world.started_pids().is_empty());
+    assert!(!cdi_text(&world, a).contains("CUDA_MPS"));
+    // A share asking for another interval on the same GPU is refused.
+    let err = driver
+        .prepare(&share_claim(
+            "5c000000-0000-4000-8000-000000000003",
+            "gpu-0",
+            Some("cccccccc-0000-4000-8000-00000000000c"),
+            ("10Gi", "20"),
+            Some(json!({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Short"}})),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("time slice"), "{err}");
+    driver.unprepare(a).unwrap();
+    assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("3"));
+    driver.unprepare(b).unwrap();
+    assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("0"));
+    world.assert_nothing_left();
 }
 
 // ---------------------------------------------------------------------------------------
