@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use cleave_driver::checkpoint::{
     self, CheckpointData, CheckpointError, CheckpointStore, ClaimRecord, ClaimState, DeviceKind,
-    DeviceRecord, MigRecord,
+    DeviceRecord, MigRecord, ShareRecord,
 };
 use cleave_driver::model::Placement;
 use serde_json::json;
@@ -263,4 +263,78 @@ fn fixture_with_a_flipped_byte_is_reported_corrupt() {
     let e = checkpoint::decode(&fixture_path(), damaged.as_bytes()).unwrap_err();
     assert!(matches!(e, CheckpointError::Corrupt { .. }), "{e}");
     assert!(e.to_string().contains("checksum mismatch"), "{e}");
+}
+
+fn shares_fixture_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoint-v1-shares.json")
+}
+
+const SHARE_A: &str = "0e4b2c1d-0000-4000-8000-00000000000e";
+const SHARE_B: &str = "0f4b2c1d-0000-4000-8000-00000000000f";
+
+/// What the first release with shares (consumable capacity) writes: two claims holding
+/// shares of one GPU.
+fn shares_data() -> CheckpointData {
+    let mut data = v1_data();
+    for (uid, share, name) in [
+        (SHARE_A, "5a000000-0000-4000-8000-00000000000a", "share-a"),
+        (SHARE_B, "5b000000-0000-4000-8000-00000000000b", "share-b"),
+    ] {
+        data.claims.insert(
+            uid.to_owned(),
+            ClaimRecord {
+                uid: uid.into(),
+                namespace: "team-b".into(),
+                name: name.into(),
+                state: ClaimState::Prepared,
+                devices: vec![DeviceRecord {
+                    name: "gpu-0".into(),
+                    pool: "node-a".into(),
+                    request_names: vec!["gpu".into()],
+                    kind: DeviceKind::Gpu,
+                    gpu_uuid: GPU0.into(),
+                    gpu_minor: 0,
+                    mig: None,
+                    config: None,
+                    cdi_device_ids: vec![format!(
+                        "k8s.gpu.cleave.dev/claim={uid}-gpu-0-share-{share}"
+                    )],
+                    share: Some(ShareRecord {
+                        share_id: share.into(),
+                        memory_bytes: Some(20 << 30),
+                        multiprocessors: Some(44),
+                    }),
+                }],
+                sharing: None,
+            },
+        );
+    }
+    data
+}
+
+#[test]
+fn shares_fixture_still_loads_and_v1_records_have_no_share() {
+    let path = shares_fixture_path();
+    if std::env::var_os("CLEAVE_REGENERATE_FIXTURES").is_some() {
+        std::fs::write(&path, checkpoint::encode(&shares_data()).unwrap()).unwrap();
+    }
+    let bytes = std::fs::read(&path).unwrap();
+    let data = checkpoint::decode(&path, &bytes).unwrap();
+    let d = &data.claims[SHARE_A].devices[0];
+    let share = d.share.as_ref().unwrap();
+    assert_eq!(share.share_id, "5a000000-0000-4000-8000-00000000000a");
+    assert_eq!(
+        (share.memory_bytes, share.multiprocessors),
+        (Some(20 << 30), Some(44))
+    );
+    assert!(
+        std::str::from_utf8(&bytes)
+            .unwrap()
+            .contains("\"shareID\": \"5b000000-0000-4000-8000-00000000000b\"")
+    );
+    // Records without a share (all of release 1's) stay exclusive, and write no field.
+    assert!(data.claims[WHOLE].devices[0].share.is_none());
+    let v1 = std::fs::read_to_string(fixture_path()).unwrap();
+    assert!(!v1.contains("share"));
+    assert_eq!(data, shares_data());
 }

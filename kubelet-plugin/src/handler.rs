@@ -40,11 +40,11 @@ pub struct PreparedShare {
 }
 
 impl From<PreparedDevice> for PreparedShare {
-    /// A whole-device allocation (no share).
+    /// The device with the share the driver prepared it as (none for a whole device).
     fn from(device: PreparedDevice) -> Self {
         Self {
+            share_id: device.share_id.clone(),
             device,
-            share_id: None,
         }
     }
 }

@@ -57,6 +57,7 @@ pub(super) fn answer(record: &ClaimRecord) -> PreparedClaim {
                     pool_name: d.pool.clone(),
                     device_name: d.name.clone(),
                     cdi_device_ids: d.cdi_device_ids.clone(),
+                    share_id: d.share.as_ref().map(|s| s.share_id.clone()),
                 }
             })
             .collect(),

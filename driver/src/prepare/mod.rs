@@ -296,6 +296,8 @@ pub struct PreparedDevice {
     pub device_name: String,
     /// Fully qualified CDI device IDs.
     pub cdi_device_ids: Vec<String>,
+    /// The allocation's `shareID` when the device was prepared as a share.
+    pub share_id: Option<String>,
 }
 
 /// Identity of a prepared claim.

@@ -86,6 +86,7 @@ fn whole_gpu_prepare_writes_spec_and_checkpoint() {
                 pool_name: "node-a".into(),
                 device_name: "gpu-1".into(),
                 cdi_device_ids: vec![format!("k8s.gpu.cleave.dev/claim={UID_A}-gpu-1")],
+                share_id: None,
             }]
         }
     );

@@ -9,6 +9,10 @@
 //!   `EXCLUSIVE_PROCESS` compute mode while it runs. The daemon outlives plugin restarts;
 //!   [`SharingManager::reconcile`] re-finds daemons after a restart, restarts dead ones of
 //!   live claims and stops those whose claims are gone.
+//! - Shares (consumable capacity, `--consumable-capacity mps`): one multi-user daemon per
+//!   shared device (`mps/shared-<device>`, unlimited defaults), started by its first share
+//!   and stopped after its last, counted from the checkpoint by the caller; each share's
+//!   device gets client limits from what it consumed ([`SharingManager::apply_shares_of`]).
 //! - Time-slicing ([`timeslice`]): `nvidia-smi compute-policy --set-timeslice` on whole GPUs,
 //!   restored to the default when no recorded claim needs another interval.
 //!

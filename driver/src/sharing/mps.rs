@@ -9,6 +9,9 @@
 //! mps/<claim UID>/pipe/       0777: CUDA_MPS_PIPE_DIRECTORY, bind-mounted into the claim's
 //!                             containers only (they run as any user)
 //! mps/<claim UID>/log/        1777: CUDA_MPS_LOG_DIRECTORY (control.log, server.log)
+//! mps/shared-<device>/        the same for the daemon every share of a device uses
+//!                             (consumable capacity); its pipe goes to every share's
+//!                             containers
 //! ```
 //!
 //! The record is written before the daemon is launched and again once its PID is known, so

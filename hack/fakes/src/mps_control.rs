@@ -62,7 +62,9 @@
 //! connected `--hold-ms`, and exits 0; without a reachable daemon it prints `no MPS
 //! daemon: running without MPS` and exits 0 (a CUDA client falls back to plain CUDA); when
 //! it is not served within `--wait-ms` it prints `still waiting for an MPS server` and
-//! exits 3; a refused client prints `MPS client refused: <error>` and exits 1.
+//! exits 3; a refused client prints `MPS client refused: <error>` and exits 1. The limits it
+//! prints are the server's lowered (never raised) by its own
+//! `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`.
 //!
 //! Every daemon start and every UI command is recorded, one line each, into the file named
 //! by `FAKE_MPS_RECORD`, else `<pipe dir>/../fake-mps-record.log`:
@@ -985,6 +987,53 @@ fn own_uid() -> u32 {
         .unwrap_or(0)
 }
 
+/// The client's effective thread percentage and limits: the server's (`server_pct`,
+/// `server_limits` as `dev=limit,...` or `none`) lowered by the client's own environment.
+/// A percentage outside (0, 100] is an error, as in the real client (`%s should be between
+/// (0.0, 100.0]`). Limits are keyed by the literal device string, as the daemon keeps them.
+fn client_limits(server_pct: &str, server_limits: &str) -> Result<(String, String), String> {
+    let mut pct: f64 = server_pct.parse().unwrap_or(100.0);
+    if let Ok(text) = std::env::var("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") {
+        let own = parse_percentage(&text).ok_or_else(|| {
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE should be between (0.0, 100.0]".to_owned()
+        })?;
+        pct = pct.min(own);
+    }
+    let mib = |l: Limit| if l.unit == 'G' { l.value * 1024 } else { l.value };
+    let mut limits: BTreeMap<String, Limit> = BTreeMap::new();
+    for entry in server_limits.split(',').filter(|e| *e != "none" && !e.is_empty()) {
+        if let Some((dev, text)) = entry.split_once('=')
+            && let Some(limit) = Limit::parse(text)
+        {
+            limits.insert(dev.to_owned(), limit);
+        }
+    }
+    if let Ok(text) = std::env::var("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") {
+        for entry in text.split(',').filter(|e| !e.is_empty()) {
+            let parsed = entry.split_once('=').and_then(|(dev, l)| {
+                Limit::parse(l.strip_suffix('B').unwrap_or(l)).map(|l| (dev, l))
+            });
+            let Some((dev, own)) = parsed else {
+                return Err(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT entry {entry:?} is not <device>=<n>G|M"));
+            };
+            let lower = limits.get(dev).is_none_or(|l| mib(own) < mib(*l));
+            if lower {
+                limits.insert(dev.to_owned(), own);
+            }
+        }
+    }
+    let limits = if limits.is_empty() {
+        "none".to_owned()
+    } else {
+        limits
+            .iter()
+            .map(|(d, l)| format!("{d}={}{}", l.value, l.unit))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    Ok((format!("{pct:.1}"), limits))
+}
+
 /// Runs the fake CUDA client (see the module docs) and returns its exit code.
 pub fn client_main(args: &[String]) -> i32 {
     let mut uid = own_uid();
@@ -1040,6 +1089,16 @@ pub fn client_main(args: &[String]) -> i32 {
         return 1;
     };
     let limits = words.next().unwrap_or("none");
+    // A client's own CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT
+    // can lower what the server gives it, never raise it (NVIDIA MPS docs, "Environment
+    // Variables").
+    let (pct, limits) = match client_limits(pct, limits) {
+        Ok(v) => v,
+        Err(error) => {
+            println!("MPS client refused: {error}");
+            return 1;
+        }
+    };
     // The server's shared memory must be visible where this client looks for it.
     let suffix = format!(".{spid}");
     let shares_shm = std::fs::read_dir(shm_dir()).is_ok_and(|mut d| {

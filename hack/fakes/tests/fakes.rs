@@ -309,6 +309,37 @@ fn mps_servers_are_per_uid_and_take_the_pending_defaults() {
             "served by MPS server {first_server} (active thread percentage 30.0, pinned memory limits 0=1G)\n"
         )
     );
+    // A client's own limits lower what the server gives it, never raise it.
+    let lower = client(&pipe, &shm, 1000, &[])
+        .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20")
+        .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=512M")
+        .output()
+        .unwrap();
+    assert!(
+        stdout(&lower).contains("(active thread percentage 20.0, pinned memory limits 0=512M)"),
+        "{}",
+        stdout(&lower)
+    );
+    let higher = client(&pipe, &shm, 1000, &[])
+        .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "80")
+        .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=4G")
+        .output()
+        .unwrap();
+    assert!(
+        stdout(&higher).contains("(active thread percentage 30.0, pinned memory limits 0=1G)"),
+        "{}",
+        stdout(&higher)
+    );
+    let bad = client(&pipe, &shm, 1000, &[])
+        .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0")
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        stdout(&bad).contains("should be between (0.0, 100.0]"),
+        "{}",
+        stdout(&bad)
+    );
     // A client that does not share the daemon's /dev/shm is not served.
     let other_shm = tempfile::tempdir().unwrap();
     let no_shm = client(&pipe, other_shm.path(), 1000, &[]).output().unwrap();

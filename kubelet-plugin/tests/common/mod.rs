@@ -58,6 +58,7 @@ impl ClaimHandler for FakeHandler {
                                 "k8s.gpu.cleave.dev/claim={}-gpu-0",
                                 c.uid
                             )],
+                            share_id: None,
                         },
                         share_id: Some("share-1".into()),
                     }])

@@ -1,0 +1,432 @@
+//! Shares of one GPU (`--consumable-capacity mps`), end to end: the real plugin binary over
+//! the mock NVML library and the API server stand-in, MPS daemons in pods run by a fake
+//! kubelet (`tests/common/kubelet.rs`), and the fake `nvidia-cuda-mps-control` and
+//! `nvidia-smi` (of `cleave-fakes`, played by this test binary itself, as in
+//! `tests/mps_pod.rs`).
+//!
+//! Three claims hold shares of `gpu-0` (20Gi and 44 of the H100's 132 SMs each, as the
+//! scheduler allocates them: `shareID` and `consumedCapacity` in the allocation result):
+//! three CDI devices, one multi-user MPS daemon, each share's spec with
+//! `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33` and a 20Gi pinned memory limit; the daemon lives
+//! until the last share is unprepared; an exclusive claim on another GPU works as before.
+//!
+//! Built with `harness = false`: [`main`] first plays a fake tool when asked to, then runs
+//! the tests below one by one.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cleave_apiserver_standin::{StandIn, fixtures};
+use common::kubelet::{FakeKubelet, KubeletOptions};
+use common::node::*;
+use common::*;
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::json;
+
+const NAMESPACE: &str = "cleave-system";
+/// The shared daemon of `gpu-0` (directory and pod are named after it).
+const SHARED: &str = "shared-gpu-0";
+const SHARES: [(&str, &str); 3] = [
+    ("uid-share-a", "5a000000-0000-4000-8000-00000000000a"),
+    ("uid-share-b", "5b000000-0000-4000-8000-00000000000b"),
+    ("uid-share-c", "5c000000-0000-4000-8000-00000000000c"),
+];
+
+/// Stores claim `name` (UID `uid`) allocated `device`, as a share when `share` is given.
+fn put_share_claim(standin: &StandIn, name: &str, uid: &str, device: &str, share: Option<&str>) {
+    let mut claim =
+        fixtures::resource_claim("default", name, uid, DRIVER, NODE, &[("gpu", device)], &[]);
+    if let Some(share) = share {
+        let results = claim
+            .status
+            .as_mut()
+            .and_then(|s| s.allocation.as_mut())
+            .and_then(|a| a.devices.as_mut())
+            .and_then(|d| d.results.as_mut())
+            .unwrap();
+        for r in results {
+            r.share_id = Some(share.to_owned());
+            r.consumed_capacity = Some(
+                serde_json::from_value(json!({"memory": "20Gi", "multiprocessors": "44"}))
+                    .unwrap(),
+            );
+        }
+    }
+    standin.put(&claim).unwrap();
+}
+
+/// Files of one test beyond the node's: fake tools' records and the kubelet root.
+struct World {
+    dirs: NodeDirs,
+}
+
+impl World {
+    fn new() -> Self {
+        let dirs = NodeDirs::new();
+        let bin = dirs.driver_root().join("usr/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let exe = std::env::current_exe().unwrap();
+        let exe = exe.display();
+        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
+            let path = bin.join(tool);
+            std::fs::write(
+                &path,
+                format!("#!/bin/sh\nexec '{exe}' __fake \"$0\" \"$@\"\n"),
+            )
+            .unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        std::fs::create_dir_all(dirs.path().join("pod-logs")).unwrap();
+        Self { dirs }
+    }
+    fn kubelet_root(&self) -> PathBuf {
+        self.dirs.path().join("kubelet")
+    }
+    fn record(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dirs.path().join("fake-mps-record.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+    fn tool_env(&self) -> Vec<(String, String)> {
+        let p = |n: &str| self.dirs.path().join(n).display().to_string();
+        vec![
+            ("FAKE_MPS_RECORD".into(), p("fake-mps-record.log")),
+            ("FAKE_MPS_IDLE_EXIT_SECS".into(), "60".into()),
+            ("FAKE_NVIDIA_SMI_RECORD".into(), p("fake-smi-record.log")),
+            ("FAKE_NVIDIA_SMI_STATE".into(), p("fake-smi-state")),
+        ]
+    }
+    fn plugin_options(&self) -> PluginOptions {
+        let mut env: Vec<(&'static str, String)> = vec![
+            ("CONSUMABLE_CAPACITY", "mps".into()),
+            ("MPS_LAUNCHER", "pod".into()),
+            ("MPS_DAEMON_IMAGE", "cleave:test".into()),
+            ("POD_NAMESPACE", NAMESPACE.into()),
+            (
+                "KUBELET_ROOT_DIR",
+                self.kubelet_root().display().to_string(),
+            ),
+        ];
+        for (k, v) in self.tool_env() {
+            env.push((Box::leak(k.into_boxed_str()), v));
+        }
+        PluginOptions {
+            env,
+            ..PluginOptions::default()
+        }
+    }
+    fn kubelet(&self, standin: &StandIn) -> FakeKubelet {
+        let mut options = KubeletOptions::default();
+        options.env.extend(self.tool_env());
+        FakeKubelet::start(
+            standin.config(),
+            NODE,
+            &self.kubelet_root(),
+            Path::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
+            &self.dirs.path().join("pod-logs"),
+            options,
+        )
+    }
+    fn pod(&self, standin: &StandIn, key: &str) -> Option<Pod> {
+        standin.get_as("pods", NAMESPACE, &format!("cleave-mps-{key}"))
+    }
+    fn cdi_spec(&self, uid: &str) -> serde_json::Value {
+        let name = self
+            .dirs
+            .cdi_files()
+            .into_iter()
+            .find(|f| f.contains(uid))
+            .unwrap_or_else(|| panic!("no CDI spec for {uid}: {:?}", self.dirs.cdi_files()));
+        let text = std::fs::read_to_string(self.dirs.cdi_root().join(name)).unwrap();
+        serde_json::from_str(&text)
+            .or_else(|_| serde_yaml::from_str(&text))
+            .unwrap()
+    }
+    fn logs(&self) -> String {
+        let mut out = format!("plugin log:\n{}\n", self.dirs.log());
+        if let Ok(rd) = std::fs::read_dir(self.dirs.path().join("pod-logs")) {
+            for e in rd.flatten() {
+                out.push_str(&format!(
+                    "--- {}:\n{}\n",
+                    e.file_name().to_string_lossy(),
+                    std::fs::read_to_string(e.path()).unwrap_or_default()
+                ));
+            }
+        }
+        out.push_str(&format!("fake MPS record:\n{}\n", self.record().join("\n")));
+        out
+    }
+}
+
+/// Waits (bounded) until `done` holds.
+async fn eventually(what: &str, world: &World, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "timed out waiting until {what}\n{}",
+            world.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `(device name, env, mounts as (container path, host path))` of each CDI device.
+fn devices_of(spec: &serde_json::Value) -> Vec<(String, Vec<String>, Vec<(String, String)>)> {
+    spec["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            let e = &d["containerEdits"];
+            let env = e["env"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect();
+            let mounts = e["mounts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|m| {
+                    (
+                        m["containerPath"].as_str().unwrap_or_default().to_owned(),
+                        m["hostPath"].as_str().unwrap_or_default().to_owned(),
+                    )
+                })
+                .collect();
+            (d["name"].as_str().unwrap_or_default().to_owned(), env, mounts)
+        })
+        .collect()
+}
+
+async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    let kubelet = world.kubelet(&standin);
+    for (i, (uid, share)) in SHARES.iter().enumerate() {
+        put_share_claim(&standin, &format!("share-{i}"), uid, "gpu-0", Some(share));
+    }
+    put_share_claim(&standin, "whole", "uid-whole", "gpu-1", None);
+    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+
+    let claims: Vec<_> = (0..3)
+        .map(|i| claim(&format!("share-{i}"), SHARES[i].0))
+        .chain([claim("whole", "uid-whole")])
+        .collect();
+    let answer = prepare(&mut dra, claims).await;
+    for (uid, share) in SHARES {
+        let c = &answer.claims[uid];
+        assert_eq!(c.error, "", "{uid}\n{}", world.logs());
+        // One CDI device per share, named with the claim and the share.
+        assert_eq!(c.devices.len(), 1);
+        assert_eq!(c.devices[0].device_name, "gpu-0");
+        assert_eq!(
+            c.devices[0].cdi_device_ids,
+            [format!("k8s.gpu.cleave.dev/claim={uid}-gpu-0-share-{share}")]
+        );
+        assert_eq!(c.devices[0].share_id.as_deref(), Some(share));
+    }
+    assert_eq!(answer.claims["uid-whole"].error, "", "{}", world.logs());
+
+    // One MPS daemon (one pod) for the three shares, multi-user, limited to gpu-0.
+    let pod = world.pod(&standin, SHARED).expect("the shared daemon's pod");
+    assert_eq!(kubelet.started.lock().unwrap().len(), 1, "{}", world.logs());
+    let record = world.record();
+    let starts: Vec<&String> = record.iter().filter(|l| l.starts_with("start")).collect();
+    assert_eq!(starts.len(), 1, "{}", world.logs());
+    assert!(starts[0].contains("multiUser=1"), "{}", world.logs());
+    let pipe = world
+        .dirs
+        .state_dir()
+        .join("mps")
+        .join(SHARED)
+        .join("pipe")
+        .display()
+        .to_string();
+    assert!(
+        record
+            .iter()
+            .any(|l| l.contains(&format!("pipe={pipe}"))
+                && l.contains("set_default_active_thread_percentage 100")),
+        "daemon defaults are unlimited\n{}",
+        world.logs()
+    );
+    let shm = world
+        .kubelet_root()
+        .join("pods")
+        .join(pod.metadata.uid.as_deref().unwrap())
+        .join("volumes/kubernetes.io~empty-dir/shm")
+        .display()
+        .to_string();
+
+    // Each share's spec: its own limits, the shared pipe and /dev/shm.
+    for (uid, share) in SHARES {
+        let devices = devices_of(&world.cdi_spec(uid));
+        assert_eq!(devices.len(), 1, "{devices:?}");
+        let (name, env, mounts) = &devices[0];
+        assert_eq!(name, &format!("{uid}-gpu-0-share-{share}"));
+        for want in [
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M",
+            "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+        ] {
+            assert!(env.iter().any(|e| e == want), "{uid}: {want} not in {env:?}");
+        }
+        assert!(
+            mounts.contains(&("/tmp/nvidia-mps".into(), pipe.clone())),
+            "{mounts:?}"
+        );
+        assert!(
+            mounts.contains(&("/dev/shm".into(), shm.clone())),
+            "{mounts:?}"
+        );
+    }
+    // The exclusive claim on another GPU: as before, no MPS.
+    let whole = devices_of(&world.cdi_spec("uid-whole"));
+    assert_eq!(whole[0].0, "uid-whole-gpu-1");
+    assert!(!whole[0].1.iter().any(|e| e.starts_with("CUDA_MPS")));
+
+    // Unprepare two shares: the daemon stays for the third.
+    for i in 0..2 {
+        let un = unprepare(&mut dra, vec![claim(&format!("share-{i}"), SHARES[i].0)]).await;
+        assert_eq!(un.claims[SHARES[i].0].error, "", "{}", world.logs());
+        assert_eq!(
+            world.pod(&standin, SHARED).and_then(|p| p.metadata.uid),
+            pod.metadata.uid,
+            "the shared daemon's pod was kept after share {i}"
+        );
+    }
+    assert!(
+        !world.record().iter().any(|l| l.contains("quit")),
+        "{}",
+        world.logs()
+    );
+
+    // The last share stops it.
+    let un = unprepare(&mut dra, vec![claim("share-2", SHARES[2].0)]).await;
+    assert_eq!(un.claims[SHARES[2].0].error, "", "{}", world.logs());
+    assert!(world.pod(&standin, SHARED).is_none(), "{}", world.logs());
+    assert!(!world.dirs.state_dir().join("mps").join(SHARED).exists());
+    eventually("the shared daemon exited", &world, || {
+        world.record().iter().any(|l| l.starts_with("exit"))
+    })
+    .await;
+    let un = unprepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(un.claims["uid-whole"].error, "", "{}", world.logs());
+    drop(dra);
+    assert!(plugin.terminate().success());
+    drop(kubelet);
+}
+
+async fn whole_claim_on_a_shared_gpu_is_refused_clearly() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    let kubelet = world.kubelet(&standin);
+    put_share_claim(&standin, "share", SHARES[0].0, "gpu-0", Some(SHARES[0].1));
+    put_share_claim(&standin, "whole", "uid-whole", "gpu-0", None);
+    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let a = prepare(&mut dra, vec![claim("share", SHARES[0].0)]).await;
+    assert_eq!(a.claims[SHARES[0].0].error, "", "{}", world.logs());
+    let b = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    let err = &b.claims["uid-whole"].error;
+    assert!(
+        err.contains("gpu-0") && err.contains("allocated whole (no shareID)"),
+        "{err}"
+    );
+    let un = unprepare(&mut dra, vec![claim("share", SHARES[0].0)]).await;
+    assert_eq!(un.claims[SHARES[0].0].error, "", "{}", world.logs());
+    assert!(world.pod(&standin, SHARED).is_none());
+    drop(dra);
+    assert!(plugin.terminate().success());
+    drop(kubelet);
+}
+
+const FAKE_TOOL_ARG: &str = "__fake";
+
+/// Plays a fake tool (as `tests/mps_pod.rs` does): the wrappers under the driver root run
+/// `<this test> __fake <tool> <args>...`; the fake daemon re-executes itself as the tool.
+fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
+    let tool_args = match args.get(1).map(String::as_str) {
+        Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
+        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
+            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
+                && args.first().and_then(|a| Path::new(a).file_name())
+                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
+        {
+            args
+        }
+        _ => return None,
+    };
+    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
+    Some(std::process::ExitCode::from(
+        u8::try_from(code).unwrap_or(1),
+    ))
+}
+
+type TestFn = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
+
+const TESTS: [(&str, TestFn); 2] = [
+    (
+        "three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared",
+        || Box::pin(three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared()),
+    ),
+    ("whole_claim_on_a_shared_gpu_is_refused_clearly", || {
+        Box::pin(whole_claim_on_a_shared_gpu_is_refused_clearly())
+    }),
+];
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = play_fake_tool(&args) {
+        return code;
+    }
+    let filters: Vec<&String> = args
+        .iter()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, test) in TESTS {
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        let result = std::panic::catch_unwind(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(test());
+        });
+        println!(
+            "test {name} ... {}",
+            if result.is_ok() { "ok" } else { "FAILED" }
+        );
+        if result.is_err() {
+            failed.push(name);
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len()
+    );
+    if failed.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
