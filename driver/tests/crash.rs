@@ -26,11 +26,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cleave_api::names::DRIVER_NAME;
+use cleave_api::pool::ConsumableCapacity;
 use cleave_driver::cdi;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
 use cleave_driver::fault;
 use cleave_driver::nvml::NvmlBackend;
-use cleave_api::pool::ConsumableCapacity;
 use cleave_driver::prepare::{DriverConfig, NodeDriver, shared_daemon_key};
 use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager, SharingState};
 use common::harness::{alive, wait_dead};
@@ -649,8 +649,8 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
     }
     // Each share's CDI spec carries its own client limits (44 of 132 SMs, 20Gi).
     for uid in expected.iter().filter(|u| claim_def(u).share.is_some()) {
-        let text = std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(uid)))
-            .unwrap_or_default();
+        let text =
+            std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(uid))).unwrap_or_default();
         check(
             text.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33")
                 && text.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"),

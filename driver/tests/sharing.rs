@@ -1482,7 +1482,8 @@ fn share_claim(
     consumed: (&str, &str),
     sharing: Option<serde_json::Value>,
 ) -> ResourceClaim {
-    let mut result = json!({"request": "gpu", "driver": DRIVER_NAME, "pool": "node-a", "device": device});
+    let mut result =
+        json!({"request": "gpu", "driver": DRIVER_NAME, "pool": "node-a", "device": device});
     if let Some(share) = share {
         result["shareID"] = json!(share);
         result["consumedCapacity"] = json!({"memory": consumed.0, "multiprocessors": consumed.1});
@@ -1541,7 +1542,13 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
     ];
     for (uid, share) in uids.iter().zip(share_ids) {
         let answer = driver
-            .prepare(&share_claim(uid, "gpu-0", Some(share), ("20Gi", "44"), None))
+            .prepare(&share_claim(
+                uid,
+                "gpu-0",
+                Some(share),
+                ("20Gi", "44"),
+                None,
+            ))
             .unwrap();
         // One CDI device per share, named with the share.
         assert_eq!(
@@ -1618,7 +1625,10 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
         ))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("prepared for claim") && err.contains("alone"), "{err}");
+    assert!(
+        err.contains("prepared for claim") && err.contains("alone"),
+        "{err}"
+    );
 
     // Unprepare of one share leaves the others' daemon alone, across a restart too.
     driver.unprepare(uids[0]).unwrap();
@@ -1699,7 +1709,13 @@ fn shares_are_refused_clearly_where_they_cannot_be_served() {
     assert!(err.contains("has a sharing config"), "{err}");
     // A shareID that cannot name a CDI device.
     let err = driver
-        .prepare(&share_claim(uid, "gpu-0", Some("Not/A/UUID"), ("20Gi", "44"), None))
+        .prepare(&share_claim(
+            uid,
+            "gpu-0",
+            Some("Not/A/UUID"),
+            ("20Gi", "44"),
+            None,
+        ))
         .unwrap_err()
         .to_string();
     assert!(err.contains("shareID"), "{err}");

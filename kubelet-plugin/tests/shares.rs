@@ -51,8 +51,7 @@ fn put_share_claim(standin: &StandIn, name: &str, uid: &str, device: &str, share
         for r in results {
             r.share_id = Some(share.to_owned());
             r.consumed_capacity = Some(
-                serde_json::from_value(json!({"memory": "20Gi", "multiprocessors": "44"}))
-                    .unwrap(),
+                serde_json::from_value(json!({"memory": "20Gi", "multiprocessors": "44"})).unwrap(),
             );
         }
     }
@@ -202,7 +201,11 @@ fn devices_of(spec: &serde_json::Value) -> Vec<(String, Vec<String>, Vec<(String
                     )
                 })
                 .collect();
-            (d["name"].as_str().unwrap_or_default().to_owned(), env, mounts)
+            (
+                d["name"].as_str().unwrap_or_default().to_owned(),
+                env,
+                mounts,
+            )
         })
         .collect()
 }
@@ -231,14 +234,18 @@ async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
         assert_eq!(c.devices[0].device_name, "gpu-0");
         assert_eq!(
             c.devices[0].cdi_device_ids,
-            [format!("k8s.gpu.cleave.dev/claim={uid}-gpu-0-share-{share}")]
+            [format!(
+                "k8s.gpu.cleave.dev/claim={uid}-gpu-0-share-{share}"
+            )]
         );
         assert_eq!(c.devices[0].share_id.as_deref(), Some(share));
     }
     assert_eq!(answer.claims["uid-whole"].error, "", "{}", world.logs());
 
     // One MPS daemon (one pod) for the three shares, multi-user, limited to gpu-0.
-    let pod = world.pod(&standin, SHARED).expect("the shared daemon's pod");
+    let pod = world
+        .pod(&standin, SHARED)
+        .expect("the shared daemon's pod");
     assert_eq!(kubelet.started.lock().unwrap().len(), 1, "{}", world.logs());
     let record = world.record();
     let starts: Vec<&String> = record.iter().filter(|l| l.starts_with("start")).collect();
@@ -253,10 +260,8 @@ async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
         .display()
         .to_string();
     assert!(
-        record
-            .iter()
-            .any(|l| l.contains(&format!("pipe={pipe}"))
-                && l.contains("set_default_active_thread_percentage 100")),
+        record.iter().any(|l| l.contains(&format!("pipe={pipe}"))
+            && l.contains("set_default_active_thread_percentage 100")),
         "daemon defaults are unlimited\n{}",
         world.logs()
     );
@@ -279,7 +284,10 @@ async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M",
             "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
         ] {
-            assert!(env.iter().any(|e| e == want), "{uid}: {want} not in {env:?}");
+            assert!(
+                env.iter().any(|e| e == want),
+                "{uid}: {want} not in {env:?}"
+            );
         }
         assert!(
             mounts.contains(&("/tmp/nvidia-mps".into(), pipe.clone())),

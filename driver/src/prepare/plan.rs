@@ -268,7 +268,8 @@ impl NodeDriver {
                                 _ => "time-sliced with the GPU's other shares",
                             },
                             match self.config.consumable_capacity {
-                                ConsumableCapacity::TimeSlicing => " (a TimeSlicing block may set the interval)",
+                                ConsumableCapacity::TimeSlicing =>
+                                    " (a TimeSlicing block may set the interval)",
                                 _ => "",
                             }
                         ),

@@ -1255,7 +1255,10 @@ impl SharingManager {
             ),
         ];
         if let Some(bytes) = share.memory_bytes.filter(|b| *b >= 1 << 20) {
-            env.push(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M", bytes >> 20));
+            env.push(format!(
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M",
+                bytes >> 20
+            ));
         }
         ContainerEdits {
             env,

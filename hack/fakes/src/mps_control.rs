@@ -999,9 +999,18 @@ fn client_limits(server_pct: &str, server_limits: &str) -> Result<(String, Strin
         })?;
         pct = pct.min(own);
     }
-    let mib = |l: Limit| if l.unit == 'G' { l.value * 1024 } else { l.value };
+    let mib = |l: Limit| {
+        if l.unit == 'G' {
+            l.value * 1024
+        } else {
+            l.value
+        }
+    };
     let mut limits: BTreeMap<String, Limit> = BTreeMap::new();
-    for entry in server_limits.split(',').filter(|e| *e != "none" && !e.is_empty()) {
+    for entry in server_limits
+        .split(',')
+        .filter(|e| *e != "none" && !e.is_empty())
+    {
         if let Some((dev, text)) = entry.split_once('=')
             && let Some(limit) = Limit::parse(text)
         {
@@ -1014,7 +1023,9 @@ fn client_limits(server_pct: &str, server_limits: &str) -> Result<(String, Strin
                 Limit::parse(l.strip_suffix('B').unwrap_or(l)).map(|l| (dev, l))
             });
             let Some((dev, own)) = parsed else {
-                return Err(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT entry {entry:?} is not <device>=<n>G|M"));
+                return Err(format!(
+                    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT entry {entry:?} is not <device>=<n>G|M"
+                ));
             };
             let lower = limits.get(dev).is_none_or(|l| mib(own) < mib(*l));
             if lower {
