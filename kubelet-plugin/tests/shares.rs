@@ -176,8 +176,11 @@ async fn eventually(what: &str, world: &World, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// `(device name, env, mounts as (container path, host path))` of each CDI device.
-fn devices_of(spec: &serde_json::Value) -> Vec<(String, Vec<String>, Vec<(String, String)>)> {
+/// One CDI device: name, env, mounts as (container path, host path).
+type CdiDeviceView = (String, Vec<String>, Vec<(String, String)>);
+
+/// Every CDI device of a spec.
+fn devices_of(spec: &serde_json::Value) -> Vec<CdiDeviceView> {
     spec["devices"]
         .as_array()
         .into_iter()
@@ -304,9 +307,9 @@ async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
     assert!(!whole[0].1.iter().any(|e| e.starts_with("CUDA_MPS")));
 
     // Unprepare two shares: the daemon stays for the third.
-    for i in 0..2 {
-        let un = unprepare(&mut dra, vec![claim(&format!("share-{i}"), SHARES[i].0)]).await;
-        assert_eq!(un.claims[SHARES[i].0].error, "", "{}", world.logs());
+    for (i, (uid, _)) in SHARES.iter().enumerate().take(2) {
+        let un = unprepare(&mut dra, vec![claim(&format!("share-{i}"), uid)]).await;
+        assert_eq!(un.claims[*uid].error, "", "{}", world.logs());
         assert_eq!(
             world.pod(&standin, SHARED).and_then(|p| p.metadata.uid),
             pod.metadata.uid,
