@@ -1667,6 +1667,30 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
     );
     driver.unprepare(exclusive).unwrap();
     world.assert_nothing_left();
+
+    // A share that consumed all of a device (what a claim that asks for no capacity gets)
+    // has it alone: no daemon, no limits, even on a GPU without multi-user MPS.
+    let started = world.started_pids().len();
+    for (device, consumed) in [("gpu-1", ("80Gi", "132")), ("gpu-2", ("16Gi", "132"))] {
+        let all = "e0000000-0000-4000-8000-000000000003";
+        let answer = driver
+            .prepare(&share_claim(
+                all,
+                device,
+                Some("eeeeeeee-0000-4000-8000-00000000000e"),
+                consumed,
+                None,
+            ))
+            .unwrap();
+        assert_eq!(
+            answer.devices[0].share_id.as_deref(),
+            Some("eeeeeeee-0000-4000-8000-00000000000e")
+        );
+        assert!(!cdi_text(&world, all).contains("CUDA_MPS"), "{device}");
+        driver.unprepare(all).unwrap();
+    }
+    assert_eq!(world.started_pids().len(), started);
+    world.assert_nothing_left();
 }
 
 fn shares_are_refused_clearly_where_they_cannot_be_served() {

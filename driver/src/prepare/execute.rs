@@ -126,6 +126,18 @@ impl NodeDriver {
                 .find(|g| g.uuid == s.gpu_uuid)
                 .and_then(|g| super::sharing::device_multiprocessors(g, &s.device_name));
         }
+        // A share of the whole device (a claim that asked for no capacity) has the device
+        // alone, as without sharing: no daemon, no limits.
+        shares.retain(|s| {
+            let whole = s.takes_whole_device();
+            if whole {
+                tracing::info!(claim = %record.uid, device = %s.device_name, share = %s.share_id, "share consumed the whole device; used without MPS");
+            }
+            !whole
+        });
+        if shares.is_empty() {
+            return Ok(SharingEdits::default());
+        }
         let claim = SharingClaim {
             uid: &record.uid,
             namespace: &record.namespace,

@@ -144,6 +144,27 @@ impl ShareDevice {
             _ => 100,
         }
     }
+
+    /// True when the share consumed the whole device (its memory, rounded down to 1Mi as
+    /// published, and all its SMs): what the scheduler allocates to a claim that asks for no
+    /// capacity. Such a share is served like a whole device, with no MPS. False when either
+    /// size is unknown.
+    pub fn takes_whole_device(&self) -> bool {
+        let memory = self
+            .gpu
+            .as_ref()
+            .and_then(|g| g.device_memory_bytes)
+            .map(|b| (b >> 20) << 20);
+        match (
+            self.memory_bytes,
+            memory,
+            self.multiprocessors,
+            self.device_multiprocessors,
+        ) {
+            (Some(m), Some(total_m), Some(s), Some(total_s)) => m >= total_m && s >= total_s,
+            _ => false,
+        }
+    }
 }
 
 /// A share recorded in the checkpoint: which claim holds a share of which device.
