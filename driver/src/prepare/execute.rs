@@ -20,12 +20,11 @@ use std::collections::BTreeSet;
 
 use cleave_api::config::DeviceKind as ConfigKind;
 use cleave_api::merge::base_request;
+use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::plan::{PlannedDevice, claim_label};
 use super::recover::recorded_uuids;
-use cleave_api::pool::ConsumableCapacity;
-
 use super::{
     GpuFacts, NodeDriver, PrepareError, PreparedClaim, PreparedDevice, ShareDevice, SharingClaim,
     SharingDevice, SharingEdits, State, device_need, device_uuid, share_holders, time_slice_needs,
@@ -73,7 +72,7 @@ pub(super) fn cdi_name(device: &str, share: Option<&crate::checkpoint::ShareReco
     }
 }
 
-/// Adds `more` to `edits` (claim edits, then per-device edits); the state stays `edits'`.
+/// Adds `more` to `edits` (claim edits, then per-device edits); `edits.state` is kept.
 pub(super) fn merge_edits(edits: &mut SharingEdits, more: SharingEdits) {
     edits.claim_edits.extend(&more.claim_edits);
     for (device, e) in more.device_edits {

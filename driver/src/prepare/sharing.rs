@@ -420,6 +420,60 @@ mod tests {
         }
     }
 
+    fn share(used: (Option<u64>, Option<u32>), device: (u64, Option<u32>)) -> ShareDevice {
+        ShareDevice {
+            device_name: "gpu-0".into(),
+            uuid: "GPU-1".into(),
+            gpu_uuid: "GPU-1".into(),
+            gpu: Some(GpuFacts {
+                uuid: "GPU-1".into(),
+                index: 0,
+                minor: 0,
+                product_name: "H100".into(),
+                compute_capability: (9, 0),
+                device_memory_bytes: Some(device.0),
+                multiprocessors: device.1,
+                mig_enabled: false,
+            }),
+            device_multiprocessors: device.1,
+            share_id: "s".into(),
+            memory_bytes: used.0,
+            multiprocessors: used.1,
+        }
+    }
+
+    #[test]
+    fn share_thread_percentage_and_whole_device() {
+        const GIB: u64 = 1 << 30;
+        // H100 80GB: 81559 MiB and 1/2 MiB more, published rounded down to 1Mi.
+        let memory = 81_559 * (1 << 20) + (1 << 19);
+        let s = |m, sms| share((Some(m), Some(sms)), (memory, Some(132)));
+        assert_eq!(s(20 * GIB, 44).thread_percentage(), 33);
+        assert_eq!(s(20 * GIB, 1).thread_percentage(), 1, "at least 1");
+        assert_eq!(s(20 * GIB, 132).thread_percentage(), 100);
+        assert_eq!(share((None, None), (memory, None)).thread_percentage(), 100);
+        assert!(!s(20 * GIB, 132).takes_whole_device());
+        assert!(!s(81_559 << 20, 131).takes_whole_device());
+        assert!(s(81_559 << 20, 132).takes_whole_device());
+        assert!(!share((Some(memory), None), (memory, Some(132))).takes_whole_device());
+    }
+
+    #[test]
+    fn shared_daemon_names_are_valid_claim_names() {
+        for device in ["gpu-0", "gpu-12-mig-1g10gb-6", &"a".repeat(63)] {
+            let key = shared_daemon_key(device);
+            assert!(key.len() <= 63, "{key}");
+            crate::cdi::validate_claim_uid(&key).unwrap();
+        }
+        assert_eq!(shared_daemon_key("gpu-0"), "shared-gpu-0");
+        let name = crate::cdi::share_device_name(
+            "gpu-7-mig-3g40gb-4",
+            "5a000000-0000-4000-8000-00000000000a",
+        );
+        assert!(name.len() <= 63 && !name.ends_with('-'), "{name}");
+        crate::cdi::validate_device_name(&name).unwrap();
+    }
+
     #[test]
     fn needs_come_from_recorded_configs() {
         let ts = |interval: &str| {
