@@ -362,6 +362,61 @@ async fn whole_claim_on_a_shared_gpu_is_refused_clearly() {
     drop(kubelet);
 }
 
+async fn process_launcher_serves_shares_with_one_daemon_too() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    for (i, (uid, share)) in SHARES.iter().enumerate() {
+        put_share_claim(&standin, &format!("share-{i}"), uid, "gpu-0", Some(share));
+    }
+    let mut options = world.plugin_options();
+    options
+        .env
+        .retain(|(k, _)| !matches!(*k, "MPS_LAUNCHER" | "MPS_DAEMON_IMAGE"));
+    options.env.push(("MPS_LAUNCHER", "process".into()));
+    let plugin = Plugin::start(&world.dirs, &options);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let claims: Vec<_> = SHARES
+        .iter()
+        .enumerate()
+        .map(|(i, (uid, _))| claim(&format!("share-{i}"), uid))
+        .collect();
+    let answer = prepare(&mut dra, claims.clone()).await;
+    for (uid, _) in SHARES {
+        assert_eq!(answer.claims[uid].error, "", "{uid}\n{}", world.logs());
+        let devices = devices_of(&world.cdi_spec(uid));
+        assert!(
+            devices[0]
+                .1
+                .iter()
+                .any(|e| e == "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33"),
+            "{devices:?}"
+        );
+    }
+    let starts = |w: &World| w.record().iter().filter(|l| l.starts_with("start")).count();
+    assert_eq!(starts(&world), 1, "{}", world.logs());
+    assert!(standin.list_as::<Pod>("pods").is_empty());
+    let un = unprepare(&mut dra, claims[..2].to_vec()).await;
+    assert!(
+        un.claims.values().all(|c| c.error.is_empty()),
+        "{}",
+        world.logs()
+    );
+    assert!(!world.record().iter().any(|l| l.starts_with("exit")));
+    let un = unprepare(&mut dra, claims[2..].to_vec()).await;
+    assert!(
+        un.claims.values().all(|c| c.error.is_empty()),
+        "{}",
+        world.logs()
+    );
+    eventually("the shared daemon exited", &world, || {
+        world.record().iter().any(|l| l.starts_with("exit"))
+    })
+    .await;
+    assert!(!world.dirs.state_dir().join("mps").join(SHARED).exists());
+    drop(dra);
+    assert!(plugin.terminate().success());
+}
+
 const FAKE_TOOL_ARG: &str = "__fake";
 
 /// Plays a fake tool (as `tests/mps_pod.rs` does): the wrappers under the driver root run
@@ -386,13 +441,16 @@ fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
 
 type TestFn = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
 
-const TESTS: [(&str, TestFn); 2] = [
+const TESTS: [(&str, TestFn); 3] = [
     (
         "three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared",
         || Box::pin(three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared()),
     ),
     ("whole_claim_on_a_shared_gpu_is_refused_clearly", || {
         Box::pin(whole_claim_on_a_shared_gpu_is_refused_clearly())
+    }),
+    ("process_launcher_serves_shares_with_one_daemon_too", || {
+        Box::pin(process_launcher_serves_shares_with_one_daemon_too())
     }),
 ];
 
