@@ -10,6 +10,13 @@
 //! gives GPU- and compute-instance creation that much extra latency each (the mock's
 //! `delay` control lines; default 0, the mock's own speed).
 //!
+//! Then the cost of per-claim usage sampling (in a child process of its own, on a mock
+//! node of 8 MIG-enabled H100s with 7 1g.10gb instances each and one whole H100): whole-GPU
+//! prepare p50/p99 with sampling off and with the 56 MIG devices sampled every 100 ms in
+//! the background over the plugin's own NVML handle, in the same run; the cost of one
+//! sampling round and of one `/metrics` encoding (a scrape) with those 56 claim devices;
+//! and the process's resident memory before and after sampling.
+//!
 //! Run: `cargo bench -p cleave-kubelet-plugin --bench prepare` (ITERATIONS env to change
 //! the sample count). Prints p50/p99 and the ratios; asserts nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -99,6 +106,10 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(200);
+    if std::env::var_os(USAGE_CHILD).is_some() {
+        usage_child(iterations);
+        return;
+    }
     let lib = cleave_kubelet_plugin::mock::find_library(&std::env::current_exe().unwrap())
         .expect("mock NVML library not built (cargo build -p cleave-mock-nvml)");
     let dir = tempfile::tempdir().unwrap();
@@ -154,6 +165,11 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         },
         lifecycle: Default::default(),
         mps: Default::default(),
+        // The phases above measure prepare alone; the usage phase turns sampling on.
+        usage: cleave_kubelet_plugin::args::UsageArgs {
+            usage_interval: Duration::ZERO,
+            ..Default::default()
+        },
         kubeconfig: None,
         metrics_addr: None,
         health: Default::default(),
@@ -233,6 +249,12 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
     let mig = mig_phase(&standin, dir, iterations, &args).await;
     let startup = startup_and_memory(&standin, dir).await;
     standin.shutdown().await;
+    let usage_status = std::process::Command::new(std::env::current_exe().unwrap())
+        .env(USAGE_CHILD, "1")
+        .env("ITERATIONS", iterations.to_string())
+        .status()
+        .unwrap();
+    assert!(usage_status.success(), "usage phase failed");
 
     let (p50, p99) = (
         percentile(&mut prepare, 0.5),
@@ -680,4 +702,304 @@ async fn startup_and_memory(standin: &StandIn, dir: &Path) -> Startup {
         split_after,
         cycles,
     }
+}
+
+/// Set in the child process that measures usage sampling (the mock reads its node at
+/// `nvmlInit`, so another node needs another process).
+const USAGE_CHILD: &str = "CLEAVE_PREPARE_BENCH_USAGE_CHILD";
+const USAGE_NODE: &str = "bench-usage-node";
+
+/// 8 MIG-enabled H100s (sampled) and one whole H100 (prepared).
+const USAGE_MOCK: &str = "name: bench-usage\ngpus:\n  - product: h100-80gb\n    count: 8\n    migEnabled: true\n  - product: h100-80gb\n    migEnabled: false\n";
+
+/// The sampled claim devices: fixed, whatever is prepared (as if 56 MIG claims were).
+struct Fixed {
+    devices: Vec<cleave_driver::usage::ClaimDevice>,
+    gpus: Vec<(String, u64, Option<u32>)>,
+}
+
+impl cleave_kubelet_plugin::usage::ClaimDevices for Fixed {
+    fn claim_devices(&self) -> Vec<cleave_driver::usage::ClaimDevice> {
+        self.devices.clone()
+    }
+    fn gpus(&self) -> Vec<(String, u64, Option<u32>)> {
+        self.gpus.clone()
+    }
+}
+
+fn own_rss_kib() -> u64 {
+    rss_kib(std::process::id())
+}
+
+fn usage_child(iterations: usize) {
+    use cleave_driver::backend::GpuBackend as _;
+    use cleave_driver::usage::{
+        Allocation, ClaimDevice, ClaimRef, DeviceKind, MigRef, SharingMode,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let lib = cleave_kubelet_plugin::mock::find_library(&std::env::current_exe().unwrap())
+        .expect("mock NVML library not built");
+    let config = dir.path().join("mock.yaml");
+    std::fs::write(&config, USAGE_MOCK).unwrap();
+    let control = dir.path().join("mock-control");
+    // Single-threaded still.
+    cleave_kubelet_plugin::mock::set_env("MOCK_NVML_CONFIG", &config.display().to_string());
+    cleave_kubelet_plugin::mock::set_env("MOCK_NVML_PROFILE", "");
+    cleave_kubelet_plugin::mock::set_env("MOCK_NVML_MIG", "");
+    cleave_kubelet_plugin::mock::set_env(
+        "MOCK_NVML_STATE",
+        &dir.path().join("mock.json").display().to_string(),
+    );
+    cleave_kubelet_plugin::mock::set_env("MOCK_NVML_CONTROL", &control.display().to_string());
+    // The 56 instances, created as an administrator would before the plugin starts.
+    let mut devices = Vec::new();
+    let mut script = String::new();
+    let mut gpus = Vec::new();
+    {
+        let backend = cleave_driver::nvml::NvmlBackend::open(Some(&lib)).unwrap();
+        let inv = backend.inventory().unwrap();
+        for (g, gpu) in inv.gpus.iter().enumerate() {
+            gpus.push((gpu.uuid.clone(), gpu.memory_bytes, gpu.multiprocessors));
+            if !gpu.mig.is_enabled() {
+                continue;
+            }
+            for start in 0..7u32 {
+                let mig = backend
+                    .create_mig(
+                        &gpu.uuid,
+                        19,
+                        cleave_driver::model::Placement { start, size: 1 },
+                    )
+                    .unwrap();
+                script.push_str(&format!(
+                    "memory {g} {gi} 0 {mib}\ngpm {g} {gi} {act} 3\n",
+                    gi = mig.gi_id,
+                    mib = 512 + start * 100,
+                    act = 5 + start * 10,
+                ));
+                devices.push(ClaimDevice {
+                    claim: ClaimRef {
+                        uid: format!("uid-{g}-{start}"),
+                        namespace: format!("team-{}", start % 3),
+                        name: format!("claim-{g}-{start}"),
+                    },
+                    device: format!("gpu-{g}-mig-1g10gb-{start}"),
+                    kind: DeviceKind::Mig,
+                    sharing: SharingMode::Exclusive,
+                    share_id: None,
+                    gpu_uuid: gpu.uuid.clone(),
+                    mig: Some(MigRef {
+                        uuid: mig.uuid.clone(),
+                        gi: mig.gi_id,
+                        ci: mig.ci_id,
+                    }),
+                    allocated: Allocation {
+                        memory_bytes: 9984 << 20,
+                        sms: Some(16),
+                        mig_profile: Some("1g.10gb".into()),
+                    },
+                    pids: Vec::new(),
+                });
+            }
+        }
+    }
+    std::fs::write(&control, script).unwrap();
+    let whole = format!("gpu-{}", gpus.len() - 1);
+    cleave_kubelet_plugin::install_crypto_provider();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let standin = StandIn::start(StandInOptions::default()).await.unwrap();
+        standin.put(&fixtures::node(USAGE_NODE)).unwrap();
+        let d = dir.path();
+        let args = RunArgs {
+            node_name: USAGE_NODE.into(),
+            kubelet: KubeletArgs {
+                driver_name: cleave_api::names::DRIVER_NAME.into(),
+                kubelet_registrar_directory_path: d.join("registry"),
+                kubelet_plugins_directory_path: d.join("plugins"),
+                pod_uid: None,
+            },
+            driver: DriverArgs {
+                cdi_root: d.join("cdi"),
+                driver_root: d.join("driver-root"),
+                dynamic_mig: false,
+                cdi_hook_source: None,
+                disable_cdi_hooks: false,
+                host_driver_root: None,
+                mps_control_bin: None,
+                nvidia_smi_bin: None,
+            },
+            nvml: NvmlArgs {
+                nvml_lib: Some(lib),
+                mock_profile: None,
+                mock: None,
+            },
+            lifecycle: Default::default(),
+            mps: Default::default(),
+            usage: cleave_kubelet_plugin::args::UsageArgs {
+                usage_interval: Duration::ZERO,
+                ..Default::default()
+            },
+            kubeconfig: None,
+            metrics_addr: None,
+            health: Default::default(),
+            uninstall: false,
+        };
+        mock_nvml::driver_root::DriverRootFixture::with_minors(0..9)
+            .lay_out(&args.driver.driver_root)
+            .unwrap();
+        let plugin = cleave_kubelet_plugin::start::start(&args, standin.client())
+            .await
+            .unwrap();
+        let mut dra = v1::dra_plugin_client::DraPluginClient::new(
+            cleave_kubelet_plugin::connect_unix(plugin.server.dra_socket())
+                .await
+                .unwrap(),
+        );
+        let mut n = 0usize;
+        let mut cycle = |dra: &mut v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>| {
+            n += 1;
+            let uid = format!("00000000-0000-4000-9000-{n:012}");
+            let name = format!("usage-claim-{n}");
+            standin
+                .put(&fixtures::resource_claim(
+                    "default",
+                    &name,
+                    &uid,
+                    cleave_api::names::DRIVER_NAME,
+                    USAGE_NODE,
+                    &[("gpu", whole.as_str())],
+                    &[],
+                ))
+                .unwrap();
+            let request = v1::Claim {
+                namespace: "default".into(),
+                name,
+                uid: uid.clone(),
+            };
+            let mut dra = dra.clone();
+            async move {
+                let t = Instant::now();
+                let r = dra
+                    .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                        claims: vec![request.clone()],
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                let took = t.elapsed();
+                assert_eq!(r.claims[&uid].error, "", "prepare failed");
+                let r = dra
+                    .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+                        claims: vec![request],
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert_eq!(r.claims[&uid].error, "", "unprepare failed");
+                took
+            }
+        };
+        for _ in 0..10 {
+            cycle(&mut dra).await;
+        }
+        let mut off = Vec::with_capacity(iterations);
+        for _ in 0..iterations {
+            off.push(cycle(&mut dra).await);
+        }
+        // One round and one scrape, measured alone.
+        let metrics = std::sync::Arc::new(cleave_kubelet_plugin::metrics::Metrics::new());
+        let source = plugin.backend.usage_source().unwrap();
+        let mut rounds = cleave_kubelet_plugin::usage::UsageRounds::new(
+            source,
+            cleave_driver::usage::IdlePolicy::default(),
+        );
+        let rss_before = own_rss_kib();
+        let mut round_times = Vec::new();
+        let mut scrape_times = Vec::new();
+        let mut scrape_bytes = 0;
+        for i in 0..21 {
+            let now = Instant::now();
+            let r = rounds.round(&devices, now);
+            metrics.usage.apply_round(USAGE_NODE, &r, &gpus,
+                now,
+                std::time::SystemTime::now(),
+            );
+            if i > 0 {
+                round_times.push(now.elapsed());
+            }
+            let t = Instant::now();
+            scrape_bytes = metrics.encode().len();
+            scrape_times.push(t.elapsed());
+        }
+        drop(rounds);
+        // Prepare with the 56 devices sampled every 100 ms in the background.
+        let monitor = cleave_kubelet_plugin::usage::UsageMonitor::start(
+            cleave_kubelet_plugin::usage::MonitorConfig {
+                interval: Duration::from_millis(100),
+                policy: cleave_driver::usage::IdlePolicy::default(),
+                pool: USAGE_NODE.into(),
+            },
+            plugin.backend.usage_source().unwrap(),
+            std::sync::Arc::new(Fixed {
+                devices: devices.clone(),
+                gpus: gpus.clone(),
+            }),
+            std::sync::Arc::clone(&metrics.usage),
+            None,
+        )
+        .unwrap();
+        let mut on = Vec::with_capacity(iterations);
+        for _ in 0..iterations {
+            on.push(cycle(&mut dra).await);
+        }
+        monitor.stop();
+        let rss_after = own_rss_kib();
+        plugin.shutdown().await.unwrap();
+        standin.shutdown().await;
+        let (o50, o99) = (percentile(&mut off, 0.5), percentile(&mut off, 0.99));
+        let (s50, s99) = (percentile(&mut on, 0.5), percentile(&mut on, 0.99));
+        println!(
+            "usage sampling cost ({} claim devices: 8 H100 x 7 MIG 1g.10gb, mock; whole-GPU prepare on a 9th H100), {iterations} samples each",
+            devices.len()
+        );
+        println!("  {:<44} {:>9} {:>9}", "", "p50 ms", "p99 ms");
+        println!(
+            "  {:<44} {:>9.3} {:>9.3}",
+            "prepare, sampling off",
+            ms(o50),
+            ms(o99)
+        );
+        println!(
+            "  {:<44} {:>9.3} {:>9.3}",
+            "prepare, sampling every 100 ms",
+            ms(s50),
+            ms(s99)
+        );
+        println!(
+            "  ratio on/off: p50 {:.2}x, p99 {:.2}x (target: p99 unchanged within noise)",
+            s50.as_secs_f64() / o50.as_secs_f64(),
+            s99.as_secs_f64() / o99.as_secs_f64()
+        );
+        println!(
+            "  {:<44} {:>9.3} {:>9.3}",
+            "one sampling round (56 devices)",
+            ms(percentile(&mut round_times, 0.5)),
+            ms(percentile(&mut round_times, 0.99))
+        );
+        println!(
+            "  {:<44} {:>9.3} {:>9.3}",
+            format!("one scrape (encode, {scrape_bytes} bytes)"),
+            ms(percentile(&mut scrape_times, 0.5)),
+            ms(percentile(&mut scrape_times, 0.99))
+        );
+        println!(
+            "  resident memory of the bench process: {rss_before} KiB before sampling, {rss_after} KiB after {} prepare cycles with sampling (+{} KiB)",
+            iterations,
+            rss_after.saturating_sub(rss_before)
+        );
+    });
 }

@@ -307,6 +307,100 @@ impl HealthArgs {
     }
 }
 
+/// Per-claim usage sampling and idle claims (flags of `run`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct UsageArgs {
+    /// How often the prepared claims' devices are sampled through NVML for the
+    /// `claim_*` usage metrics (`10s`, `500ms`, `1m`; a bare number is seconds); `0` turns
+    /// sampling off. Scrapes read the last round and never call NVML.
+    #[arg(long, env = "USAGE_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub usage_interval: std::time::Duration,
+    /// A claim whose devices all stay below this compute activity (percent) for
+    /// `--idle-after` is idle.
+    #[arg(long, env = "IDLE_THRESHOLD", default_value_t = 5.0, value_parser = parse_percent)]
+    pub idle_threshold: f64,
+    /// How long a claim must stay below `--idle-threshold` to be idle (`30m`, `1h`, `90s`).
+    #[arg(long, env = "IDLE_AFTER", default_value = "30m", value_parser = parse_duration)]
+    pub idle_after: std::time::Duration,
+    /// Post a Warning Event `ClaimIdle` on the ResourceClaim, once per idle period, naming
+    /// the figures.
+    #[arg(long, env = "IDLE_EVENTS")]
+    pub idle_events: bool,
+}
+
+impl Default for UsageArgs {
+    fn default() -> Self {
+        Self {
+            usage_interval: std::time::Duration::from_secs(10),
+            idle_threshold: 5.0,
+            idle_after: std::time::Duration::from_secs(30 * 60),
+            idle_events: false,
+        }
+    }
+}
+
+impl UsageArgs {
+    /// The idle policy the flags describe.
+    pub fn idle_policy(&self) -> cleave_driver::usage::IdlePolicy {
+        cleave_driver::usage::IdlePolicy {
+            threshold_percent: self.idle_threshold,
+            window: self.idle_after,
+        }
+    }
+}
+
+/// Arguments of `usage`.
+#[derive(Debug, Clone, Args)]
+pub struct UsageCommandArgs {
+    /// The running plugin's metrics endpoint (its `--metrics-addr`), `host:port` or an
+    /// `http://` URL.
+    #[arg(long, env = "METRICS_ADDR", default_value = "127.0.0.1:8080")]
+    pub metrics_addr: String,
+    /// Instead of asking a running plugin: prepare a few claims over the mock NVML
+    /// library with this node profile (e.g. `h100-80gb-x8`) and scripted usage, take two
+    /// sampling rounds and print them.
+    #[arg(long)]
+    pub mock: Option<String>,
+    /// Scrapes of the running plugin to take (the table's window spans them).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub scrapes: u32,
+    /// Time between scrapes (at least the plugin's `--usage-interval` to see new rounds).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub every: std::time::Duration,
+}
+
+/// Parses `500ms`, `10s`, `5m`, `1h` or a bare number of seconds.
+pub fn parse_duration(value: &str) -> Result<std::time::Duration, String> {
+    let v = value.trim();
+    let (number, unit) = match v.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(i) => v.split_at(i),
+        None => (v, "s"),
+    };
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("{value:?} is not a duration (write e.g. 500ms, 10s, 5m or 1h)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        other => {
+            return Err(format!(
+                "{value:?}: unknown unit {other:?} (use ms, s, m or h)"
+            ));
+        }
+    };
+    std::time::Duration::try_from_secs_f64(secs).map_err(|e| format!("{value:?}: {e}"))
+}
+
+/// Parses a percentage between 0 and 100.
+fn parse_percent(value: &str) -> Result<f64, String> {
+    match value.trim().trim_end_matches('%').parse::<f64>() {
+        Ok(p) if (0.0..=100.0).contains(&p) => Ok(p),
+        _ => Err(format!("{value:?} is not a percentage between 0 and 100")),
+    }
+}
+
 /// Arguments of `run`.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -332,6 +426,9 @@ pub struct RunArgs {
     /// MPS daemons.
     #[command(flatten)]
     pub mps: MpsArgs,
+    /// Usage sampling and idle claims.
+    #[command(flatten)]
+    pub usage: UsageArgs,
     /// Kubeconfig file (default: in-cluster configuration, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,

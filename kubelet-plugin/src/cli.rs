@@ -1,11 +1,14 @@
-//! Command line: `run` (the daemon), `inspect` (print the discovered devices), `checkpoint
-//! reset` and `mps-daemon`; the flags themselves are in [`crate::args`].
+//! Command line: `run` (the daemon), `inspect` (print the discovered devices), `usage`
+//! (what each claim was given and uses), `checkpoint reset` and `mps-daemon`; the flags
+//! themselves are in [`crate::args`].
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::args::{CheckpointResetArgs, InspectArgs, LogArgs, MpsDaemonArgs, NvmlArgs, RunArgs};
+use crate::args::{
+    CheckpointResetArgs, InspectArgs, LogArgs, MpsDaemonArgs, NvmlArgs, RunArgs, UsageCommandArgs,
+};
 
 /// cleave's kubelet plugin: a DRA driver for NVIDIA GPUs.
 #[derive(Debug, Parser)]
@@ -28,6 +31,9 @@ pub enum Command {
     Run(RunArgs),
     /// Print the GPUs and the devices this node would publish.
     Inspect(InspectArgs),
+    /// Print, per prepared claim device, what it was given and what it uses (from the
+    /// running plugin's metrics endpoint, or `--mock PROFILE` for a try).
+    Usage(UsageCommandArgs),
     /// Checkpoint maintenance (recovery from an unreadable checkpoint).
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
@@ -83,9 +89,15 @@ pub fn main() -> ExitCode {
 
 fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     // Environment changes must happen while the process is single-threaded.
+    let mut usage_mock = None;
     match &mut cli.command {
         Command::Run(a) => resolve_mock(&mut a.nvml)?,
         Command::Inspect(a) => resolve_mock(&mut a.nvml)?,
+        Command::Usage(a) => {
+            if let Some(profile) = &a.mock {
+                usage_mock = Some(crate::usage::command::MockTry::prepare_env(profile)?);
+            }
+        }
         Command::Checkpoint(_) | Command::MpsDaemon(_) => {}
     }
     crate::telemetry::init(
@@ -99,6 +111,10 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     match &cli.command {
         Command::Run(args) => runtime.block_on(crate::daemon::run(args.clone())),
         Command::Inspect(args) => crate::inspect::run(args),
+        Command::Usage(args) => {
+            print!("{}", crate::usage::command::run(args, usage_mock.as_ref())?);
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Checkpoint(CheckpointCommand::Reset(args)) => checkpoint_reset(args),
         Command::MpsDaemon(args) => runtime.block_on(crate::mps_daemon::run(args.clone())),
     }

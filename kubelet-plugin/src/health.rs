@@ -1,6 +1,7 @@
-//! Device health: the state of every published device, fed by the driver's NVML
-//! [`HealthWatcher`], streamed to the kubelet by the kubelet health service and applied to
-//! the published pool (a `NoSchedule` taint, or removal).
+//! Device health: the state of every published device, fed by the driver's
+//! [`HealthWatcher`] over the backend's event source (the driver's own NVML handle),
+//! streamed to the kubelet by the kubelet health service and applied to the published pool
+//! (a `NoSchedule` taint, or removal).
 //!
 //! Which devices an event concerns, and the conditions themselves, are the driver's pure
 //! [`cleave_driver::device_health`]; this module holds them behind a lock, runs the watcher
@@ -12,7 +13,6 @@
 //! clears every Xid mark).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,12 +41,13 @@ pub trait HealthObserver: Send + Sync + std::fmt::Debug {
 /// How often the complete device list is re-sent on the health stream.
 pub const DEFAULT_RESEND_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Health state for `run`: all devices of `pool` healthy, the NVML watcher on `nvml_lib`
-/// (default library when `None`) feeding it. `None` with `--disable-health-checks`. A
-/// watcher that cannot start is logged; the stream then reports every device healthy.
+/// Health state for `run`: all devices of `pool` healthy, the watcher over the event
+/// source of `backend` (the same NVML handle the driver uses) feeding it. `None` with
+/// `--disable-health-checks`. A watcher that cannot start (a backend without event source)
+/// is logged; the stream then reports every device healthy.
 pub fn start_for_plugin(
     args: &HealthArgs,
-    nvml_lib: Option<&std::path::Path>,
+    backend: &dyn cleave_driver::backend::GpuBackend,
     pool_name: &str,
     pool: &PoolDevices,
     inventory: &NodeInventory,
@@ -61,15 +62,21 @@ pub fn start_for_plugin(
     if let Some(o) = &health.observer {
         o.unhealthy_devices(0);
     }
-    let lib = nvml_lib.map_or_else(
-        || PathBuf::from(cleave_driver::nvml::DEFAULT_LIBRARY),
-        std::path::Path::to_path_buf,
-    );
     let driver = Arc::clone(driver);
-    if let Err(e) =
-        health.start_watching(lib, inventory, args, Arc::new(move || driver.inventory()))
-    {
-        warn!(error = %e, "device health checks not running; all devices reported healthy");
+    match backend.event_source() {
+        Some(source) => {
+            if let Err(e) = health.start_watching(
+                source,
+                inventory,
+                args,
+                Arc::new(move || driver.inventory()),
+            ) {
+                warn!(error = %e, "device health checks not running; all devices reported healthy");
+            }
+        }
+        None => warn!(
+            "device health checks not running: the GPU backend has no NVML event source; all devices reported healthy"
+        ),
     }
     Some(health)
 }
@@ -327,12 +334,12 @@ impl DeviceHealth {
         }
     }
 
-    /// Starts the NVML watcher on `lib_path` for the GPUs of `inventory` and a task that
-    /// applies its events (looking devices up in `current_inventory()`, so MIG devices
-    /// created after start are found) and expires marks.
+    /// Starts the watcher over `source` (the backend's event source) for the GPUs of
+    /// `inventory` and a task that applies its events (looking devices up in
+    /// `current_inventory()`, so MIG devices created after start are found) and expires marks.
     pub fn start_watching(
         self: &Arc<Self>,
-        lib_path: PathBuf,
+        source: Arc<dyn cleave_driver::backend::EventSource>,
         inventory: &NodeInventory,
         args: &HealthArgs,
         current_inventory: Arc<dyn Fn() -> NodeInventory + Send + Sync>,
@@ -344,7 +351,7 @@ impl DeviceHealth {
             ..WatchOptions::default()
         };
         let uuids = inventory.gpus.iter().map(|g| g.uuid.clone()).collect();
-        let watcher = HealthWatcher::spawn(&lib_path, uuids, options, move |e| {
+        let watcher = HealthWatcher::start(source, uuids, options, move |e| {
             let _ = tx.send(e);
         })?;
         *self

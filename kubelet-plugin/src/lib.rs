@@ -13,7 +13,8 @@
 //! is the driver's `device_health`); [`metrics`] owns the whole Prometheus registry and the
 //! HTTP endpoints, and the gRPC and health code report into it through observer traits they
 //! define. [`mps_pod`] launches claims' MPS daemons in pods, [`mps_daemon`] is the program
-//! inside such a pod. The rest are small tools: [`inspect`], [`coexistence`] (other GPU
+//! inside such a pod. [`usage`] samples the prepared claims' usage for the metrics, idle
+//! claims and the `usage` command. The rest are small tools: [`inspect`], [`coexistence`] (other GPU
 //! managers on the node), [`cdi_hook`] (installing the hook binary), [`mock`] (loading the
 //! mock NVML library for `--mock`), [`telemetry`] (logging).
 
@@ -36,6 +37,7 @@ pub mod mps_pod;
 pub mod serialize;
 pub mod start;
 pub mod telemetry;
+pub mod usage;
 
 pub use handler::{ClaimError, ClaimHandler, ClaimRef, PreparedDevice, PreparedShare};
 pub use kubelet::proto;

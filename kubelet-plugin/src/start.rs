@@ -224,6 +224,8 @@ pub struct RunningPlugin {
     /// GPU instances without compute instance when the pool was built (their placements
     /// are published as taken; the periodic check republishes when they change).
     pub bare_gpu_instances: BTreeMap<String, Vec<BareGpuInstance>>,
+    /// The per-claim usage sampling thread (`None` with `--usage-interval=0`).
+    pub usage: Option<crate::usage::UsageMonitor>,
 }
 
 impl std::fmt::Debug for RunningPlugin {
@@ -352,12 +354,9 @@ async fn start_on(
         m.observability
             .refresh_mps_daemons(&driver.config().state_dir);
     }
-    let nvml_library = backend
-        .nvml_library()
-        .or_else(|| args.nvml.nvml_lib.clone());
     let health = crate::health::start_for_plugin(
         &args.health,
-        nvml_library.as_deref(),
+        backend.as_ref(),
         &args.node_name,
         &pool,
         &inventory,
@@ -391,6 +390,7 @@ async fn start_on(
         &driver,
     )
     .await;
+    let usage = start_usage(args, backend.as_ref(), &driver, metrics.as_ref(), &events);
     let handler = Arc::new(
         KubeClaimHandler::new(client, Arc::clone(&driver), serializer.clone())
             .with_health(health.clone(), &plugin.driver_name)
@@ -411,7 +411,55 @@ async fn start_on(
         pending_pool,
         instance_lock,
         bare_gpu_instances,
+        usage,
     })
+}
+
+/// Starts per-claim usage sampling over the backend's usage source (the driver's NVML
+/// handle) unless `--usage-interval=0`; claims that turn idle get a `ClaimIdle` Event with
+/// `--idle-events`. Without `--metrics-addr` the rounds still feed idle detection.
+fn start_usage(
+    args: &RunArgs,
+    backend: &dyn GpuBackend,
+    driver: &Arc<NodeDriver>,
+    metrics: Option<&Arc<Metrics>>,
+    events: &EventReporter,
+) -> Option<crate::usage::UsageMonitor> {
+    if args.usage.usage_interval.is_zero() {
+        info!("per-claim usage sampling off (--usage-interval=0)");
+        return None;
+    }
+    let Some(source) = backend.usage_source() else {
+        warn!("per-claim usage sampling off: the GPU backend has no NVML usage source");
+        return None;
+    };
+    let usage_metrics = metrics.map_or_else(
+        || Arc::new(crate::metrics::usage::UsageMetrics::default()),
+        |m| Arc::clone(&m.usage),
+    );
+    let idle = args.usage.idle_events.then(|| {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        crate::usage::spawn_idle_events(events.clone(), rx);
+        tx
+    });
+    let inputs: Arc<dyn crate::usage::ClaimDevices> = Arc::clone(driver) as _;
+    match crate::usage::UsageMonitor::start(
+        crate::usage::MonitorConfig {
+            interval: args.usage.usage_interval,
+            policy: args.usage.idle_policy(),
+            pool: args.node_name.clone(),
+        },
+        source,
+        inputs,
+        usage_metrics,
+        idle,
+    ) {
+        Ok(m) => Some(m),
+        Err(e) => {
+            warn!(error = %e, "per-claim usage sampling not running: cannot start its thread");
+            None
+        }
+    }
 }
 
 /// Event reason: MIG-enabled GPUs without instances publish nothing (on-demand MIG off).
@@ -473,6 +521,9 @@ impl RunningPlugin {
     /// Stops the servers (removing this instance's sockets), then the publisher; the
     /// ResourceSlices stay.
     pub async fn shutdown(self) -> anyhow::Result<()> {
+        if let Some(u) = self.usage {
+            let _ = tokio::task::spawn_blocking(move || u.stop()).await;
+        }
         let stopped = self.server.shutdown().await;
         self.publisher.shutdown().await;
         stopped.context("stopping the plugin servers")

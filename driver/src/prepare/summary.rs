@@ -127,6 +127,111 @@ impl NodeDriver {
     }
 }
 
+impl NodeDriver {
+    /// The devices of the claims prepared by this instance, as the usage sampler needs
+    /// them: identity, hardware, what was given, and for MPS claims the host PID of their
+    /// control daemon (started as a host process; a daemon in a pod has no host PID here,
+    /// so its activity stays not attributable). Reads the cached state, never the file
+    /// (the sampler calls this every round). Capacity shares are not recorded yet:
+    /// `share_id` stays `None`.
+    pub fn claim_devices(&self) -> Vec<crate::usage::ClaimDevice> {
+        let state = self.lock();
+        claim_devices(&state.data, &state.inventory)
+    }
+}
+
+/// [`NodeDriver::claim_devices`] over decoded data and an inventory.
+pub(crate) fn claim_devices(
+    data: &CheckpointData,
+    inventory: &crate::model::NodeInventory,
+) -> Vec<crate::usage::ClaimDevice> {
+    use crate::checkpoint::DeviceKind as Recorded;
+    use crate::model::MigState;
+    use crate::usage::{Allocation, ClaimDevice, ClaimRef, DeviceKind, MigRef, SharingMode};
+    let mut out = Vec::new();
+    for r in data
+        .claims
+        .values()
+        .filter(|r| r.state == ClaimState::Prepared)
+    {
+        let sharing: Option<SharingState> = r
+            .sharing
+            .as_ref()
+            .and_then(|v| serde_json::from_value(v.clone()).ok());
+        let mps = sharing.as_ref().and_then(|s| s.mps.as_ref());
+        let time_sliced = sharing.as_ref().is_some_and(|s| !s.time_slicing.is_empty());
+        let pids: Vec<u32> = mps
+            .and_then(|m| m.daemon.as_ref())
+            .filter(|d| d.pod.is_none() && d.pid != 0)
+            .map(|d| vec![d.pid])
+            .unwrap_or_default();
+        for d in &r.devices {
+            let gpu = inventory.gpus.iter().find(|g| g.uuid == d.gpu_uuid);
+            let mig = d.mig.as_ref().and_then(|m| {
+                Some(MigRef {
+                    uuid: m.uuid.clone()?,
+                    gi: m.gi_id?,
+                    ci: m.ci_id?,
+                })
+            });
+            let profile = d.mig.as_ref().and_then(|m| {
+                let profiles = match &gpu?.mig {
+                    MigState::Enabled { profiles, .. } | MigState::Disabled { profiles } => {
+                        profiles
+                    }
+                    MigState::NotCapable => return None,
+                };
+                profiles.iter().find(|p| p.id == m.profile_id)
+            });
+            let is_mig = d.kind == Recorded::Mig;
+            let allocated = match (is_mig, profile) {
+                (true, Some(p)) => Allocation {
+                    memory_bytes: p.memory_mib << 20,
+                    sms: Some(p.multiprocessors),
+                    mig_profile: Some(p.name.clone()),
+                },
+                (true, None) => Allocation {
+                    memory_bytes: 0,
+                    sms: None,
+                    mig_profile: d.mig.as_ref().map(|m| m.profile_name.clone()),
+                },
+                (false, _) => Allocation {
+                    memory_bytes: gpu.map_or(0, |g| g.memory_bytes),
+                    sms: gpu.and_then(|g| g.multiprocessors),
+                    mig_profile: None,
+                },
+            };
+            out.push(ClaimDevice {
+                claim: ClaimRef {
+                    uid: r.uid.clone(),
+                    namespace: r.namespace.clone(),
+                    name: r.name.clone(),
+                },
+                device: d.name.clone(),
+                kind: match (mps.is_some(), is_mig) {
+                    (true, _) => DeviceKind::Mps,
+                    (false, true) => DeviceKind::Mig,
+                    (false, false) => DeviceKind::Whole,
+                },
+                sharing: if mps.is_some() {
+                    SharingMode::Mps
+                } else if time_sliced {
+                    SharingMode::TimeSlicing
+                } else {
+                    SharingMode::Exclusive
+                },
+                share_id: None,
+                gpu_uuid: d.gpu_uuid.clone(),
+                // A whole GPU served by a full-size instance is measured as that instance.
+                mig,
+                allocated,
+                pids: pids.clone(),
+            });
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,6 +36,7 @@ use crate::kubelet::dra::DraObserver;
 use crate::kubelet::registration::RegistrationState;
 
 pub mod observability;
+pub mod usage;
 
 /// `/healthz` fails when the heartbeat is older than this.
 pub const HEARTBEAT_STALE: Duration = Duration::from_secs(30);
@@ -76,6 +77,8 @@ pub struct Metrics {
     pub observability: observability::ObservabilityMetrics,
     /// Start-up state: NVML availability, checkpoint health (set by start-up).
     pub lifecycle: LifecycleMetrics,
+    /// Per-claim usage, written by the usage monitor after each round (see [`usage`]).
+    pub usage: Arc<usage::UsageMetrics>,
 }
 
 impl Default for Metrics {
@@ -122,6 +125,7 @@ impl Metrics {
         let health = HealthMetrics::register(&mut registry);
         let observability = observability::ObservabilityMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
+        let usage = Arc::new(usage::UsageMetrics::register(&mut registry));
         Self {
             registry,
             claims,
@@ -132,6 +136,7 @@ impl Metrics {
             health,
             observability,
             lifecycle,
+            usage,
         }
     }
 

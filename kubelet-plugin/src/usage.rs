@@ -1,0 +1,345 @@
+//! Per-claim usage: the sampling thread behind the `claim_*` metrics, idle claims and
+//! their `ClaimIdle` Events, and the `usage` command.
+//!
+//! [`UsageMonitor`] runs [`UsageRounds`] on a thread of its own every `--usage-interval`:
+//! it takes the prepared claims' devices from the driver
+//! ([`cleave_driver::prepare::NodeDriver::claim_devices`]), samples them through the
+//! backend's usage source (the driver's NVML handle), feeds the idle tracker and writes the
+//! result into [`crate::metrics::usage::UsageMetrics`]. A scrape encodes that last round and
+//! never calls NVML. A claim that turns idle is sent once per idle period to the Event
+//! task, which posts a Warning `ClaimIdle` on its ResourceClaim (`--idle-events`).
+//!
+//! MPS claims: the driver records the host PID of the claim's control daemon (process
+//! launcher); the MPS server that runs the claim's kernels is a child of it, so the PIDs
+//! the sampler looks for are the daemon and its descendants, read from `/proc`. A daemon
+//! run in a pod (`--mps-launcher=pod`) has no host PID in the record: its activity and
+//! memory are reported as not attributable.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use cleave_driver::backend::UsageSource;
+use cleave_driver::prepare::NodeDriver;
+use cleave_driver::usage::{
+    ClaimDevice, ClaimRef, DeviceKind, DeviceSample, IdlePolicy, IdleState, IdleTracker,
+    UsageSampler,
+};
+use tracing::{debug, info, warn};
+
+use crate::metrics::usage::UsageMetrics;
+
+pub mod command;
+
+/// Event reason: a claim stayed below the idle threshold for the idle window.
+pub const REASON_CLAIM_IDLE: &str = "ClaimIdle";
+
+/// What the monitor samples: the prepared claims' devices and the node's GPUs.
+pub trait ClaimDevices: Send + Sync {
+    /// The devices of the prepared claims now.
+    fn claim_devices(&self) -> Vec<ClaimDevice>;
+    /// Every GPU: UUID, total memory (bytes), SMs where known.
+    fn gpus(&self) -> Vec<(String, u64, Option<u32>)>;
+}
+
+impl ClaimDevices for NodeDriver {
+    fn claim_devices(&self) -> Vec<ClaimDevice> {
+        NodeDriver::claim_devices(self)
+    }
+    fn gpus(&self) -> Vec<(String, u64, Option<u32>)> {
+        self.inventory()
+            .gpus
+            .into_iter()
+            .map(|g| (g.uuid, g.memory_bytes, g.multiprocessors))
+            .collect()
+    }
+}
+
+/// A claim that turned idle: the subject and text of its `ClaimIdle` Event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IdleNotice {
+    /// The claim.
+    pub claim: ClaimRef,
+    /// The Event's note (threshold, window and figures).
+    pub note: String,
+}
+
+/// The outcome of one round.
+#[derive(Debug, Clone)]
+pub struct RoundOutcome {
+    /// One sample per claim device.
+    pub samples: Vec<DeviceSample>,
+    /// The idle view of every claim in the round.
+    pub idle: Vec<IdleState>,
+    /// Claims that turned idle in this round (each once per idle period).
+    pub newly_idle: Vec<IdleNotice>,
+    /// How long the sampling took.
+    pub took: Duration,
+}
+
+/// Sampler, idle tracker and the once-per-idle-period bookkeeping, without a thread (the
+/// monitor's thread, the `usage --mock` command and the bench drive it).
+#[derive(Debug)]
+pub struct UsageRounds {
+    sampler: UsageSampler,
+    tracker: IdleTracker,
+    /// Claims (UID) whose current idle period was already reported.
+    reported: BTreeSet<String>,
+}
+
+impl UsageRounds {
+    /// Rounds over `source` with idle `policy`.
+    pub fn new(source: Arc<dyn UsageSource>, policy: IdlePolicy) -> Self {
+        Self {
+            sampler: UsageSampler::new(source),
+            tracker: IdleTracker::new(policy),
+            reported: BTreeSet::new(),
+        }
+    }
+
+    /// One round over `devices` at `now`.
+    pub fn round(&mut self, devices: &[ClaimDevice], now: Instant) -> RoundOutcome {
+        let started = Instant::now();
+        let samples = if devices.is_empty() {
+            Vec::new()
+        } else {
+            self.sampler.sample(devices).samples
+        };
+        let took = started.elapsed();
+        let idle = self.tracker.observe(now, &samples);
+        let policy = *self.tracker.policy();
+        let mut newly_idle = Vec::new();
+        let mut still_idle = BTreeSet::new();
+        for st in &idle {
+            if !st.idle {
+                continue;
+            }
+            still_idle.insert(st.claim.uid.clone());
+            if !self.reported.contains(&st.claim.uid) {
+                newly_idle.push(IdleNotice {
+                    claim: st.claim.clone(),
+                    note: st.describe(&policy, now),
+                });
+            }
+        }
+        self.reported = still_idle;
+        RoundOutcome {
+            samples,
+            idle,
+            newly_idle,
+            took,
+        }
+    }
+}
+
+/// How the monitor runs.
+#[derive(Debug, Clone)]
+pub struct MonitorConfig {
+    /// Time between rounds (start to start).
+    pub interval: Duration,
+    /// When a claim is idle.
+    pub policy: IdlePolicy,
+    /// The `pool` label (the node name).
+    pub pool: String,
+}
+
+/// The sampling thread; stopped when dropped.
+#[derive(Debug)]
+pub struct UsageMonitor {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl UsageMonitor {
+    /// Starts rounds over `source` for the devices `inputs` lists, every
+    /// `config.interval`, writing into `metrics` and sending claims that turned idle to
+    /// `idle` (when given).
+    pub fn start(
+        config: MonitorConfig,
+        source: Arc<dyn UsageSource>,
+        inputs: Arc<dyn ClaimDevices>,
+        metrics: Arc<UsageMetrics>,
+        idle: Option<tokio::sync::mpsc::UnboundedSender<IdleNotice>>,
+    ) -> std::io::Result<Self> {
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("cleave-usage".into())
+            .spawn(move || {
+                let mut rounds = UsageRounds::new(source, config.policy);
+                info!(
+                    interval_ms = config.interval.as_millis() as u64,
+                    idle_threshold = config.policy.threshold_percent,
+                    idle_after_s = config.policy.window.as_secs(),
+                    "sampling per-claim usage"
+                );
+                loop {
+                    let now = Instant::now();
+                    let devices = with_mps_servers(inputs.claim_devices());
+                    let r = rounds.round(&devices, now);
+                    metrics.apply_round(&config.pool, &r, &inputs.gpus(), now, SystemTime::now());
+                    debug!(
+                        devices = devices.len(),
+                        took_ms = r.took.as_millis() as u64,
+                        "usage round"
+                    );
+                    for n in r.newly_idle {
+                        info!(claim = %n.claim, note = %n.note, "claim idle");
+                        if let Some(tx) = &idle {
+                            let _ = tx.send(n);
+                        }
+                    }
+                    let wait = config.interval.saturating_sub(now.elapsed());
+                    match stop_rx.recv_timeout(wait) {
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                        _ => break,
+                    }
+                }
+            })?;
+        Ok(Self {
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for its round in flight.
+    pub fn stop(mut self) {
+        self.halt(true);
+    }
+
+    fn halt(&mut self, join: bool) {
+        self.stop.take();
+        if let Some(t) = self.thread.take()
+            && join
+            && t.join().is_err()
+        {
+            warn!("usage sampling thread panicked");
+        }
+    }
+}
+
+impl Drop for UsageMonitor {
+    fn drop(&mut self) {
+        // Dropping the sender ends the thread's wait; it exits after its round.
+        self.halt(false);
+    }
+}
+
+/// Adds to every MPS claim device's PIDs (its control daemon) the daemon's descendants
+/// (the MPS server and anything it started), read from `/proc`.
+pub fn with_mps_servers(mut devices: Vec<ClaimDevice>) -> Vec<ClaimDevice> {
+    if !devices
+        .iter()
+        .any(|d| d.kind == DeviceKind::Mps && !d.pids.is_empty())
+    {
+        return devices;
+    }
+    let children = process_children(std::path::Path::new("/proc"));
+    for d in devices.iter_mut().filter(|d| d.kind == DeviceKind::Mps) {
+        d.pids = descendants(&children, &d.pids);
+    }
+    devices
+}
+
+/// Parent PID -> child PIDs of every process under `proc_root`.
+pub fn process_children(proc_root: &std::path::Path) -> BTreeMap<u32, Vec<u32>> {
+    let mut out: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Some(ppid) = std::fs::read_to_string(e.path().join("stat"))
+            .ok()
+            .as_deref()
+            .and_then(parent_pid)
+        {
+            out.entry(ppid).or_default().push(pid);
+        }
+    }
+    out
+}
+
+/// The parent PID in a `/proc/<pid>/stat` line (`pid (comm) state ppid ...`; `comm` may
+/// hold spaces and parentheses, so the fields after the last `)` are read).
+fn parent_pid(stat: &str) -> Option<u32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// `roots` and all their descendants in `children`, sorted.
+fn descendants(children: &BTreeMap<u32, Vec<u32>>, roots: &[u32]) -> Vec<u32> {
+    let mut seen: BTreeSet<u32> = BTreeSet::new();
+    let mut todo: Vec<u32> = roots.to_vec();
+    while let Some(p) = todo.pop() {
+        if seen.insert(p)
+            && let Some(c) = children.get(&p)
+        {
+            todo.extend(c);
+        }
+    }
+    seen.into_iter().collect()
+}
+
+/// The ResourceClaim an idle notice is about, as an Event's `regarding`.
+pub fn claim_reference(claim: &ClaimRef) -> k8s_openapi::api::core::v1::ObjectReference {
+    k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("resource.k8s.io/v1".into()),
+        kind: Some("ResourceClaim".into()),
+        namespace: Some(claim.namespace.clone()),
+        name: Some(claim.name.clone()),
+        uid: Some(claim.uid.clone()),
+        ..Default::default()
+    }
+}
+
+/// Posts a Warning `ClaimIdle` Event for every notice until the monitor stops.
+pub fn spawn_idle_events(
+    events: crate::events::EventReporter,
+    mut notices: tokio::sync::mpsc::UnboundedReceiver<IdleNotice>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(n) = notices.recv().await {
+            events
+                .publish(
+                    &claim_reference(&n.claim),
+                    crate::events::Severity::Warning,
+                    REASON_CLAIM_IDLE,
+                    "Monitor",
+                    &n.note,
+                )
+                .await;
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_with_odd_names_parse() {
+        assert_eq!(parent_pid("42 (nvidia-cuda-mps) S 7 42 42 0"), Some(7));
+        assert_eq!(parent_pid("42 (a) b) (c) R 9 1"), Some(9));
+        assert_eq!(parent_pid("garbage"), None);
+    }
+
+    #[test]
+    fn descendants_follow_the_tree_once() {
+        let mut children = BTreeMap::new();
+        children.insert(10, vec![11, 12]);
+        children.insert(12, vec![13]);
+        children.insert(99, vec![100]);
+        assert_eq!(descendants(&children, &[10]), [10, 11, 12, 13]);
+        assert_eq!(descendants(&children, &[5]), [5]);
+    }
+
+    #[test]
+    fn this_process_is_a_child_of_its_parent() {
+        let children = process_children(std::path::Path::new("/proc"));
+        let me = std::process::id();
+        let parent = std::os::unix::process::parent_id();
+        assert!(children.get(&parent).is_some_and(|c| c.contains(&me)));
+    }
+}

@@ -1,0 +1,581 @@
+//! `cleave-kubelet-plugin usage`: a table per claim device of what it was given and what it
+//! uses, read from a running plugin's `/metrics` (`--metrics-addr`, scraped `--scrapes`
+//! times `--every` apart), or from two sampling rounds over the mock NVML library
+//! (`--mock PROFILE`).
+//!
+//! The mock try does not run the driver's prepare (that needs a driver root holding the
+//! NVIDIA driver's files): it creates MIG devices on the mock as an administrator would,
+//! describes the claims prepare would record on them (two notebooks, a training job, an
+//! MPS claim), scripts their usage in the mock's control file, and renders the rounds
+//! through the plugin's own metrics registry, so both ways print from the same exposition.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{Read as _, Write as _};
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context as _;
+use cleave_driver::backend::GpuBackend as _;
+use cleave_driver::model::Placement;
+use cleave_driver::usage::{
+    Allocation, ClaimDevice, ClaimRef, DeviceKind, IdlePolicy, MigRef, SharingMode,
+};
+
+use crate::args::UsageCommandArgs;
+use crate::metrics::Metrics;
+
+use super::UsageRounds;
+
+/// One sample of the text exposition: name, labels, value.
+pub type Sample = (String, BTreeMap<String, String>, f64);
+
+/// Parses the Prometheus text exposition (as prometheus-client writes it): comment lines
+/// are skipped, label values unescaped. A line that does not parse is an error naming it.
+pub fn parse_exposition(text: &str) -> anyhow::Result<Vec<Sample>> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.trim_end();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bad = || anyhow::anyhow!("not a metrics line: {line:?}");
+        let (name, labels, rest) = match line.find('{') {
+            Some(open) => {
+                let name = &line[..open];
+                let (labels, used) = parse_labels(&line[open + 1..]).ok_or_else(bad)?;
+                (name, labels, &line[open + 1 + used..])
+            }
+            None => {
+                let (name, rest) = line.split_once(' ').ok_or_else(bad)?;
+                (name, BTreeMap::new(), rest)
+            }
+        };
+        let value = rest.split_whitespace().next().ok_or_else(bad)?;
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v.parse().map_err(|_| bad())?,
+        };
+        out.push((name.to_owned(), labels, value));
+    }
+    Ok(out)
+}
+
+/// Labels after `{` up to and including `}`; returns them and the bytes consumed.
+fn parse_labels(s: &str) -> Option<(BTreeMap<String, String>, usize)> {
+    let mut labels = BTreeMap::new();
+    let bytes: Vec<char> = s.chars().collect();
+    let mut i = 0;
+    let mut consumed = 0;
+    loop {
+        if bytes.get(i) == Some(&'}') {
+            consumed += 1;
+            return Some((labels, consumed));
+        }
+        let mut key = String::new();
+        while let Some(&c) = bytes.get(i) {
+            if c == '=' {
+                break;
+            }
+            key.push(c);
+            consumed += c.len_utf8();
+            i += 1;
+        }
+        if bytes.get(i) != Some(&'=') || bytes.get(i + 1) != Some(&'"') {
+            return None;
+        }
+        i += 2;
+        consumed += 2;
+        let mut value = String::new();
+        loop {
+            let c = *bytes.get(i)?;
+            i += 1;
+            consumed += c.len_utf8();
+            match c {
+                '"' => break,
+                '\\' => {
+                    let n = *bytes.get(i)?;
+                    i += 1;
+                    consumed += n.len_utf8();
+                    value.push(if n == 'n' { '\n' } else { n });
+                }
+                c => value.push(c),
+            }
+        }
+        labels.insert(key.trim_start_matches(',').to_owned(), value);
+        if bytes.get(i) == Some(&',') {
+            i += 1;
+            consumed += 1;
+        }
+    }
+}
+
+/// Fetches `/metrics` from `addr` (`host:port` or `http://host:port[/...]`).
+pub fn scrape(addr: &str) -> anyhow::Result<String> {
+    let hostport = addr
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap_or(addr);
+    let mut s = std::net::TcpStream::connect(hostport).with_context(|| {
+        format!(
+            "connecting to the plugin's metrics endpoint {hostport} (is the plugin running with --metrics-addr? pass its address with --metrics-addr, or try --mock h100-80gb-x8)"
+        )
+    })?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)
+        .with_context(|| format!("reading /metrics from {hostport}"))?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("{hostport} did not answer HTTP"))?;
+    let status = head.split(' ').nth(1).unwrap_or("");
+    anyhow::ensure!(
+        status == "200",
+        "{hostport}/metrics answered {status}: {}",
+        head.lines().next().unwrap_or("")
+    );
+    Ok(body.to_owned())
+}
+
+/// One claim device across the scrapes.
+#[derive(Debug, Default, Clone)]
+struct Row {
+    given_memory: Option<f64>,
+    sms: Option<f64>,
+    profile: String,
+    sharing: String,
+    kind: String,
+    used_now: Option<f64>,
+    used_max: Option<f64>,
+    activity_now: Option<(String, f64)>,
+    activity: Vec<f64>,
+    attributable: Option<bool>,
+}
+
+/// The table for `scrapes` (oldest first) at wall time `now`.
+pub fn render(scrapes: &[Vec<Sample>], now: SystemTime) -> String {
+    const P: &str = "cleave_kubelet_plugin_";
+    let mut rows: BTreeMap<(String, String, String), Row> = BTreeMap::new();
+    let mut idle: BTreeMap<(String, String), (bool, Option<f64>)> = BTreeMap::new();
+    for (n, samples) in scrapes.iter().enumerate() {
+        let last = n + 1 == scrapes.len();
+        for (name, l, v) in samples {
+            let Some(short) = name.strip_prefix(P) else {
+                continue;
+            };
+            let get = |k: &str| l.get(k).cloned().unwrap_or_default();
+            if short == "claim_idle" || short == "claim_idle_since_timestamp_seconds" {
+                if !last {
+                    continue;
+                }
+                let e = idle
+                    .entry((get("namespace"), get("claim")))
+                    .or_insert((false, None));
+                if short == "claim_idle" {
+                    e.0 = *v >= 1.0;
+                } else {
+                    e.1 = Some(*v);
+                }
+                continue;
+            }
+            if !short.starts_with("claim_") {
+                continue;
+            }
+            let row = rows
+                .entry((get("namespace"), get("claim"), get("device")))
+                .or_default();
+            match short {
+                "claim_allocated_memory_bytes" => row.given_memory = Some(*v),
+                "claim_allocated_sms" => row.sms = Some(*v),
+                "claim_allocated_info" => {
+                    row.profile = get("mig_profile");
+                    row.sharing = get("sharing");
+                    row.kind = get("kind");
+                }
+                "claim_used_memory_bytes" => {
+                    row.used_max = Some(row.used_max.map_or(*v, |m| m.max(*v)));
+                    if last {
+                        row.used_now = Some(*v);
+                    }
+                }
+                "claim_compute_activity_percent" => {
+                    let source = get("source");
+                    if source == "gpm_sm_occupancy" {
+                        continue;
+                    }
+                    row.activity.push(*v);
+                    if last {
+                        row.activity_now = Some((source, *v));
+                    }
+                }
+                "claim_activity_attributable" if last => row.attributable = Some(*v >= 1.0),
+                _ => {}
+            }
+        }
+    }
+    if rows.is_empty() {
+        return "no prepared claims are sampled (none prepared, or --usage-interval=0)\n".into();
+    }
+    let gib = |b: f64| format!("{:.1} GiB", b / f64::from(1u32 << 30));
+    let mut table = vec![[
+        "NAMESPACE/CLAIM".to_owned(),
+        "DEVICE".to_owned(),
+        "GIVEN".to_owned(),
+        "USED NOW".to_owned(),
+        format!("USED OVER WINDOW ({} scrapes)", scrapes.len()),
+        "IDLE SINCE".to_owned(),
+    ]];
+    let now_s = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    for ((ns, claim, device), r) in &rows {
+        let mut given = r.given_memory.map(gib).unwrap_or_else(|| "?".into());
+        if !r.profile.is_empty() {
+            let _ = write!(given, ", {}", r.profile);
+        }
+        if let Some(sms) = r.sms {
+            let _ = write!(given, ", {sms} SMs");
+        }
+        if !r.sharing.is_empty() && r.sharing != "exclusive" {
+            let _ = write!(given, ", {}", r.sharing);
+        }
+        let memory_now = r.used_now.map_or("memory n/a".into(), gib);
+        let activity_now = match (&r.activity_now, r.attributable) {
+            (Some((source, v)), _) => format!("{v:.1}% {source}"),
+            (None, Some(false)) => "activity not attributable".into(),
+            (None, _) => "activity pending".into(),
+        };
+        let window = if r.activity.is_empty() {
+            format!("max {}", r.used_max.map_or("memory n/a".into(), gib))
+        } else {
+            let mean = r.activity.iter().sum::<f64>() / r.activity.len() as f64;
+            let max = r.activity.iter().copied().fold(0.0, f64::max);
+            format!(
+                "max {}, activity mean {mean:.1}% max {max:.1}%",
+                r.used_max.map_or("memory n/a".into(), gib)
+            )
+        };
+        let idle_since = match idle.get(&(ns.clone(), claim.clone())) {
+            Some((true, Some(ts))) => format!("idle for {}", ago(now_s - ts)),
+            Some((false, Some(ts))) => format!("below threshold for {}", ago(now_s - ts)),
+            _ => "-".into(),
+        };
+        table.push([
+            format!("{ns}/{claim}"),
+            device.clone(),
+            given,
+            format!("{memory_now}, {activity_now}"),
+            window,
+            idle_since,
+        ]);
+    }
+    let mut widths = [0usize; 6];
+    for row in &table {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for row in &table {
+        let mut line = String::new();
+        for (i, (w, c)) in widths.iter().zip(row).enumerate() {
+            if i + 1 == row.len() {
+                line.push_str(c);
+            } else {
+                let _ = write!(line, "{c:<w$}  ");
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn ago(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// Runs `usage` against the running plugin.
+pub fn run_live(args: &UsageCommandArgs) -> anyhow::Result<String> {
+    let mut scrapes = Vec::new();
+    for n in 0..args.scrapes {
+        if n > 0 {
+            std::thread::sleep(args.every);
+        }
+        let text = scrape(&args.metrics_addr)?;
+        scrapes.push(parse_exposition(&text)?);
+    }
+    Ok(render(&scrapes, SystemTime::now()))
+}
+
+/// The mock try's scratch files; the mock's environment must be set (by
+/// [`MockTry::prepare_env`]) while the process is single-threaded.
+#[derive(Debug)]
+pub struct MockTry {
+    dir: tempfile::TempDir,
+    library: PathBuf,
+}
+
+impl MockTry {
+    /// Finds the mock library next to this executable and points the mock at scratch
+    /// state with `profile` in MIG mode. Call before any thread starts.
+    pub fn prepare_env(profile: &str) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?;
+        let library = crate::mock::find_library(&exe).ok_or_else(|| {
+            anyhow::anyhow!(
+                "usage --mock: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
+                crate::mock::MOCK_LIBRARY,
+                exe.display()
+            )
+        })?;
+        let dir = tempfile::tempdir().context("creating a scratch directory for the mock")?;
+        let path = |name: &str| dir.path().join(name).display().to_string();
+        std::fs::write(dir.path().join("control"), "")?;
+        crate::mock::set_env("MOCK_NVML_PROFILE", profile);
+        crate::mock::set_env("MOCK_NVML_MIG", "on");
+        crate::mock::set_env("MOCK_NVML_STATE", &path("state.json"));
+        crate::mock::set_env("MOCK_NVML_CONTROL", &path("control"));
+        Ok(Self { dir, library })
+    }
+
+    fn control(&self) -> PathBuf {
+        self.dir.path().join("control")
+    }
+
+    /// Creates the MIG devices, scripts usage, takes two rounds `interval` apart and
+    /// renders them.
+    pub fn run(&self, interval: Duration) -> anyhow::Result<String> {
+        let backend = cleave_driver::nvml::NvmlBackend::open(Some(&self.library))
+            .context("loading the mock NVML library")?;
+        let inventory = backend.inventory().context("reading the mock's GPUs")?;
+        anyhow::ensure!(
+            inventory.gpus.len() >= 2,
+            "usage --mock needs a profile with at least two MIG-capable GPUs (e.g. h100-80gb-x8)"
+        );
+        let source = backend
+            .usage_source()
+            .context("the mock backend has no usage source")?;
+        let (devices, script) = mock_claims(&backend, &inventory)?;
+        std::fs::write(self.control(), script)
+            .with_context(|| format!("writing {}", self.control().display()))?;
+        let metrics = Metrics::new();
+        let gpus: Vec<(String, u64, Option<u32>)> = inventory
+            .gpus
+            .iter()
+            .map(|g| (g.uuid.clone(), g.memory_bytes, g.multiprocessors))
+            .collect();
+        // Idle at once below 5 %: two rounds cannot show a longer window.
+        let policy = IdlePolicy {
+            threshold_percent: 5.0,
+            window: Duration::ZERO,
+        };
+        let mut rounds = UsageRounds::new(source, policy);
+        let mut scrapes = Vec::new();
+        let start = Instant::now();
+        for n in 0..2u32 {
+            let now = start + interval * n;
+            if n > 0 {
+                std::thread::sleep(now.saturating_duration_since(Instant::now()));
+            }
+            let r = rounds.round(&devices, now);
+            metrics
+                .usage
+                .apply_round("mock-node", &r, &gpus, now, SystemTime::now());
+            scrapes.push(parse_exposition(&metrics.encode())?);
+        }
+        Ok(render(&scrapes, SystemTime::now()))
+    }
+}
+
+/// The mock try's claims on MIG devices created for them, and the control-file lines that
+/// script their usage.
+fn mock_claims(
+    backend: &cleave_driver::nvml::NvmlBackend,
+    inventory: &cleave_driver::model::NodeInventory,
+) -> anyhow::Result<(Vec<ClaimDevice>, String)> {
+    use cleave_driver::model::MigState;
+    let mut devices = Vec::new();
+    let mut script = String::new();
+    // (namespace, claim, GPU index, kind, scripted lines per (gpu, gi))
+    let plan: [(&str, &str, usize, DeviceKind); 4] = [
+        ("team-a", "notebook-1", 0, DeviceKind::Mig),
+        ("team-a", "notebook-2", 0, DeviceKind::Mig),
+        ("team-b", "training", 1, DeviceKind::Mig),
+        ("team-b", "inference-mps", 1, DeviceKind::Mps),
+    ];
+    let mut next_start: BTreeMap<usize, u32> = BTreeMap::new();
+    for (n, (ns, name, g, kind)) in plan.into_iter().enumerate() {
+        let gpu = &inventory.gpus[g];
+        let MigState::Enabled { profiles, .. } = &gpu.mig else {
+            anyhow::bail!("usage --mock: GPU {} is not in MIG mode", gpu.uuid);
+        };
+        let profile = profiles
+            .iter()
+            .min_by_key(|p| p.slice_count)
+            .context("usage --mock: the GPU lists no MIG profile")?;
+        let start = next_start.entry(g).or_insert(0);
+        let mig = backend
+            .create_mig(
+                &gpu.uuid,
+                profile.id,
+                Placement {
+                    start: *start,
+                    size: profile.slice_count,
+                },
+            )
+            .with_context(|| format!("creating a {} instance on the mock", profile.name))?;
+        *start += profile.slice_count;
+        let pid = 4000 + n as u32;
+        let (mib, act) = [(6144, 62.5), (300, 0.5), (9000, 91.0), (2048, 0.0)][n];
+        match kind {
+            DeviceKind::Mps => {
+                let _ = writeln!(script, "process {g} {} 0 {pid} {mib} 40", mig.gi_id);
+            }
+            _ => {
+                let _ = writeln!(script, "memory {g} {} 0 {mib}", mig.gi_id);
+                let _ = writeln!(script, "gpm {g} {} {act} {}", mig.gi_id, act / 2.0);
+            }
+        }
+        devices.push(ClaimDevice {
+            claim: ClaimRef {
+                uid: format!("uid-{name}"),
+                namespace: ns.into(),
+                name: name.into(),
+            },
+            device: format!(
+                "gpu-{g}-mig-{}-{}",
+                profile.name.replace('.', ""),
+                mig.placement.start
+            ),
+            kind,
+            sharing: if kind == DeviceKind::Mps {
+                SharingMode::Mps
+            } else {
+                SharingMode::Exclusive
+            },
+            share_id: None,
+            gpu_uuid: gpu.uuid.clone(),
+            mig: Some(MigRef {
+                uuid: mig.uuid.clone(),
+                gi: mig.gi_id,
+                ci: mig.ci_id,
+            }),
+            allocated: Allocation {
+                memory_bytes: profile.memory_mib << 20,
+                sms: Some(profile.multiprocessors),
+                mig_profile: Some(profile.name.clone()),
+            },
+            pids: if kind == DeviceKind::Mps {
+                vec![pid]
+            } else {
+                Vec::new()
+            },
+        });
+    }
+    Ok((devices, script))
+}
+
+/// `usage`: the table from the running plugin or the mock try.
+pub fn run(args: &UsageCommandArgs, mock: Option<&MockTry>) -> anyhow::Result<String> {
+    match mock {
+        Some(m) => m.run(Duration::from_millis(200)),
+        None => run_live(args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_parses_escaped_labels() {
+        let text = "# HELP x y\ncleave_kubelet_plugin_claim_idle{namespace=\"a\",claim=\"b\\\"c\"} 1\nplain 2.5\n# EOF\n";
+        let s = parse_exposition(text).unwrap();
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].1["claim"], "b\"c");
+        assert_eq!(s[0].2, 1.0);
+        assert_eq!(s[1], ("plain".into(), BTreeMap::new(), 2.5));
+        assert!(parse_exposition("broken{a=1} 2").is_err());
+    }
+
+    #[test]
+    fn the_table_names_given_used_window_and_idle() {
+        let l = |extra: &[(&str, &str)]| {
+            let mut m: BTreeMap<String, String> = [
+                ("namespace", "ns"),
+                ("claim", "c"),
+                ("device", "gpu-0"),
+                ("sharing", "exclusive"),
+            ]
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+            for (k, v) in extra {
+                m.insert((*k).to_owned(), (*v).to_owned());
+            }
+            m
+        };
+        let p = |n: &str| format!("cleave_kubelet_plugin_{n}");
+        let round = |used: f64, act: f64| {
+            vec![
+                (
+                    p("claim_allocated_memory_bytes"),
+                    l(&[]),
+                    80.0 * 1073741824.0,
+                ),
+                (p("claim_allocated_sms"), l(&[]), 132.0),
+                (p("claim_allocated_info"), l(&[("mig_profile", "")]), 1.0),
+                (p("claim_used_memory_bytes"), l(&[]), used * 1073741824.0),
+                (
+                    p("claim_compute_activity_percent"),
+                    l(&[("source", "gpm_sm_activity")]),
+                    act,
+                ),
+                (p("claim_activity_attributable"), l(&[]), 1.0),
+                (
+                    p("claim_idle"),
+                    [("namespace", "ns"), ("claim", "c")]
+                        .iter()
+                        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                        .collect(),
+                    1.0,
+                ),
+                (
+                    p("claim_idle_since_timestamp_seconds"),
+                    [("namespace", "ns"), ("claim", "c")]
+                        .iter()
+                        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                        .collect(),
+                    1000.0,
+                ),
+            ]
+        };
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1090);
+        let t = render(&[round(4.0, 3.0), round(2.0, 1.0)], now);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 2, "{t}");
+        assert!(lines[0].starts_with("NAMESPACE/CLAIM"), "{t}");
+        for part in [
+            "ns/c",
+            "gpu-0",
+            "80.0 GiB, 132 SMs",
+            "2.0 GiB, 1.0% gpm_sm_activity",
+            "max 4.0 GiB, activity mean 2.0% max 3.0%",
+            "idle for 1m30s",
+        ] {
+            assert!(lines[1].contains(part), "{part} missing in\n{t}");
+        }
+        assert!(render(&[], now).contains("no prepared claims"));
+    }
+}

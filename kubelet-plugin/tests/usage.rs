@@ -1,0 +1,343 @@
+//! Per-claim usage end to end: the real binary over the mock NVML library with usage
+//! scripted in the mock's control file. A MIG claim and an MPS claim show the scripted
+//! memory and activity under their own labels, their series go at unprepare, and a claim
+//! scripted idle is exported idle and gets a `ClaimIdle` Event. Every wait polls with a
+//! deadline.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use cleave_kubelet_plugin::usage::command::{Sample, parse_exposition};
+use common::node::*;
+use common::*;
+
+const P: &str = "cleave_kubelet_plugin_";
+
+/// GPU 0 in MIG mode (on-demand MIG), GPUs 1 and 2 whole.
+const MIXED: &str = "name: usage-mixed\ngpus:\n  - product: h100-80gb\n    migEnabled: true\n  - product: h100-80gb\n    migEnabled: false\n  - product: h100-80gb\n    migEnabled: false\n";
+
+fn scrape(port: u16) -> Vec<Sample> {
+    let (status, text) = http_get(port, "/metrics").unwrap();
+    assert_eq!(status, 200);
+    parse_exposition(&text).unwrap()
+}
+
+fn find(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let full = format!("{P}{name}");
+    samples
+        .iter()
+        .find(|(n, l, _)| {
+            *n == full
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.2)
+}
+
+fn claim_series(samples: &[Sample], claim: &str) -> usize {
+    samples
+        .iter()
+        .filter(|(n, l, _)| {
+            n.starts_with(&format!("{P}claim_"))
+                && l.get("claim").map(String::as_str) == Some(claim)
+        })
+        .count()
+}
+
+async fn wait_until(what: &str, dirs: &NodeDirs, port: u16, mut f: impl FnMut(&[Sample]) -> bool) {
+    let started = Instant::now();
+    loop {
+        let s = scrape(port);
+        if f(&s) {
+            return;
+        }
+        assert!(
+            started.elapsed() < TIMEOUT,
+            "timed out waiting for {what}\nlast scrape:\n{}\n{}",
+            s.iter()
+                .filter(|(n, _, _)| n.starts_with(&format!("{P}claim_")))
+                .map(|(n, l, v)| format!("{n}{l:?} {v}"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            dirs.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The checkpoint's record of `uid` (the `data` of the envelope).
+fn recorded(dirs: &NodeDirs, uid: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(dirs.checkpoint()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["data"]["claims"][uid].clone()
+}
+
+fn mps_config() -> k8s_openapi::api::resource::v1::DeviceAllocationConfiguration {
+    cleave_apiserver_standin::fixtures::opaque_config(
+        "FromClaim",
+        &["gpu"],
+        DRIVER,
+        serde_json::json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 50}}}),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let config = dirs.path().join("mixed.yaml");
+    std::fs::write(&config, MIXED).unwrap();
+    let control = dirs.path().join("control");
+    // The idle claim's GPU from the start; the others once their ids are known.
+    let idle_lines = "gpm 2 0.5 0.2\nmemory 2 1024\n";
+    std::fs::write(&control, idle_lines).unwrap();
+    let port = free_port();
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            dynamic_mig: true,
+            metrics_port: Some(port),
+            env: vec![
+                ("MOCK_NVML_CONFIG", config.display().to_string()),
+                // Each GPU's own MIG mode from the file, not one for all.
+                ("MOCK_NVML_MIG", String::new()),
+                ("MOCK_NVML_CONTROL", control.display().to_string()),
+                ("USAGE_INTERVAL", "200ms".into()),
+                ("IDLE_THRESHOLD", "5".into()),
+                ("IDLE_AFTER", "1s".into()),
+                ("IDLE_EVENTS", "true".into()),
+            ],
+            ..PluginOptions::default()
+        },
+    );
+    put_claim(
+        &standin,
+        "mig",
+        "uid-mig",
+        &[("mig", "gpu-0-mig-3g40gb-4")],
+        &[],
+    );
+    put_claim(
+        &standin,
+        "mps",
+        "uid-mps",
+        &[("gpu", "gpu-1")],
+        &[mps_config()],
+    );
+    put_claim(&standin, "idle", "uid-idle", &[("gpu", "gpu-2")], &[]);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(
+        &mut dra,
+        vec![
+            claim("mig", "uid-mig"),
+            claim("mps", "uid-mps"),
+            claim("idle", "uid-idle"),
+        ],
+    )
+    .await;
+    for uid in ["uid-mig", "uid-mps", "uid-idle"] {
+        assert_eq!(r.claims[uid].error, "", "{uid}: {}", dirs.log());
+    }
+    let gi = recorded(&dirs, "uid-mig")["devices"][0]["mig"]["giId"]
+        .as_u64()
+        .expect("the MIG claim's GPU instance id");
+    let daemon = recorded(&dirs, "uid-mps")["sharing"]["mps"]["daemon"]["pid"]
+        .as_u64()
+        .expect("the MPS claim's daemon PID");
+    std::fs::write(
+        &control,
+        format!(
+            "{idle_lines}memory 0 {gi} 0 5120\ngpm 0 {gi} 42.5 20\nprocess 1 {daemon} 3072 45\n"
+        ),
+    )
+    .unwrap();
+
+    let mig = [
+        ("namespace", "default"),
+        ("claim", "mig"),
+        ("device", "gpu-0-mig-3g40gb-4"),
+    ];
+    let mps = [
+        ("namespace", "default"),
+        ("claim", "mps"),
+        ("device", "gpu-1"),
+    ];
+    wait_until("the scripted MIG and MPS usage", &dirs, port, |s| {
+        find(s, "claim_used_memory_bytes", &mig) == Some(5120.0 * 1048576.0)
+            && find(
+                s,
+                "claim_compute_activity_percent",
+                &[&mig[..], &[("source", "gpm_sm_activity")]].concat(),
+            ) == Some(42.5)
+            && find(s, "claim_used_memory_bytes", &mps) == Some(3072.0 * 1048576.0)
+            && find(
+                s,
+                "claim_compute_activity_percent",
+                &[&mps[..], &[("source", "process_sm_utilization")]].concat(),
+            ) == Some(45.0)
+    })
+    .await;
+    let s = scrape(port);
+    // What was given, under the claim's own labels.
+    assert_eq!(
+        find(
+            &s,
+            "claim_allocated_info",
+            &[
+                &mig[..],
+                &[("kind", "mig"), ("mig_profile", "3g.40gb"), ("pool", NODE)]
+            ]
+            .concat()
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        find(
+            &s,
+            "claim_allocated_info",
+            &[&mps[..], &[("kind", "mps"), ("sharing", "mps")]].concat()
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        find(&s, "claim_allocated_memory_bytes", &mps),
+        Some(80.0 * 1073741824.0),
+        "an H100's memory"
+    );
+    assert_eq!(
+        find(
+            &s,
+            "claim_compute_activity_percent",
+            &[&mig[..], &[("source", "gpm_sm_occupancy")]].concat()
+        ),
+        Some(20.0)
+    );
+    assert_eq!(find(&s, "claim_activity_attributable", &mps), Some(1.0));
+    // Busy claims are not idle.
+    assert_eq!(find(&s, "claim_idle", &[("claim", "mig")]), Some(0.0));
+
+    // The idle claim: exported idle, and one ClaimIdle Event on its ResourceClaim.
+    wait_until("the idle claim", &dirs, port, |s| {
+        find(
+            s,
+            "claim_idle",
+            &[("namespace", "default"), ("claim", "idle")],
+        ) == Some(1.0)
+    })
+    .await;
+    assert!(
+        find(
+            &scrape(port),
+            "claim_idle_since_timestamp_seconds",
+            &[("claim", "idle")]
+        )
+        .is_some()
+    );
+    let found = standin
+        .wait_for("events.events.k8s.io", TIMEOUT, |evs| {
+            evs.iter()
+                .any(|e| e["reason"] == "ClaimIdle" && e["regarding"]["name"] == "idle")
+        })
+        .await
+        .unwrap_or_else(|evs| panic!("no ClaimIdle Event for claim idle: {evs:?}\n{}", dirs.log()));
+    let ev = found
+        .iter()
+        .find(|e| e["reason"] == "ClaimIdle" && e["regarding"]["name"] == "idle")
+        .unwrap();
+    assert_eq!(ev["type"], "Warning");
+    assert_eq!(ev["regarding"]["kind"], "ResourceClaim");
+    assert_eq!(ev["regarding"]["uid"], "uid-idle");
+    let note = ev["note"].as_str().unwrap();
+    assert!(
+        note.contains("default/idle")
+            && note.contains("below 5%")
+            && note.contains("gpm_sm_activity"),
+        "{note}"
+    );
+    assert!(
+        !found
+            .iter()
+            .any(|e| e["reason"] == "ClaimIdle" && e["regarding"]["name"] == "mps"),
+        "a busy MPS claim got a ClaimIdle Event: {found:?}"
+    );
+
+    // Unprepare: the claims' series go; the other claim's stay.
+    let u = unprepare(
+        &mut dra,
+        vec![claim("mig", "uid-mig"), claim("mps", "uid-mps")],
+    )
+    .await;
+    assert_eq!(u.claims["uid-mig"].error, "");
+    assert_eq!(u.claims["uid-mps"].error, "");
+    wait_until("the unprepared claims' series to go", &dirs, port, |s| {
+        claim_series(s, "mig") == 0 && claim_series(s, "mps") == 0
+    })
+    .await;
+    let s = scrape(port);
+    assert!(claim_series(&s, "idle") > 0);
+    let mut names: BTreeMap<&str, usize> = BTreeMap::new();
+    for (n, _, _) in &s {
+        *names.entry(n.as_str()).or_default() += 1;
+    }
+    assert!(names.contains_key("cleave_kubelet_plugin_usage_sample_duration_seconds"));
+    assert!(plugin.terminate().success());
+}
+
+/// `usage --mock` prints a table with every column and the scripted figures.
+#[test]
+fn usage_mock_prints_a_table() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["usage", "--mock", "h100-80gb-x8"])
+        .env_remove("MOCK_NVML_CONFIG")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].contains("NAMESPACE/CLAIM") && lines[0].contains("IDLE SINCE"),
+        "{text}"
+    );
+    for part in [
+        "team-a/notebook-1",
+        "62.5% gpm_sm_activity",
+        "team-a/notebook-2",
+        "idle for",
+        "team-b/inference-mps",
+        "activity not attributable",
+        "1g.10gb",
+    ] {
+        assert!(text.contains(part), "{part} missing in\n{text}");
+    }
+}
+
+/// `usage` against nothing says what to do.
+#[test]
+fn usage_without_a_plugin_names_the_flag() {
+    let port = free_port();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args([
+            "usage",
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+            "--scrapes",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--metrics-addr") && err.contains("--mock"),
+        "{err}"
+    );
+}
