@@ -314,6 +314,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         },
         lifecycle: Default::default(),
         mps: Default::default(),
+        usage: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
         health: Default::default(),
