@@ -100,9 +100,14 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Checkpoint(_) | Command::MpsDaemon(_) => {}
     }
+    // `usage` prints a table: only warnings go to the log unless asked for more.
+    let default_level = match cli.command {
+        Command::Usage(_) => "warn",
+        _ => "info",
+    };
     crate::telemetry::init(
         cli.log.log_format,
-        Some(cli.log.log_level.as_deref().unwrap_or("info")),
+        Some(cli.log.log_level.as_deref().unwrap_or(default_level)),
     )
     .map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -317,6 +317,142 @@ pub fn spawn_idle_events(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cleave_driver::backend::{
+        BackendError, GpmReading, GpmTarget, MemoryUse, ProcessMemory, ProcessUtilization,
+    };
+    use cleave_driver::usage::{Allocation, SharingMode};
+    use std::sync::Mutex;
+
+    /// Whole GPUs without GPM whose utilization the test sets.
+    #[derive(Default)]
+    struct Util(Mutex<u32>);
+
+    impl UsageSource for Util {
+        fn memory(&self, _: &str) -> Result<MemoryUse, BackendError> {
+            Ok(MemoryUse {
+                used: 1 << 30,
+                total: 80 << 30,
+            })
+        }
+        fn gpu_utilization(&self, _: &str) -> Result<Option<u32>, BackendError> {
+            Ok(Some(*self.0.lock().unwrap()))
+        }
+        fn gpm(&self, _: &GpmTarget) -> Result<GpmReading, BackendError> {
+            Ok(GpmReading::Unsupported)
+        }
+        fn gpm_retain(&self, _: &[GpmTarget]) {}
+        fn processes(&self, _: &str) -> Result<Vec<ProcessMemory>, BackendError> {
+            Ok(Vec::new())
+        }
+        fn process_utilization(
+            &self,
+            _: &str,
+            _: u64,
+        ) -> Result<Option<Vec<ProcessUtilization>>, BackendError> {
+            Ok(None)
+        }
+    }
+
+    fn whole(uid: &str) -> ClaimDevice {
+        ClaimDevice {
+            claim: ClaimRef {
+                uid: uid.into(),
+                namespace: "ns".into(),
+                name: format!("c-{uid}"),
+            },
+            device: "gpu-0".into(),
+            kind: DeviceKind::Whole,
+            sharing: SharingMode::Exclusive,
+            share_id: None,
+            gpu_uuid: "GPU-0".into(),
+            mig: None,
+            allocated: Allocation {
+                memory_bytes: 80 << 30,
+                sms: Some(132),
+                mig_profile: None,
+            },
+            pids: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn an_idle_claim_is_told_once_per_idle_period() {
+        let src = Arc::new(Util::default());
+        let mut r = UsageRounds::new(
+            src.clone(),
+            IdlePolicy {
+                threshold_percent: 5.0,
+                window: Duration::from_secs(60),
+            },
+        );
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let d = [whole("a")];
+        *src.0.lock().unwrap() = 1;
+        assert!(r.round(&d, at(0)).newly_idle.is_empty());
+        let told = r.round(&d, at(60)).newly_idle;
+        assert_eq!(told.len(), 1);
+        assert!(told[0].note.contains("ns/c-a"), "{}", told[0].note);
+        assert!(r.round(&d, at(90)).newly_idle.is_empty(), "told twice");
+        // Busy again: the next idle period is told again.
+        *src.0.lock().unwrap() = 50;
+        assert!(!r.round(&d, at(100)).idle[0].idle);
+        *src.0.lock().unwrap() = 0;
+        r.round(&d, at(110));
+        assert_eq!(r.round(&d, at(170)).newly_idle.len(), 1);
+        // No devices: no NVML call, no claims.
+        let empty = r.round(&[], at(200));
+        assert!(empty.samples.is_empty() && empty.idle.is_empty());
+    }
+
+    #[test]
+    fn series_follow_the_prepared_claims() {
+        let src = Arc::new(Util::default());
+        *src.0.lock().unwrap() = 30;
+        let mut r = UsageRounds::new(src, IdlePolicy::default());
+        let m = crate::metrics::Metrics::new();
+        let now = Instant::now();
+        let gpus = [("GPU-0".to_owned(), 80u64 << 30, Some(132))];
+        let round = r.round(&[whole("a"), whole("b")], now);
+        m.usage
+            .apply_round("n1", &round, &gpus, now, SystemTime::now());
+        let text = m.encode();
+        for line in [
+            r#"cleave_kubelet_plugin_claim_compute_activity_percent{namespace="ns",claim="c-a",device="gpu-0",gpu="GPU-0",kind="gpu",sharing="exclusive",pool="n1",share="",source="gpu_utilization"} 30.0"#,
+            r#"cleave_kubelet_plugin_claim_used_memory_bytes{namespace="ns",claim="c-b",device="gpu-0",gpu="GPU-0",kind="gpu",sharing="exclusive",pool="n1",share=""} 1073741824"#,
+            r#"cleave_kubelet_plugin_claim_allocated_sms{namespace="ns",claim="c-a",device="gpu-0",gpu="GPU-0",kind="gpu",sharing="exclusive",pool="n1",share=""} 132"#,
+            r#"cleave_kubelet_plugin_claim_idle{namespace="ns",claim="c-a"} 0"#,
+            r#"cleave_kubelet_plugin_gpu_sms{gpu="GPU-0"} 132"#,
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
+        // Claim b unprepared: all its series go, claim a's stay.
+        let round = r.round(&[whole("a")], now);
+        m.usage
+            .apply_round("n1", &round, &gpus, now, SystemTime::now());
+        let text = m.encode();
+        assert!(!text.contains("c-b"), "{text}");
+        assert!(text.contains(r#"claim="c-a""#), "{text}");
+        // Every exported usage name is one of USAGE_METRIC_NAMES, and every one is exported.
+        let exported: BTreeSet<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .filter(|n| {
+                cleave_driver::usage::USAGE_METRIC_NAMES
+                    .iter()
+                    .any(|u| n.starts_with(u))
+                    || n.starts_with("cleave_kubelet_plugin_claim_")
+                    || n.starts_with("cleave_kubelet_plugin_gpu_")
+            })
+            .collect();
+        let names: BTreeSet<&str> = cleave_driver::usage::USAGE_METRIC_NAMES
+            .iter()
+            .copied()
+            .filter(|n| !n.ends_with("idle_since_timestamp_seconds"))
+            .collect();
+        assert_eq!(exported, names, "{text}");
+    }
 
     #[test]
     fn stat_lines_with_odd_names_parse() {

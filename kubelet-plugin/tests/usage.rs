@@ -3,11 +3,18 @@
 //! memory and activity under their own labels, their series go at unprepare, and a claim
 //! scripted idle is exported idle and gets a `ClaimIdle` Event. Every wait polls with a
 //! deadline.
+//!
+//! Built with `harness = false`, like `mps_pod`: the MPS claim needs the fake
+//! `nvidia-cuda-mps-control` and `nvidia-smi` of `cleave-fakes`, played by this test binary
+//! itself through wrappers in the driver root (`<this test> __fake <tool> <args>...`), since
+//! the shipped plugin plays no fake tool.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cleave_kubelet_plugin::usage::command::{Sample, parse_exposition};
@@ -86,10 +93,35 @@ fn mps_config() -> k8s_openapi::api::resource::v1::DeviceAllocationConfiguration
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// Wrappers under the driver root that run this binary as the fake tools, and the fakes'
+/// files, as the plugin's environment.
+fn fake_tools(dirs: &NodeDirs) -> Vec<(&'static str, String)> {
+    let bin = dirs.driver_root().join("usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
+        let path = bin.join(tool);
+        std::fs::write(
+            &path,
+            format!("#!/bin/sh\nexec '{}' __fake \"$0\" \"$@\"\n", exe.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let p = |n: &str| dirs.path().join(n).display().to_string();
+    vec![
+        ("FAKE_MPS_RECORD", p("fake-mps-record.log")),
+        // A daemon a failed run leaves behind exits by itself.
+        ("FAKE_MPS_IDLE_EXIT_SECS", "60".into()),
+        ("FAKE_NVIDIA_SMI_RECORD", p("fake-smi-record.log")),
+        ("FAKE_NVIDIA_SMI_STATE", p("fake-smi-state")),
+    ]
+}
+
 async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told() {
     let dirs = NodeDirs::new();
     let standin = start_standin(&dirs).await;
+    let tools = fake_tools(&dirs);
     let config = dirs.path().join("mixed.yaml");
     std::fs::write(&config, MIXED).unwrap();
     let control = dirs.path().join("control");
@@ -111,7 +143,10 @@ async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told
                 ("IDLE_THRESHOLD", "5".into()),
                 ("IDLE_AFTER", "1s".into()),
                 ("IDLE_EVENTS", "true".into()),
-            ],
+            ]
+            .into_iter()
+            .chain(tools)
+            .collect(),
             ..PluginOptions::default()
         },
     );
@@ -206,8 +241,8 @@ async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told
     );
     assert_eq!(
         find(&s, "claim_allocated_memory_bytes", &mps),
-        Some(80.0 * 1073741824.0),
-        "an H100's memory"
+        Some(81559.0 * 1048576.0),
+        "an H100 80GB's memory (81559 MiB)"
     );
     assert_eq!(
         find(
@@ -289,7 +324,6 @@ async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told
 }
 
 /// `usage --mock` prints a table with every column and the scripted figures.
-#[test]
 fn usage_mock_prints_a_table() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
         .args(["usage", "--mock", "h100-80gb-x8"])
@@ -321,7 +355,6 @@ fn usage_mock_prints_a_table() {
 }
 
 /// `usage` against nothing says what to do.
-#[test]
 fn usage_without_a_plugin_names_the_flag() {
     let port = free_port();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
@@ -340,4 +373,82 @@ fn usage_without_a_plugin_names_the_flag() {
         err.contains("--metrics-addr") && err.contains("--mock"),
         "{err}"
     );
+}
+
+/// `<exe> __fake <tool path> <args>...` plays the fake tool named by the path's file name;
+/// the fake MPS control daemon re-runs its `argv[0]` as `<tool path> --daemon-loop [-M]`,
+/// which is played too. `None` for every other command line.
+fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
+    let tool_args = match args.get(1).map(String::as_str) {
+        Some("__fake") => args.get(2..).unwrap_or_default(),
+        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
+            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
+                && args.first().and_then(|a| Path::new(a).file_name())
+                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
+        {
+            args
+        }
+        _ => return None,
+    };
+    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
+    Some(std::process::ExitCode::from(
+        u8::try_from(code).unwrap_or(1),
+    ))
+}
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = play_fake_tool(&args) {
+        return code;
+    }
+    let filters: Vec<&String> = args
+        .iter()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    type Test = fn();
+    let tests: [(&str, Test); 3] = [
+        (
+            "claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told",
+            || {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(
+                        claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told(),
+                    )
+            },
+        ),
+        ("usage_mock_prints_a_table", usage_mock_prints_a_table),
+        (
+            "usage_without_a_plugin_names_the_flag",
+            usage_without_a_plugin_names_the_flag,
+        ),
+    ];
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, test) in tests {
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        let ok = std::panic::catch_unwind(test).is_ok();
+        println!("test {name} ... {}", if ok { "ok" } else { "FAILED" });
+        if !ok {
+            failed.push(name);
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len()
+    );
+    if failed.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
 }

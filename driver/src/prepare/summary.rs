@@ -278,6 +278,81 @@ mod tests {
         }
     }
 
+    #[test]
+    fn claim_devices_of_prepared_claims_with_hardware_allocation_and_daemon_pid() {
+        use crate::checkpoint::{DeviceKind as Recorded, DeviceRecord, MigRecord};
+        use crate::prepare::testing::{gpu_uuid, inventory, mig_gpu, plain_gpu};
+        use crate::usage::{DeviceKind, SharingMode};
+        let device = |name: &str, minor: u32, mig: Option<MigRecord>| DeviceRecord {
+            name: name.into(),
+            pool: "node".into(),
+            request_names: vec!["r".into()],
+            kind: if mig.is_some() {
+                Recorded::Mig
+            } else {
+                Recorded::Gpu
+            },
+            gpu_uuid: gpu_uuid(minor),
+            gpu_minor: minor,
+            mig,
+            config: None,
+            cdi_device_ids: vec![],
+        };
+        let mut mig = claim("m", ClaimState::Prepared, None);
+        mig.devices = vec![device(
+            "gpu-0-mig-3g20gb-4",
+            0,
+            Some(MigRecord {
+                profile_id: 9,
+                profile_name: "3g.20gb".into(),
+                placement: crate::model::Placement { start: 4, size: 4 },
+                uuid: Some("MIG-x".into()),
+                gi_id: Some(2),
+                ci_id: Some(0),
+                created_by_cleave: true,
+                creating_in_boot: None,
+            }),
+        )];
+        let mut state: SharingState = serde_json::from_value(mps_state("p")).unwrap();
+        if let Some(m) = state.mps.as_mut() {
+            m.daemon = Some(crate::sharing::DaemonHandle::process(
+                4242,
+                1,
+                "boot".into(),
+            ));
+        }
+        let mut mps = claim(
+            "p",
+            ClaimState::Prepared,
+            Some(serde_json::to_value(state).unwrap()),
+        );
+        mps.devices = vec![device("gpu-1", 1, None)];
+        // Being prepared, or waiting for recreation: not sampled.
+        let mut started = claim("s", ClaimState::PrepareStarted, None);
+        started.devices = vec![device("gpu-1", 1, None)];
+        let inv = inventory(vec![mig_gpu(0), plain_gpu(1)]);
+        let got = claim_devices(&data(vec![mig, mps, started]), &inv);
+        assert_eq!(got.len(), 2, "{got:?}");
+        let m = &got[0];
+        assert_eq!(
+            (m.claim.uid.as_str(), m.claim.namespace.as_str()),
+            ("m", "ns")
+        );
+        assert_eq!(m.kind, DeviceKind::Mig);
+        assert_eq!(m.sharing, SharingMode::Exclusive);
+        assert_eq!(m.device_uuid(), "MIG-x");
+        assert_eq!(m.mig.as_ref().map(|x| (x.gi, x.ci)), Some((2, 0)));
+        assert_eq!(m.allocated.memory_bytes, 19968 << 20);
+        assert_eq!(m.allocated.sms, Some(42));
+        assert_eq!(m.allocated.mig_profile.as_deref(), Some("3g.20gb"));
+        let p = &got[1];
+        assert_eq!((p.kind, p.sharing), (DeviceKind::Mps, SharingMode::Mps));
+        assert_eq!(p.pids, [4242]);
+        assert_eq!(p.allocated.memory_bytes, 24 << 30);
+        assert_eq!(p.allocated.sms, Some(58));
+        assert!(p.mig.is_none() && p.share_id.is_none());
+    }
+
     /// Moved from the plugin's metrics, with its assertions.
     #[test]
     fn mps_daemons_counts_prepared_claims_with_an_mps_record() {
