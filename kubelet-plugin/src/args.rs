@@ -354,7 +354,7 @@ impl UsageArgs {
 pub struct UsageCommandArgs {
     /// The running plugin's metrics endpoint (its `--metrics-addr`), `host:port` or an
     /// `http://` URL.
-    #[arg(long, env = "METRICS_ADDR", default_value = "127.0.0.1:8080")]
+    #[arg(long, env = "METRICS_ADDR", default_value = "127.0.0.1:9400")]
     pub metrics_addr: String,
     /// Instead of asking a running plugin: prepare a few claims over the mock NVML
     /// library with this node profile (e.g. `h100-80gb-x8`) and scripted usage, take two
