@@ -152,7 +152,7 @@ pub struct UsageMonitor {
 
 impl UsageMonitor {
     /// Starts rounds over `source` for the devices `inputs` lists, every
-    /// `config.interval`, writing into `metrics` and sending claims that turned idle to
+    /// `config.interval` (a whole interval apart when a round takes longer), writing into `metrics` and sending claims that turned idle to
     /// `idle` (when given).
     pub fn start(
         config: MonitorConfig,
@@ -165,7 +165,9 @@ impl UsageMonitor {
         let thread = std::thread::Builder::new()
             .name("cleave-usage".into())
             .spawn(move || {
+                lower_own_priority();
                 let mut rounds = UsageRounds::new(source, config.policy);
+                let mut warned_slow = false;
                 info!(
                     interval_ms = config.interval.as_millis() as u64,
                     idle_threshold = config.policy.threshold_percent,
@@ -188,7 +190,23 @@ impl UsageMonitor {
                             let _ = tx.send(n);
                         }
                     }
-                    let wait = config.interval.saturating_sub(now.elapsed());
+                    // A round longer than the interval would sample back to back and take
+                    // a core from prepare: wait a whole interval then, and say so once.
+                    let took = now.elapsed();
+                    let wait = if took >= config.interval {
+                        if !warned_slow {
+                            warned_slow = true;
+                            warn!(
+                                took_ms = took.as_millis() as u64,
+                                interval_ms = config.interval.as_millis() as u64,
+                                devices = devices.len(),
+                                "a usage round took longer than --usage-interval; waiting a whole interval between rounds (raise --usage-interval)"
+                            );
+                        }
+                        config.interval
+                    } else {
+                        config.interval - took
+                    };
                     match stop_rx.recv_timeout(wait) {
                         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                         _ => break,
@@ -221,6 +239,24 @@ impl Drop for UsageMonitor {
     fn drop(&mut self) {
         // Dropping the sender ends the thread's wait; it exits after its round.
         self.halt(false);
+    }
+}
+
+/// Nice value of the sampling thread: prepare and the gRPC threads win the CPU over it.
+pub const SAMPLING_NICE: i32 = 10;
+
+/// Lowers the calling thread's scheduling priority to [`SAMPLING_NICE`]. On Linux the
+/// nice value is a per-thread attribute and `setpriority(PRIO_PROCESS, <thread id>)` sets
+/// it for that thread only (man-pages `setpriority(2)`, NOTES). A failure is logged.
+#[allow(unsafe_code)]
+fn lower_own_priority() {
+    // SAFETY: gettid and setpriority take plain integers and touch no memory of ours.
+    let rc = unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, SAMPLING_NICE)
+    };
+    if rc != 0 {
+        debug!(error = %std::io::Error::last_os_error(), "could not lower the usage sampling thread's priority");
     }
 }
 
