@@ -69,6 +69,7 @@ PLUGIN_FLAGS = {
     "--mps-control-bin", "--nvidia-smi-bin",
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--namespace", "--pod-name",
+    "--usage-interval", "--idle-threshold", "--idle-after", "--idle-events",
 }
 # Flags that only the MPS pod launcher uses: passed with mps.launcher=pod only.
 MPS_POD_FLAGS = {
