@@ -238,6 +238,63 @@ mod tests {
     }
 
     #[test]
+    fn usage_flags_parse_and_bad_ones_name_the_fix() {
+        let cli = Cli::try_parse_from(["x", "run", "--node-name", "n1"]).unwrap();
+        let Command::Run(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.usage.usage_interval, std::time::Duration::from_secs(10));
+        assert_eq!(a.usage.idle_after, std::time::Duration::from_secs(1800));
+        assert!(!a.usage.idle_events);
+        let cli = Cli::try_parse_from([
+            "x",
+            "run",
+            "--node-name",
+            "n1",
+            "--usage-interval",
+            "0",
+            "--idle-after",
+            "90s",
+            "--idle-threshold",
+            "2.5",
+            "--idle-events",
+        ])
+        .unwrap();
+        let Command::Run(a) = cli.command else {
+            panic!()
+        };
+        assert!(a.usage.usage_interval.is_zero());
+        let p = a.usage.idle_policy();
+        assert_eq!((p.threshold_percent, p.window.as_secs()), (2.5, 90));
+        assert!(a.usage.idle_events);
+        assert_eq!(
+            crate::args::parse_duration("500ms"),
+            Ok(std::time::Duration::from_millis(500))
+        );
+        assert_eq!(
+            crate::args::parse_duration("1h"),
+            Ok(std::time::Duration::from_secs(3600))
+        );
+        for (flag, bad, says) in [
+            ("--usage-interval", "10 parsecs", "unknown unit"),
+            ("--usage-interval", "soon", "500ms, 10s, 5m or 1h"),
+            ("--idle-threshold", "150", "between 0 and 100"),
+        ] {
+            let e = Cli::try_parse_from(["x", "run", "--node-name", "n1", flag, bad])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(flag) && e.contains(says), "{e}");
+        }
+        let cli = Cli::try_parse_from(["x", "usage"]).unwrap();
+        let Command::Usage(u) = cli.command else {
+            panic!()
+        };
+        assert_eq!(u.metrics_addr, "127.0.0.1:9400");
+        assert_eq!(u.scrapes, 2);
+        assert!(Cli::try_parse_from(["x", "usage", "--scrapes", "0"]).is_err());
+    }
+
+    #[test]
     fn mock_conflicts_with_nvml_lib() {
         let r = Cli::try_parse_from(["x", "inspect", "--mock", "a", "--nvml-lib", "/x.so"]);
         assert!(r.is_err());
