@@ -826,6 +826,7 @@ fn usage_child(iterations: usize) {
                 cdi_root: d.join("cdi"),
                 driver_root: d.join("driver-root"),
                 dynamic_mig: false,
+                consumable_capacity: cleave_api::pool::ConsumableCapacity::Off,
                 cdi_hook_source: None,
                 disable_cdi_hooks: false,
                 host_driver_root: None,

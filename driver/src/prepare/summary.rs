@@ -136,7 +136,11 @@ impl NodeDriver {
     /// `share_id` stays `None`.
     pub fn claim_devices(&self) -> Vec<crate::usage::ClaimDevice> {
         let state = self.lock();
-        claim_devices(&state.data, &state.inventory)
+        claim_devices(
+            &state.data,
+            &state.inventory,
+            self.config.consumable_capacity,
+        )
     }
 }
 
@@ -144,6 +148,7 @@ impl NodeDriver {
 pub(crate) fn claim_devices(
     data: &CheckpointData,
     inventory: &crate::model::NodeInventory,
+    mode: cleave_api::pool::ConsumableCapacity,
 ) -> Vec<crate::usage::ClaimDevice> {
     use crate::checkpoint::DeviceKind as Recorded;
     use crate::model::MigState;
@@ -201,6 +206,46 @@ pub(crate) fn claim_devices(
                     mig_profile: None,
                 },
             };
+            let mut kind = match (mps.is_some(), is_mig) {
+                (true, _) => DeviceKind::Mps,
+                (false, true) => DeviceKind::Mig,
+                (false, false) => DeviceKind::Whole,
+            };
+            let mut sharing = if mps.is_some() {
+                SharingMode::Mps
+            } else if time_sliced {
+                SharingMode::TimeSlicing
+            } else {
+                SharingMode::Exclusive
+            };
+            let mut allocated = allocated;
+            // A capacity share was given what it consumed. One that consumed the whole device
+            // (a claim that asked for no capacity) is served like the device alone; the others
+            // run beside other shares, whose processes NVML cannot tell apart per share.
+            if let Some(share) = &d.share {
+                let whole_memory = (allocated.memory_bytes >> 20) << 20;
+                let whole = share.memory_bytes.is_some_and(|m| m >= whole_memory)
+                    && match (share.multiprocessors, allocated.sms) {
+                        (Some(used), Some(total)) => used >= total,
+                        _ => false,
+                    };
+                if let Some(m) = share.memory_bytes {
+                    allocated.memory_bytes = m;
+                }
+                if share.multiprocessors.is_some() {
+                    allocated.sms = share.multiprocessors;
+                }
+                if !whole {
+                    kind = DeviceKind::Share;
+                    sharing = match mode {
+                        cleave_api::pool::ConsumableCapacity::Mps => SharingMode::Mps,
+                        cleave_api::pool::ConsumableCapacity::TimeSlicing => {
+                            SharingMode::TimeSlicing
+                        }
+                        cleave_api::pool::ConsumableCapacity::Off => SharingMode::Exclusive,
+                    };
+                }
+            }
             out.push(ClaimDevice {
                 claim: ClaimRef {
                     uid: r.uid.clone(),
@@ -208,24 +253,18 @@ pub(crate) fn claim_devices(
                     name: r.name.clone(),
                 },
                 device: d.name.clone(),
-                kind: match (mps.is_some(), is_mig) {
-                    (true, _) => DeviceKind::Mps,
-                    (false, true) => DeviceKind::Mig,
-                    (false, false) => DeviceKind::Whole,
-                },
-                sharing: if mps.is_some() {
-                    SharingMode::Mps
-                } else if time_sliced {
-                    SharingMode::TimeSlicing
-                } else {
-                    SharingMode::Exclusive
-                },
-                share_id: None,
+                kind,
+                sharing,
+                share_id: d.share.as_ref().map(|s| s.share_id.clone()),
                 gpu_uuid: d.gpu_uuid.clone(),
                 // A whole GPU served by a full-size instance is measured as that instance.
                 mig,
                 allocated,
-                pids: pids.clone(),
+                pids: if d.share.is_some() {
+                    Vec::new()
+                } else {
+                    pids.clone()
+                },
             });
         }
     }
@@ -297,6 +336,7 @@ mod tests {
             mig,
             config: None,
             cdi_device_ids: vec![],
+            share: None,
         };
         let mut mig = claim("m", ClaimState::Prepared, None);
         mig.devices = vec![device(
@@ -331,7 +371,11 @@ mod tests {
         let mut started = claim("s", ClaimState::PrepareStarted, None);
         started.devices = vec![device("gpu-1", 1, None)];
         let inv = inventory(vec![mig_gpu(0), plain_gpu(1)]);
-        let got = claim_devices(&data(vec![mig, mps, started]), &inv);
+        let got = claim_devices(
+            &data(vec![mig, mps, started]),
+            &inv,
+            cleave_api::pool::ConsumableCapacity::Off,
+        );
         assert_eq!(got.len(), 2, "{got:?}");
         let m = &got[0];
         assert_eq!(
@@ -351,6 +395,40 @@ mod tests {
         assert_eq!(p.allocated.memory_bytes, 24 << 30);
         assert_eq!(p.allocated.sms, Some(58));
         assert!(p.mig.is_none() && p.share_id.is_none());
+
+        // Capacity shares: given what they consumed; a share that consumed the whole device
+        // (a claim that asked for no capacity) counts as the device alone.
+        let share = |uid: &str, memory: u64, sms: u32| {
+            let mut c = claim(uid, ClaimState::Prepared, None);
+            let mut d = device("gpu-1", 1, None);
+            d.share = Some(crate::checkpoint::ShareRecord {
+                share_id: format!("share-{uid}"),
+                memory_bytes: Some(memory),
+                multiprocessors: Some(sms),
+            });
+            c.devices = vec![d];
+            c
+        };
+        let got = claim_devices(
+            &data(vec![share("a", 10 << 30, 29), share("b", 24 << 30, 58)]),
+            &inv,
+            cleave_api::pool::ConsumableCapacity::Mps,
+        );
+        assert_eq!(got.len(), 2, "{got:?}");
+        let a = &got[0];
+        assert_eq!((a.kind, a.sharing), (DeviceKind::Share, SharingMode::Mps));
+        assert_eq!(a.share_id.as_deref(), Some("share-a"));
+        assert_eq!(
+            (a.allocated.memory_bytes, a.allocated.sms),
+            (10 << 30, Some(29))
+        );
+        assert!(a.pids.is_empty());
+        let b = &got[1];
+        assert_eq!(
+            (b.kind, b.sharing),
+            (DeviceKind::Whole, SharingMode::Exclusive)
+        );
+        assert_eq!(b.share_id.as_deref(), Some("share-b"));
     }
 
     /// Moved from the plugin's metrics, with its assertions.
