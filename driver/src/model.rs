@@ -4,6 +4,25 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Which ResourceClaim: the one identity the kubelet, the prepare state machine, the
+/// checkpoint summary and usage sampling share. A claim recreated under the same name has
+/// another UID, so all three fields matter.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ClaimRef {
+    /// Namespace of the claim.
+    pub namespace: String,
+    /// Name of the claim.
+    pub name: String,
+    /// UID of the claim object.
+    pub uid: String,
+}
+
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} ({})", self.namespace, self.name, self.uid)
+    }
+}
+
 /// Everything discovered on the node at one moment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeInventory {

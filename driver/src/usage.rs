@@ -42,22 +42,8 @@ pub const USAGE_METRIC_NAMES: &[&str] = &[
     "cleave_kubelet_plugin_usage_sample_duration_seconds",
 ];
 
-/// Which claim a device belongs to.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ClaimRef {
-    /// ResourceClaim UID.
-    pub uid: String,
-    /// Namespace.
-    pub namespace: String,
-    /// Name.
-    pub name: String,
-}
-
-impl fmt::Display for ClaimRef {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
+/// Which claim a device belongs to (the driver's one claim identity).
+pub use crate::model::ClaimRef;
 
 /// What the claim holds of the hardware.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

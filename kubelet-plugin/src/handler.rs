@@ -6,24 +6,9 @@
 
 use std::collections::BTreeMap;
 
-/// Identity of a ResourceClaim as the kubelet names it. All fields are non-empty when a
-/// handler sees them.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ClaimRef {
-    /// Namespace of the claim.
-    pub namespace: String,
-    /// Name of the claim.
-    pub name: String,
-    /// UID of the claim object the kubelet means (a claim recreated under the same
-    /// name has a different UID).
-    pub uid: String,
-}
-
-impl std::fmt::Display for ClaimRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{} ({})", self.namespace, self.name, self.uid)
-    }
-}
+/// Identity of a ResourceClaim as the kubelet names it (the driver's one claim identity).
+/// All fields are non-empty when a handler sees them.
+pub use cleave_driver::model::ClaimRef;
 
 /// The driver's answer for one prepared device (requests, pool, device, CDI IDs); the
 /// DRA service converts it once per protocol version.

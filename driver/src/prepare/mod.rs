@@ -300,16 +300,7 @@ pub struct PreparedDevice {
     pub share_id: Option<String>,
 }
 
-/// Identity of a prepared claim.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ClaimRecordSummary {
-    /// Claim UID.
-    pub uid: String,
-    /// Claim namespace.
-    pub namespace: String,
-    /// Claim name.
-    pub name: String,
-}
+pub use crate::model::ClaimRef;
 
 struct State {
     inventory: NodeInventory,
@@ -322,7 +313,7 @@ struct State {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingRecreate {
     /// The claim.
-    pub claim: ClaimRecordSummary,
+    pub claim: ClaimRef,
     /// The last recreation error seen by this process, if any attempt failed.
     pub error: Option<String>,
 }
@@ -519,7 +510,7 @@ impl NodeDriver {
             .values()
             .filter(|r| r.state == ClaimState::NeedsRecreate)
             .map(|r| PendingRecreate {
-                claim: ClaimRecordSummary {
+                claim: ClaimRef {
                     uid: r.uid.clone(),
                     namespace: r.namespace.clone(),
                     name: r.name.clone(),
@@ -531,12 +522,12 @@ impl NodeDriver {
 
     /// Claims recorded as prepared or being prepared (the shell unprepares those the API
     /// server no longer has).
-    pub fn prepared_claims(&self) -> Vec<ClaimRecordSummary> {
+    pub fn prepared_claims(&self) -> Vec<ClaimRef> {
         self.lock_for_view()
             .data
             .claims
             .values()
-            .map(|r| ClaimRecordSummary {
+            .map(|r| ClaimRef {
                 uid: r.uid.clone(),
                 namespace: r.namespace.clone(),
                 name: r.name.clone(),
