@@ -101,6 +101,16 @@ pub(super) fn record_shares(record: &ClaimRecord) -> Vec<ShareDevice> {
         .collect()
 }
 
+/// Whether a claim other than `uid` records the MIG device `uuid` (another share of it):
+/// then it is not destroyed with `uid`'s record.
+pub(super) fn held_elsewhere(data: &CheckpointData, uid: &str, uuid: &str) -> bool {
+    data.claims
+        .values()
+        .filter(|c| c.uid != uid)
+        .flat_map(|c| &c.devices)
+        .any(|d| d.mig.as_ref().and_then(|m| m.uuid.as_deref()) == Some(uuid))
+}
+
 impl NodeDriver {
     /// Enforces the record's shares when consumable capacity is `mps` (the shared daemon of
     /// each device runs; the edits carry each share's client limits); nothing otherwise.
@@ -208,7 +218,10 @@ impl NodeDriver {
                     // Only left behind when a rollback failed; try it again first.
                     let record = record.clone();
                     self.release_record(&record, &state.data)?;
-                    Self::forget_instances(&mut state.inventory, &record);
+                    {
+                        let st = &mut *state;
+                        Self::forget_instances(&mut st.inventory, &record, &st.data);
+                    }
                     state.data.claims.remove(uid);
                     self.checkpoint.store(&state.data)?;
                 }
@@ -278,7 +291,10 @@ impl NodeDriver {
                 tracing::warn!(error = %e, "prepare failed; rolling back");
                 match self.release_record(&record, &state.data) {
                     Ok(()) => {
-                        Self::forget_instances(&mut state.inventory, &record);
+                        {
+                            let st = &mut *state;
+                            Self::forget_instances(&mut st.inventory, &record, &st.data);
+                        }
                         if state.data.claims.remove(uid).is_some()
                             && let Err(store_err) = self.checkpoint.store(&state.data)
                         {
@@ -310,9 +326,13 @@ impl NodeDriver {
         record: &mut ClaimRecord,
         state: &mut State,
     ) -> Result<(), PrepareError> {
-        // Create on-demand MIG instances.
+        // Create on-demand MIG instances (not those another share of the device holds).
         for (i, d) in plan.iter().enumerate() {
-            let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
+            let Some(mig) = d
+                .mig
+                .as_ref()
+                .filter(|m| m.created_by_cleave && m.uuid.is_none())
+            else {
                 continue;
             };
             let created = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
@@ -504,6 +524,12 @@ impl NodeDriver {
             if mig.uuid.is_none() && !by_placement {
                 continue;
             }
+            if let Some(uuid) = mig.uuid.as_deref()
+                && held_elsewhere(data, &record.uid, uuid)
+            {
+                tracing::info!(device = %d.name, mig = %uuid, "MIG device kept: other shares of it are prepared");
+                continue;
+            }
             self.destroy_owned(&record.uid, d, mig, &taken)?;
         }
         self.view()
@@ -622,7 +648,10 @@ impl NodeDriver {
         for record in pending {
             match self.release_record(&record, &state.data) {
                 Ok(()) => {
-                    Self::forget_instances(&mut state.inventory, &record);
+                    {
+                        let st = &mut *state;
+                        Self::forget_instances(&mut st.inventory, &record, &st.data);
+                    }
                     state.data.claims.remove(&record.uid);
                     match self.checkpoint.store(&state.data) {
                         Ok(()) => {
@@ -641,14 +670,20 @@ impl NodeDriver {
         }
     }
 
-    /// Removes the instances a record created from the cached inventory.
-    pub(super) fn forget_instances(inventory: &mut NodeInventory, record: &ClaimRecord) {
+    /// Removes the instances a record created from the cached inventory, except those
+    /// other claims in `data` still record (shares of one MIG device).
+    pub(super) fn forget_instances(
+        inventory: &mut NodeInventory,
+        record: &ClaimRecord,
+        data: &CheckpointData,
+    ) {
         for d in &record.devices {
             let Some(uuid) = d
                 .mig
                 .as_ref()
                 .filter(|m| m.created_by_cleave)
                 .and_then(|m| m.uuid.as_ref())
+                .filter(|u| !held_elsewhere(data, &record.uid, u))
             else {
                 continue;
             };
@@ -682,7 +717,10 @@ impl NodeDriver {
             return Ok(());
         };
         self.release_record(&record, &state.data)?;
-        Self::forget_instances(&mut state.inventory, &record);
+        {
+            let st = &mut *state;
+            Self::forget_instances(&mut st.inventory, &record, &st.data);
+        }
         state.data.claims.remove(claim_uid);
         if let Err(e) = self.checkpoint.store(&state.data) {
             // Everything is released; keeping the record (now describing nothing that

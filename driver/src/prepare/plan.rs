@@ -68,6 +68,12 @@ fn share_of(
     }))
 }
 
+/// Whether `gpu` (as discovered, with the instances prepare made since) has the MIG
+/// device `uuid`.
+fn gpu_has_instance(gpu: &GpuInfo, uuid: &str) -> bool {
+    matches!(&gpu.mig, MigState::Enabled { instances, .. } if instances.iter().any(|i| i.uuid == uuid))
+}
+
 pub(super) fn claim_label(claim: &ResourceClaim) -> String {
     format!(
         "{}/{}",
@@ -189,13 +195,27 @@ impl NodeDriver {
 
             // Last line of defence: the scheduler should never hand out a device twice, nor
             // a device both whole and in shares.
+            let mut joined: Option<MigRecord> = None;
             for other in state.data.claims.values().filter(|c| c.uid != uid) {
                 let Some(theirs) = other.devices.iter().find(|d| d.name == device) else {
                     continue;
                 };
                 let other_label = format!("{}/{} ({})", other.namespace, other.name, other.uid);
                 match (&share, &theirs.share) {
-                    (Some(_), Some(_)) => {}
+                    (Some(_), Some(_)) => {
+                        // The MIG instance behind another share of this device (on demand
+                        // or static) serves this share too: one instance per device, not
+                        // one per share.
+                        if let Some(m) = theirs.mig.as_ref()
+                            && let Some(u) = m.uuid.as_deref()
+                            && gpu_has_instance(gpu, u)
+                        {
+                            joined.get_or_insert_with(|| MigRecord {
+                                creating_in_boot: None,
+                                ..m.clone()
+                            });
+                        }
+                    }
                     (None, None) => {
                         return Err(PrepareError::DeviceBusy {
                             claim: label.to_owned(),
@@ -227,6 +247,7 @@ impl NodeDriver {
             let (kind, mig) = self
                 .plan_device(&name, gpu)
                 .map_err(|r| unknown(&device, r))?;
+            let mig = joined.or(mig);
 
             // One config per device: every request it serves must agree.
             let mut config: Option<ResolvedConfig> = None;

@@ -543,7 +543,24 @@ impl NodeDriver {
                 .as_ref()
                 .and_then(|u| list.iter().find(|i| &i.uuid == u))
                 .cloned();
-            let inst = match kept {
+            // Another share of this device, prepared or recreated in this boot, holds the
+            // instance again: it serves this share too (one instance per device).
+            let co_owned = if kept.is_none() && record.devices[i].share.is_some() {
+                data.claims
+                    .values()
+                    .filter(|c| c.uid != uid && c.state == ClaimState::Prepared)
+                    .flat_map(|c| &c.devices)
+                    .filter(|o| o.name == name && o.share.is_some())
+                    .filter_map(|o| o.mig.as_ref()?.uuid.as_deref())
+                    .find_map(|u| list.iter().find(|i| i.uuid == u))
+                    .cloned()
+            } else {
+                None
+            };
+            if let Some(inst) = &co_owned {
+                tracing::info!(device = %name, mig = %inst.uuid, "MIG device of another share of the device kept for this one");
+            }
+            let inst = match kept.or(co_owned) {
                 Some(inst) => inst,
                 None if mig.created_by_cleave => {
                     let adopted = if mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str())
