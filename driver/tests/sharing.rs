@@ -126,6 +126,14 @@ fn main() {
             "time_slicing_shares_are_scheduled_not_enforced",
             time_slicing_shares_are_scheduled_not_enforced,
         ),
+        (
+            "shares_of_an_on_demand_mig_device_use_one_instance_and_one_daemon",
+            shares_of_an_on_demand_mig_device_use_one_instance_and_one_daemon,
+        ),
+        (
+            "shares_of_a_static_mig_instance_use_one_daemon_and_keep_the_instance",
+            shares_of_a_static_mig_instance_use_one_daemon_and_keep_the_instance,
+        ),
     ];
     common::harness::main(tests);
 }
@@ -1803,6 +1811,298 @@ fn time_slicing_shares_are_scheduled_not_enforced() {
     assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("3"));
     driver.unprepare(b).unwrap();
     assert_eq!(world.smi_setting(GPU_A, "timeslice").as_deref(), Some("0"));
+    world.assert_nothing_left();
+}
+
+// ---------------------------------------------------------------------------------------
+// Shares of MIG devices
+
+/// The MIG device the MIG share tests use: 1g.10gb at slice 0 of `GPU_MIG` (16 SMs,
+/// 9856 MiB; its GPU has 132 SMs).
+const MIG_SHARED: &str = "gpu-3-mig-1g10gb-0";
+
+/// A GPU backend over `inventory()` whose MIG instances are created and destroyed in memory,
+/// counting the calls (what NVML would be asked).
+struct MigBackend {
+    instances: std::sync::Mutex<Vec<MigInstance>>,
+    creates: std::sync::atomic::AtomicU32,
+    destroys: std::sync::atomic::AtomicU32,
+}
+
+impl MigBackend {
+    fn new(instances: Vec<MigInstance>) -> Arc<Self> {
+        Arc::new(MigBackend {
+            instances: std::sync::Mutex::new(instances),
+            creates: Default::default(),
+            destroys: Default::default(),
+        })
+    }
+
+    fn instances(&self) -> Vec<MigInstance> {
+        self.instances.lock().unwrap().clone()
+    }
+
+    fn creates(&self) -> u32 {
+        self.creates.load(Ordering::SeqCst)
+    }
+
+    fn destroys(&self) -> u32 {
+        self.destroys.load(Ordering::SeqCst)
+    }
+}
+
+impl GpuBackend for MigBackend {
+    fn inventory(&self) -> Result<NodeInventory, BackendError> {
+        let mut inv = inventory();
+        for g in &mut inv.gpus {
+            if let MigState::Enabled { instances, .. } = &mut g.mig
+                && g.uuid == GPU_MIG
+            {
+                *instances = self.instances();
+            }
+        }
+        Ok(inv)
+    }
+    fn create_mig(
+        &self,
+        gpu: &str,
+        profile_id: u32,
+        placement: Placement,
+    ) -> Result<MigInstance, BackendError> {
+        assert_eq!(gpu, GPU_MIG, "MIG instance asked of another GPU");
+        let mut list = self.instances.lock().unwrap();
+        if list.iter().any(|i| i.placement == placement) {
+            // What NVML answers for a taken placement.
+            return Err(BackendError::Other(format!(
+                "insufficient resources: placement {placement:?} is taken"
+            )));
+        }
+        let n = self.creates.fetch_add(1, Ordering::SeqCst) + 1;
+        let inst = MigInstance {
+            uuid: format!("MIG-0000000{n}-0000-4000-8000-000000000000"),
+            profile_id,
+            profile_name: "1g.10gb".into(),
+            gi_id: n,
+            ci_id: 0,
+            placement,
+        };
+        list.push(inst.clone());
+        Ok(inst)
+    }
+    fn destroy_mig(&self, gpu: &str, gi_id: u32, ci_id: u32) -> Result<(), BackendError> {
+        assert_eq!(gpu, GPU_MIG);
+        let mut list = self.instances.lock().unwrap();
+        let before = list.len();
+        list.retain(|i| !(i.gi_id == gi_id && i.ci_id == ci_id));
+        assert_eq!(
+            list.len() + 1,
+            before,
+            "destroyed an instance that is not there"
+        );
+        self.destroys.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn list_mig(&self, gpu: &str) -> Result<Vec<MigInstance>, BackendError> {
+        Ok(if gpu == GPU_MIG {
+            self.instances()
+        } else {
+            Vec::new()
+        })
+    }
+}
+
+fn start_mig_share_driver(world: &World, backend: &Arc<MigBackend>, dynamic: bool) -> NodeDriver {
+    let config = DriverConfig {
+        consumable_capacity: ConsumableCapacity::Mps,
+        dynamic_mig: dynamic,
+        ..driver_config(world)
+    };
+    let manager = Arc::new(SharingManager::new(world.config(&[])));
+    NodeDriver::start_with_sharing(config, backend.clone(), manager).unwrap()
+}
+
+/// Checks the MIG share `uid`'s CDI spec: the MIG device, its client limits, the shared
+/// daemon's pipe directory.
+fn assert_mig_share_spec(world: &World, uid: &str, mig: &str, pct: u32, mib: u64) {
+    let text = cdi_text(world, uid);
+    for want in [
+        mig.to_owned(),
+        format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}"),
+        format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mib}M"),
+        "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_owned(),
+        format!(
+            "\"hostPath\":\"{}\"",
+            world
+                .claim_dir(&format!("shared-{MIG_SHARED}"))
+                .join("pipe")
+                .display()
+        ),
+    ] {
+        assert!(text.contains(&want), "{uid} lacks {want}: {text}");
+    }
+}
+
+/// The shared daemon of the MIG device: exactly one was started, for `mig`, multi-user,
+/// with unlimited defaults; nvidia-smi was never asked anything (no compute mode on MIG).
+fn assert_one_mig_daemon(world: &World, mig: &str) -> u32 {
+    let starts: Vec<String> = world
+        .mps_lines()
+        .into_iter()
+        .filter(|l| l.starts_with("start "))
+        .collect();
+    assert_eq!(starts.len(), 1, "{starts:?}");
+    assert!(starts[0].ends_with(&format!("devices={mig}")), "{starts:?}");
+    assert!(
+        world.mps_lines().iter().any(|l| l.contains("multiUser=1")),
+        "not multi-user: {:?}",
+        world.mps_lines()
+    );
+    let commands = world.commands(&format!("shared-{MIG_SHARED}"));
+    assert!(
+        commands.contains(&"set_default_active_thread_percentage 100".to_owned()),
+        "{commands:?}"
+    );
+    assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
+    assert_eq!(world.smi_setting(GPU_MIG, "computeMode"), None);
+    let pids = world.started_pids();
+    assert_eq!(pids.len(), 1);
+    assert!(alive(pids[0]));
+    pids[0]
+}
+
+/// The MIG UUID and whether cleave created it, as the checkpoint records them for `uid`.
+fn recorded_mig(world: &World, uid: &str) -> (String, bool) {
+    let data = CheckpointStore::in_dir(&world.state).load().unwrap();
+    let m = data.claims[uid].devices[0].mig.clone().unwrap();
+    (m.uuid.unwrap(), m.created_by_cleave)
+}
+
+fn shares_of_an_on_demand_mig_device_use_one_instance_and_one_daemon() {
+    let world = World::new();
+    let backend = MigBackend::new(Vec::new());
+    let driver = start_mig_share_driver(&world, &backend, true);
+    let (a, b, c) = (
+        "5a000000-0000-4000-8000-000000000001",
+        "5b000000-0000-4000-8000-000000000002",
+        "5c000000-0000-4000-8000-000000000003",
+    );
+    let share_a = "aaaaaaaa-0000-4000-8000-00000000000a";
+    // 4 of the MIG device's 16 SMs: 25 % (of the parent GPU's 132 it would be 3 %).
+    let answer = driver
+        .prepare(&share_claim(
+            a,
+            MIG_SHARED,
+            Some(share_a),
+            ("4Gi", "4"),
+            None,
+        ))
+        .unwrap();
+    assert_eq!(
+        answer.devices[0].cdi_device_ids,
+        [cleave_driver::cdi::qualified_device_id(
+            a,
+            &format!("{MIG_SHARED}-share-{share_a}")
+        )]
+    );
+    // 8 of 16 SMs: 50 %.
+    driver
+        .prepare(&share_claim(
+            b,
+            MIG_SHARED,
+            Some("bbbbbbbb-0000-4000-8000-00000000000b"),
+            ("5Gi", "8"),
+            None,
+        ))
+        .unwrap();
+
+    // One instance, created once, recorded for both shares as cleave's.
+    assert_eq!(backend.creates(), 1);
+    let instances = backend.instances();
+    assert_eq!(instances.len(), 1);
+    let mig = instances[0].uuid.clone();
+    assert_eq!(recorded_mig(&world, a), (mig.clone(), true));
+    assert_eq!(recorded_mig(&world, b), (mig.clone(), true));
+    assert_mig_share_spec(&world, a, &mig, 25, 4096);
+    assert_mig_share_spec(&world, b, &mig, 50, 5120);
+    let pid = assert_one_mig_daemon(&world, &mig);
+
+    // Unprepare of the share that created the instance keeps instance and daemon for
+    // the other.
+    driver.unprepare(a).unwrap();
+    assert_eq!(backend.destroys(), 0);
+    assert_eq!(backend.instances().len(), 1);
+    assert!(alive(pid));
+    assert!(cdi_text(&world, a).is_empty());
+    assert_mig_share_spec(&world, b, &mig, 50, 5120);
+
+    // A restart keeps them too, and a share prepared after it joins the same instance.
+    drop(driver);
+    let driver = start_mig_share_driver(&world, &backend, true);
+    assert!(alive(pid), "restart stopped the shared daemon");
+    driver
+        .prepare(&share_claim(
+            c,
+            MIG_SHARED,
+            Some("cccccccc-0000-4000-8000-00000000000c"),
+            ("2Gi", "2"),
+            None,
+        ))
+        .unwrap();
+    assert_eq!(backend.creates(), 1);
+    assert_eq!(recorded_mig(&world, c), (mig.clone(), true));
+    assert_mig_share_spec(&world, c, &mig, 12, 2048);
+    assert_eq!(world.started_pids(), [pid]);
+    driver.unprepare(b).unwrap();
+    assert_eq!(backend.destroys(), 0);
+    assert!(alive(pid));
+
+    // The last share stops the daemon and destroys the on-demand instance.
+    driver.unprepare(c).unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    assert_eq!(backend.destroys(), 1);
+    assert!(backend.instances().is_empty());
+    assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
+    assert!(driver.prepared_claims().is_empty());
+    world.assert_nothing_left();
+}
+
+fn shares_of_a_static_mig_instance_use_one_daemon_and_keep_the_instance() {
+    let world = World::new();
+    let backend = MigBackend::new(vec![MigInstance {
+        uuid: MIG_1.into(),
+        profile_id: 19,
+        profile_name: "1g.10gb".into(),
+        gi_id: 7,
+        ci_id: 0,
+        placement: Placement { start: 0, size: 1 },
+    }]);
+    let driver = start_mig_share_driver(&world, &backend, false);
+    let (a, b) = (
+        "5a000000-0000-4000-8000-000000000001",
+        "5b000000-0000-4000-8000-000000000002",
+    );
+    for (uid, share, consumed) in [
+        (a, "aaaaaaaa-0000-4000-8000-00000000000a", ("4Gi", "4")),
+        (b, "bbbbbbbb-0000-4000-8000-00000000000b", ("5Gi", "8")),
+    ] {
+        driver
+            .prepare(&share_claim(uid, MIG_SHARED, Some(share), consumed, None))
+            .unwrap();
+        assert_eq!(recorded_mig(&world, uid), (MIG_1.to_owned(), false));
+    }
+    assert_mig_share_spec(&world, a, MIG_1, 25, 4096);
+    assert_mig_share_spec(&world, b, MIG_1, 50, 5120);
+    let pid = assert_one_mig_daemon(&world, MIG_1);
+
+    driver.unprepare(a).unwrap();
+    assert!(alive(pid));
+    assert_mig_share_spec(&world, b, MIG_1, 50, 5120);
+    driver.unprepare(b).unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    // The static instance is the administrator's: never created, never destroyed.
+    assert_eq!((backend.creates(), backend.destroys()), (0, 0));
+    assert_eq!(backend.instances().len(), 1);
+    assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
     world.assert_nothing_left();
 }
 
