@@ -2,7 +2,8 @@
 //! prepare, unprepare, start-up rollback and post-reboot recreation, restarted, and the
 //! kubelet's call is replayed (shares of one GPU under `--consumable-capacity mps` too: two
 //! and three shares served by one MPS daemon, and the unprepare of one share while the
-//! others stay); then the hardware (mock NVML state file), the MPS daemons
+//! others stay; two shares of one on-demand MIG placement, which share one instance and one
+//! daemon, prepared, the creating one unprepared, and recreated after a reboot); then the hardware (mock NVML state file), the MPS daemons
 //! (fake tools), the CDI root and the checkpoint must agree with each other and with the set
 //! of claims that should be prepared: nothing orphaned, nothing lost. Every recovered state
 //! is then unprepared and must leave nothing behind.
@@ -57,6 +58,10 @@ const SHARE_B: &str = "c0000006-0000-4000-8000-000000000006";
 const SHARE_C: &str = "c0000007-0000-4000-8000-000000000007";
 /// The GPU the shares are of (on a node without MIG).
 const SHARED_GPU: &str = "gpu-4";
+const MIG_SHARE_A: &str = "c0000008-0000-4000-8000-000000000008";
+const MIG_SHARE_B: &str = "c0000009-0000-4000-8000-000000000009";
+/// The on-demand MIG placement the MIG shares are of (3g.40gb: 60 SMs, so 44 SMs is 73 %).
+const SHARED_MIG: &str = "gpu-5-mig-3g40gb-4";
 
 // ---------------------------------------------------------------------------------------
 // Scenarios
@@ -70,7 +75,7 @@ struct ClaimDef {
     share: Option<&'static str>,
 }
 
-const CLAIMS: [ClaimDef; 7] = [
+const CLAIMS: [ClaimDef; 9] = [
     ClaimDef {
         uid: WHOLE,
         devices: &[("gpu", "gpu-0")],
@@ -117,7 +122,28 @@ const CLAIMS: [ClaimDef; 7] = [
         mps: false,
         share: Some("5c000000-0000-4000-8000-00000000000c"),
     },
+    ClaimDef {
+        uid: MIG_SHARE_A,
+        devices: &[("gpu", SHARED_MIG)],
+        mps: false,
+        share: Some("5d000000-0000-4000-8000-00000000000d"),
+    },
+    ClaimDef {
+        uid: MIG_SHARE_B,
+        devices: &[("gpu", SHARED_MIG)],
+        mps: false,
+        share: Some("5e000000-0000-4000-8000-00000000000e"),
+    },
 ];
+
+/// The thread percentage a share's CDI spec must carry: 44 SMs of its device's.
+fn share_percentage(def: &ClaimDef) -> u32 {
+    if def.devices[0].1 == SHARED_MIG {
+        44 * 100 / 60
+    } else {
+        44 * 100 / 132
+    }
+}
 
 /// The CDI device name (device part) of a claim's device.
 fn cdi_device(def: &ClaimDef, device: &str) -> String {
@@ -236,6 +262,25 @@ const SCENARIOS: &[Scenario] = &[
         claims: &[SHARE_A, SHARE_B, SHARE_C],
         action: Action::PrepareAfterReboot,
         env: &[("MOCK_NVML_MIG", "off")],
+    },
+    // Two shares of one on-demand MIG placement: one instance, one daemon for both.
+    Scenario {
+        name: "prepare-two-mig-shares",
+        claims: &[MIG_SHARE_A, MIG_SHARE_B],
+        action: Action::Prepare,
+        env: &[],
+    },
+    Scenario {
+        name: "unprepare-first-of-two-mig-shares",
+        claims: &[MIG_SHARE_A, MIG_SHARE_B],
+        action: Action::UnprepareFirst,
+        env: &[],
+    },
+    Scenario {
+        name: "recreate-mig-shares-after-reboot",
+        claims: &[MIG_SHARE_A, MIG_SHARE_B],
+        action: Action::PrepareAfterReboot,
+        env: &[],
     },
     Scenario {
         name: "restart-after-crash-in-prepare",
@@ -578,6 +623,24 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         on_hw == in_checkpoint,
         format!("MIG devices on the hardware {on_hw:?} != recorded {in_checkpoint:?}"),
     );
+    // The shares of one MIG device record one instance between them.
+    let mut share_instances: BTreeMap<&str, BTreeSet<Option<String>>> = BTreeMap::new();
+    for c in data.claims.values() {
+        for d in c.devices.iter().filter(|d| d.share.is_some()) {
+            if let Some(m) = &d.mig {
+                share_instances
+                    .entry(d.name.as_str())
+                    .or_default()
+                    .insert(m.uuid.clone());
+            }
+        }
+    }
+    check(
+        share_instances
+            .values()
+            .all(|u| u.len() == 1 && !u.contains(&None)),
+        format!("shares of a MIG device record other than one instance: {share_instances:?}"),
+    );
 
     // CDI root: one spec per prepared claim, nothing else; each names the recorded UUIDs.
     let files: BTreeSet<String> = std::fs::read_dir(world.cdi())
@@ -647,14 +710,15 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         );
         recorded_pids.insert(record.daemon.unwrap().pid);
     }
-    // Each share's CDI spec carries its own client limits (44 of 132 SMs, 20Gi).
+    // Each share's CDI spec carries its own client limits (44 SMs of its device's, 20Gi).
     for uid in expected.iter().filter(|u| claim_def(u).share.is_some()) {
         let text =
             std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(uid))).unwrap_or_default();
+        let pct = share_percentage(claim_def(uid));
         check(
-            text.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33")
+            text.contains(&format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}\""))
                 && text.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"),
-            format!("CDI spec of share {uid} lacks its client limits"),
+            format!("CDI spec of share {uid} lacks its client limits ({pct} %, 20480M)"),
         );
     }
     let running: BTreeSet<u32> = world
