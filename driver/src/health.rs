@@ -13,7 +13,6 @@
 //! must not mark a device unhealthy.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -22,7 +21,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use crate::backend::{
-    BackendError, EVENT_DOUBLE_BIT_ECC, EVENT_XID, EventSource, EventWait, GpuBackend as _,
+    BackendError, EVENT_DOUBLE_BIT_ECC, EVENT_XID, EventSource, EventWait,
 };
 
 /// Xids caused by applications (graphics engine exception, page fault, GPU stopped
@@ -141,17 +140,6 @@ impl HealthEvent {
 /// Why the watcher could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
-    /// NVML could not be loaded or initialised ([`HealthWatcher::spawn`] only).
-    #[error("loading NVML {path} for health checks: {source}")]
-    Init {
-        /// Library path.
-        path: PathBuf,
-        /// Underlying error.
-        source: BackendError,
-    },
-    /// The backend has no event source (a test fake).
-    #[error("the GPU backend offers no health events")]
-    NoEventSource,
     /// The thread could not be spawned.
     #[error("spawning the health thread: {0}")]
     Spawn(std::io::Error),
@@ -209,24 +197,6 @@ impl HealthWatcher {
             stop,
             thread: Some(thread),
         })
-    }
-
-    /// [`HealthWatcher::start`] over the event source of an NVML backend loaded from
-    /// `lib_path`. This opens a second NVML handle; a caller that has the backend passes
-    /// its [`crate::backend::GpuBackend::event_source`] to `start` instead.
-    pub fn spawn(
-        lib_path: &Path,
-        gpu_uuids: Vec<String>,
-        options: WatchOptions,
-        sink: impl Fn(HealthEvent) + Send + 'static,
-    ) -> Result<Self, HealthError> {
-        let backend =
-            crate::nvml::NvmlBackend::open(Some(lib_path)).map_err(|source| HealthError::Init {
-                path: lib_path.to_owned(),
-                source,
-            })?;
-        let source = backend.event_source().ok_or(HealthError::NoEventSource)?;
-        Self::start(source, gpu_uuids, options, sink)
     }
 
     /// Stops the thread and waits for it (at most one event wait).
