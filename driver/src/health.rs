@@ -20,9 +20,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use crate::backend::{
-    BackendError, EVENT_DOUBLE_BIT_ECC, EVENT_XID, EventSource, EventWait,
-};
+use crate::backend::{BackendError, EVENT_DOUBLE_BIT_ECC, EVENT_XID, EventSource, EventWait};
 
 /// Xids caused by applications (graphics engine exception, page fault, GPU stopped
 /// processing, preemptive cleanup, video processor exception, context switch timeout):
