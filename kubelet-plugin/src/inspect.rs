@@ -6,7 +6,7 @@ use anyhow::Context as _;
 use cleave_controller::{SliceLayout, slices_yaml};
 use cleave_driver::backend::GpuBackend as _;
 use cleave_driver::nvml::NvmlBackend;
-use cleave_driver::pool::{PoolOptions, build_pool};
+use cleave_driver::pool::{PoolOptions, build_pool, silent_gpus};
 
 use crate::args::InspectArgs;
 
@@ -16,15 +16,20 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
         NvmlBackend::open_in_driver_root(&args.driver_root, args.nvml.nvml_lib.as_deref())
             .context("loading NVML")?;
     let inventory = backend.inventory().context("discovering GPUs")?;
-    let pool = build_pool(
-        &inventory,
-        &PoolOptions {
-            dynamic_mig: args.dynamic_mig,
-            consumable_capacity: args.consumable_capacity,
-            ..PoolOptions::default()
-        },
-    );
+    let options = PoolOptions {
+        dynamic_mig: args.dynamic_mig,
+        consumable_capacity: args.consumable_capacity,
+        ..PoolOptions::default()
+    };
+    let pool = build_pool(&inventory, &options);
     let out = if args.yaml {
+        // The table names silent GPUs itself; YAML cannot, so say it on stderr.
+        for silent in silent_gpus(&inventory, &options) {
+            eprintln!(
+                "note: {} ({}) publishes no device: {}",
+                silent.name, silent.uuid, silent.reason
+            );
+        }
         let node = args.node_name.clone().unwrap_or_else(hostname);
         let layout = SliceLayout::for_server_version("1", &args.kubernetes_minor.to_string());
         slices_yaml(&pool, layout, &args.driver_name, &node).context("planning ResourceSlices")?

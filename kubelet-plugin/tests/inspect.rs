@@ -55,6 +55,47 @@ fn yaml_is_resourceslices_for_the_node() {
     assert_eq!(names, ["gpu-0", "gpu-1"]);
 }
 
+/// A MIG-enabled GPU without instances publishes nothing in static mode; with `--yaml` the
+/// empty device list comes with a note on stderr naming each such GPU and the ways out.
+#[test]
+fn yaml_names_gpus_that_publish_nothing_on_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = mock_nvml::locate::cdylib_path().expect("mock NVML library not built");
+    let out = Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["inspect", "--nvml-lib"])
+        .arg(lib)
+        .args([
+            "--mock-profile",
+            "h100-80gb-x8",
+            "--yaml",
+            "--node-name",
+            "n7",
+        ])
+        .env("MOCK_NVML_STATE", dir.path().join("state.json"))
+        .env("MOCK_NVML_MIG", "on")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let notes: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("note: gpu-"))
+        .collect();
+    assert_eq!(notes.len(), 8, "{stderr}");
+    assert!(
+        notes[0].contains("MIG is enabled and no MIG instance exists"),
+        "{stderr}"
+    );
+    assert!(notes[0].contains("--dynamic-mig"), "{stderr}");
+    // The slices themselves stay valid YAML on stdout, with no device.
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("devices: []"), "{text}");
+}
+
 /// The shipped binary plays no fake NVIDIA tool (the demo binary does): `__fake` is an
 /// unknown subcommand.
 #[test]
