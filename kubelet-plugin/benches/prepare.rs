@@ -136,11 +136,11 @@ fn main() {
     rt.block_on(bench(iterations, dir.path(), lib));
 }
 
-async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
-    let standin = StandIn::start(StandInOptions::default()).await.unwrap();
-    standin.put(&fixtures::node(NODE)).unwrap();
-    let args = RunArgs {
-        node_name: NODE.into(),
+/// The plugin's flags for a bench node in `dir`: mock NVML from `lib`, whole GPUs only,
+/// usage sampling off.
+fn run_args(node: &str, dir: &Path, lib: std::path::PathBuf) -> RunArgs {
+    RunArgs {
+        node_name: node.into(),
         kubelet: KubeletArgs {
             driver_name: cleave_api::names::DRIVER_NAME.into(),
             kubelet_registrar_directory_path: dir.join("registry"),
@@ -165,7 +165,6 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         },
         lifecycle: Default::default(),
         mps: Default::default(),
-        // The phases above measure prepare alone; the usage phase turns sampling on.
         usage: cleave_kubelet_plugin::args::UsageArgs {
             usage_interval: Duration::ZERO,
             ..Default::default()
@@ -174,7 +173,14 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         metrics_addr: None,
         health: Default::default(),
         uninstall: false,
-    };
+    }
+}
+
+async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
+    let standin = StandIn::start(StandInOptions::default()).await.unwrap();
+    standin.put(&fixtures::node(NODE)).unwrap();
+    // Sampling is off: these phases measure prepare alone; the usage phase turns it on.
+    let args = run_args(NODE, dir, lib);
     mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
         .lay_out(&args.driver.driver_root)
         .unwrap();
@@ -814,41 +820,7 @@ fn usage_child(iterations: usize) {
         let standin = StandIn::start(StandInOptions::default()).await.unwrap();
         standin.put(&fixtures::node(USAGE_NODE)).unwrap();
         let d = dir.path();
-        let args = RunArgs {
-            node_name: USAGE_NODE.into(),
-            kubelet: KubeletArgs {
-                driver_name: cleave_api::names::DRIVER_NAME.into(),
-                kubelet_registrar_directory_path: d.join("registry"),
-                kubelet_plugins_directory_path: d.join("plugins"),
-                pod_uid: None,
-            },
-            driver: DriverArgs {
-                cdi_root: d.join("cdi"),
-                driver_root: d.join("driver-root"),
-                dynamic_mig: false,
-                consumable_capacity: cleave_api::pool::ConsumableCapacity::Off,
-                cdi_hook_source: None,
-                disable_cdi_hooks: false,
-                host_driver_root: None,
-                mps_control_bin: None,
-                nvidia_smi_bin: None,
-            },
-            nvml: NvmlArgs {
-                nvml_lib: Some(lib),
-                mock_profile: None,
-                mock: None,
-            },
-            lifecycle: Default::default(),
-            mps: Default::default(),
-            usage: cleave_kubelet_plugin::args::UsageArgs {
-                usage_interval: Duration::ZERO,
-                ..Default::default()
-            },
-            kubeconfig: None,
-            metrics_addr: None,
-            health: Default::default(),
-            uninstall: false,
-        };
+        let args = run_args(USAGE_NODE, d, lib);
         mock_nvml::driver_root::DriverRootFixture::with_minors(0..9)
             .lay_out(&args.driver.driver_root)
             .unwrap();
