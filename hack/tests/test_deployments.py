@@ -376,7 +376,9 @@ def chart_lints_clean_default_and_kind() -> None:
 
 @check
 def rendered_objects_validate_strict_1_34() -> None:
-    base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass", "DeviceClass",
+    # Three DeviceClasses: shared.gpu.cleave.dev comes only with consumableCapacity (its
+    # selector needs DRAConsumableCapacity, see selectors_compile_in_each_versions_cel_environment).
+    base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass",
             "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     for label, values, extra in (("default", None, ["Role", "RoleBinding"]), ("kind", kind_values(), [])):
         objs = render(values)
@@ -569,7 +571,7 @@ def schema_accepts_documented_values() -> None:
 
 @check
 def deviceclasses_select_what_their_names_say() -> None:
-    objs = render()
+    objs = render({"consumableCapacity": "mps"})
     classes = {o["metadata"]["name"]: o for o in objs if o["kind"] == "DeviceClass"}
     assert set(classes) == DEVICE_CLASSES, sorted(classes)
     devices = {
@@ -586,6 +588,89 @@ def deviceclasses_select_what_their_names_say() -> None:
             check_cel_names(e, f"DeviceClass {name}")
         selected = {k for k, d in devices.items() if all(cel_select(e, d) for e in exprs)}
         assert selected == expect[name], f"DeviceClass {name} selects {selected}, want {expect[name]}"
+
+
+# The CEL environment the API server compiles DeviceClass and claim selectors in: the
+# fields of the `device` variable (dynamic-resource-allocation cel/compile.go). 1.34 and
+# 1.35 have driver, attributes and capacity; allowMultipleAllocations exists only where
+# DRAConsumableCapacity is on (alpha, off in 1.34/1.35; beta, on from 1.36: kubernetes
+# pkg/features/kube_features.go). A selector that reads a missing field fails to compile
+# and the object is rejected on create ("undefined field ...").
+CEL_DEVICE_FIELDS = {"driver", "attributes", "capacity"}
+CEL_DEVICE_FIELDS_CONSUMABLE = CEL_DEVICE_FIELDS | {"allowMultipleAllocations"}
+_CEL_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
+_CEL_DEVICE_FIELD = re.compile(r"\bdevice\s*\.\s*([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def cel_device_fields_missing(expr: str, fields: set[str]) -> set[str]:
+    """The fields of `device` that `expr` reads and the environment lacks (string literals
+    left out, so `"device.x"` in a string does not count)."""
+    cel_program(expr)  # it must at least parse
+    code = _CEL_STRING.sub('""', expr)
+    return set(_CEL_DEVICE_FIELD.findall(code)) - fields
+
+
+def chart_selectors(objs: list[dict]) -> list[tuple[str, str]]:
+    """(where, CEL expression) of every selector in rendered objects."""
+    out = []
+    for o in objs:
+        if o["kind"] == "DeviceClass":
+            for sel in o["spec"].get("selectors", []):
+                out.append((f"DeviceClass {o['metadata']['name']}", sel["cel"]["expression"]))
+    return out
+
+
+def example_selectors(docs: list[dict]) -> list[tuple[str, str]]:
+    out = []
+    for d in docs:
+        if d["kind"] not in {"ResourceClaim", "ResourceClaimTemplate"}:
+            continue
+        spec = d["spec"]["spec"] if d["kind"] == "ResourceClaimTemplate" else d["spec"]
+        for r in spec["devices"]["requests"]:
+            for alt in [r.get("exactly")] + list(r.get("firstAvailable") or []):
+                for sel in (alt or {}).get("selectors", []):
+                    out.append((f"{d['kind']} {d['metadata']['name']}", sel["cel"]["expression"]))
+    return out
+
+
+@check
+def selectors_compile_in_each_versions_cel_environment() -> None:
+    """The chart renders only selectors the target API server compiles: with defaults (and
+    the kind values) the 1.34 environment, without allowMultipleAllocations; with
+    consumableCapacity mps or time-slicing (which needs DRAConsumableCapacity anyway) the
+    environment with it, and the shared class is there. Examples likewise."""
+    cases = [("defaults", None, CEL_DEVICE_FIELDS), ("kind", kind_values(), CEL_DEVICE_FIELDS),
+             ("consumableCapacity=off", {"consumableCapacity": "off"}, CEL_DEVICE_FIELDS),
+             ("consumableCapacity=mps", {"consumableCapacity": "mps"}, CEL_DEVICE_FIELDS_CONSUMABLE),
+             ("consumableCapacity=time-slicing", {"consumableCapacity": "time-slicing"},
+              CEL_DEVICE_FIELDS_CONSUMABLE)]
+    for label, values, fields in cases:
+        objs = render(values)
+        names = {o["metadata"]["name"] for o in objs if o["kind"] == "DeviceClass"}
+        shared = "shared.gpu.cleave.dev" in names
+        assert shared == (fields is CEL_DEVICE_FIELDS_CONSUMABLE), f"{label}: DeviceClasses {sorted(names)}"
+        sels = chart_selectors(objs)
+        assert sels, f"{label}: no selectors rendered"
+        for where, expr in sels:
+            missing = cel_device_fields_missing(expr, fields)
+            assert not missing, (f"{label}: {where} reads device.{sorted(missing)}, which the target "
+                                 f"API server's CEL environment lacks")
+    # The shared class stays off when asked, in every mode.
+    objs = render({"consumableCapacity": "mps", "deviceClasses": {"shared": {"enabled": False}}})
+    assert "shared.gpu.cleave.dev" not in {o["metadata"]["name"] for o in objs if o["kind"] == "DeviceClass"}
+    for path, docs in example_docs().items():
+        fields = CEL_DEVICE_FIELDS_CONSUMABLE if "DRAConsumableCapacity" in KIND_DEMO_SKIPS.get(path.name, "") \
+            else CEL_DEVICE_FIELDS
+        for where, expr in example_selectors(docs):
+            missing = cel_device_fields_missing(expr, fields)
+            assert not missing, f"{path.name}: {where} reads device.{sorted(missing)} (not in its target's CEL environment)"
+    # The check can fail: the shared class's selector, rendered unconditionally as it once
+    # was, is caught in the 1.34 environment; a field named only inside a string is not.
+    (shared_expr,) = [e for w, e in chart_selectors(render({"consumableCapacity": "mps"}))
+                      if w == "DeviceClass shared.gpu.cleave.dev"]
+    assert cel_device_fields_missing(shared_expr, CEL_DEVICE_FIELDS) == {"allowMultipleAllocations"}
+    assert not cel_device_fields_missing('device.driver == "device.allowMultipleAllocations"', CEL_DEVICE_FIELDS)
+    assert cel_device_fields_missing("has(device.shareID)", CEL_DEVICE_FIELDS) == {"shareID"}
 
 
 @check
