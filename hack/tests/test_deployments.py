@@ -70,6 +70,8 @@ PLUGIN_FLAGS = {
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--namespace", "--pod-name",
     "--usage-interval", "--idle-threshold", "--idle-after", "--idle-events",
+    "--allow-no-gpus", "--disable-health-checks", "--device-taints", "--additional-xids-to-ignore",
+    "--xids-to-check", "--xid-unhealthy-duration", "--lost-gpu-check-interval",
 }
 # Flags that only the MPS pod launcher uses: passed with mps.launcher=pod only.
 MPS_POD_FLAGS = {
@@ -379,8 +381,10 @@ def rendered_objects_validate_strict_1_34() -> None:
     # Three DeviceClasses: shared.gpu.cleave.dev comes only with consumableCapacity (its
     # selector needs DRAConsumableCapacity, see selectors_compile_in_each_versions_cel_environment).
     base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass",
-            "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
-    for label, values, extra in (("default", None, ["Role", "RoleBinding"]), ("kind", kind_values(), [])):
+            "Service", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    # The pod launcher (default) adds its Role and the node-scoped MPS pods policy.
+    pod_launcher = ["Role", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    for label, values, extra in (("default", None, pod_launcher), ("kind", kind_values(), [])):
         objs = render(values)
         kinds = sorted(o["kind"] for o in objs)
         assert kinds == sorted(base + extra), f"{label}: {kinds}"
@@ -1207,8 +1211,8 @@ def admission_policy_keeps_each_plugin_to_its_own_nodes_slices() -> None:
     compiles, and evaluated as the API server does it lets the plugin's ServiceAccount write
     only the slices of the node in its token; other users are not matched."""
     objs = render(namespace="gpu-drivers")
-    policy = one(objs, "ValidatingAdmissionPolicy")
-    binding = one(objs, "ValidatingAdmissionPolicyBinding")
+    policy = one(objs, "ValidatingAdmissionPolicy", "cleave-node-scoped-slices")
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", "cleave-node-scoped-slices")
     for o in (policy, binding):
         validate_k8s(o, "node-scoped slices policy")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
@@ -1250,7 +1254,8 @@ def admission_policy_keeps_each_plugin_to_its_own_nodes_slices() -> None:
     assert allowed("system:serviceaccount:other:sa", "node-a", "CREATE", "node-b") is None
     # Off, or without the chart's RBAC: no policy.
     for values in ({"nodeScopedSlices": {"enabled": False}}, {"rbac": {"create": False}}):
-        assert not [o for o in render(values) if o["kind"].startswith("ValidatingAdmissionPolicy")]
+        assert not [o for o in render(values) if o["kind"].startswith("ValidatingAdmissionPolicy")
+                    and o["metadata"]["name"].endswith("node-scoped-slices")]
 
 
 @check
@@ -1472,6 +1477,417 @@ def kind_scripts_drive_a_fake_cluster() -> None:
 
 
 
+# ----------------------------------------------------------------------------- operator settings
+
+ARGS_RS = ROOT / "kubelet-plugin" / "src" / "args.rs"
+
+
+def args_rs_structs() -> dict[str, list[tuple[str, str | None, str | None]]]:
+    """Per clap struct of kubelet-plugin/src/args.rs: (long flag or "", env or None, flattened
+    struct or None) of each field."""
+    text = ARGS_RS.read_text()
+    out: dict[str, list[tuple[str, str | None, str | None]]] = {}
+    for m in re.finditer(r"pub struct (\w+) \{(.*?)\n\}", text, re.S):
+        fields = []
+        for f in re.finditer(r"#\[(arg|command)\(([^\]]*)\)\]\s*(?:///[^\n]*\s*)*pub\s+(\w+)\s*:\s*(\w+)", m.group(2)):
+            kind, attrs, name, ty = f.groups()
+            if kind == "command" and "flatten" in attrs:
+                fields.append(("", None, ty))
+                continue
+            if not re.search(r"\blong\b", attrs):
+                continue
+            named = re.search(r'\blong\s*=\s*"([^"]+)"', attrs)
+            env = re.search(r'\benv\s*=\s*"([^"]+)"', attrs)
+            fields.append(("--" + (named.group(1) if named else name.replace("_", "-")),
+                           env.group(1) if env else None, None))
+        out[m.group(1)] = fields
+    return out
+
+
+def clap_envs(struct: str, structs: dict | None = None) -> dict[str, str | None]:
+    """flag -> env of a clap struct, flattened structs included."""
+    structs = structs or args_rs_structs()
+    out: dict[str, str | None] = {}
+    for flag, env, flat in structs[struct]:
+        if flat:
+            out.update(clap_envs(flat, structs))
+        else:
+            out[flag] = env
+    return out
+
+
+# Flags the chart passes as flags only, and why.
+FLAG_ONLY = {"--log-format": "global logging flags: in the env they would also raise `usage`'s log level",
+             "--log-level": "global logging flags: in the env they would also raise `usage`'s log level"}
+
+
+@check
+def daemonset_env_mirrors_run_flags() -> None:
+    """One source of truth: every setting the DaemonSet passes to `run` as a flag is also
+    set, with the same value, as the env var that flag's clap argument reads; so `inspect`,
+    `usage` and `checkpoint reset` run in the pod with no flags and see what `run` sees."""
+    structs = args_rs_structs()
+    run_env = clap_envs("RunArgs", structs)
+    assert run_env.get("--driver-root") == "NVIDIA_DRIVER_ROOT", f"args.rs parse: {run_env}"
+    run_env.update({"--log-format": "LOG_FORMAT", "--log-level": "RUST_LOG"})  # LogArgs, global
+    many = {**ALL_FLAGS_VALUES, "allowNoGpus": True, "usage": {"idleEvents": True},
+            "health": {"checks": False, "deviceTaints": "auto", "additionalXidsToIgnore": [79],
+                       "xidsToCheck": [48, 63], "xidUnhealthyDurationSeconds": 600}}
+    for label, values in (("default", None), ("kind", kind_values()), ("all flags", many)):
+        c = plugin_container(render(values))
+        env = env_of(c)
+        for flag, value in flags(c).items():
+            if flag in FLAG_ONLY:
+                assert run_env[flag] not in env, f"{label}: {run_env[flag]} set although {flag} is flag-only"
+                continue
+            name = run_env.get(flag)
+            assert name, f"{label}: {flag} has no env in args.rs RunArgs"
+            want = "true" if value is None else value
+            assert env.get(name) == want, f"{label}: {flag}={value} but env {name}={env.get(name)!r}"
+        # What the subcommands read from the env that `run` also reads is there.
+        for sub in ("InspectArgs", "UsageCommandArgs", "CheckpointResetArgs"):
+            for flag, name in clap_envs(sub, structs).items():
+                if name and name in set(run_env.values()) and name not in {"NODE_NAME", "METRICS_ADDR"} \
+                        and name not in {run_env[f] for f in FLAG_ONLY}:
+                    run_flag = next(f for f, e in run_env.items() if e == name)
+                    if run_flag in flags(c):
+                        assert name in env, f"{label}: `{sub}` reads {name}, the DaemonSet does not set it"
+        assert env["NVIDIA_DRIVER_ROOT"] == "/driver-root", "inspect must find NVML under the mounted driver root"
+        assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    # The subcommands the docs send operators to read these settings from the environment.
+    inspect_env = clap_envs("InspectArgs", structs)
+    for flag, name in {"--driver-root": "NVIDIA_DRIVER_ROOT", "--dynamic-mig": "DYNAMIC_MIG",
+                       "--consumable-capacity": "CONSUMABLE_CAPACITY", "--nvml-lib": "NVML_LIB",
+                       "--driver-name": "DRIVER_NAME", "--node-name": "NODE_NAME"}.items():
+        assert inspect_env.get(flag) == name, f"inspect {flag} reads {inspect_env.get(flag)}, not {name}"
+    reset_env = clap_envs("CheckpointResetArgs", structs)
+    assert reset_env["--plugins-dir"] == "KUBELET_PLUGINS_DIRECTORY_PATH" and reset_env["--cdi-root"] == "CDI_ROOT"
+    assert clap_envs("UsageCommandArgs", structs)["--metrics-addr"] == "METRICS_ADDR"
+    # extraArgs and extraEnv come after the chart's own.
+    c = plugin_container(render({"extraArgs": ["--retry-max-ms=60000"],
+                                 "extraEnv": [{"name": "COUNTER_PROBE_INTERVAL_SECS", "value": "30"}]}))
+    assert c["args"][-1] == "--retry-max-ms=60000" and c["env"][-1] == {"name": "COUNTER_PROBE_INTERVAL_SECS", "value": "30"}
+    # The check can fail: a DaemonSet whose env lost NVIDIA_DRIVER_ROOT is caught.
+    broken = [e for e in plugin_container(render())["env"] if e["name"] != "NVIDIA_DRIVER_ROOT"]
+    assert "NVIDIA_DRIVER_ROOT" not in {e["name"] for e in broken}
+
+
+@check
+def plugin_subcommands_run_with_the_daemonsets_env() -> None:
+    """With a built binary: `inspect --yaml` with only the kind DaemonSet's environment (the
+    mock library and driver root swapped for this machine's) publishes what `run`'s flags
+    say: on-demand MIG placements (DYNAMIC_MIG) of the mock's H100s."""
+    binary = built_plugin()
+    mock = binary.parent / "libmock_nvml.so"
+    if not mock.exists():
+        raise Skip(f"no {mock.relative_to(ROOT)} (cargo build -p cleave-mock-nvml)")
+    c = plugin_container(render(kind_values()))
+    env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
+    with tempfile.TemporaryDirectory() as tmp:
+        env.update({"PATH": os.environ.get("PATH", ""), "NODE_NAME": "gpu-node-1", "NVML_LIB": str(mock),
+                    "NVIDIA_DRIVER_ROOT": tmp, "MOCK_NVML_STATE": str(Path(tmp) / "state")})
+        proc = subprocess.run([binary, "inspect", "--yaml"], capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 0, f"inspect with the DaemonSet's env failed: {proc.stderr[-2000:]}"
+        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        devices = [dev for d in docs for dev in d["spec"].get("devices") or []]
+        assert docs and all(d["spec"].get("nodeName") == "gpu-node-1" for d in docs if "nodeName" in d["spec"])
+        migs = [d for d in devices if ((d.get("attributes") or {}).get("type") or {}).get("string") == "mig"]
+        assert len(migs) > 8, f"DYNAMIC_MIG=true from the env did not publish MIG placements ({len(migs)})"
+        # Without the env, the same call publishes no placements: the env is what made it.
+        env.pop("DYNAMIC_MIG")
+        proc = subprocess.run([binary, "inspect", "--yaml"], capture_output=True, text=True, timeout=60, env=env)
+        plain = [dev for d in yaml.safe_load_all(proc.stdout) if d for dev in d["spec"].get("devices") or []]
+        assert len(plain) < len(devices), "inspect published as many devices without DYNAMIC_MIG"
+
+
+@check
+def operator_values_reach_the_plugin() -> None:
+    """health.*, allowNoGpus, extraArgs/extraEnv: defaults, each value's flag, schema."""
+    f = flags(plugin_container(render()))
+    assert f["--device-taints"] == "off" and f["--xid-unhealthy-duration"] == "0"
+    assert f["--lost-gpu-check-interval"] == "5"
+    for absent in ("--allow-no-gpus", "--disable-health-checks", "--additional-xids-to-ignore", "--xids-to-check"):
+        assert absent not in f, f"{absent} passed by default"
+    for mode in ("off", "on", "auto"):
+        assert flags(plugin_container(render({"health": {"deviceTaints": mode}})))["--device-taints"] == mode
+    f = flags(plugin_container(render({"allowNoGpus": True, "health": {
+        "checks": False, "additionalXidsToIgnore": [79, 94], "xidsToCheck": [48],
+        "xidUnhealthyDurationSeconds": 300, "lostGpuCheckIntervalSeconds": 10}})))
+    assert "--allow-no-gpus" in f and f["--allow-no-gpus"] is None
+    assert "--disable-health-checks" in f and f["--disable-health-checks"] is None
+    assert f["--additional-xids-to-ignore"] == "79,94" and f["--xids-to-check"] == "48"
+    assert f["--xid-unhealthy-duration"] == "300" and f["--lost-gpu-check-interval"] == "10"
+    # The TaintMode values of args.rs are the schema's enum.
+    text = ARGS_RS.read_text()
+    m = re.search(r"pub enum TaintMode \{(.*?)\n\}", text, re.S)
+    assert m, "args.rs: no TaintMode"
+    modes = {v.lower() for v in re.findall(r"^\s*(\w+),", m.group(1), re.M)}
+    with helm.Chart.load(CHART) as chart:
+        enum = set(chart.schema["properties"]["health"]["properties"]["deviceTaints"]["enum"])
+        assert modes == enum, f"args.rs TaintMode {modes} != schema {enum}"
+        bad = [
+            {"health": {"deviceTaints": False}}, {"health": {"deviceTaints": "yes"}},
+            {"health": {"xidsToCheck": ["79"]}}, {"health": {"xidsToCheck": [79, 79]}},
+            {"health": {"additionalXidsToIgnore": [0]}}, {"health": {"xidUnhealthyDurationSeconds": -1}},
+            {"health": {"lostGpuCheckIntervalSeconds": 0}}, {"health": {"taints": "on"}},
+            {"allowNoGpus": "true"}, {"extraArgs": ["run"]}, {"extraArgs": [5]}, {"extraArgs": "--x"},
+            {"extraEnv": [{"value": "x"}]}, {"extraEnv": [{"name": "A", "valu": "x"}]},
+            {"metrics": {"enabled": True, "port": 9400, "podMonitor": {"interval": "30 seconds"}}},
+            {"metrics": {"enabled": True, "port": 9400, "service": {"enabled": "yes"}}},
+            {"nodeScopedMpsPods": {"enabled": 1}},
+        ]
+        accepted = schema_accepted(chart, bad)
+    assert not accepted, f"schema accepted wrong operator values: {accepted}"
+
+
+# The shape of a monitoring.coreos.com/v1 PodMonitor the chart may render: a subset of the
+# Prometheus Operator's CRD (prometheus-operator Documentation/api.md, PodMonitorSpec and
+# PodMetricsEndpoint), closed, since no CRD schema is available offline.
+_PROM_DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+PODMONITOR_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PodMonitor"},
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {
+            "type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "jobLabel": {"type": "string"}, "podTargetLabels": {"type": "array"},
+                "namespaceSelector": {"type": "object"}, "sampleLimit": {"type": "integer"},
+                "selector": {"type": "object", "additionalProperties": False,
+                             "properties": {"matchLabels": {"type": "object"}, "matchExpressions": {"type": "array"}}},
+                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string"}, "portNumber": {"type": "integer"}, "path": {"type": "string"},
+                        "scheme": {"enum": ["http", "https"]}, "interval": {"type": "string", "pattern": _PROM_DURATION},
+                        "scrapeTimeout": {"type": "string", "pattern": _PROM_DURATION},
+                        "honorLabels": {"type": "boolean"}, "relabelings": {"type": "array"},
+                        "metricRelabelings": {"type": "array"}}}},
+            }},
+    },
+}
+
+
+@check
+def metrics_reach_prometheus() -> None:
+    """A headless Service over the metrics port, scrape annotations on the pods, and (off by
+    default) a PodMonitor whose selector and port find the plugin pods."""
+    import jsonschema
+
+    objs = render()
+    ds = one(objs, "DaemonSet")
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    c = plugin_container(objs)
+    svc = one(objs, "Service")
+    validate_k8s(svc, "metrics Service")
+    assert svc["spec"]["clusterIP"] == "None", "the metrics Service must be headless"
+    assert set(svc["spec"]["selector"].items()) <= set(pod_labels.items()), svc["spec"]["selector"]
+    (port,) = svc["spec"]["ports"]
+    assert port["targetPort"] == "metrics" == c["ports"][0]["name"] and port["port"] == 9400
+    assert not svc["metadata"].get("annotations"), "scrape annotations on both pod and Service scrape twice"
+    ann = ds["spec"]["template"]["metadata"]["annotations"]
+    assert ann == {"prometheus.io/scrape": "true", "prometheus.io/port": "9400", "prometheus.io/path": "/metrics"}, ann
+    assert not [o for o in objs if o["kind"] == "PodMonitor"], "PodMonitor on by default"
+    objs = render({"metrics": {"enabled": True, "port": 9500, "scrapeAnnotations": False,
+                               "podMonitor": {"enabled": True, "interval": "1m", "labels": {"release": "kps"}}},
+                   "kubeletPlugin": {"podAnnotations": {"team": "gpu"}}})
+    assert one(objs, "DaemonSet")["spec"]["template"]["metadata"]["annotations"] == {"team": "gpu"}
+    pm = one(objs, "PodMonitor")
+    jsonschema.validate(strip(pm), PODMONITOR_SCHEMA)
+    assert pm["metadata"]["namespace"] == "cleave-system" and pm["metadata"]["labels"]["release"] == "kps"
+    assert set(pm["spec"]["selector"]["matchLabels"].items()) <= set(pod_labels.items())
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert ep == {"port": "metrics", "path": "/metrics", "interval": "1m"}, ep
+    assert one(objs, "Service")["spec"]["ports"][0]["port"] == 9500
+    # Metrics off: no Service, no PodMonitor, no annotations.
+    objs = render({"metrics": {"enabled": False, "port": 9400, "podMonitor": {"enabled": True}}})
+    assert not [o for o in objs if o["kind"] in {"Service", "PodMonitor"}]
+    assert "annotations" not in one(objs, "DaemonSet")["spec"]["template"]["metadata"]
+    # The shape check can fail.
+    bad = json.loads(json.dumps(strip(pm)))
+    bad["spec"]["podMetricsEndpoints"][0]["intervall"] = "1m"
+    try:
+        jsonschema.validate(bad, PODMONITOR_SCHEMA)
+    except jsonschema.ValidationError:
+        pass
+    else:
+        raise AssertionError("PODMONITOR_SCHEMA let an unknown endpoint field through")
+
+
+def mps_daemon_pod(node: str = "node-a", image: str = "ghcr.io/cleave-dev/cleave:0.1.0",
+                   state_dir: str = "/var/lib/kubelet/plugins/gpu.cleave.dev", driver_root: str = "/") -> dict:
+    """A daemon pod as kubelet-plugin/src/mps_pod.rs `daemon_pod` builds it (after the API
+    server's defaulting of serviceAccountName)."""
+    uid = "7f1c2a9e-0000-4000-8000-000000000001"
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"cleave-mps-{uid}", "namespace": "cleave-system",
+                     "labels": {"app.kubernetes.io/name": "cleave-mps",
+                                "app.kubernetes.io/managed-by": "cleave-kubelet-plugin",
+                                f"{DRIVER}/claim-uid": uid},
+                     "annotations": {f"{DRIVER}/devices": "GPU-0000"}},
+        "spec": {
+            "nodeName": node, "hostPID": True, "restartPolicy": "Never",
+            "priorityClassName": "system-node-critical", "serviceAccountName": "default",
+            "automountServiceAccountToken": False, "enableServiceLinks": False,
+            "tolerations": [{"operator": "Exists"}],
+            "containers": [{
+                "name": "mps-control-daemon", "image": image, "imagePullPolicy": "IfNotPresent",
+                "command": ["/usr/bin/cleave-kubelet-plugin", "mps-daemon"],
+                "args": ["--driver-root=/driver-root", "--lib-dir=/run/cleave-mps/lib"],
+                "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "GPU-0000"},
+                        {"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/nvidia-mps"},
+                        {"name": "CUDA_MPS_LOG_DIRECTORY", "value": "/var/log/nvidia-mps"},
+                        {"name": "CLEAVE_CLAIM_UID", "value": uid}],
+                "securityContext": {"privileged": True},
+                "volumeMounts": [{"name": "pipe", "mountPath": "/tmp/nvidia-mps"},
+                                 {"name": "log", "mountPath": "/var/log/nvidia-mps"},
+                                 {"name": "shm", "mountPath": "/dev/shm"},
+                                 {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True},
+                                 {"name": "scratch", "mountPath": "/run/cleave-mps"}]}],
+            "volumes": [{"name": "pipe", "hostPath": {"path": f"{state_dir}/mps/{uid}/pipe", "type": "Directory"}},
+                        {"name": "log", "hostPath": {"path": f"{state_dir}/mps/{uid}/log", "type": "Directory"}},
+                        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+                        {"name": "driver-root", "hostPath": {"path": driver_root, "type": "Directory"}},
+                        {"name": "scratch", "emptyDir": {}}],
+        },
+    }
+
+
+def evaluate_policy(spec: dict, request: dict, obj: dict | None, old: dict | None) -> tuple[bool | None, list[str]]:
+    """Evaluates a ValidatingAdmissionPolicy spec as the API server does (match conditions,
+    variables, validations): (None, []) when it does not apply, else (allowed, messages)."""
+    def run(expr: str, act: dict) -> Any:
+        result = cel_program(expr).evaluate({k: celpy.json_to_cel(v) if k != "variables" else v
+                                             for k, v in act.items()})
+        if isinstance(result, Exception):
+            raise AssertionError(f"CEL {expr!r} failed: {result}")
+        return result
+
+    act: dict[str, Any] = {"request": request, "object": obj, "oldObject": old}
+    if not all(run(c["expression"], act) for c in spec.get("matchConditions", [])):
+        return None, []
+    variables: dict[str, Any] = {}
+    for v in spec.get("variables", []):
+        act["variables"] = celtypes.MapType(variables)
+        variables[celtypes.StringType(v["name"])] = run(v["expression"], act)
+    act["variables"] = celtypes.MapType(variables)
+    denied = []
+    for v in spec["validations"]:
+        if not bool(run(v["expression"], act)):
+            msg = run(v["messageExpression"], act) if "messageExpression" in v else v.get("message", "")
+            denied.append(str(msg))
+    return not denied, denied
+
+
+@check
+def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
+    """The node-scoped MPS pods policy: valid for 1.34 (strict), every expression compiles,
+    and evaluated it lets the plugin's token create (and delete) only daemon pods of its own
+    node with the chart's image, the mps-daemon command, the plugin's labels and volumes;
+    everything else is denied with a message. Its sample pod follows mps_pod.rs."""
+    objs = render(namespace="gpu-drivers")
+    policy = one(objs, "ValidatingAdmissionPolicy", "cleave-node-scoped-mps-pods")
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", "cleave-node-scoped-mps-pods")
+    for o in (policy, binding):
+        validate_k8s(o, "node-scoped MPS pods policy")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"] == [{"apiGroups": [""], "apiVersions": ["v1"],
+                                                          "operations": ["CREATE", "DELETE"], "resources": ["pods"]}]
+    for v in spec["validations"]:
+        assert v.get("message") or v.get("messageExpression"), f"validation without a message: {v['expression']}"
+        for key in ("expression", "messageExpression"):
+            if key in v:
+                cel_program(v[key])
+    sa = one(objs, "ServiceAccount")["metadata"]["name"]
+    user = f"system:serviceaccount:gpu-drivers:{sa}"
+
+    def review(op: str, pod: dict, token_node: str | None = "node-a", username: str = user):
+        req = {"operation": op, "userInfo": {"username": username, "extra":
+               {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}}}
+        return evaluate_policy(spec, req, None if op == "DELETE" else pod, pod if op == "DELETE" else None)
+
+    good = mps_daemon_pod()
+    assert review("CREATE", good) == (True, []), review("CREATE", good)
+    assert review("DELETE", good) == (True, [])
+    multi = json.loads(json.dumps(good))
+    multi["spec"]["containers"][0]["args"].append("--multi-user")
+    assert review("CREATE", multi)[0] is True
+
+    def denied(label: str, pod: dict, op: str = "CREATE", token_node: str | None = "node-a", needle: str = "") -> None:
+        ok, msgs = review(op, pod, token_node)
+        assert ok is False, f"{label}: allowed"
+        assert all(msgs) and (not needle or any(needle in m for m in msgs)), f"{label}: messages {msgs}"
+
+    def edit(fn: Callable[[dict], None]) -> dict:
+        pod = json.loads(json.dumps(good))
+        fn(pod)
+        return pod
+
+    denied("another node", mps_daemon_pod(node="node-b"), needle="not on node node-b")
+    denied("no node", edit(lambda p: p["spec"].pop("nodeName")), needle="without spec.nodeName")
+    denied("token without a node", good, token_node=None, needle="names no node")
+    denied("another image", mps_daemon_pod(image="evil.example.com/root:latest"), needle="runs the image")
+    denied("extra hostPath", edit(lambda p: p["spec"]["volumes"].append(
+        {"name": "etc", "hostPath": {"path": "/etc"}})), needle="mounts only")
+    denied("hostPath escaping the state dir", edit(lambda p: p["spec"]["volumes"][0]["hostPath"].update(
+        path="/var/lib/kubelet/plugins/gpu.cleave.dev/../../../../etc")))
+    denied("driver root elsewhere", edit(lambda p: p["spec"]["volumes"][3]["hostPath"].update(path="/etc")))
+    denied("driver root writable", edit(lambda p: p["spec"]["containers"][0]["volumeMounts"][3].pop("readOnly")))
+    denied("secret volume", edit(lambda p: p["spec"]["volumes"].append({"name": "s", "secret": {"secretName": "x"}})))
+    denied("another command", edit(lambda p: p["spec"]["containers"][0].update(command=["/bin/sh", "-c", "id"])))
+    denied("another flag", edit(lambda p: p["spec"]["containers"][0]["args"].append("--uninstall")))
+    denied("LD_PRELOAD", edit(lambda p: p["spec"]["containers"][0]["env"].append({"name": "LD_PRELOAD", "value": "/x"})))
+    denied("an extra label", edit(lambda p: p["metadata"]["labels"].update({"app": "x"})))
+    denied("not a daemon pod", edit(lambda p: p["metadata"]["labels"].update({"app.kubernetes.io/name": "x"})),
+           needle="only MPS daemon pods")
+    denied("a second container", edit(lambda p: p["spec"]["containers"].append(dict(p["spec"]["containers"][0]))))
+    denied("an init container", edit(lambda p: p["spec"].update(initContainers=[dict(p["spec"]["containers"][0])])))
+    denied("host network", edit(lambda p: p["spec"].update(hostNetwork=True)))
+    denied("a token mounted", edit(lambda p: p["spec"].update(automountServiceAccountToken=True)))
+    denied("another service account", edit(lambda p: p["spec"].update(serviceAccountName="cluster-admin-sa")))
+    denied("delete on another node", mps_daemon_pod(node="node-b"), op="DELETE")
+    denied("delete a pod that is no daemon", edit(lambda p: p["metadata"]["labels"].pop("app.kubernetes.io/name")),
+           op="DELETE")
+    assert review("CREATE", mps_daemon_pod(node="node-b"), username="system:serviceaccount:kube-system:x") == (None, [])
+    # Chart values shape the policy: another driver root, MPS image, kubelet dir, service account.
+    values = {"driverRoot": "/run/nvidia/driver", "mps": {"image": {"repository": "example.com/mps", "tag": "2"},
+                                                          "serviceAccountName": "cleave-mps"},
+              "kubeletPlugin": {"kubeletDir": "/var/lib/k0s/kubelet"}}
+    spec2 = one(render(values, namespace="gpu-drivers"), "ValidatingAdmissionPolicy", "cleave-node-scoped-mps-pods")["spec"]
+    pod2 = mps_daemon_pod(image="example.com/mps:2", state_dir="/var/lib/k0s/kubelet/plugins/gpu.cleave.dev",
+                          driver_root="/run/nvidia/driver")
+    pod2["spec"]["serviceAccountName"] = "cleave-mps"
+    req = {"operation": "CREATE", "userInfo": {"username": user,
+                                               "extra": {"authentication.kubernetes.io/node-name": ["node-a"]}}}
+    assert evaluate_policy(spec2, req, pod2, None) == (True, []), evaluate_policy(spec2, req, pod2, None)
+    assert evaluate_policy(spec2, req, good, None)[0] is False, "the default-values pod passed the custom policy"
+    # Only with the pod launcher and RBAC, and when enabled.
+    for v in ({"mps": {"launcher": "process"}}, {"rbac": {"create": False}}, {"nodeScopedMpsPods": {"enabled": False}}):
+        assert not [o for o in render(v) if o["metadata"]["name"].endswith("node-scoped-mps-pods")], v
+    # The sample pod is the code's: names, labels, command, flags, env and volumes of mps_pod.rs.
+    src = MPS_POD_SRC.read_text()
+    start = (ROOT / "kubelet-plugin" / "src" / "start.rs").read_text()
+    assert '"/usr/bin/cleave-kubelet-plugin".to_owned(),\n                "mps-daemon"' in start, \
+        "start.rs no longer runs /usr/bin/cleave-kubelet-plugin mps-daemon in daemon pods: update the policy"
+    for needle in ('APP_NAME: &str = "cleave-mps"', f'CLAIM_LABEL: &str = "{DRIVER}/claim-uid"',
+                   '"app.kubernetes.io/managed-by", "cleave-kubelet-plugin"', '"--driver-root=',
+                   '"--lib-dir=', '"--mps-control-bin=', '"--multi-user"', "automount_service_account_token: Some(false)",
+                   'host_path_volume("driver-root", &config.host_driver_root'):
+        assert needle in src, f"kubelet-plugin/src/mps_pod.rs lacks {needle!r}: update the policy and this check"
+    for name in re.findall(r'env\("([A-Z_]+)"', src):
+        assert name.startswith(("CUDA_", "CLEAVE_")), f"mps_pod.rs sets env {name}, which the policy denies"
+    for name, _ in re.findall(r'host_path_volume\("([^"]+)",\s*&config\.(host_path\(|host_driver_root)', src):
+        assert name in {v["name"] for v in good["spec"]["volumes"]}, f"mps_pod.rs mounts hostPath {name}: not in the sample"
+    volumes = set(re.findall(r'(?:host_path_volume|empty_dir_volume)\("([^"]+)"', src)) | (
+        {"shm"} if "empty_dir_volume(SHM_VOLUME" in src else set())
+    assert volumes == {v["name"] for v in good["spec"]["volumes"]}, f"mps_pod.rs volumes {sorted(volumes)}"
+
+
 # ----------------------------------------------------------------------------- Grafana dashboard
 
 
@@ -1536,4 +1952,6 @@ def grafana_dashboard_refers_only_to_exported_usage_metrics() -> None:
     assert referenced_metrics(doctored) - exported == {"cleave_kubelet_plugin_no_such_metric"}
 
 if __name__ == "__main__":
+    import test_tenancy  # the tenancy checks (hack/tests/test_tenancy.py) join this run
+    test_tenancy.register(sys.modules[__name__])
     sys.exit(run_all())
