@@ -1888,6 +1888,108 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
     assert volumes == {v["name"] for v in good["spec"]["volumes"]}, f"mps_pod.rs volumes {sorted(volumes)}"
 
 
+# ----------------------------------------------------------------------------- docs agree with the code
+
+OPERATOR_DOCS = [ROOT / "README.md", ROOT / "SECURITY.md", ROOT / "deployments" / "README.md",
+                 *sorted((ROOT / "docs").glob("*.md"))]
+_BACKTICKED = re.compile(r"`([^`\n]+)`")
+_VALUE_PATH = re.compile(r"^([a-z][A-Za-z0-9]*(?:\.(?:[A-Za-z][A-Za-z0-9]*|\{[A-Za-z0-9,]+\}))+)(?:=\S*)?$")
+# Flags in docs that are not cleave's (other tools' options named alone in backticks).
+FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--platform", "--root-dir",
+                 "--config", "--privileged", "--cgroups", "--device", "--gpu-reset", "--help",
+                 "--bench", "--query-gpu", "--set-timeslice"}
+# Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).
+CONFIG_NOT_VALUES = {"mps.multiUser", "mps.pinnedMemoryLimit", "mps.activeThreadPercentage"}
+
+
+def doc_value_paths(text: str) -> set[str]:
+    """Dotted chart value paths named in backticks or after --set, brace lists expanded."""
+    out: set[str] = set()
+    tokens = _BACKTICKED.findall(text) + re.findall(r"--set\s+'?([A-Za-z][\w.{},]*)=", text)
+    for tok in tokens:
+        m = _VALUE_PATH.match(tok.strip())
+        if not m or "cleave.dev" in tok or tok.endswith((".md", ".rs", ".yaml", ".json", ".sh", ".py", ".toml")):
+            continue
+        path = m.group(1)
+        brace = re.search(r"\{([^}]+)\}", path)
+        alts = brace.group(1).split(",") if brace else [None]
+        for alt in alts:
+            out.add(path.replace(brace.group(0), alt) if brace else path)
+    return out
+
+
+def resolve_value(values: dict, path: str) -> bool:
+    node: Any = values
+    for part in path.split("."):
+        if isinstance(node, dict) and not node and node is not values:
+            return True  # a free-form map (labels, annotations): any key
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+@check
+def docs_name_only_chart_values_that_exist() -> None:
+    """Every chart value path a doc names (`health.deviceTaints`, `--set metrics.port=...`) is
+    in values.yaml; a name whose first part is not a top-level value is not a value path."""
+    with helm.Chart.load(CHART) as chart:
+        values = chart.values
+    missing = []
+    for doc in OPERATOR_DOCS:
+        for path in doc_value_paths(doc.read_text()):
+            if path.split(".")[0] in values and path not in CONFIG_NOT_VALUES and not resolve_value(values, path):
+                missing.append(f"{doc.relative_to(ROOT)}: {path}")
+    assert not missing, f"docs name chart values that values.yaml lacks: {missing}"
+    # The check can fail.
+    assert doc_value_paths("set `health.deviceTaint` or `deviceClasses.{gpu,tpu}.enabled`") == {
+        "health.deviceTaint", "deviceClasses.gpu.enabled", "deviceClasses.tpu.enabled"}
+    assert not resolve_value(values, "health.deviceTaint") and not resolve_value(values, "driverName")
+
+
+@check
+def docs_name_only_plugin_flags_that_exist() -> None:
+    """Every `--flag` a doc names on its own (in backticks, or in a table cell) is a clap long
+    flag of kubelet-plugin/src, or another tool's flag listed in FOREIGN_FLAGS."""
+    declared = cli_long_flags()
+    unknown = []
+    for doc in OPERATOR_DOCS:
+        for tok in _BACKTICKED.findall(doc.read_text()):
+            m = re.fullmatch(r"(--[a-z][a-z0-9-]*)(?:[= ].*)?", tok.strip())
+            if m and m.group(1) not in declared | FOREIGN_FLAGS:
+                unknown.append(f"{doc.relative_to(ROOT)}: {m.group(1)}")
+    assert not unknown, f"docs name flags kubelet-plugin/src/args.rs does not declare: {sorted(set(unknown))}"
+    assert "--device-taints" in declared and "--no-such-flag" not in declared
+
+
+def mock_mig_profiles() -> set[str]:
+    return set(re.findall(r'"([0-9]g\.[0-9]+gb(?:\+me)?)"', "\n".join(
+        p.read_text() for p in (ROOT / "hack" / "mock-nvml" / "src").rglob("*.rs"))))
+
+
+@check
+def examples_and_docs_ask_for_mig_profiles_that_exist() -> None:
+    """Profiles that examples select exist on the mock's H100 80GB (the examples' node), and
+    the MIG walkthrough in docs/mig.md creates the profile the example it points to asks."""
+    known = mock_mig_profiles()
+    assert {"1g.10gb", "3g.40gb", "7g.80gb"} <= known, f"mock profiles parsed: {sorted(known)}"
+    asked: dict[str, set[str]] = {}
+    for path, docs in example_docs().items():
+        for _, expr in example_selectors(docs):
+            for prof in re.findall(r'\.profile\s*==\s*"([^"]+)"', expr):
+                asked.setdefault(path.name, set()).add(prof)
+    assert asked.get("mig-slice.yaml"), "mig-slice.yaml selects no profile"
+    bad = {f: sorted(p - known) for f, p in asked.items() if p - known}
+    assert not bad, f"examples ask for MIG profiles no GPU of the mock has: {bad}"
+    mig_doc = (ROOT / "docs" / "mig.md").read_text()
+    m = re.search(r"two `([0-9]g\.[0-9]+gb)` instances.*?mig-slice\.yaml", mig_doc, re.S)
+    assert m, "docs/mig.md: the walkthrough no longer says which instances it creates for mig-slice.yaml"
+    assert {m.group(1)} == asked["mig-slice.yaml"], \
+        f"docs/mig.md creates {m.group(1)}, mig-slice.yaml asks {sorted(asked['mig-slice.yaml'])} (a Pending pod)"
+    ids = re.search(r"nvidia-smi mig -i 0 -cgi (\d+),(\d+) -C", mig_doc)
+    assert ids and ids.group(1) == ids.group(2) == "19", "docs/mig.md: 1g.10gb is profile ID 19 on an H100 80GB"
+
+
 # ----------------------------------------------------------------------------- Grafana dashboard
 
 
