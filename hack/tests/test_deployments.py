@@ -68,7 +68,7 @@ PLUGIN_FLAGS = {
     "--dynamic-mig", "--consumable-capacity", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
     "--mps-control-bin", "--nvidia-smi-bin",
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
-    "--mps-daemon-service-account", "--kubelet-root-dir", "--namespace", "--pod-name",
+    "--mps-daemon-service-account", "--kubelet-root-dir", "--mps-pipe-root", "--namespace", "--pod-name",
     "--usage-interval", "--idle-threshold", "--idle-after", "--idle-events",
     "--allow-no-gpus", "--disable-health-checks", "--device-taints", "--additional-xids-to-ignore",
     "--xids-to-check", "--xid-unhealthy-duration", "--lost-gpu-check-interval",
@@ -1598,6 +1598,18 @@ def plugin_subcommands_run_with_the_daemonsets_env() -> None:
         proc = subprocess.run([binary, "inspect", "--yaml"], capture_output=True, text=True, timeout=60, env=env)
         plain = [dev for d in yaml.safe_load_all(proc.stdout) if d for dev in d["spec"].get("devices") or []]
         assert len(plain) < len(devices), "inspect published as many devices without DYNAMIC_MIG"
+    # `run` parses every setting of the all-flags DaemonSet from the env alone, and with the
+    # flags too (it gets as far as the kubeconfig, which does not exist here).
+    many = {**ALL_FLAGS_VALUES, "allowNoGpus": True, "usage": {"idleEvents": True},
+            "health": {"checks": False, "deviceTaints": "auto", "additionalXidsToIgnore": [79],
+                       "xidsToCheck": [48, 63], "xidUnhealthyDurationSeconds": 600}}
+    c = plugin_container(render(many))
+    env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
+    env.update({"NODE_NAME": "gpu-node-1", "PATH": os.environ.get("PATH", ""), "KUBECONFIG": "/nonexistent"})
+    for args in (["run"], c["args"]):
+        proc = subprocess.run([binary, *args], capture_output=True, text=True, timeout=30, env=env)
+        assert proc.returncode != 0 and "kubeconfig" in proc.stderr, \
+            f"run {'with flags' if len(args) > 1 else 'from the env'}: {proc.stderr[-1500:]}"
 
 
 @check
