@@ -1,0 +1,705 @@
+//! The plugin's CDI specs under a real container runtime. Debian's podman resolves CDI
+//! device names with the Go `container-device-interface` library that containerd and CRI-O
+//! use too, and runs the specs' hooks through a real OCI runtime (crun). The real plugin
+//! binary prepares claims over the mock NVML library and a driver root with real character
+//! device nodes (the test runs as root); then a busybox container started with
+//! `podman run --device <the CDI ID prepare returned>` prints what it sees: the GPU's node,
+//! the control and UVM nodes, the `libcuda.so.1` link the hook's `create-symlinks` made, the
+//! loader cache its `update-ldcache` wrote, the environment; for an MPS claim also the
+//! daemon's pipe directory (its control socket) and its `/dev/shm`. Once the claim is
+//! unprepared, podman can no longer resolve the device.
+//!
+//! The image is made with `podman import` from a rootfs holding the host's statically linked
+//! busybox (Debian's `busybox-static`): nothing is pulled. Everything podman keeps lives in
+//! the test's temp dir (vfs storage, run root, libpod tmp dir, its own `containers.conf` and
+//! `storage.conf`), and every podman command runs in a mount namespace of its own
+//! (`unshare -m`) in which:
+//! - tmpfs hides the host's `/run` and `/var/lib` (podman and crun write run-time state and a
+//!   blob cache there), and `/run/cdi` is the plugin's CDI directory: podman 4.3 reads specs
+//!   only from `/etc/cdi` (hidden too when present) and `/var/run/cdi` (so the temp dirs
+//!   must not be under `/run` or `/var/lib`);
+//! - `/sys/fs/cgroup/unified` is unmounted: with cgroup v1 and v2 both mounted crun refuses
+//!   the "hybrid mode", and podman runs with `--cgroups=disabled`;
+//! - `default_ulimits` keeps the container's rlimits within this process's (podman's
+//!   defaults exceed what a sandbox allows).
+//!
+//! Skipped, with a loud message, only where podman cannot run at all: not root, no podman,
+//! `unshare` or `tar`, no statically linked busybox, or a plain container that does not
+//! start. `CLEAVE_REQUIRE_PODMAN=1` (`.ci/run` sets it once podman is installed) turns a
+//! skip into a failure.
+//!
+//! Built with `harness = false`, like `mps_pod`: the MPS claim's daemon runs in a pod of the
+//! fake kubelet (`tests/common/kubelet.rs`) as the fake `nvidia-cuda-mps-control` of
+//! `cleave-fakes`, played by this test binary itself.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use cleave_apiserver_standin::StandIn;
+use common::kubelet::{FakeKubelet, KubeletOptions};
+use common::node::*;
+use common::*;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::DeviceAllocationConfiguration;
+use mock_nvml::driver_root::{DRIVER_VERSION, NVIDIA_MAJOR, UVM_MAJOR};
+use serde_json::json;
+
+const NAMESPACE: &str = "cleave-system";
+const IMAGE: &str = "localhost/cleave-podman-test:busybox";
+/// The busybox applets the container's scripts use.
+const APPLETS: &[&str] = &["sh", "ls", "cat", "readlink", "env", "stat", "test", "echo"];
+/// Where the mock driver root keeps its libraries (an Ubuntu host), in the container too.
+const LIB_DIR: &str = "/usr/lib/x86_64-linux-gnu";
+/// Set (to anything but `0`) where podman must run: a skip is then a failure.
+const REQUIRE_ENV: &str = "CLEAVE_REQUIRE_PODMAN";
+
+/// Each podman command's set-up inside its own mount namespace (see the file's header).
+const NAMESPACE_SETUP: &str = r#"set -e
+umount /sys/fs/cgroup/unified 2>/dev/null || true
+mount -t tmpfs -o mode=0755 cleave-run /run
+mkdir /run/cdi
+mount --bind "$CLEAVE_CDI_DIR" /run/cdi
+if [ -d /etc/cdi ]; then mount -t tmpfs -o mode=0755 cleave-etc-cdi /etc/cdi; fi
+mount -t tmpfs -o mode=0755 cleave-var-lib /var/lib
+exec podman "$@"
+"#;
+
+/// Podman with all its state in a temp dir of its own.
+struct Podman {
+    tmp: tempfile::TempDir,
+    cdi_dir: PathBuf,
+}
+
+impl Podman {
+    /// Podman over `cdi_dir` (the plugin's CDI directory); writes its configuration files.
+    fn new(cdi_dir: &Path) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().canonicalize().unwrap();
+        assert!(
+            !real.starts_with("/run") && !real.starts_with("/var/lib"),
+            "temp dirs under {} would be hidden from podman: set TMPDIR elsewhere",
+            real.display()
+        );
+        let p = |n: &str| tmp.path().join(n).display().to_string();
+        for d in ["storage", "run", "libpod", "networks", "image-tmp"] {
+            std::fs::create_dir_all(tmp.path().join(d)).unwrap();
+        }
+        let (nofile, nproc) = (
+            within_limit(libc::RLIMIT_NOFILE, 1024),
+            within_limit(libc::RLIMIT_NPROC, 1024),
+        );
+        std::fs::write(
+            tmp.path().join("containers.conf"),
+            format!(
+                "[containers]\ndefault_ulimits = [\"nofile={nofile}:{nofile}\", \"nproc={nproc}:{nproc}\"]\n\
+                 [engine]\ncgroup_manager = \"cgroupfs\"\nevents_logger = \"none\"\ntmp_dir = \"{}\"\n\
+                 [network]\nnetwork_config_dir = \"{}\"\n",
+                p("libpod"),
+                p("networks"),
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            tmp.path().join("storage.conf"),
+            format!(
+                "[storage]\ndriver = \"vfs\"\ngraphroot = \"{}\"\nrunroot = \"{}\"\n",
+                p("storage"),
+                p("run")
+            ),
+        )
+        .unwrap();
+        Self {
+            tmp,
+            cdi_dir: cdi_dir.to_owned(),
+        }
+    }
+
+    /// Runs `podman <args>` in a mount namespace of its own.
+    fn run(&self, args: &[&str]) -> Output {
+        let conf = |n: &str| self.tmp.path().join(n);
+        Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(NAMESPACE_SETUP)
+            .arg("sh")
+            .args(args)
+            .env("CONTAINERS_CONF", conf("containers.conf"))
+            .env("CONTAINERS_STORAGE_CONF", conf("storage.conf"))
+            .env("CONTAINERS_REGISTRIES_CONF", conf("registries.conf"))
+            .env("TMPDIR", conf("image-tmp"))
+            .env("CLEAVE_CDI_DIR", &self.cdi_dir)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// Imports the busybox image; Err says why podman cannot be used here.
+    fn import_image(&self, busybox: &Path) -> Result<(), String> {
+        let rootfs = self.tmp.path().join("rootfs");
+        std::fs::create_dir_all(rootfs.join("bin")).unwrap();
+        for d in ["dev", "proc", "sys", "tmp", "etc"] {
+            std::fs::create_dir_all(rootfs.join(d)).unwrap();
+        }
+        std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
+        std::fs::set_permissions(
+            rootfs.join("bin/busybox"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+        for applet in APPLETS {
+            std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
+        }
+        let tar = self.tmp.path().join("rootfs.tar");
+        let out = Command::new("tar")
+            .arg("-C")
+            .arg(&rootfs)
+            .arg("-cf")
+            .arg(&tar)
+            .arg(".")
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            return Err(format!("tar failed: {}", text(&out)));
+        }
+        let out = self.run(&["import", tar.to_str().unwrap(), IMAGE]);
+        if !out.status.success() {
+            return Err(format!("podman import failed: {}", text(&out)));
+        }
+        // A container without devices: podman runs at all.
+        let out = self.container(&[], "echo podman-runs");
+        if !out.status.success() || !String::from_utf8_lossy(&out.stdout).contains("podman-runs") {
+            return Err(format!(
+                "a plain busybox container did not run: {}",
+                text(&out)
+            ));
+        }
+        Ok(())
+    }
+
+    /// `podman run` of the busybox image with these CDI devices, running `script`.
+    fn container(&self, devices: &[&str], script: &str) -> Output {
+        let mut args = vec!["run", "--rm", "--cgroups=disabled", "--network=none"];
+        for d in devices {
+            args.extend(["--device", d]);
+        }
+        args.extend([IMAGE, "/bin/sh", "-c", script]);
+        self.run(&args)
+    }
+
+    /// Removes every container and image, and checks that nothing is left.
+    fn clean_up(&self) {
+        for args in [
+            &["rm", "--all", "--force"][..],
+            &["rmi", "--all", "--force"][..],
+        ] {
+            let out = self.run(args);
+            assert!(out.status.success(), "podman {args:?}: {}", text(&out));
+        }
+        for (what, args) in [
+            ("containers", &["ps", "--all", "--quiet"][..]),
+            ("images", &["images", "--quiet"][..]),
+        ] {
+            let out = self.run(args);
+            assert!(out.status.success(), "podman {args:?}: {}", text(&out));
+            assert!(
+                out.stdout.trim_ascii().is_empty(),
+                "{what} left: {}",
+                text(&out)
+            );
+        }
+    }
+}
+
+/// `want`, or this process's hard limit of `resource` where that is lower.
+fn within_limit(resource: libc::__rlimit_resource_t, want: u64) -> u64 {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid, writable rlimit for the duration of the call.
+    #[allow(unsafe_code)]
+    let rc = unsafe { libc::getrlimit(resource, &mut limit) };
+    if rc == 0 {
+        want.min(limit.rlim_max)
+    } else {
+        want
+    }
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn on_path(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Whether `path` is an ELF executable without a program interpreter (statically linked).
+fn is_static_elf(path: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(path) else {
+        return false;
+    };
+    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+        return false; // Only 64-bit little-endian ELF is read here.
+    }
+    let u16_at = |o: usize| usize::from(u16::from_le_bytes([bytes[o], bytes[o + 1]]));
+    let ph_off = u64::from_le_bytes(bytes[0x20..0x28].try_into().unwrap());
+    let Ok(ph_off) = usize::try_from(ph_off) else {
+        return false;
+    };
+    let (ph_size, ph_num) = (u16_at(0x36), u16_at(0x38));
+    (0..ph_num).all(|i| {
+        let at = ph_off + i * ph_size;
+        // PT_INTERP (3) names the dynamic loader.
+        bytes
+            .get(at..at + 4)
+            .is_some_and(|t| u32::from_le_bytes(t.try_into().unwrap()) != 3)
+    })
+}
+
+/// The statically linked busybox to build the image from, or why there is none.
+fn static_busybox() -> Result<PathBuf, String> {
+    for candidate in ["/bin/busybox", "/usr/bin/busybox"] {
+        let path = PathBuf::from(candidate);
+        if is_static_elf(&path) {
+            return Ok(path);
+        }
+    }
+    Err(
+        "no statically linked busybox at /bin/busybox (Debian: apt-get install busybox-static)"
+            .into(),
+    )
+}
+
+/// Why podman cannot run on this machine, if it cannot.
+fn cannot_run_podman() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    #[allow(unsafe_code)]
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
+        return Some("not root (device nodes and a rootful podman need it)".into());
+    }
+    for tool in ["podman", "unshare", "tar"] {
+        if !on_path(tool) {
+            return Some(format!(
+                "no `{tool}` on PATH (Debian: apt-get install podman)"
+            ));
+        }
+    }
+    None
+}
+
+/// Skips the test loudly (returns false: it did not run), or fails it where podman is
+/// required.
+fn skip(why: &str) -> bool {
+    let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
+    assert!(
+        !required,
+        "{REQUIRE_ENV} is set but podman cannot run here: {why}"
+    );
+    eprintln!(
+        "\n{bar}\nSKIPPED: the podman test did not run: {why}\n\
+         (the plugin's CDI specs were NOT checked under a real container runtime)\n{bar}\n",
+        bar = "!".repeat(78)
+    );
+    false
+}
+
+fn mps_config() -> DeviceAllocationConfiguration {
+    serde_json::from_value(json!({
+        "source": "FromClaim",
+        "requests": ["gpu"],
+        "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 50}}}}
+    }))
+    .unwrap()
+}
+
+/// One node: the plugin's files, the fake tools and the fake kubelet's root.
+struct World {
+    dirs: NodeDirs,
+}
+
+impl World {
+    fn new() -> Self {
+        let dirs = NodeDirs::new();
+        let bin = dirs.driver_root().join("usr/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let exe = std::env::current_exe().unwrap();
+        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
+            let path = bin.join(tool);
+            std::fs::write(
+                &path,
+                format!("#!/bin/sh\nexec '{}' __fake \"$0\" \"$@\"\n", exe.display()),
+            )
+            .unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        std::fs::create_dir_all(dirs.path().join("pod-logs")).unwrap();
+        Self { dirs }
+    }
+    fn kubelet_root(&self) -> PathBuf {
+        self.dirs.path().join("kubelet")
+    }
+    fn tool_env(&self) -> Vec<(String, String)> {
+        let p = |n: &str| self.dirs.path().join(n).display().to_string();
+        vec![
+            ("FAKE_MPS_RECORD".into(), p("fake-mps-record.log")),
+            // A daemon a failed run leaves behind exits by itself.
+            ("FAKE_MPS_IDLE_EXIT_SECS".into(), "60".into()),
+            ("FAKE_NVIDIA_SMI_RECORD".into(), p("fake-smi-record.log")),
+            ("FAKE_NVIDIA_SMI_STATE".into(), p("fake-smi-state")),
+        ]
+    }
+    fn plugin_options(&self) -> PluginOptions {
+        let mut env: Vec<(&'static str, String)> = vec![
+            ("MPS_LAUNCHER", "pod".into()),
+            ("MPS_DAEMON_IMAGE", "cleave:test".into()),
+            ("POD_NAMESPACE", NAMESPACE.into()),
+            (
+                "KUBELET_ROOT_DIR",
+                self.kubelet_root().display().to_string(),
+            ),
+        ];
+        for (k, v) in self.tool_env() {
+            env.push((Box::leak(k.into_boxed_str()), v));
+        }
+        PluginOptions {
+            env,
+            ..PluginOptions::default()
+        }
+    }
+    fn kubelet(&self, standin: &StandIn) -> FakeKubelet {
+        let mut options = KubeletOptions::default();
+        options.env.extend(self.tool_env());
+        FakeKubelet::start(
+            standin.config(),
+            NODE,
+            &self.kubelet_root(),
+            Path::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
+            &self.dirs.path().join("pod-logs"),
+            options,
+        )
+    }
+    /// The CDI spec of claim `uid`.
+    fn cdi_spec(&self, uid: &str) -> serde_json::Value {
+        let name = self
+            .dirs
+            .cdi_files()
+            .into_iter()
+            .find(|f| f.contains(uid))
+            .unwrap_or_else(|| panic!("no CDI spec for {uid}: {:?}", self.dirs.cdi_files()));
+        let text = std::fs::read_to_string(self.dirs.cdi_root().join(name)).unwrap();
+        serde_json::from_str(&text)
+            .or_else(|_| serde_yaml::from_str(&text))
+            .unwrap()
+    }
+    fn logs(&self) -> String {
+        let mut out = format!("plugin log:\n{}\n", self.dirs.log());
+        if let Ok(rd) = std::fs::read_dir(self.dirs.path().join("pod-logs")) {
+            for e in rd.flatten() {
+                out.push_str(&format!(
+                    "--- {}:\n{}\n",
+                    e.file_name().to_string_lossy(),
+                    std::fs::read_to_string(e.path()).unwrap_or_default()
+                ));
+            }
+        }
+        out
+    }
+}
+
+/// Every `env` entry of a CDI spec: the spec's own edits and each device's.
+fn spec_env(spec: &serde_json::Value) -> Vec<String> {
+    std::iter::once(&spec["containerEdits"])
+        .chain(
+            spec["devices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|d| &d["containerEdits"]),
+        )
+        .flat_map(|e| e["env"].as_array().into_iter().flatten())
+        .map(|v| v.as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// The container's report: each device node's type and numbers (`stat`), where the CUDA
+/// library's links point and whether their target is a file, and the environment.
+fn report_script(gpu_minor: u32, extra: &str) -> String {
+    format!(
+        "for n in /dev/nvidia{gpu_minor} /dev/nvidiactl /dev/nvidia-uvm; do \
+           if test -e $n; then stat -c 'node %n %F %t:%T' $n; else echo \"node $n missing\"; fi; \
+         done; \
+         for n in /dev/nvidia[0-9]*; do \
+           if test -e $n && test $n != /dev/nvidia{gpu_minor}; then echo \"other GPU node $n\"; fi; \
+         done; \
+         for l in {LIB_DIR}/libcuda.so.1 {LIB_DIR}/libcuda.so; do \
+           echo \"link $l -> $(readlink $l)\"; \
+         done; \
+         if test -f {LIB_DIR}/libcuda.so.1; then echo 'libcuda.so.1 resolves to a file'; fi; \
+         if test -s /etc/ld.so.cache; then echo 'ld cache written'; fi; \
+         cat /etc/ld.so.conf.d/*.conf | while read -r line; do echo \"ld.so.conf $line\"; done; \
+         {extra} \
+         env | while read -r line; do echo \"env $line\"; done"
+    )
+}
+
+/// Runs the container with the claim's CDI device and checks what every claim's container
+/// must see: its GPU's node, the control and UVM nodes, the CUDA library links, and the
+/// spec's environment. Returns the container's output.
+fn assert_container_sees_its_claim(
+    podman: &Podman,
+    world: &World,
+    uid: &str,
+    cdi_id: &str,
+    gpu_minor: u32,
+    extra: &str,
+) -> String {
+    let out = podman.container(&[cdi_id], &report_script(gpu_minor, extra));
+    assert!(
+        out.status.success(),
+        "the container with {cdi_id} did not run:\n{}\nCDI spec:\n{:#}\n{}",
+        text(&out),
+        world.cdi_spec(uid),
+        world.logs()
+    );
+    let seen = String::from_utf8_lossy(&out.stdout).into_owned();
+    let context = || {
+        format!(
+            "container output:\n{seen}\nstderr:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    // stat prints major and minor in hex.
+    for (node, major, minor) in [
+        (format!("/dev/nvidia{gpu_minor}"), NVIDIA_MAJOR, gpu_minor),
+        ("/dev/nvidiactl".to_owned(), NVIDIA_MAJOR, 255),
+        ("/dev/nvidia-uvm".to_owned(), UVM_MAJOR, 0),
+    ] {
+        let want = format!("node {node} character special file {major:x}:{minor:x}");
+        assert!(
+            seen.lines().any(|l| l == want),
+            "{want:?} not seen\n{}",
+            context()
+        );
+    }
+    // Only this claim's GPU: no other GPU's node.
+    assert!(
+        !seen.lines().any(|l| l.starts_with("other GPU node")),
+        "another claim's GPU is in the container\n{}",
+        context()
+    );
+    for want in [
+        format!("link {LIB_DIR}/libcuda.so.1 -> libcuda.so.{DRIVER_VERSION}"),
+        format!("link {LIB_DIR}/libcuda.so -> libcuda.so.1"),
+        "libcuda.so.1 resolves to a file".to_owned(),
+    ] {
+        assert!(
+            seen.lines().any(|l| l == want),
+            "{want:?} not seen (made by cleave-cdi-hook create-symlinks)\n{}",
+            context()
+        );
+    }
+    for want in [
+        "ld cache written".to_owned(),
+        format!("ld.so.conf {LIB_DIR}"),
+    ] {
+        assert!(
+            seen.lines().any(|l| l == want),
+            "{want:?} not seen (made by cleave-cdi-hook update-ldcache)\n{}",
+            context()
+        );
+    }
+    let env = spec_env(&world.cdi_spec(uid));
+    assert!(
+        env.iter().any(|e| e == "NVIDIA_VISIBLE_DEVICES=void"),
+        "{env:?}"
+    );
+    for want in &env {
+        assert!(
+            seen.lines().any(|l| l == format!("env {want}")),
+            "the spec's {want:?} is not in the container's environment\n{}",
+            context()
+        );
+    }
+    seen
+}
+
+/// The test; false when it was skipped.
+async fn containers_under_podman_see_what_prepare_gave_them() -> bool {
+    if let Some(why) = cannot_run_podman() {
+        return skip(&why);
+    }
+    let busybox = match static_busybox() {
+        Ok(path) => path,
+        Err(why) => return skip(&why),
+    };
+    let world = World::new();
+    std::fs::create_dir_all(world.dirs.cdi_root()).unwrap();
+    let podman = Podman::new(&world.dirs.cdi_root());
+    if let Err(why) = podman.import_image(&busybox) {
+        return skip(&why);
+    }
+
+    let standin = start_standin(&world.dirs).await;
+    let kubelet = world.kubelet(&standin);
+    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
+    put_claim(
+        &standin,
+        "mps",
+        "uid-mps",
+        &[("gpu", "gpu-1")],
+        &[mps_config()],
+    );
+    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let claims = vec![claim("whole", "uid-whole"), claim("mps", "uid-mps")];
+    let answer = prepare(&mut dra, claims.clone()).await;
+    let cdi_id = |uid: &str| {
+        let c = &answer.claims[uid];
+        assert_eq!(c.error, "", "{uid}\n{}", world.logs());
+        assert_eq!(c.devices.len(), 1, "{uid}: {:?}", c.devices);
+        assert_eq!(c.devices[0].cdi_device_ids.len(), 1, "{:?}", c.devices[0]);
+        c.devices[0].cdi_device_ids[0].clone()
+    };
+    let (whole_id, mps_id) = (cdi_id("uid-whole"), cdi_id("uid-mps"));
+
+    // A whole GPU.
+    assert_container_sees_its_claim(&podman, &world, "uid-whole", &whole_id, 0, "");
+
+    // An MPS claim: also the daemon's pipe directory (its control socket) and the daemon
+    // pod's memory emptyDir as /dev/shm (a file put there on the host is seen inside).
+    let pod: Pod = standin
+        .get_as("pods", NAMESPACE, "cleave-mps-uid-mps")
+        .expect("the MPS daemon's pod");
+    let shm = world
+        .kubelet_root()
+        .join("pods")
+        .join(pod.metadata.uid.as_deref().unwrap())
+        .join("volumes/kubernetes.io~empty-dir/shm");
+    std::fs::write(shm.join("cleave-podman-marker"), "from the daemon's shm\n").unwrap();
+    let seen = assert_container_sees_its_claim(
+        &podman,
+        &world,
+        "uid-mps",
+        &mps_id,
+        1,
+        "if test -S /tmp/nvidia-mps/control; then echo 'mps control socket'; fi; \
+         echo \"shm $(cat /dev/shm/cleave-podman-marker)\";",
+    );
+    for want in [
+        "mps control socket",
+        "shm from the daemon's shm",
+        "env CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+        "env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+    ] {
+        assert!(
+            seen.lines().any(|l| l == want),
+            "{want:?} not seen in the MPS claim's container:\n{seen}"
+        );
+    }
+
+    let un = unprepare(&mut dra, claims).await;
+    assert!(
+        un.claims.values().all(|c| c.error.is_empty()),
+        "{:?}\n{}",
+        un.claims,
+        world.logs()
+    );
+    // Once unprepared, the runtime can no longer resolve the claim's device.
+    let out = podman.container(&[whole_id.as_str()], "true");
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&whole_id),
+        "{}",
+        text(&out)
+    );
+    drop(dra);
+    assert!(plugin.terminate().success());
+    drop(kubelet);
+    podman.clean_up();
+    true
+}
+
+/// First argument that makes this test binary play a fake NVIDIA tool.
+const FAKE_TOOL_ARG: &str = "__fake";
+
+/// `<exe> __fake <tool path> <args>...` plays the fake tool named by the path's file name;
+/// the fake MPS control daemon re-runs its `argv[0]` as `<tool path> --daemon-loop [-M]`,
+/// which is played too. `None` for every other command line.
+fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
+    let tool_args = match args.get(1).map(String::as_str) {
+        Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
+        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
+            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
+                && args.first().and_then(|a| Path::new(a).file_name())
+                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
+        {
+            args
+        }
+        _ => return None,
+    };
+    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
+    Some(std::process::ExitCode::from(
+        u8::try_from(code).unwrap_or(1),
+    ))
+}
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = play_fake_tool(&args) {
+        return code;
+    }
+    let filters: Vec<&String> = args
+        .iter()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let name = "containers_under_podman_see_what_prepare_gave_them";
+    if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+        println!("\ntest result: ok. 0 passed; 0 failed; 0 ignored");
+        return std::process::ExitCode::SUCCESS;
+    }
+    let result = std::panic::catch_unwind(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(containers_under_podman_see_what_prepare_gave_them())
+    });
+    let ok = result.is_ok();
+    let ran = result.unwrap_or(true);
+    let outcome = match (ok, ran) {
+        (false, _) => "FAILED",
+        (true, true) => "ok",
+        (true, false) => "ignored (skipped: podman cannot run here)",
+    };
+    println!("test {name} ... {outcome}");
+    println!(
+        "\ntest result: {}. {} passed; {} failed; {} ignored",
+        if ok { "ok" } else { "FAILED" },
+        usize::from(ok && ran),
+        usize::from(!ok),
+        usize::from(!ran)
+    );
+    if ok {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
