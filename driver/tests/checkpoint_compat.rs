@@ -45,6 +45,7 @@ fn v1_data() -> CheckpointData {
                 pool: "node-a".into(),
                 request_names: vec!["gpu".into()],
                 kind: DeviceKind::Gpu,
+                admin_access: false,
                 gpu_uuid: GPU1.into(),
                 gpu_minor: 1,
                 mig: None,
@@ -73,6 +74,7 @@ fn v1_data() -> CheckpointData {
                 pool: "node-a".into(),
                 request_names: vec!["mig/small".into()],
                 kind: DeviceKind::Mig,
+                admin_access: false,
                 gpu_uuid: GPU0.into(),
                 gpu_minor: 0,
                 mig: Some(MigRecord {
@@ -104,6 +106,7 @@ fn v1_data() -> CheckpointData {
                 pool: "node-a".into(),
                 request_names: vec!["mig".into()],
                 kind: DeviceKind::Mig,
+                admin_access: false,
                 gpu_uuid: GPU0.into(),
                 gpu_minor: 0,
                 mig: Some(MigRecord {
@@ -135,6 +138,7 @@ fn v1_data() -> CheckpointData {
                 pool: "node-a".into(),
                 request_names: vec!["mig".into()],
                 kind: DeviceKind::Mig,
+                admin_access: false,
                 gpu_uuid: GPU0.into(),
                 gpu_minor: 0,
                 mig: Some(MigRecord {
@@ -292,6 +296,7 @@ fn shares_data() -> CheckpointData {
                     pool: "node-a".into(),
                     request_names: vec!["gpu".into()],
                     kind: DeviceKind::Gpu,
+                    admin_access: false,
                     gpu_uuid: GPU0.into(),
                     gpu_minor: 0,
                     mig: None,
@@ -303,6 +308,7 @@ fn shares_data() -> CheckpointData {
                         share_id: share.into(),
                         memory_bytes: Some(20 << 30),
                         multiprocessors: Some(44),
+                        ..Default::default()
                     }),
                 }],
                 sharing: None,

@@ -60,7 +60,7 @@ const SHARE_C: &str = "c0000007-0000-4000-8000-000000000007";
 const SHARED_GPU: &str = "gpu-4";
 const MIG_SHARE_A: &str = "c0000008-0000-4000-8000-000000000008";
 const MIG_SHARE_B: &str = "c0000009-0000-4000-8000-000000000009";
-/// The on-demand MIG placement the MIG shares are of (3g.40gb: 60 SMs, so 44 SMs is 73 %).
+/// The on-demand MIG placement the MIG shares are of (3g.40gb: 60 SMs, so 20 SMs is 33 %).
 const SHARED_MIG: &str = "gpu-5-mig-3g40gb-4";
 
 // ---------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ struct ClaimDef {
     uid: &'static str,
     devices: &'static [(&'static str, &'static str)],
     mps: bool,
-    /// The allocation's shareID (consumable capacity: 20Gi and 44 SMs of the device).
+    /// The allocation's shareID (consumable capacity: what [`share_consumed`] says).
     share: Option<&'static str>,
 }
 
@@ -136,12 +136,23 @@ const CLAIMS: [ClaimDef; 9] = [
     },
 ];
 
-/// The thread percentage a share's CDI spec must carry: 44 SMs of its device's.
-fn share_percentage(def: &ClaimDef) -> u32 {
+/// What a share consumed (memory, SMs): two shares of the 3g.40gb (40448Mi, 60 SMs) fit it,
+/// three of the H100 (132 SMs) fit it.
+fn share_consumed(def: &ClaimDef) -> (&'static str, u32, u64) {
     if def.devices[0].1 == SHARED_MIG {
-        44 * 100 / 60
+        ("16Gi", 20, 16384)
     } else {
-        44 * 100 / 132
+        ("20Gi", 44, 20480)
+    }
+}
+
+/// The thread percentage a share's CDI spec must carry: its SMs of its device's.
+fn share_percentage(def: &ClaimDef) -> u32 {
+    let (_, sms, _) = share_consumed(def);
+    if def.devices[0].1 == SHARED_MIG {
+        sms * 100 / 60
+    } else {
+        sms * 100 / 132
     }
 }
 
@@ -306,7 +317,8 @@ fn claim(def: &ClaimDef) -> ResourceClaim {
             let mut r = json!({"request": request, "driver": DRIVER_NAME, "pool": "node-a", "device": device});
             if let Some(share) = def.share {
                 r["shareID"] = json!(share);
-                r["consumedCapacity"] = json!({"memory": "20Gi", "multiprocessors": "44"});
+                let (memory, sms, _) = share_consumed(def);
+                r["consumedCapacity"] = json!({"memory": memory, "multiprocessors": sms.to_string()});
             }
             r
         })
@@ -710,15 +722,16 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         );
         recorded_pids.insert(record.daemon.unwrap().pid);
     }
-    // Each share's CDI spec carries its own client limits (44 SMs of its device's, 20Gi).
+    // Each share's CDI spec carries its own client limits (what it consumed of its device).
     for uid in expected.iter().filter(|u| claim_def(u).share.is_some()) {
         let text =
             std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(uid))).unwrap_or_default();
         let pct = share_percentage(claim_def(uid));
+        let (_, _, mib) = share_consumed(claim_def(uid));
         check(
             text.contains(&format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}\""))
-                && text.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"),
-            format!("CDI spec of share {uid} lacks its client limits ({pct} %, 20480M)"),
+                && text.contains(&format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mib}M")),
+            format!("CDI spec of share {uid} lacks its client limits ({pct} %, {mib}M)"),
         );
     }
     let running: BTreeSet<u32> = world

@@ -44,6 +44,7 @@ fn sample() -> CheckpointData {
                     pool: "node-a".into(),
                     request_names: vec!["mig".into()],
                     kind: DeviceKind::Mig,
+                    admin_access: false,
                     gpu_uuid: "GPU-1".into(),
                     gpu_minor: 0,
                     mig: Some(MigRecord {

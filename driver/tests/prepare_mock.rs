@@ -274,6 +274,7 @@ fn restart_rolls_back_interrupted_prepare_and_keeps_static_instances() {
                 pool: "node-a".into(),
                 request_names: vec!["mig".into()],
                 kind: DeviceKind::Mig,
+                admin_access: false,
                 gpu_uuid: gpu0.uuid.clone(),
                 gpu_minor: 0,
                 mig: Some(MigRecord {

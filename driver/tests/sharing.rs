@@ -134,6 +134,22 @@ fn main() {
             "shares_of_a_static_mig_instance_use_one_daemon_and_keep_the_instance",
             shares_of_a_static_mig_instance_use_one_daemon_and_keep_the_instance,
         ),
+        (
+            "whole_device_shares_are_exclusive_devices_with_their_class_config",
+            whole_device_shares_are_exclusive_devices_with_their_class_config,
+        ),
+        (
+            "shares_in_one_claim_and_configs_on_partial_shares_are_served",
+            shares_in_one_claim_and_configs_on_partial_shares_are_served,
+        ),
+        (
+            "over_committing_allocations_are_refused_naming_the_figures",
+            over_committing_allocations_are_refused_naming_the_figures,
+        ),
+        (
+            "admin_access_is_prepared_beside_other_claims_and_touches_nothing",
+            admin_access_is_prepared_beside_other_claims_and_touches_nothing,
+        ),
     ];
     common::harness::main(tests);
 }
@@ -425,6 +441,7 @@ fn record(uid: &str, gpu: &str, minor: u32, config: Option<serde_json::Value>) -
             pool: "node".into(),
             request_names: vec!["gpu".into()],
             kind: RecordKind::Gpu,
+            admin_access: false,
             gpu_uuid: gpu.into(),
             gpu_minor: minor,
             mig: None,
@@ -1618,7 +1635,7 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
         .prepare(&share_claim(exclusive, "gpu-0", None, ("", ""), None))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("allocated whole (no shareID)"), "{err}");
+    assert!(err.contains("over-commit: allocated whole"), "{err}");
     driver
         .prepare(&share_claim(exclusive, "gpu-1", None, ("", ""), None))
         .unwrap();
@@ -1727,18 +1744,6 @@ fn shares_are_refused_clearly_where_they_cannot_be_served() {
         "{err}"
     );
     assert!(world.started_pids().is_empty());
-    // A sharing config on a share: refused (the limits come from what it consumed).
-    let err = driver
-        .prepare(&share_claim(
-            uid,
-            "gpu-0",
-            share,
-            ("20Gi", "44"),
-            Some(json!({"strategy": "MPS"})),
-        ))
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("has a sharing config"), "{err}");
     // A shareID that cannot name a CDI device.
     let err = driver
         .prepare(&share_claim(
@@ -2245,4 +2250,481 @@ fn supervisor_reports_a_daemon_that_cannot_start() {
         "{err}"
     );
     assert!(world.started_pids().is_empty());
+}
+
+// ---------------------------------------------------------------------------------------
+// One sharing model: allocations as the upstream allocator writes them on shareable nodes.
+
+/// An allocation result of this node's pool: `(request, device, shareID, memory, SMs)`;
+/// `shareID` `None` for a non-shareable device.
+type Alloc<'a> = (&'a str, &'a str, Option<&'a str>, &'a str, &'a str);
+
+/// A claim allocated `results`, with `configs` (allocation config entries) and admin access
+/// on the requests named in `admin`.
+fn alloc_claim(
+    uid: &str,
+    results: &[Alloc<'_>],
+    configs: serde_json::Value,
+    admin: &[&str],
+) -> ResourceClaim {
+    let results: Vec<serde_json::Value> = results
+        .iter()
+        .map(|(request, device, share, memory, sms)| {
+            let mut r = json!({"request": request, "driver": DRIVER_NAME, "pool": "node-a", "device": device});
+            if let Some(share) = share {
+                r["shareID"] = json!(share);
+                r["consumedCapacity"] = json!({"memory": memory, "multiprocessors": sms});
+            }
+            if admin.contains(request) {
+                r["adminAccess"] = json!(true);
+            }
+            r
+        })
+        .collect();
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": format!("claim-{}", &uid[..8]), "namespace": "default", "uid": uid},
+        "spec": {"devices": {}},
+        "status": {"allocation": {"devices": {"results": results, "config": configs}}}
+    }))
+    .unwrap()
+}
+
+/// The chart's `mps.gpu.cleave.dev` class config (FromClass), for `requests`.
+fn class_mps_config(requests: &[&str], pct: u8, limit: &str) -> serde_json::Value {
+    json!([{"source": "FromClass", "requests": requests, "opaque": {
+        "driver": DRIVER_NAME,
+        "parameters": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": pct,
+                "pinnedMemoryLimit": {"default": limit}}}}}}])
+}
+
+fn class_ts_config(requests: &[&str], interval: &str) -> serde_json::Value {
+    json!([{"source": "FromClass", "requests": requests, "opaque": {
+        "driver": DRIVER_NAME,
+        "parameters": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}}}])
+}
+
+/// What a claim that asks no capacity consumes of the test GPUs (80Gi, 132 SMs).
+const WHOLE: (&str, &str) = ("80Gi", "132");
+
+fn whole_device_shares_are_exclusive_devices_with_their_class_config() {
+    for mode in [ConsumableCapacity::Mps, ConsumableCapacity::TimeSlicing] {
+        let world = World::new();
+        let driver = start_share_driver(&world, mode, &[]);
+        // The MPS class on a shareable node: a whole-device share with the class's config
+        // gets its own daemon with the class's limits, exactly as on a non-shareable node.
+        let uid = "6a000000-0000-4000-8000-000000000001";
+        let share = "aaaaaaaa-0000-4000-8000-00000000000a";
+        let answer = driver
+            .prepare(&alloc_claim(
+                uid,
+                &[("gpu", "gpu-0", Some(share), WHOLE.0, WHOLE.1)],
+                class_mps_config(&["gpu"], 50, "10Gi"),
+                &[],
+            ))
+            .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+        assert_eq!(answer.devices.len(), 1);
+        assert_eq!(answer.devices[0].share_id.as_deref(), Some(share));
+        let text = cdi_text(&world, uid);
+        for want in [
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+            "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+        ] {
+            assert!(text.contains(want), "{mode:?}: lacks {want}: {text}");
+        }
+        assert!(
+            world
+                .commands(uid)
+                .iter()
+                .any(|c| c.contains("set_default_active_thread_percentage 50")),
+            "{mode:?}: {:?}",
+            world.commands(uid)
+        );
+        assert_eq!(world.started_pids().len(), 1, "{mode:?}");
+        // The daemon is the claim's own, not a shared one.
+        assert!(world.claim_dir(uid).exists());
+        assert!(!world.claim_dir("shared-gpu-0").exists());
+
+        // count: 2 through the exclusive class: two whole-device shares, two GPUs, no MPS.
+        let two = "6b000000-0000-4000-8000-000000000002";
+        let answer = driver
+            .prepare(&alloc_claim(
+                two,
+                &[
+                    (
+                        "gpu",
+                        "gpu-1",
+                        Some("bbbbbbbb-0000-4000-8000-00000000000b"),
+                        WHOLE.0,
+                        WHOLE.1,
+                    ),
+                    (
+                        "gpu",
+                        "gpu-2",
+                        Some("cccccccc-0000-4000-8000-00000000000c"),
+                        "16Gi",
+                        "132",
+                    ),
+                ],
+                json!([]),
+                &[],
+            ))
+            .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+        assert_eq!(answer.devices.len(), 2);
+        assert!(!cdi_text(&world, two).contains("CUDA_MPS"), "{mode:?}");
+        assert_eq!(world.started_pids().len(), 1, "{mode:?}");
+        // A later partial share of a device held whole is an over-commit.
+        let err = driver
+            .prepare(&alloc_claim(
+                "6c000000-0000-4000-8000-000000000003",
+                &[(
+                    "gpu",
+                    "gpu-1",
+                    Some("dddddddd-0000-4000-8000-00000000000d"),
+                    "10Gi",
+                    "10",
+                )],
+                json!([]),
+                &[],
+            ))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("over-commit") && err.contains("1.36.2"),
+            "{err}"
+        );
+        driver.unprepare(two).unwrap();
+
+        // The time-slicing class on a shareable node: the whole-device share's interval is set.
+        let ts = "6d000000-0000-4000-8000-000000000004";
+        driver
+            .prepare(&alloc_claim(
+                ts,
+                &[(
+                    "gpu",
+                    "gpu-2",
+                    Some("eeeeeeee-0000-4000-8000-00000000000e"),
+                    "16Gi",
+                    "132",
+                )],
+                class_ts_config(&["gpu"], "Long"),
+                &[],
+            ))
+            .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+        assert!(
+            world
+                .smi_lines()
+                .iter()
+                .any(|l| l.contains("--set-timeslice") && l.contains("3")),
+            "{mode:?}: {:?}",
+            world.smi_lines()
+        );
+
+        for uid in [uid, ts] {
+            driver.unprepare(uid).unwrap();
+        }
+        world.assert_nothing_left();
+    }
+}
+
+fn shares_in_one_claim_and_configs_on_partial_shares_are_served() {
+    let world = World::new();
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    // Two requests the allocator placed on the same GPU: one CDI device, the limits of the
+    // two shares summed (20Gi + 10Gi; 44 + 22 SMs of 132 = 50 %), one answer entry per shareID.
+    let uid = "7a000000-0000-4000-8000-000000000001";
+    let (s1, s2) = (
+        "aaaaaaaa-0000-4000-8000-00000000000a",
+        "bbbbbbbb-0000-4000-8000-00000000000b",
+    );
+    let answer = driver
+        .prepare(&alloc_claim(
+            uid,
+            &[
+                ("big", "gpu-0", Some(s1), "20Gi", "44"),
+                ("small", "gpu-0", Some(s2), "10Gi", "22"),
+            ],
+            json!([]),
+            &[],
+        ))
+        .unwrap();
+    let ids: Vec<Option<&str>> = answer
+        .devices
+        .iter()
+        .map(|d| d.share_id.as_deref())
+        .collect();
+    assert_eq!(ids, [Some(s1), Some(s2)]);
+    assert_eq!(
+        answer.devices[0].cdi_device_ids,
+        answer.devices[1].cdi_device_ids
+    );
+    assert_eq!(answer.devices[0].request_names, ["big", "small"]);
+    let text = cdi_text(&world, uid);
+    for want in [
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=30720M",
+    ] {
+        assert!(text.contains(want), "lacks {want}: {text}");
+    }
+    // Preparing it again answers the same.
+    assert_eq!(
+        driver
+            .prepare(&alloc_claim(
+                uid,
+                &[
+                    ("big", "gpu-0", Some(s1), "20Gi", "44"),
+                    ("small", "gpu-0", Some(s2), "10Gi", "22"),
+                ],
+                json!([]),
+                &[],
+            ))
+            .unwrap(),
+        answer
+    );
+
+    driver.unprepare(uid).unwrap();
+
+    // The MPS class on a partial share: its limits bind the share's clients where stricter
+    // than what the share consumed (25 % < 33 %; 8Gi < 20Gi), in the device's shared daemon.
+    let strict = "7b000000-0000-4000-8000-000000000002";
+    driver
+        .prepare(&alloc_claim(
+            strict,
+            &[(
+                "gpu",
+                "gpu-0",
+                Some("cccccccc-0000-4000-8000-00000000000c"),
+                "20Gi",
+                "44",
+            )],
+            class_mps_config(&["gpu"], 25, "8Gi"),
+            &[],
+        ))
+        .unwrap();
+    let text = cdi_text(&world, strict);
+    for want in [
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M",
+    ] {
+        assert!(text.contains(want), "lacks {want}: {text}");
+    }
+    // A looser class limit does not raise what the share consumed.
+    let loose = "7c000000-0000-4000-8000-000000000003";
+    driver
+        .prepare(&alloc_claim(
+            loose,
+            &[(
+                "gpu",
+                "gpu-0",
+                Some("dddddddd-0000-4000-8000-00000000000d"),
+                "10Gi",
+                "22",
+            )],
+            class_mps_config(&["gpu"], 90, "40Gi"),
+            &[],
+        ))
+        .unwrap();
+    let text = cdi_text(&world, loose);
+    assert!(
+        text.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=16"),
+        "{text}"
+    );
+    assert!(
+        text.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M"),
+        "{text}"
+    );
+    // A time-slicing block on a partial MPS share is not applied (logged): served by MPS.
+    let ts = "7d000000-0000-4000-8000-000000000004";
+    driver
+        .prepare(&alloc_claim(
+            ts,
+            &[(
+                "gpu",
+                "gpu-0",
+                Some("eeeeeeee-0000-4000-8000-00000000000e"),
+                "4Gi",
+                "10",
+            )],
+            class_ts_config(&["gpu"], "Long"),
+            &[],
+        ))
+        .unwrap();
+    assert!(cdi_text(&world, ts).contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=7"));
+    assert!(
+        !world
+            .smi_lines()
+            .iter()
+            .any(|l| l.contains("--set-timeslice"))
+    );
+    // One daemon for the three shares (the first claim's stopped with its unprepare).
+    assert_eq!(world.started_pids().len(), 2, "{:?}", world.mps_lines());
+    for uid in [strict, loose, ts] {
+        driver.unprepare(uid).unwrap();
+    }
+    world.assert_nothing_left();
+}
+
+fn over_committing_allocations_are_refused_naming_the_figures() {
+    let world = World::new();
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    // One share beyond its device.
+    for (memory, sms, want) in [
+        ("200Gi", "44", "memory 204800Mi of 81920Mi"),
+        ("20Gi", "999", "multiprocessors 999 of 132"),
+    ] {
+        let err = driver
+            .prepare(&alloc_claim(
+                "8a000000-0000-4000-8000-000000000001",
+                &[(
+                    "gpu",
+                    "gpu-0",
+                    Some("aaaaaaaa-0000-4000-8000-00000000000a"),
+                    memory,
+                    sms,
+                )],
+                json!([]),
+                &[],
+            ))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("over-commit") && err.contains(want) && err.contains("gpu-0"),
+            "{err}"
+        );
+    }
+    assert!(world.started_pids().is_empty());
+    // Shares whose sum exceeds the device: the second of two 50Gi shares.
+    let first = "8b000000-0000-4000-8000-000000000002";
+    driver
+        .prepare(&alloc_claim(
+            first,
+            &[(
+                "gpu",
+                "gpu-0",
+                Some("bbbbbbbb-0000-4000-8000-00000000000b"),
+                "50Gi",
+                "60",
+            )],
+            json!([]),
+            &[],
+        ))
+        .unwrap();
+    let second = "8c000000-0000-4000-8000-000000000003";
+    let err = driver
+        .prepare(&alloc_claim(
+            second,
+            &[(
+                "gpu",
+                "gpu-0",
+                Some("cccccccc-0000-4000-8000-00000000000c"),
+                "50Gi",
+                "60",
+            )],
+            json!([]),
+            &[],
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("over-commit") && err.contains("memory 102400Mi of 81920Mi"),
+        "{err}"
+    );
+    // Nothing of the refused claim is left: no record, no CDI spec; the first share runs on.
+    assert!(cdi_text(&world, second).is_empty());
+    let data = CheckpointStore::in_dir(&world.state).load().unwrap();
+    assert!(!data.claims.contains_key(second));
+    assert_eq!(world.started_pids().len(), 1);
+    driver.unprepare(first).unwrap();
+    world.assert_nothing_left();
+}
+
+fn admin_access_is_prepared_beside_other_claims_and_touches_nothing() {
+    let world = World::new();
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    // gpu-0 is held by an MPS claim of its own; gpu-1 by shares.
+    let owner = "9a000000-0000-4000-8000-000000000001";
+    driver
+        .prepare(&mps_claim(owner, "gpu-0", 40, "8Gi"))
+        .unwrap();
+    let sharer = "9b000000-0000-4000-8000-000000000002";
+    driver
+        .prepare(&alloc_claim(
+            sharer,
+            &[(
+                "gpu",
+                "gpu-1",
+                Some("aaaaaaaa-0000-4000-8000-00000000000a"),
+                "20Gi",
+                "44",
+            )],
+            json!([]),
+            &[],
+        ))
+        .unwrap();
+    let started = world.started_pids();
+    assert_eq!(started.len(), 2);
+
+    // A monitoring claim with admin access to both (and a sharing config it ignores).
+    let monitor = "9c000000-0000-4000-8000-000000000003";
+    let claim = alloc_claim(
+        monitor,
+        &[
+            ("watch", "gpu-0", None, "", ""),
+            (
+                "watch",
+                "gpu-1",
+                Some("bbbbbbbb-0000-4000-8000-00000000000b"),
+                "0",
+                "0",
+            ),
+        ],
+        class_mps_config(&["watch"], 10, "1Gi"),
+        &["watch"],
+    );
+    let answer = driver.prepare(&claim).unwrap();
+    assert_eq!(answer.devices.len(), 2);
+    let text = cdi_text(&world, monitor);
+    assert!(!text.contains("CUDA_MPS"), "{text}");
+    assert!(
+        text.contains("/dev/nvidia0") && text.contains("/dev/nvidia1"),
+        "{text}"
+    );
+    let data = CheckpointStore::in_dir(&world.state).load().unwrap();
+    assert!(data.claims[monitor].devices.iter().all(|d| d.admin_access));
+    assert_eq!(
+        world.started_pids(),
+        started,
+        "admin access started a daemon"
+    );
+
+    // Its unprepare touches none of the others' state.
+    let owner_spec = cdi_text(&world, owner);
+    driver.unprepare(monitor).unwrap();
+    assert_eq!(cdi_text(&world, owner), owner_spec);
+    for pid in &started {
+        assert!(alive(*pid));
+    }
+    // And the others unprepare as ever.
+    driver.unprepare(owner).unwrap();
+    driver.unprepare(sharer).unwrap();
+    world.assert_nothing_left();
+
+    // An on-demand MIG placement nobody created is refused with the reason; one that
+    // exists (static) is served.
+    let err = driver
+        .prepare(&alloc_claim(
+            "9d000000-0000-4000-8000-000000000004",
+            &[("watch", "gpu-3-mig-1g10gb-0", None, "", "")],
+            json!([]),
+            &["watch"],
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("admin access") || err.contains("on-demand MIG is off"),
+        "{err}"
+    );
 }

@@ -57,6 +57,11 @@ pub struct MpsArgs {
     /// started again, with their claims' CDI specs rewritten); 0: only at start.
     #[arg(long, env = "MPS_CHECK_INTERVAL_SECS", default_value_t = 30)]
     pub mps_check_interval_secs: u64,
+    /// Directory holding each MPS daemon's pipe directory (`<root>/<16 hex digits>`), at the
+    /// same path on the host and in the plugin's pod: short, so that the daemons' control
+    /// sockets fit a unix socket address whatever the kubelet root (k0s, MicroK8s).
+    #[arg(long, env = "MPS_PIPE_ROOT", default_value = "/run/cleave")]
+    pub mps_pipe_root: PathBuf,
 }
 
 impl Default for MpsArgs {
@@ -72,6 +77,7 @@ impl Default for MpsArgs {
             pod_name: None,
             kubelet_root_dir: PathBuf::from("/var/lib/kubelet"),
             mps_check_interval_secs: 30,
+            mps_pipe_root: PathBuf::from("/run/cleave"),
         }
     }
 }

@@ -310,6 +310,7 @@ mod tests {
                     pool: "node".into(),
                     request_names: vec!["r".into()],
                     kind: DeviceKind::Mig,
+                    admin_access: false,
                     gpu_uuid: "GPU-0".into(),
                     gpu_minor: 0,
                     mig: Some(MigRecord {

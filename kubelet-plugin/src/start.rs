@@ -127,6 +127,7 @@ pub fn sharing_config(args: &RunArgs, driver: &DriverConfig) -> SharingConfig {
     );
     SharingConfig {
         boot_id_path: driver.boot_id_path.clone(),
+        pipe_root: Some(args.mps.mps_pipe_root.clone()),
         ..SharingConfig::new(driver.state_dir.clone(), binaries)
     }
 }

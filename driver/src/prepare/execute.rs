@@ -32,7 +32,7 @@ use super::{
 use crate::backend::BackendError;
 use crate::cdi::{self, CdiDevice};
 use crate::checkpoint::{
-    CheckpointData, ClaimRecord, ClaimState, DeviceKind, DeviceRecord, MigRecord,
+    CheckpointData, ClaimRecord, ClaimState, DeviceKind, DeviceRecord, MigRecord, ShareRecord,
 };
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
@@ -43,7 +43,7 @@ pub(super) fn answer(record: &ClaimRecord) -> PreparedClaim {
         devices: record
             .devices
             .iter()
-            .map(|d| {
+            .flat_map(|d| {
                 let mut request_names: Vec<String> = Vec::new();
                 for r in &d.request_names {
                     let base = base_request(r).to_owned();
@@ -51,13 +51,25 @@ pub(super) fn answer(record: &ClaimRecord) -> PreparedClaim {
                         request_names.push(base);
                     }
                 }
-                PreparedDevice {
-                    request_names,
-                    pool_name: d.pool.clone(),
-                    device_name: d.name.clone(),
-                    cdi_device_ids: d.cdi_device_ids.clone(),
-                    share_id: d.share.as_ref().map(|s| s.share_id.clone()),
-                }
+                // One entry per shareID: several shares of one device in a claim use one
+                // CDI device with their summed limits.
+                let share_ids: Vec<Option<String>> = match &d.share {
+                    Some(s) => std::iter::once(&s.share_id)
+                        .chain(&s.more_share_ids)
+                        .map(|id| Some(id.clone()))
+                        .collect(),
+                    None => vec![None],
+                };
+                share_ids
+                    .into_iter()
+                    .map(|share_id| PreparedDevice {
+                        request_names: request_names.clone(),
+                        pool_name: d.pool.clone(),
+                        device_name: d.name.clone(),
+                        cdi_device_ids: d.cdi_device_ids.clone(),
+                        share_id,
+                    })
+                    .collect::<Vec<_>>()
             })
             .collect(),
     }
@@ -85,8 +97,9 @@ pub(super) fn record_shares(record: &ClaimRecord) -> Vec<ShareDevice> {
     record
         .devices
         .iter()
+        .filter(|d| !d.admin_access)
         .filter_map(|d| {
-            let s = d.share.as_ref()?;
+            let s = ShareRecord::partial(d.share.as_ref())?;
             Some(ShareDevice {
                 device_name: d.name.clone(),
                 uuid: device_uuid(d),
@@ -96,6 +109,8 @@ pub(super) fn record_shares(record: &ClaimRecord) -> Vec<ShareDevice> {
                 share_id: s.share_id.clone(),
                 memory_bytes: s.memory_bytes,
                 multiprocessors: s.multiprocessors,
+                client_thread_percentage: s.client_thread_percentage,
+                client_memory_bytes: s.client_memory_bytes,
             })
         })
         .collect()
@@ -108,6 +123,7 @@ pub(super) fn held_elsewhere(data: &CheckpointData, uid: &str, uuid: &str) -> bo
         .values()
         .filter(|c| c.uid != uid)
         .flat_map(|c| &c.devices)
+        .filter(|d| !d.admin_access)
         .any(|d| d.mig.as_ref().and_then(|m| m.uuid.as_deref()) == Some(uuid))
 }
 
@@ -237,7 +253,7 @@ impl NodeDriver {
         let mps_shares = self.config.consumable_capacity == ConsumableCapacity::Mps;
         let needs_intent = plan.iter().any(|d| {
             d.mig.as_ref().is_some_and(|m| m.created_by_cleave)
-                || (mps_shares && d.share.is_some())
+                || (mps_shares && ShareRecord::partial(d.share.as_ref()).is_some())
                 || d.config
                     .as_ref()
                     .is_some_and(|c| c.config.sharing().is_some())
@@ -254,6 +270,7 @@ impl NodeDriver {
                     pool: self.config.pool_name.clone(),
                     request_names: d.request_names.clone(),
                     kind: d.kind,
+                    admin_access: d.admin_access,
                     gpu_uuid: d.gpu.uuid.clone(),
                     gpu_minor: d.gpu.minor,
                     mig: d.mig.clone(),

@@ -21,6 +21,8 @@ use crate::model::{GpuInfo, MigState};
 pub(super) struct PlannedDevice {
     pub(super) name: String,
     pub(super) kind: DeviceKind,
+    /// Allocated with admin access: prepared beside other claims, nothing applied.
+    pub(super) admin_access: bool,
     pub(super) request_names: Vec<String>,
     pub(super) gpu: GpuInfo,
     /// Instance to use (static) or to create (on demand), if the device is a MIG instance.
@@ -65,7 +67,203 @@ fn share_of(
         share_id: id.to_owned(),
         memory_bytes,
         multiprocessors,
+        ..ShareRecord::default()
     }))
+}
+
+/// What the refusal of an over-committing allocation tells the operator.
+const OVER_COMMIT_HINT: &str = "the scheduler allocated more of this device than it has (kube-scheduler 1.36.0 and 1.36.1 over-commit shared MIG devices; use 1.36.2 or newer), or the node's mode changed under prepared claims";
+
+/// Everything the allocation results of one claim say about one device of this pool.
+struct Allocated {
+    device: String,
+    request_names: Vec<String>,
+    /// The device's shares in this claim, summed into one record (`None`: held whole).
+    share: Option<ShareRecord>,
+    /// Every result for the device has admin access.
+    admin: bool,
+}
+
+/// The claim's devices in this driver and pool, in allocation order. Several shares of one
+/// device (requests the scheduler placed on the same device) become one share with the
+/// summed consumption; a device both whole and in shares cannot come from one allocation.
+fn allocated_devices(
+    results: &[k8s_openapi::api::resource::v1::DeviceRequestAllocationResult],
+    driver: &str,
+    pool: &str,
+) -> Result<Vec<Allocated>, (String, String)> {
+    let mut out: Vec<Allocated> = Vec::new();
+    let mut whole: BTreeMap<String, bool> = BTreeMap::new();
+    for r in results
+        .iter()
+        .filter(|r| r.driver == driver && r.pool == pool)
+    {
+        let share = share_of(r).map_err(|reason| (r.device.clone(), reason))?;
+        let admin = r.admin_access == Some(true);
+        let i = match out.iter().position(|a| a.device == r.device) {
+            Some(i) => i,
+            None => {
+                out.push(Allocated {
+                    device: r.device.clone(),
+                    request_names: Vec::new(),
+                    share: None,
+                    admin,
+                });
+                out.len() - 1
+            }
+        };
+        let a = &mut out[i];
+        a.admin &= admin;
+        if !a.request_names.contains(&r.request) {
+            a.request_names.push(r.request.clone());
+        }
+        let seen_whole = whole.insert(r.device.clone(), share.is_none());
+        if seen_whole.is_some_and(|w| w != share.is_none()) {
+            return Err((
+                r.device.clone(),
+                "the claim holds the device both whole (no shareID) and as a share; the allocator never writes that, so the allocation was edited: allocate the claim again".into(),
+            ));
+        }
+        match (a.share.as_mut(), share) {
+            (_, None) => {}
+            (None, Some(s)) => a.share = Some(s),
+            (Some(mine), Some(s)) => {
+                if mine.share_id != s.share_id && !mine.more_share_ids.contains(&s.share_id) {
+                    mine.more_share_ids.push(s.share_id.clone());
+                    mine.memory_bytes = sum_opt(mine.memory_bytes, s.memory_bytes);
+                    mine.multiprocessors = sum_opt(
+                        mine.multiprocessors.map(u64::from),
+                        s.multiprocessors.map(u64::from),
+                    )
+                    .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn sum_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
+    }
+}
+
+/// What a device offers to shares: its memory as published (rounded down to 1Mi) and its
+/// SMs, when known.
+pub(super) struct DeviceCapacity {
+    device: String,
+    memory_bytes: Option<u64>,
+    multiprocessors: Option<u32>,
+}
+
+impl DeviceCapacity {
+    pub(super) fn of(gpu: &GpuInfo, device: &str) -> Self {
+        let facts = super::GpuFacts::of(gpu, device);
+        Self {
+            device: device.to_owned(),
+            memory_bytes: facts.device_memory_bytes.map(|b| (b >> 20) << 20),
+            multiprocessors: super::sharing::device_multiprocessors(gpu, device),
+        }
+    }
+
+    /// The share consumed all of the device (what a claim asking no capacity gets).
+    fn taken_whole_by(&self, s: &ShareRecord) -> bool {
+        match (
+            s.memory_bytes,
+            self.memory_bytes,
+            s.multiprocessors,
+            self.multiprocessors,
+        ) {
+            (Some(m), Some(total_m), Some(n), Some(total_n)) => m >= total_m && n >= total_n,
+            _ => false,
+        }
+    }
+
+    /// Refuses a share that alone exceeds the device.
+    fn check_share(&self, s: &ShareRecord) -> Result<(), String> {
+        self.check(
+            s.memory_bytes.unwrap_or(0),
+            u64::from(s.multiprocessors.unwrap_or(0)),
+            &format!("share {} consumed", s.share_id),
+        )
+    }
+
+    /// Refuses shares whose sum (this one and those prepared) exceeds the device.
+    fn check_sum(&self, memory: u64, multiprocessors: u64) -> Result<(), String> {
+        self.check(
+            memory,
+            multiprocessors,
+            "the shares prepared on it with this one add up to",
+        )
+    }
+
+    fn check(&self, memory: u64, multiprocessors: u64, what: &str) -> Result<(), String> {
+        let mut over = Vec::new();
+        if let Some(total) = self.memory_bytes
+            && memory > total
+        {
+            over.push(format!("memory {}Mi of {}Mi", memory >> 20, total >> 20));
+        }
+        if let Some(total) = self.multiprocessors
+            && multiprocessors > u64::from(total)
+        {
+            over.push(format!("multiprocessors {multiprocessors} of {total}"));
+        }
+        if over.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "over-commit: {what} {} on device {}; {OVER_COMMIT_HINT}",
+            over.join(" and "),
+            self.device
+        ))
+    }
+}
+
+/// Refuses an on-demand MIG placement that overlaps a MIG device prepared for another
+/// claim, or planned earlier in this claim, on the same GPU (NVML would refuse it later, after
+/// the scheduler over-committed the GPU's counters).
+fn check_placement_free(
+    label: &str,
+    uid: &str,
+    device: &str,
+    gpu: &GpuInfo,
+    mig: &MigRecord,
+    planned: &[PlannedDevice],
+    state: &State,
+) -> Result<(), String> {
+    let _ = label;
+    let others = state
+        .data
+        .claims
+        .values()
+        .filter(|c| c.uid != uid)
+        .flat_map(|c| {
+            c.devices
+                .iter()
+                .map(move |d| (format!("claim {}/{} ({})", c.namespace, c.name, c.uid), d))
+        })
+        .filter(|(_, d)| !d.admin_access && d.gpu_uuid == gpu.uuid && d.name != device)
+        .filter_map(|(who, d)| d.mig.as_ref().map(|m| (who, d.name.clone(), m.placement)));
+    let mine = planned
+        .iter()
+        .filter(|d| d.gpu.uuid == gpu.uuid && d.name != device)
+        .filter_map(|d| {
+            d.mig
+                .as_ref()
+                .map(|m| ("this claim".to_owned(), d.name.clone(), m.placement))
+        });
+    for (who, other, placement) in others.chain(mine) {
+        if placement.overlaps(&mig.placement) {
+            return Err(format!(
+                "over-commit: placement start {} size {} overlaps MIG device {other} prepared for {who} on GPU {}; {OVER_COMMIT_HINT}",
+                mig.placement.start, mig.placement.size, gpu.uuid
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Whether `gpu` (as discovered, with the instances prepare made since) has the MIG
@@ -84,6 +282,14 @@ pub(super) fn claim_label(claim: &ResourceClaim) -> String {
 
 impl NodeDriver {
     /// Checks the allocation and decides per device what to do; changes nothing.
+    ///
+    /// Every allocation is one cell of the sharing model (docs/sharing.md): a device is held
+    /// exclusively (no `shareID`, or a share that consumed the whole device), as a part of
+    /// it (a partial share), or with admin access; its sharing config is honoured on
+    /// exclusive devices, folded into the share's client limits (MPS on an `mps` node) or
+    /// reported as not applicable. The scheduler is not trusted to add up: a share beyond its
+    /// device, shares whose sum exceeds it, and overlapping MIG placements are refused here,
+    /// before anything changes.
     pub(super) fn plan(
         &self,
         claim: &ResourceClaim,
@@ -102,46 +308,15 @@ impl NodeDriver {
             })?;
         let driver = &self.config.driver_name;
         let pool = &self.config.pool_name;
-
-        // Device name -> request names, in allocation order.
-        let mut order: Vec<String> = Vec::new();
-        let mut requests: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        let mut shares: BTreeMap<String, ShareRecord> = BTreeMap::new();
         let refuse = |device: &str, reason: String| PrepareError::ShareRefused {
             claim: label.to_owned(),
             device: device.to_owned(),
             reason,
         };
-        for r in results
-            .iter()
-            .filter(|r| &r.driver == driver && &r.pool == pool)
-        {
-            let first = !requests.contains_key(&r.device);
-            let entry = requests.entry(r.device.clone()).or_insert_with(|| {
-                order.push(r.device.clone());
-                Vec::new()
-            });
-            if !entry.contains(&r.request) {
-                entry.push(r.request.clone());
-            }
-            let share = share_of(r).map_err(|reason| refuse(&r.device, reason))?;
-            let known = shares.get(&r.device);
-            let same = match (&share, known) {
-                (None, None) => true,
-                (Some(s), Some(k)) => s.share_id == k.share_id,
-                _ => first,
-            };
-            if !same {
-                return Err(refuse(
-                    &r.device,
-                    "the claim holds two allocations of this device (several shares, or a share and the whole device); request it once per claim".into(),
-                ));
-            }
-            if let Some(s) = share {
-                shares.insert(r.device.clone(), s);
-            }
-        }
-        if order.is_empty() {
+
+        let allocated = allocated_devices(results, driver, pool)
+            .map_err(|(device, reason)| refuse(&device, reason))?;
+        if allocated.is_empty() {
             let allocated = results
                 .iter()
                 .map(|r| format!("{}/{}/{}", r.driver, r.pool, r.device))
@@ -167,9 +342,9 @@ impl NodeDriver {
             reason,
         };
 
-        let mut plan = Vec::with_capacity(order.len());
-        for device in order {
-            let request_names = requests.remove(&device).unwrap_or_default();
+        let mut plan: Vec<PlannedDevice> = Vec::with_capacity(allocated.len());
+        for a in allocated {
+            let device = a.device;
             let name: DeviceName = device
                 .parse()
                 .map_err(|e: cleave_api::names::NameError| unknown(&device, e.to_string()))?;
@@ -180,8 +355,9 @@ impl NodeDriver {
                 .find(|g| g.minor == name.minor())
                 .ok_or_else(|| unknown(&device, format!("no GPU with minor {}", name.minor())))?;
 
-            let share = shares.remove(&device);
+            let mut share = a.share;
             if let Some(s) = &share
+                && !a.admin
                 && self.config.consumable_capacity == ConsumableCapacity::Off
             {
                 return Err(refuse(
@@ -192,66 +368,14 @@ impl NodeDriver {
                     ),
                 ));
             }
-
-            // Last line of defence: the scheduler should never hand out a device twice, nor
-            // a device both whole and in shares.
-            let mut joined: Option<MigRecord> = None;
-            for other in state.data.claims.values().filter(|c| c.uid != uid) {
-                let Some(theirs) = other.devices.iter().find(|d| d.name == device) else {
-                    continue;
-                };
-                let other_label = format!("{}/{} ({})", other.namespace, other.name, other.uid);
-                match (&share, &theirs.share) {
-                    (Some(_), Some(_)) => {
-                        // The MIG instance behind another share of this device (on demand
-                        // or static) serves this share too: one instance per device, not
-                        // one per share.
-                        if let Some(m) = theirs.mig.as_ref()
-                            && let Some(u) = m.uuid.as_deref()
-                            && gpu_has_instance(gpu, u)
-                        {
-                            joined.get_or_insert_with(|| MigRecord {
-                                creating_in_boot: None,
-                                ..m.clone()
-                            });
-                        }
-                    }
-                    (None, None) => {
-                        return Err(PrepareError::DeviceBusy {
-                            claim: label.to_owned(),
-                            device,
-                            other: other_label,
-                        });
-                    }
-                    (None, Some(s)) => {
-                        return Err(refuse(
-                            &device,
-                            format!(
-                                "allocated whole (no shareID), but it is prepared as share {} for claim {other_label}; a whole-device claim waits until every share of the device is unprepared",
-                                s.share_id
-                            ),
-                        ));
-                    }
-                    (Some(s), None) => {
-                        return Err(refuse(
-                            &device,
-                            format!(
-                                "allocated as share {}, but it is prepared for claim {other_label} alone; a share waits until that claim is unprepared",
-                                s.share_id
-                            ),
-                        ));
-                    }
-                }
+            let capacity = DeviceCapacity::of(gpu, &device);
+            if let Some(s) = share.as_mut() {
+                s.whole = a.admin || capacity.taken_whole_by(s);
             }
-
-            let (kind, mig) = self
-                .plan_device(&name, gpu)
-                .map_err(|r| unknown(&device, r))?;
-            let mig = joined.or(mig);
 
             // One config per device: every request it serves must agree.
             let mut config: Option<ResolvedConfig> = None;
-            for request in &request_names {
+            for request in &a.request_names {
                 let resolved = configs.get(request).cloned().flatten();
                 if let Some(r) = &resolved {
                     r.sharing_for(ConfigKind::from(&name)).map_err(|e| {
@@ -265,43 +389,67 @@ impl NodeDriver {
                     return Err(PrepareError::InvalidConfig {
                         claim: label.to_owned(),
                         message: format!(
-                            "device {device} is allocated for requests {request_names:?} with different configs"
+                            "device {device} is allocated for requests {:?} with different configs",
+                            a.request_names
                         ),
                     });
                 }
                 config = resolved;
             }
-            if let (Some(s), Some(sharing)) =
-                (&share, config.as_ref().and_then(|c| c.config.sharing()))
-            {
-                let allowed = self.config.consumable_capacity == ConsumableCapacity::TimeSlicing
-                    && sharing.strategy == SharingStrategy::TimeSlicing;
-                if !allowed {
-                    return Err(refuse(
-                        &device,
-                        format!(
-                            "share {} has a sharing config (strategy {}); under --consumable-capacity {} a share is {}, so drop the config's sharing block{}",
-                            s.share_id,
-                            sharing.strategy,
-                            self.config.consumable_capacity.as_str(),
-                            match self.config.consumable_capacity {
-                                ConsumableCapacity::Mps => "limited by MPS from what it consumed",
-                                _ => "time-sliced with the GPU's other shares",
-                            },
-                            match self.config.consumable_capacity {
-                                ConsumableCapacity::TimeSlicing =>
-                                    " (a TimeSlicing block may set the interval)",
-                                _ => "",
-                            }
-                        ),
-                    ));
-                }
+
+            if a.admin {
+                plan.push(self.plan_admin(
+                    label,
+                    &device,
+                    &name,
+                    gpu,
+                    a.request_names,
+                    config,
+                    share,
+                )?);
+                continue;
             }
+
+            if let Some(s) = ShareRecord::partial(share.as_ref()) {
+                capacity
+                    .check_share(s)
+                    .map_err(|reason| refuse(&device, reason))?;
+            }
+            let joined = self.check_against_prepared(
+                label,
+                uid,
+                &device,
+                share.as_ref(),
+                gpu,
+                &capacity,
+                state,
+            )?;
+
+            let (kind, mig) = self
+                .plan_device(&name, gpu)
+                .map_err(|r| unknown(&device, r))?;
+            let mig = joined.or(mig);
+            if let Some(m) = mig
+                .as_ref()
+                .filter(|m| m.created_by_cleave && m.uuid.is_none())
+            {
+                check_placement_free(label, uid, &device, gpu, m, &plan, state)
+                    .map_err(|reason| refuse(&device, reason))?;
+            }
+
+            let partial = ShareRecord::partial(share.as_ref()).is_some();
+            let config = match config {
+                Some(c) if partial && c.config.sharing().is_some() => {
+                    self.fold_share_config(&device, gpu, c, share.as_mut())
+                }
+                c => c,
+            };
 
             plan.push(PlannedDevice {
                 name: device,
                 kind,
-                request_names,
+                admin_access: false,
+                request_names: a.request_names,
                 gpu: gpu.clone(),
                 mig,
                 config,
@@ -309,11 +457,12 @@ impl NodeDriver {
             });
         }
         // A container reaches one MPS daemon (one CUDA_MPS_PIPE_DIRECTORY): a claim's MPS
-        // shares and per-claim MPS devices cannot be mixed.
+        // shares of several devices, or an MPS share beside a device with its own daemon,
+        // cannot be served to one container.
         if self.config.consumable_capacity == ConsumableCapacity::Mps {
             let shared: Vec<&str> = plan
                 .iter()
-                .filter(|d| d.share.is_some())
+                .filter(|d| ShareRecord::partial(d.share.as_ref()).is_some())
                 .map(|d| d.name.as_str())
                 .collect();
             let own_mps = plan.iter().find(|d| {
@@ -326,7 +475,7 @@ impl NodeDriver {
                 return Err(refuse(
                     shared[1],
                     format!(
-                        "the claim holds MPS shares of several devices ({}); each device has its own MPS daemon and a container can reach only one, so request shares of one device per claim",
+                        "the claim holds partial MPS shares of several devices ({}); each device has its own MPS daemon and a container can reach only one, so request a share of one device per claim (whole devices, count: N, are served)",
                         shared.join(", ")
                     ),
                 ));
@@ -344,6 +493,185 @@ impl NodeDriver {
         Ok(plan)
     }
 
+    /// Plans a device allocated with admin access: no exclusivity check, no sharing, nothing
+    /// created. A whole GPU is handed over by its own device node (also when MIG is on); a
+    /// MIG device must exist (static, or created by the claim that holds it).
+    #[allow(clippy::too_many_arguments)]
+    fn plan_admin(
+        &self,
+        label: &str,
+        device: &str,
+        name: &DeviceName,
+        gpu: &GpuInfo,
+        request_names: Vec<String>,
+        config: Option<ResolvedConfig>,
+        share: Option<ShareRecord>,
+    ) -> Result<PlannedDevice, PrepareError> {
+        if config.as_ref().and_then(|c| c.config.sharing()).is_some() {
+            tracing::warn!(claim = %label, device, "admin access: the config's sharing block is not applied");
+        }
+        let mig = match name {
+            DeviceName::Gpu { .. } => None,
+            DeviceName::Mig { .. } => {
+                let (_, mig) =
+                    self.plan_device(name, gpu)
+                        .map_err(|reason| PrepareError::UnknownDevice {
+                            claim: label.to_owned(),
+                            device: device.to_owned(),
+                            pool: self.config.pool_name.clone(),
+                            reason,
+                        })?;
+                match mig {
+                    Some(m) if !m.created_by_cleave => Some(m),
+                    _ => {
+                        return Err(PrepareError::ShareRefused {
+                            claim: label.to_owned(),
+                            device: device.to_owned(),
+                            reason: "admin access to an on-demand MIG placement that no claim has created: there is no MIG device to reach (admin access never creates one); ask admin access to the parent GPU (class gpu.cleave.dev) to watch all its MIG devices".into(),
+                        });
+                    }
+                }
+            }
+        };
+        tracing::info!(claim = %label, device, "admin access: prepared beside the device's other claims, without sharing or MIG creation");
+        Ok(PlannedDevice {
+            name: device.to_owned(),
+            kind: match name {
+                DeviceName::Gpu { .. } => DeviceKind::Gpu,
+                DeviceName::Mig { .. } => DeviceKind::Mig,
+            },
+            admin_access: true,
+            request_names,
+            gpu: gpu.clone(),
+            mig,
+            config: None,
+            share,
+        })
+    }
+
+    /// Checks `device` against the claims already prepared on it and returns the MIG
+    /// instance another share of it holds (one instance per device, not per share). Admin
+    /// access claims are not counted.
+    #[allow(clippy::too_many_arguments)]
+    fn check_against_prepared(
+        &self,
+        label: &str,
+        uid: &str,
+        device: &str,
+        share: Option<&ShareRecord>,
+        gpu: &GpuInfo,
+        capacity: &DeviceCapacity,
+        state: &State,
+    ) -> Result<Option<MigRecord>, PrepareError> {
+        let refuse = |reason: String| PrepareError::ShareRefused {
+            claim: label.to_owned(),
+            device: device.to_owned(),
+            reason,
+        };
+        let mine = ShareRecord::partial(share);
+        let mut joined: Option<MigRecord> = None;
+        let mut sum = (
+            mine.and_then(|s| s.memory_bytes).unwrap_or(0),
+            u64::from(mine.and_then(|s| s.multiprocessors).unwrap_or(0)),
+        );
+        for other in state.data.claims.values().filter(|c| c.uid != uid) {
+            let Some(theirs) = other
+                .devices
+                .iter()
+                .find(|d| d.name == device && !d.admin_access)
+            else {
+                continue;
+            };
+            let other_label = format!("{}/{} ({})", other.namespace, other.name, other.uid);
+            match (mine, ShareRecord::partial(theirs.share.as_ref())) {
+                (Some(_), Some(t)) => {
+                    sum.0 += t.memory_bytes.unwrap_or(0);
+                    sum.1 += u64::from(t.multiprocessors.unwrap_or(0));
+                    // The MIG instance behind another share of this device (on demand or
+                    // static) serves this share too.
+                    if let Some(m) = theirs.mig.as_ref()
+                        && let Some(u) = m.uuid.as_deref()
+                        && gpu_has_instance(gpu, u)
+                    {
+                        joined.get_or_insert_with(|| MigRecord {
+                            creating_in_boot: None,
+                            ..m.clone()
+                        });
+                    }
+                }
+                (None, None) => {
+                    return Err(PrepareError::DeviceBusy {
+                        claim: label.to_owned(),
+                        device: device.to_owned(),
+                        other: format!("{other_label}; {OVER_COMMIT_HINT}"),
+                    });
+                }
+                (None, Some(s)) => {
+                    return Err(refuse(format!(
+                        "over-commit: allocated whole, but it is prepared as share {} for claim {other_label}; {OVER_COMMIT_HINT}",
+                        s.share_id
+                    )));
+                }
+                (Some(s), None) => {
+                    return Err(refuse(format!(
+                        "over-commit: allocated as share {}, but it is prepared for claim {other_label} alone; {OVER_COMMIT_HINT}",
+                        s.share_id
+                    )));
+                }
+            }
+        }
+        if mine.is_some() {
+            capacity.check_sum(sum.0, sum.1).map_err(refuse)?;
+        }
+        Ok(joined)
+    }
+
+    /// A sharing config on a partial share: on an `mps` node an MPS block's limits become the
+    /// share's client limits where stricter than what it consumed; any other block cannot
+    /// apply to a part of a device and is dropped with a warning (the share is served as the
+    /// node shares). The config returned is what is recorded and applied per claim.
+    fn fold_share_config(
+        &self,
+        device: &str,
+        gpu: &GpuInfo,
+        config: ResolvedConfig,
+        share: Option<&mut ShareRecord>,
+    ) -> Option<ResolvedConfig> {
+        let sharing = config.config.sharing()?.clone();
+        let mode = self.config.consumable_capacity;
+        match (mode, sharing.strategy) {
+            (ConsumableCapacity::TimeSlicing, SharingStrategy::TimeSlicing) => Some(config),
+            (ConsumableCapacity::Mps, SharingStrategy::Mps) => {
+                let mps = sharing.mps.clone().unwrap_or_default();
+                if let Some(s) = share {
+                    s.client_thread_percentage = mps.active_thread_percentage;
+                    s.client_memory_bytes = mps
+                        .pinned_memory_limit
+                        .as_ref()
+                        .and_then(|l| l.limit_for(&gpu.uuid, 0))
+                        .and_then(|q| u64::try_from(q.value()).ok());
+                }
+                tracing::info!(
+                    device,
+                    "MPS config on a share: its limits apply to the share's clients in the device's MPS daemon"
+                );
+                None
+            }
+            (mode, strategy) => {
+                tracing::warn!(
+                    device,
+                    %strategy,
+                    mode = mode.as_str(),
+                    "sharing config on a share is not applied: a part of a device is shared as the node shares ({})",
+                    match mode {
+                        ConsumableCapacity::Mps => "MPS with limits from what it consumed",
+                        _ => "time-sliced with the device's other shares",
+                    }
+                );
+                None
+            }
+        }
+    }
     /// The kind of a device and the MIG instance behind it, or why it cannot be prepared.
     pub(super) fn plan_device(
         &self,

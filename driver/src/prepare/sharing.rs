@@ -130,19 +130,34 @@ pub struct ShareDevice {
     pub memory_bytes: Option<u64>,
     /// Consumed multiprocessors, when the allocation names it.
     pub multiprocessors: Option<u32>,
+    /// A stricter thread percentage asked for by an MPS config of the claim.
+    pub client_thread_percentage: Option<u8>,
+    /// A stricter pinned-memory limit (bytes) asked for by an MPS config of the claim.
+    pub client_memory_bytes: Option<u64>,
 }
 
 impl ShareDevice {
+    /// The pinned-memory limit of the share's clients: what it consumed, or the claim's
+    /// stricter MPS limit.
+    pub fn memory_limit_bytes(&self) -> Option<u64> {
+        match (self.memory_bytes, self.client_memory_bytes) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` of the share: `floor(consumed SMs × 100 / device
     /// SMs)`, at least 1 and at most 100; 100 when either count is unknown.
     pub fn thread_percentage(&self) -> u8 {
-        match (self.multiprocessors, self.device_multiprocessors) {
+        let consumed = match (self.multiprocessors, self.device_multiprocessors) {
             (Some(used), Some(total)) if total > 0 => {
                 let pct = u64::from(used) * 100 / u64::from(total);
                 u8::try_from(pct.clamp(1, 100)).unwrap_or(100)
             }
             _ => 100,
-        }
+        };
+        self.client_thread_percentage
+            .map_or(consumed, |c| consumed.min(c.clamp(1, 100)))
     }
 
     /// True when the share consumed the whole device (its memory, rounded down to 1Mi as
@@ -184,7 +199,9 @@ pub fn share_holders(data: &CheckpointData) -> Vec<ShareHolder> {
         .flat_map(|c| {
             c.devices
                 .iter()
-                .filter(|d| d.share.is_some())
+                .filter(|d| {
+                    !d.admin_access && checkpoint::ShareRecord::partial(d.share.as_ref()).is_some()
+                })
                 .map(|d| ShareHolder {
                     claim_uid: c.uid.clone(),
                     device_name: d.name.clone(),
@@ -239,7 +256,9 @@ pub fn time_slice_needs(data: &CheckpointData) -> Vec<TimeSliceNeed> {
     let mut needs = Vec::new();
     for claim in data.claims.values() {
         for device in &claim.devices {
-            let is_whole = device.kind == checkpoint::DeviceKind::Gpu && device.mig.is_none();
+            let is_whole = device.kind == checkpoint::DeviceKind::Gpu
+                && device.mig.is_none()
+                && !device.admin_access;
             let Some(raw) = device.config.as_ref().filter(|_| is_whole) else {
                 continue;
             };
@@ -411,6 +430,7 @@ mod tests {
             pool: "node".into(),
             request_names: vec!["r".into()],
             kind: DeviceKind::Gpu,
+            admin_access: false,
             gpu_uuid: gpu.into(),
             gpu_minor: 0,
             mig: None,
@@ -439,6 +459,8 @@ mod tests {
             share_id: "s".into(),
             memory_bytes: used.0,
             multiprocessors: used.1,
+            client_thread_percentage: None,
+            client_memory_bytes: None,
         }
     }
 

@@ -331,6 +331,7 @@ mod tests {
             } else {
                 Recorded::Gpu
             },
+            admin_access: false,
             gpu_uuid: gpu_uuid(minor),
             gpu_minor: minor,
             mig,
@@ -405,6 +406,7 @@ mod tests {
                 share_id: format!("share-{uid}"),
                 memory_bytes: Some(memory),
                 multiprocessors: Some(sms),
+                ..Default::default()
             });
             c.devices = vec![d];
             c
@@ -480,6 +482,7 @@ mod tests {
                 pool: "node".into(),
                 request_names: vec!["gpu".into()],
                 kind: crate::checkpoint::DeviceKind::Gpu,
+                admin_access: false,
                 gpu_uuid: format!("GPU-{minor}"),
                 gpu_minor: minor,
                 mig: None,

@@ -587,10 +587,15 @@ fn static_mig_devices_are_used_as_they_are_and_never_destroyed() {
 #[test]
 fn failed_create_rolls_back_earlier_instances() {
     let node = Node::new(true, vec![mig_gpu(0)]);
-    // The second device overlaps the first: the fake refuses it as NVML would.
+    // The second device overlaps an instance an administrator made behind the plugin's
+    // back: the fake refuses it as NVML would.
+    let outside = node
+        .fake
+        .add_instance(&gpu_uuid(0), 19, Placement { start: 1, size: 1 })
+        .unwrap();
     let claim = node_claim(
         UID_A,
-        &[("a", "gpu-0-mig-1g5gb-0"), ("b", "gpu-0-mig-2g10gb-0")],
+        &[("a", "gpu-0-mig-1g5gb-6"), ("b", "gpu-0-mig-2g10gb-0")],
     );
     let e = node.driver.prepare(&claim).unwrap_err();
     let msg = e.to_string();
@@ -602,10 +607,46 @@ fn failed_create_rolls_back_earlier_instances() {
     let mutations = node.fake.mutations();
     assert_eq!(mutations.len(), 3, "{mutations:?}");
     assert!(matches!(mutations[2], Call::DestroyMig { .. }));
-    assert!(node.fake.instances(&gpu_uuid(0)).is_empty());
+    assert_eq!(node.fake.instances(&gpu_uuid(0)), [outside]);
     assert!(node.cdi_files().is_empty());
     assert!(node.checkpoint().claims.is_empty());
     assert!(node.driver.owned_mig_uuids().is_empty());
+}
+
+#[test]
+fn overlapping_placements_are_refused_before_anything_is_created() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    // Within one claim (an allocator that over-committed the GPU's counters).
+    let claim = node_claim(
+        UID_A,
+        &[("a", "gpu-0-mig-1g5gb-0"), ("b", "gpu-0-mig-2g10gb-0")],
+    );
+    let msg = node.driver.prepare(&claim).unwrap_err().to_string();
+    assert!(
+        msg.contains("over-commit") && msg.contains("overlaps MIG device gpu-0-mig-1g5gb-0"),
+        "{msg}"
+    );
+    assert_eq!(node.fake.mutations(), []);
+    // Across claims, and a whole GPU over a MIG device of another claim.
+    node.driver
+        .prepare(&node_claim(UID_A, &[("a", "gpu-0-mig-3g20gb-4")]))
+        .unwrap();
+    node.fake.clear_calls();
+    for (uid, device) in [(UID_B, "gpu-0-mig-2g10gb-4"), (UID_C, "gpu-0")] {
+        let msg = node
+            .driver
+            .prepare(&node_claim(uid, &[("x", device)]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("over-commit")
+                && msg.contains("gpu-0-mig-3g20gb-4")
+                && msg.contains("1.36.2"),
+            "{device}: {msg}"
+        );
+    }
+    assert_eq!(node.fake.mutations(), []);
+    assert_eq!(node.checkpoint().claims.len(), 1);
 }
 
 #[test]
@@ -676,6 +717,7 @@ fn interrupted_prepare_is_rolled_back_at_start() {
                 pool: "node-a".into(),
                 request_names: vec!["mig".into()],
                 kind: DeviceKind::Mig,
+                admin_access: false,
                 gpu_uuid: gpu_uuid(0),
                 gpu_minor: 0,
                 mig: Some(MigRecord {

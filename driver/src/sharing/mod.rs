@@ -358,6 +358,11 @@ pub struct SharingConfig {
     pub boot_id_path: PathBuf,
     /// Where containers see the pipe directory.
     pub container_pipe_dir: String,
+    /// Short directory under which each daemon's pipe directory lives
+    /// (`<root>/<16 hex digits>`), seen at the same path by the host, the plugin and daemon
+    /// pods, so that the control sockets' paths fit a unix socket address (107 bytes)
+    /// whatever the kubelet root. `None`: `<state dir>/mps/<claim>/pipe` (tests, old layout).
+    pub pipe_root: Option<PathBuf>,
     /// How long a new daemon may take to start and answer.
     pub ready_timeout: Duration,
     /// How long a daemon may take to exit after `quit` (then after SIGTERM) before it is killed.
@@ -378,6 +383,7 @@ impl SharingConfig {
             binaries,
             boot_id_path: PathBuf::from(DEFAULT_BOOT_ID_PATH),
             container_pipe_dir: mps::DEFAULT_CONTAINER_PIPE_DIR.to_owned(),
+            pipe_root: None,
             ready_timeout: Duration::from_secs(10),
             stop_timeout: Duration::from_secs(5),
             command_timeout: Duration::from_secs(10),
@@ -500,11 +506,36 @@ impl SharingManager {
         *lock(&self.last_timings)
     }
 
+    /// The short pipe directory of the daemon `key` under the pipe root, if one is set: its
+    /// name is the first 16 hex digits of SHA-256 over the state directory and the key, so
+    /// two drivers on one node never meet.
+    pub fn short_pipe_dir(&self, key: &str) -> Option<PathBuf> {
+        use sha2::Digest;
+        let root = self.config.pipe_root.as_ref()?;
+        let mut h = sha2::Sha256::new();
+        h.update(self.config.state_dir.as_os_str().as_encoded_bytes());
+        h.update([0]);
+        h.update(key.as_bytes());
+        let digest = hex::encode(h.finalize());
+        Some(root.join(&digest[..16]))
+    }
+
+    /// Removes the daemon `key`'s directories: its state directory and its short pipe
+    /// directory.
+    fn remove_daemon_dirs(&self, key: &str) -> Result<(), SharingFailure> {
+        if let Some(pipe) = self.short_pipe_dir(key) {
+            remove_dir(&pipe)?;
+        }
+        remove_dir(&self.claim_dir(key))
+    }
+
     fn spec(&self, claim_uid: &str, devices: Vec<String>) -> DaemonSpec {
         let dir = self.claim_dir(claim_uid);
         DaemonSpec {
             claim_uid: claim_uid.to_owned(),
-            pipe_dir: dir.join("pipe"),
+            pipe_dir: self
+                .short_pipe_dir(claim_uid)
+                .unwrap_or_else(|| dir.join("pipe")),
             log_dir: dir.join("log"),
             visible_devices: devices,
             multi_user: false,
@@ -512,6 +543,9 @@ impl SharingManager {
     }
 
     fn host_pipe_dir(&self, claim_uid: &str) -> PathBuf {
+        if let Some(short) = self.short_pipe_dir(claim_uid) {
+            return short;
+        }
         let base = self
             .config
             .host_state_dir
@@ -621,7 +655,7 @@ impl SharingManager {
             if let Some(handle) = self.launcher.find(&spec) {
                 self.stop_daemon(&spec, &handle)?;
             }
-            remove_dir(&dir)?;
+            self.remove_daemon_dirs(claim_uid)?;
         }
 
         // Time slices: what the state says, plus what the claim's recorded configs ask for.
@@ -700,7 +734,7 @@ impl SharingManager {
                             Some(h) => self.stop_daemon(&spec, &h),
                             None => Ok(()),
                         }
-                        .and_then(|()| remove_dir(&dir))
+                        .and_then(|()| self.remove_daemon_dirs(&uid))
                     }
                 };
                 stopped.map(|()| report.stopped.push(uid.clone()))
@@ -959,7 +993,7 @@ impl SharingManager {
             if let Some(h) = self.launcher.find(&spec) {
                 self.stop_daemon(&spec, &h)?;
             }
-            remove_dir(&dir)?;
+            self.remove_daemon_dirs(&record.spec.claim_uid)?;
         }
 
         let result = (|| {
@@ -1108,6 +1142,9 @@ impl SharingManager {
             self.smi.set_compute_mode(gpu, ComputeMode::Default)?;
             crate::fault::point("mps.after_compute_mode_restore");
         }
+        if record.spec.pipe_dir != self.claim_dir(&record.spec.claim_uid).join("pipe") {
+            remove_dir(&record.spec.pipe_dir)?;
+        }
         remove_dir(&self.claim_dir(&record.spec.claim_uid))
     }
 
@@ -1185,7 +1222,7 @@ impl SharingManager {
                 if let Some(handle) = self.launcher.find(&spec) {
                     self.stop_daemon(&spec, &handle)?;
                 }
-                remove_dir(&dir)
+                self.remove_daemon_dirs(key)
             }
             _ => Ok(()),
         }
@@ -1254,7 +1291,7 @@ impl SharingManager {
                 share.thread_percentage()
             ),
         ];
-        if let Some(bytes) = share.memory_bytes.filter(|b| *b >= 1 << 20) {
+        if let Some(bytes) = share.memory_limit_bytes().filter(|b| *b >= 1 << 20) {
             env.push(format!(
                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M",
                 bytes >> 20

@@ -38,6 +38,10 @@ impl NodeDirs {
     pub fn state_dir(&self) -> PathBuf {
         self.plugins().join(DRIVER)
     }
+    /// The MPS pipe root the plugin runs with (`--mps-pipe-root`), inside the test's dir.
+    pub fn mps_pipe_root(&self) -> PathBuf {
+        self.path().join("run")
+    }
     pub fn cdi_root(&self) -> PathBuf {
         self.path().join("cdi")
     }
@@ -225,6 +229,7 @@ impl Plugin {
             .env("KUBELET_REGISTRAR_DIRECTORY_PATH", dirs.registrar())
             .env("KUBELET_PLUGINS_DIRECTORY_PATH", dirs.plugins())
             .env("CDI_ROOT", dirs.cdi_root())
+            .env("MPS_PIPE_ROOT", dirs.mps_pipe_root())
             .env("NVIDIA_DRIVER_ROOT", dirs.driver_root())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
