@@ -56,6 +56,12 @@ pub struct PoolOptions {
     /// MIG devices with `allowMultipleAllocations` and request policies (see
     /// [`shared_capacity`]). Prepare reads the same value to enforce the shares.
     pub consumable_capacity: ConsumableCapacity,
+    /// With consumable capacity on, also publish devices that consume shared counters
+    /// (on-demand MIG placements, and whole GPUs of on-demand MIG GPUs) as shareable. Off by
+    /// default: the upstream allocator (dynamic-resource-allocation v0.36.2) does not give
+    /// back the counters of a shareable device it backtracks over, so some claims that fit
+    /// are refused, and kube-scheduler 1.36.0/1.36.1 over-commit such devices.
+    pub share_on_demand_mig: bool,
 }
 
 /// Step (and minimum) of a share's `memory` request: 1Mi, the unit of MPS's pinned-memory
@@ -156,7 +162,11 @@ pub fn silent_gpus(inv: &NodeInventory, opts: &PoolOptions) -> Vec<SilentGpu> {
 fn gpu_group(inv: &NodeInventory, gpu: &GpuInfo, opts: &PoolOptions) -> DeviceGroup {
     let mut group = unshared_group(inv, gpu, opts);
     if opts.consumable_capacity.is_on() {
-        group.devices.iter_mut().for_each(shared_capacity);
+        group
+            .devices
+            .iter_mut()
+            .filter(|d| opts.share_on_demand_mig || d.consumes_counters.is_none())
+            .for_each(shared_capacity);
     }
     group
 }
@@ -1076,10 +1086,46 @@ mod tests {
     }
 
     #[test]
-    fn shared_mig_devices_keep_counters_and_share_no_engines() {
+    fn on_demand_mig_devices_are_shareable_only_when_asked() {
+        // By default devices that consume counters stay exclusive under consumable capacity
+        // (the upstream allocator's backtracking keeps a shareable device's counters).
         let pool = build_pool(
             &inv(vec![h100(0, enabled(vec![]))]),
             &shared(ConsumableCapacity::Mps, true),
+        );
+        for d in &pool.groups[0].devices {
+            assert!(d.consumes_counters.is_some(), "{}", d.name);
+            assert_eq!(d.allow_multiple_allocations, None, "{}", d.name);
+        }
+        // Non-MIG GPUs beside them are shareable.
+        let pool = build_pool(
+            &inv(vec![
+                h100(0, enabled(vec![])),
+                h100(
+                    1,
+                    MigState::Disabled {
+                        profiles: h100_profiles(),
+                    },
+                ),
+            ]),
+            &shared(ConsumableCapacity::Mps, true),
+        );
+        let whole = pool.groups[1]
+            .devices
+            .iter()
+            .find(|d| d.name == "gpu-1")
+            .unwrap();
+        assert_eq!(whole.allow_multiple_allocations, Some(true));
+    }
+
+    #[test]
+    fn shared_mig_devices_keep_counters_and_share_no_engines() {
+        let pool = build_pool(
+            &inv(vec![h100(0, enabled(vec![]))]),
+            &PoolOptions {
+                share_on_demand_mig: true,
+                ..shared(ConsumableCapacity::Mps, true)
+            },
         );
         let g = &pool.groups[0];
         assert_eq!(g.devices.len(), 26);

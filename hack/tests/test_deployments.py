@@ -65,7 +65,7 @@ MOCK_PROFILES = {"a100-40gb-x8", "a100-80gb-x4", "h100-80gb-x8", "h200-141gb-x8"
 PLUGIN_FLAGS = {
     "--node-name", "--driver-name", "--kubelet-registrar-directory-path",
     "--kubelet-plugins-directory-path", "--cdi-root", "--driver-root", "--host-driver-root", "--nvml-lib",
-    "--dynamic-mig", "--consumable-capacity", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
+    "--dynamic-mig", "--consumable-capacity", "--share-on-demand-mig", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
     "--mps-control-bin", "--nvidia-smi-bin",
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--mps-pipe-root", "--namespace", "--pod-name",
@@ -2064,6 +2064,42 @@ def grafana_dashboard_refers_only_to_exported_usage_metrics() -> None:
     doctored = json.loads(json.dumps(dash))
     doctored["panels"][1]["targets"][0]["expr"] = "sum(cleave_kubelet_plugin_no_such_metric)"
     assert referenced_metrics(doctored) - exported == {"cleave_kubelet_plugin_no_such_metric"}
+
+COMPOSITION_CLASSES = ROOT / "driver" / "tests" / "fixtures" / "deviceclasses.yaml"
+# The selector shapes the composition matrix's allocator model (driver/tests/composition.rs)
+# understands: the driver, the device type, and optionally shareable devices only.
+MODEL_SELECTOR = re.compile(
+    r'^device\.driver == "gpu\.cleave\.dev" && device\.attributes\["gpu\.cleave\.dev"\]\.type == "(gpu|mig)"'
+    r'( && device\.allowMultipleAllocations == true)?$'
+)
+
+
+def shipped_device_classes() -> list[dict]:
+    objs = [o for o in render({"consumableCapacity": "mps"}) if o.get("kind") == "DeviceClass"]
+    for o in objs:
+        o.pop("__template__", None)
+        o["metadata"].pop("labels", None)
+    return objs
+
+
+@check
+def composition_matrix_classes_are_the_charts() -> None:
+    """The composition matrix runs every class the chart ships: its fixture is the rendering."""
+    want = shipped_device_classes()
+    have = [d for d in yaml.safe_load_all(COMPOSITION_CLASSES.read_text()) if d]
+    regenerate = (
+        "regenerate driver/tests/fixtures/deviceclasses.yaml from the chart rendered with "
+        "consumableCapacity=mps (DeviceClasses only, labels dropped)"
+    )
+    assert have == want, f"the composition matrix's classes differ from the chart's; {regenerate}"
+    for c in want:
+        for sel in c["spec"]["selectors"]:
+            expr = " ".join(sel["cel"]["expression"].split())
+            assert MODEL_SELECTOR.match(expr), (
+                f"class {c['metadata']['name']}: selector {expr!r} is outside what the composition "
+                "matrix's allocator model evaluates; teach driver/tests/composition.rs, then this pattern"
+            )
+
 
 if __name__ == "__main__":
     import test_tenancy  # the tenancy checks (hack/tests/test_tenancy.py) join this run

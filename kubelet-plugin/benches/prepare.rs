@@ -152,6 +152,7 @@ fn run_args(node: &str, dir: &Path, lib: std::path::PathBuf) -> RunArgs {
             driver_root: dir.join("driver-root"),
             dynamic_mig: false,
             consumable_capacity: cleave_api::pool::ConsumableCapacity::Off,
+            share_on_demand_mig: false,
             cdi_hook_source: None,
             disable_cdi_hooks: false,
             host_driver_root: None,
@@ -172,6 +173,7 @@ fn run_args(node: &str, dir: &Path, lib: std::path::PathBuf) -> RunArgs {
         kubeconfig: None,
         metrics_addr: None,
         health: Default::default(),
+        claim_info: Default::default(),
         uninstall: false,
     }
 }

@@ -245,6 +245,11 @@ pub struct DriverArgs {
     /// each share's memory and SMs with MPS, `time-slicing` only schedules them.
     #[arg(long, env = "CONSUMABLE_CAPACITY", default_value = "off")]
     pub consumable_capacity: cleave_api::pool::ConsumableCapacity,
+    /// With --consumable-capacity and --dynamic-mig, publish on-demand MIG placements (and
+    /// whole GPUs of on-demand MIG GPUs) as shareable too. Needs kube-scheduler 1.36.2 or
+    /// newer; the upstream allocator still refuses some claims that fit (docs/sharing.md).
+    #[arg(long, env = "SHARE_ON_DEMAND_MIG")]
+    pub share_on_demand_mig: bool,
     /// cleave's CDI hook binary to install on the node and name in every CDI spec
     /// (default: `cleave-cdi-hook` beside this executable).
     #[arg(long, env = "CDI_HOOK_SOURCE")]
@@ -462,6 +467,9 @@ pub struct InspectArgs {
     /// Show devices as published for sharing by capacity (`off`, `mps`, `time-slicing`).
     #[arg(long, env = "CONSUMABLE_CAPACITY", default_value = "off")]
     pub consumable_capacity: cleave_api::pool::ConsumableCapacity,
+    /// Show on-demand MIG placements as shareable too (as `run --share-on-demand-mig`).
+    #[arg(long, env = "SHARE_ON_DEMAND_MIG")]
+    pub share_on_demand_mig: bool,
     /// Print ResourceSlice YAML instead of a table.
     #[arg(long)]
     pub yaml: bool,

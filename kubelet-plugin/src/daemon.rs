@@ -258,6 +258,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         tokio::sync::mpsc::unbounded_channel::<cleave_api::pool::PoolDevices>();
     let dynamic_mig = args.driver.dynamic_mig;
     let consumable_capacity = args.driver.consumable_capacity;
+    let share_on_demand_mig = args.driver.share_on_demand_mig;
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
@@ -274,6 +275,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                         pool_tx.clone(),
                         dynamic_mig,
                         consumable_capacity,
+                        share_on_demand_mig,
                     ));
                 }
             }
@@ -415,6 +417,7 @@ fn spawn_sharing_check(
     pool_tx: tokio::sync::mpsc::UnboundedSender<PoolDevices>,
     dynamic_mig: bool,
     consumable_capacity: cleave_api::pool::ConsumableCapacity,
+    share_on_demand_mig: bool,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let check = Arc::clone(&driver);
@@ -452,6 +455,7 @@ fn spawn_sharing_check(
                         owned_instances: driver.owned_mig_uuids(),
                         bare_gpu_instances: bare,
                         consumable_capacity,
+                        share_on_demand_mig,
                     },
                 );
                 let _ = pool_tx.send(pool);

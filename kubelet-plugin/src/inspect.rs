@@ -19,6 +19,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let options = PoolOptions {
         dynamic_mig: args.dynamic_mig,
         consumable_capacity: args.consumable_capacity,
+        share_on_demand_mig: args.share_on_demand_mig,
         ..PoolOptions::default()
     };
     let pool = build_pool(&inventory, &options);

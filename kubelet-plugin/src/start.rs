@@ -337,6 +337,7 @@ async fn start_on(
             owned_instances: driver.owned_mig_uuids(),
             bare_gpu_instances: bare_gpu_instances.clone(),
             consumable_capacity: args.driver.consumable_capacity,
+            share_on_demand_mig: args.driver.share_on_demand_mig,
         },
     );
     info!(

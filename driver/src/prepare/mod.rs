@@ -36,8 +36,9 @@ mod execute;
 mod plan;
 mod recover;
 pub mod sharing;
+mod status;
 mod summary;
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 use std::collections::{BTreeMap, BTreeSet};

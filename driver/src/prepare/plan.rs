@@ -385,7 +385,11 @@ impl NodeDriver {
                         }
                     })?;
                 }
-                if config.is_some() && config != resolved {
+                // The same parameters from two entries (a class's config attached to each
+                // of its requests) agree.
+                if config.is_some()
+                    && config.as_ref().map(|c| &c.config) != resolved.as_ref().map(|c| &c.config)
+                {
                     return Err(PrepareError::InvalidConfig {
                         claim: label.to_owned(),
                         message: format!(

@@ -380,6 +380,7 @@ pub fn inventory(gpus: Vec<GpuInfo>) -> NodeInventory {
 
 /// A node driver configuration with every path inside `dir` and a driver root laid out
 /// like an Ubuntu host with GPUs of minors 0..8 (device nodes, libraries, soname links).
+#[cfg(test)]
 pub fn config_in(dir: &Path, dynamic_mig: bool) -> DriverConfig {
     let config = config_with_empty_root(dir, dynamic_mig);
     mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)

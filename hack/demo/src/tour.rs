@@ -301,6 +301,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             driver_root: dir.join("driver-root"),
             dynamic_mig: true,
             consumable_capacity: cleave_api::pool::ConsumableCapacity::Off,
+            share_on_demand_mig: false,
             host_driver_root: None,
             mps_control_bin: None,
             nvidia_smi_bin: None,
@@ -318,6 +319,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         kubeconfig: None,
         metrics_addr: None,
         health: Default::default(),
+        claim_info: Default::default(),
         uninstall: false,
     };
     fake_driver_root(&run_args.driver.driver_root)?;
