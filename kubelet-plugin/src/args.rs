@@ -412,6 +412,29 @@ fn parse_percent(value: &str) -> Result<f64, String> {
     }
 }
 
+/// What the plugin tells about prepared claims besides the CDI specs (flags of `run`).
+#[derive(Debug, Clone, Args)]
+pub struct ClaimInfoArgs {
+    /// Write each prepared claim's `status.devices` entries (what it got, `Ready` and
+    /// `Healthy` conditions) in the background; `--claim-device-status=false` turns it off.
+    #[arg(long, env = "CLAIM_DEVICE_STATUS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub claim_device_status: bool,
+    /// Write a device metadata file per claim request and mount it into the containers
+    /// through CDI (KEP-5304, beta in Kubernetes 1.37): the devices' attributes and UUIDs at
+    /// `/var/run/kubernetes.io/dra-device-attributes/…/<driver>-metadata.json`.
+    #[arg(long, env = "DEVICE_METADATA")]
+    pub device_metadata: bool,
+}
+
+impl Default for ClaimInfoArgs {
+    fn default() -> Self {
+        Self {
+            claim_device_status: true,
+            device_metadata: false,
+        }
+    }
+}
+
 /// Arguments of `run`.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -440,6 +463,9 @@ pub struct RunArgs {
     /// Usage sampling and idle claims.
     #[command(flatten)]
     pub usage: UsageArgs,
+    /// Claim status and device metadata.
+    #[command(flatten)]
+    pub claim_info: ClaimInfoArgs,
     /// Kubeconfig file (default: in-cluster configuration, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,

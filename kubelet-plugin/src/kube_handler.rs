@@ -14,6 +14,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use tracing::{debug, info, info_span, warn};
 
+use crate::claim_status::ClaimStatusWriter;
 use crate::events::{EventReporter, Severity};
 use crate::handler::{
     ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedShare, UnprepareResult,
@@ -34,6 +35,8 @@ pub struct KubeClaimHandler {
     events: Option<EventReporter>,
     /// Metrics whose `mps_daemons_running` is refreshed after every batch.
     metrics: Option<ObservabilityMetrics>,
+    /// Writes the claims' `status.devices` in the background (see [`Self::with_status`]).
+    status: Option<ClaimStatusWriter>,
 }
 
 impl std::fmt::Debug for KubeClaimHandler {
@@ -56,7 +59,15 @@ impl KubeClaimHandler {
             health: None,
             events: None,
             metrics: None,
+            status: None,
         }
+    }
+
+    /// Writes each prepared claim's `status.devices` entries through `writer` (after the
+    /// kubelet's answer, never before) and removes them at unprepare.
+    pub fn with_status(mut self, writer: Option<ClaimStatusWriter>) -> Self {
+        self.status = writer;
+        self
     }
 
     /// Refreshes `mps_daemons_running` of `metrics` from the checkpoint after every
@@ -225,6 +236,7 @@ impl ClaimHandler for KubeClaimHandler {
         let driver = Arc::clone(&self.driver);
         let uids: Vec<String> = work.iter().map(|(c, _)| c.uid.clone()).collect();
         let parent = tracing::Span::current();
+        let want_status = self.status.is_some();
         let batch = self
             .serializer
             .run(move || {
@@ -259,14 +271,20 @@ impl ClaimHandler for KubeClaimHandler {
                             Ok(devices) => info!(devices = devices.len(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "prepared"),
                             Err(e) => warn!(error = %e, "prepare failed"),
                         }
-                        (claim.uid, result)
+                        let report = (want_status && result.is_ok())
+                            .then(|| driver.claim_status(&claim.uid))
+                            .flatten();
+                        (claim.uid, (result, report))
                     })
                     .collect::<Vec<_>>()
             })
             .await;
         match batch {
             Ok(done) => {
-                for (uid, result) in done {
+                for (uid, (result, report)) in done {
+                    if let (Some(writer), Some(report)) = (&self.status, report) {
+                        writer.prepared(report);
+                    }
                     if let Err(ClaimError::Prepare {
                         message,
                         actionable: true,
@@ -309,13 +327,21 @@ impl ClaimHandler for KubeClaimHandler {
                         if let Err(e) = &result {
                             warn!(error = %e, "unprepare failed");
                         }
-                        (claim.uid, result)
+                        (claim, result)
                     })
                     .collect::<Vec<_>>()
             })
             .await;
         let results = match batch {
-            Ok(done) => done.into_iter().collect(),
+            Ok(done) => done
+                .into_iter()
+                .map(|(claim, result)| {
+                    if let (Some(writer), Ok(())) = (&self.status, &result) {
+                        writer.unprepared(claim.clone());
+                    }
+                    (claim.uid, result)
+                })
+                .collect(),
             Err(e) => {
                 let err = ClaimError::Batch {
                     operation: "unpreparing",

@@ -20,6 +20,7 @@
 
 pub mod args;
 pub mod cdi_hook;
+pub mod claim_status;
 pub mod cli;
 pub mod coexistence;
 pub mod daemon;

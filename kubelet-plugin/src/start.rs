@@ -393,8 +393,22 @@ async fn start_on(
     )
     .await;
     let usage = start_usage(args, backend.as_ref(), &driver, metrics.as_ref(), &events);
+    let status_writer = args.claim_info.claim_device_status.then(|| {
+        crate::claim_status::ClaimStatusWriter::start(
+            client.clone(),
+            crate::claim_status::WriterConfig {
+                driver_name: plugin.driver_name.clone(),
+                pool_name: args.node_name.clone(),
+            },
+            health.clone(),
+            metrics
+                .clone()
+                .map(|m| m as Arc<dyn crate::claim_status::StatusObserver>),
+        )
+    });
     let handler = Arc::new(
         KubeClaimHandler::new(client, Arc::clone(&driver), serializer.clone())
+            .with_status(status_writer)
             .with_health(health.clone(), &plugin.driver_name)
             .with_events(events)
             .with_metrics(metrics.as_ref().map(|m| m.observability.clone())),

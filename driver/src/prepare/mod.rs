@@ -60,6 +60,10 @@ pub use sharing::{
     SharingError, SharingHandler, TimeSliceNeed, share_holders, shared_daemon_key,
     time_slice_needs,
 };
+pub use status::{
+    ClaimStatusReport, DeviceStatusData, DeviceStatusEntry, MigStatus, MpsStatus,
+    STATUS_API_VERSION, STATUS_KIND, ShareStatus,
+};
 pub use summary::{CheckpointReader, CheckpointSummary, RecordedClaim, RecordedState, SharingKind};
 
 /// Node driver settings (from the plugin's flags).

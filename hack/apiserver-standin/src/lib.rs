@@ -12,6 +12,10 @@
 //! watchers see), [`StandIn::wait_for`], [`StandIn::close_watches`]/[`StandIn::expire_watches`],
 //! [`StandIn::write_kubeconfig`] (for child processes) and [`StandIn::start_detached`].
 //!
+//! ResourceClaim updates (the `status` subresource included) have `status.devices` checked
+//! as KEP-4817 states it ([`claim_status`]: entries must be allocated devices, at most 8
+//! conditions, `data` a JSON object of at most 10 KiB), and lose it when the allocation goes.
+//!
 //! Known differences from a real API server: no authentication, RBAC, admission or
 //! namespace checks; deletes are immediate (finalizers and grace periods are ignored); lists
 //! ignore `resourceVersion`/`resourceVersionMatch` and return the current state; server-side
@@ -30,6 +34,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod claim_status;
 mod error;
 pub mod fixtures;
 pub mod limits;

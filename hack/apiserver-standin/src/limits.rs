@@ -54,6 +54,17 @@ pub const CAPACITY_REQUEST_POLICY_DISCRETE_MAX_OPTIONS: usize = 10;
 pub const OPAQUE_PARAMETERS_MAX_LENGTH: usize = 10 * 1024;
 /// `AllocationResultsMaxSize`: device results per allocation.
 pub const ALLOCATION_RESULTS_MAX_SIZE: usize = 32;
+/// `AllocatedDeviceStatusMaxConditions`: conditions of one `status.devices` entry
+/// (KEP-4817; kubernetes/api `resource/v1/types.go`).
+pub const ALLOCATED_DEVICE_STATUS_MAX_CONDITIONS: usize = 8;
+/// `AllocatedDeviceStatusDataMaxLength`: bytes of one entry's raw `data` JSON.
+pub const ALLOCATED_DEVICE_STATUS_DATA_MAX_LENGTH: usize = 10 * 1024;
+/// `NetworkDeviceDataMaxIPs`: `networkData.ips` entries.
+pub const NETWORK_DEVICE_DATA_MAX_IPS: usize = 16;
+/// `NetworkDeviceDataInterfaceNameMaxLength`.
+pub const NETWORK_DEVICE_DATA_INTERFACE_NAME_MAX_LENGTH: usize = 256;
+/// `NetworkDeviceDataHardwareAddressMaxLength`.
+pub const NETWORK_DEVICE_DATA_HARDWARE_ADDRESS_MAX_LENGTH: usize = 128;
 
 #[cfg(test)]
 mod tests {

@@ -370,6 +370,10 @@ fn ns_of(route: &Route) -> Result<String, ApiError> {
 /// `perDeviceNodeSelection` and per-device node fields, gated the same way, are not
 /// written by cleave and not modelled.
 fn drop_disabled_fields(shared: &Shared, res: &ResourceDef, mut obj: Value) -> Value {
+    if res.kind == "ResourceClaim" {
+        crate::claim_status::drop_deallocated(&mut obj);
+        return obj;
+    }
     if res.kind != "ResourceSlice" || shared.partitionable_devices.load(Ordering::Relaxed) {
         return obj;
     }
@@ -401,6 +405,13 @@ fn check_update(
     old: &Value,
     new: &Value,
 ) -> Result<(), ApiError> {
+    if shared.validate && res.kind == "ResourceClaim" {
+        let errs = crate::claim_status::status_devices_errors(new);
+        if !errs.is_empty() {
+            let name = meta_str(new, "name").unwrap_or_default();
+            return Err(ApiError::invalid(res, name, errs));
+        }
+    }
     if shared.validate && res.kind == "ResourceSlice" {
         let mut errs = validate::slice_update_errors(old, new);
         errs.extend(validate::slice_errors(new, shared.version));

@@ -79,6 +79,8 @@ pub struct Metrics {
     pub lifecycle: LifecycleMetrics,
     /// Per-claim usage, written by the usage monitor after each round (see [`usage`]).
     pub usage: Arc<usage::UsageMetrics>,
+    /// Claim `status.devices` writes by result (see `crate::claim_status`).
+    pub claim_status: crate::claim_status::StatusWriteMetrics,
 }
 
 impl Default for Metrics {
@@ -126,6 +128,7 @@ impl Metrics {
         let observability = observability::ObservabilityMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
         let usage = Arc::new(usage::UsageMetrics::register(&mut registry));
+        let claim_status = crate::claim_status::StatusWriteMetrics::register(&mut registry);
         Self {
             registry,
             claims,
@@ -137,6 +140,7 @@ impl Metrics {
             observability,
             lifecycle,
             usage,
+            claim_status,
         }
     }
 

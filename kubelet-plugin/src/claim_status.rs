@@ -1,0 +1,656 @@
+//! What a claim got, in the claim: `ResourceClaim.status.devices` entries (KEP-4817,
+//! `keps/sig-node/4817-resource-claim-device-status`; resource.k8s.io/v1
+//! `AllocatedDeviceStatus`), written by this node's plugin for its own devices.
+//!
+//! - At prepare the handler hands the driver's [`ClaimStatusReport`] to [`ClaimStatusWriter`]
+//!   and answers the kubelet at once: the write runs in a background task, so it never sits on
+//!   the pod start path. A failed write is logged and counted; the claim stays served.
+//! - Each entry carries the driver's versioned `data` (see `docs/attributes.md`) and two
+//!   conditions: `Ready` (prepared, or why not) and `Healthy` (from [`DeviceHealth`]: an Xid
+//!   or a lost GPU turns it `False` with the event in the message). A health change rewrites
+//!   the entries of every claim on the device.
+//! - At unprepare the entries are removed (the API server also drops entries whose device
+//!   left the allocation, but an unprepared claim may stay allocated).
+//!
+//! Only this driver's entries in this node's pool are touched: the writer reads the claim,
+//! keeps every other entry as it is, and replaces the status (`PUT …/status` with the
+//! resourceVersion it read, retried on conflict). It never changes `status.allocation` or
+//! `status.reservedFor`, so the API server's granular status authorization (gate
+//! `DRAResourceClaimGranularStatusAuthorization`, beta from 1.36) checks only
+//! `resourceclaims/driver` with `associated-node:update` for this driver's name, which lets a
+//! node's plugin write only claims allocated to its node (kubernetes
+//! `pkg/registry/resource/utils.go`, AuthorizedForDeviceStatus).
+//!
+//! Failed writes are retried with exponential back-off (from [`INITIAL_BACKOFF`] up to
+//! [`MAX_BACKOFF`], at most [`MAX_ATTEMPTS`] tries); a newer wish for the same claim (a
+//! health change, the unprepare) replaces the one being retried. A claim that is gone, or
+//! was replaced by another of the same name, is dropped without error.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cleave_driver::prepare::{ClaimStatusReport, DeviceStatusEntry};
+use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use kube::Api;
+use kube::api::PostParams;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::handler::ClaimRef;
+use crate::health::DeviceHealth;
+use cleave_driver::health::HealthEventKind;
+
+/// Condition type: the device is set up as the class and claim config ask.
+pub const CONDITION_READY: &str = "Ready";
+/// Condition type: no Xid, ECC error or loss marks the device (or its parent GPU).
+pub const CONDITION_HEALTHY: &str = "Healthy";
+/// First wait before retrying a failed write.
+pub const INITIAL_BACKOFF: Duration = Duration::from_millis(200);
+/// Longest wait between retries.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Tries of one write before it is given up (logged and counted).
+pub const MAX_ATTEMPTS: u32 = 10;
+
+/// Where the writer reports what its writes did (the metrics registry implements it).
+pub trait StatusObserver: Send + Sync + std::fmt::Debug {
+    /// One finished write: `result` is `ok`, `unchanged`, `gone`, `retry` or `failed`.
+    fn status_write(&self, result: &'static str);
+}
+
+/// `claim_status_writes_total{result}`: finished status writes by result.
+#[derive(Debug, Clone, Default)]
+pub struct StatusWriteMetrics {
+    writes: prometheus_client::metrics::family::Family<
+        StatusWriteLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+}
+
+/// Labels of `claim_status_writes_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct StatusWriteLabels {
+    /// `ok`, `unchanged`, `gone`, `retry` or `failed`.
+    pub result: &'static str,
+}
+
+impl StatusWriteMetrics {
+    /// Creates the family and registers it.
+    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "claim_status_writes",
+            "Writes of claims' status.devices entries by result (retry: a failed try that is retried; failed: given up, the claim stays prepared)",
+            m.writes.clone(),
+        );
+        m
+    }
+
+    /// Count of writes with `result`.
+    pub fn count(&self, result: &'static str) -> u64 {
+        self.writes
+            .get_or_create(&StatusWriteLabels { result })
+            .get()
+    }
+}
+
+impl StatusObserver for crate::metrics::Metrics {
+    fn status_write(&self, result: &'static str) {
+        self.claim_status
+            .writes
+            .get_or_create(&StatusWriteLabels { result })
+            .inc();
+    }
+}
+
+/// Why one status write did not go through.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusWriteError {
+    /// Reading or writing the claim failed.
+    #[error("{operation} claim {namespace}/{name}: {source}")]
+    Api {
+        /// `reading` or `writing`.
+        operation: &'static str,
+        /// Claim namespace.
+        namespace: String,
+        /// Claim name.
+        name: String,
+        /// The API error.
+        source: kube::Error,
+    },
+    /// Encoding the data failed (a bug).
+    #[error("encoding the status data of claim {namespace}/{name}: {source}")]
+    Encode {
+        /// Claim namespace.
+        namespace: String,
+        /// Claim name.
+        name: String,
+        /// The serde error.
+        source: serde_json::Error,
+    },
+}
+
+impl StatusWriteError {
+    fn is_conflict(&self) -> bool {
+        matches!(self, Self::Api { source: kube::Error::Api(s), .. } if s.code == 409)
+    }
+}
+
+/// What a write found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// The status was replaced.
+    Written,
+    /// The stored entries were already what was wanted.
+    Unchanged,
+    /// The claim is gone or was replaced (another UID): nothing to write.
+    Gone,
+}
+
+enum Job {
+    Set(ClaimStatusReport),
+    Clear(ClaimRef),
+}
+
+/// Writes this node's `status.devices` entries in the background; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ClaimStatusWriter {
+    tx: mpsc::UnboundedSender<Job>,
+}
+
+/// Identity of the writer: whose entries are whose.
+#[derive(Debug, Clone)]
+pub struct WriterConfig {
+    /// The driver name entries are written under.
+    pub driver_name: String,
+    /// This node's pool.
+    pub pool_name: String,
+}
+
+impl ClaimStatusWriter {
+    /// Starts the writer task on the current runtime; it ends when every clone of the
+    /// writer is dropped (pending writes are abandoned then).
+    pub fn start(
+        client: kube::Client,
+        config: WriterConfig,
+        health: Option<Arc<DeviceHealth>>,
+        observer: Option<Arc<dyn StatusObserver>>,
+    ) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let worker = Worker {
+            client,
+            config,
+            health,
+            observer,
+            claims: BTreeMap::new(),
+            pending: BTreeMap::new(),
+        };
+        tokio::spawn(worker.run(rx));
+        Self { tx }
+    }
+
+    /// Writes the entries of a claim that was prepared (or whose state changed); returns at
+    /// once.
+    pub fn prepared(&self, report: ClaimStatusReport) {
+        let _ = self.tx.send(Job::Set(report));
+    }
+
+    /// Removes the entries of a claim that was unprepared; returns at once.
+    pub fn unprepared(&self, claim: ClaimRef) {
+        let _ = self.tx.send(Job::Clear(claim));
+    }
+}
+
+struct Pending {
+    claim: ClaimRef,
+    /// The entries to write; `None`: remove ours.
+    want: Option<Vec<AllocatedDeviceStatus>>,
+    attempts: u32,
+    due: Instant,
+}
+
+struct Worker {
+    client: kube::Client,
+    config: WriterConfig,
+    health: Option<Arc<DeviceHealth>>,
+    observer: Option<Arc<dyn StatusObserver>>,
+    /// Prepared claims: their reports and the entries last asked for (health changes
+    /// rewrite the claims whose entries differ).
+    claims: BTreeMap<String, (ClaimStatusReport, Vec<AllocatedDeviceStatus>)>,
+    /// Writes to do, by claim UID (a newer wish replaces an older one).
+    pending: BTreeMap<String, Pending>,
+}
+
+impl Worker {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Job>) {
+        let mut health_changes = self.health.as_ref().map(|h| h.subscribe());
+        loop {
+            let next_due = self.pending.values().map(|p| p.due).min();
+            tokio::select! {
+                job = rx.recv() => match job {
+                    Some(job) => self.take(job),
+                    None => break,
+                },
+                changed = async {
+                    match health_changes.as_mut() {
+                        Some(rx) => rx.changed().await.is_ok(),
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if changed {
+                        self.health_changed();
+                    } else {
+                        health_changes = None;
+                    }
+                }
+                () = async {
+                    match next_due {
+                        Some(due) => tokio::time::sleep_until(due).await,
+                        None => std::future::pending().await,
+                    }
+                } => self.write_due().await,
+            }
+        }
+    }
+
+    fn take(&mut self, job: Job) {
+        match job {
+            Job::Set(report) => {
+                let claim = report.claim.clone();
+                let want = entries(&self.config, &report, self.health.as_deref());
+                self.claims
+                    .insert(claim.uid.clone(), (report, want.clone()));
+                self.schedule(claim, Some(want));
+            }
+            Job::Clear(claim) => {
+                self.claims.remove(&claim.uid);
+                self.schedule(claim, None);
+            }
+        }
+    }
+
+    fn schedule(&mut self, claim: ClaimRef, want: Option<Vec<AllocatedDeviceStatus>>) {
+        self.pending.insert(
+            claim.uid.clone(),
+            Pending {
+                claim,
+                want,
+                attempts: 0,
+                due: Instant::now(),
+            },
+        );
+    }
+
+    /// Rewrites the claims whose conditions changed with the new health.
+    fn health_changed(&mut self) {
+        let mut changed = Vec::new();
+        for (report, last) in self.claims.values_mut() {
+            let want = entries(&self.config, report, self.health.as_deref());
+            if entries_without_times(last) != entries_without_times(&want) {
+                last.clone_from(&want);
+                changed.push((report.claim.clone(), want));
+            }
+        }
+        for (claim, want) in changed {
+            debug!(namespace = %claim.namespace, name = %claim.name, "device health changed; rewriting claim status");
+            self.schedule(claim, Some(want));
+        }
+    }
+
+    async fn write_due(&mut self) {
+        let now = Instant::now();
+        let due: Vec<String> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.due <= now)
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        for uid in due {
+            let Some(p) = self.pending.get(&uid) else {
+                continue;
+            };
+            let claim = p.claim.clone();
+            let want = p.want.clone();
+            let result = write(&self.client, &self.config, &claim, want.as_deref()).await;
+            let Some(p) = self.pending.get_mut(&uid) else {
+                continue;
+            };
+            match result {
+                Ok(outcome) => {
+                    debug!(namespace = %claim.namespace, name = %claim.name, ?outcome, "claim device status written");
+                    self.observe(match outcome {
+                        WriteOutcome::Written => "ok",
+                        WriteOutcome::Unchanged => "unchanged",
+                        WriteOutcome::Gone => "gone",
+                    });
+                    self.pending.remove(&uid);
+                }
+                Err(e) => {
+                    p.attempts += 1;
+                    if p.attempts >= MAX_ATTEMPTS {
+                        warn!(namespace = %claim.namespace, name = %claim.name, attempts = p.attempts, error = %e, "giving up writing the claim's device status; the claim stays prepared");
+                        self.observe("failed");
+                        self.pending.remove(&uid);
+                        continue;
+                    }
+                    let delay = if e.is_conflict() {
+                        Duration::ZERO
+                    } else {
+                        backoff(p.attempts)
+                    };
+                    info!(namespace = %claim.namespace, name = %claim.name, attempt = p.attempts, retry_in_ms = delay.as_millis() as u64, error = %e, "writing the claim's device status failed; retrying");
+                    p.due = Instant::now() + delay;
+                    self.observe("retry");
+                }
+            }
+        }
+    }
+
+    fn observe(&self, result: &'static str) {
+        if let Some(o) = &self.observer {
+            o.status_write(result);
+        }
+    }
+}
+
+/// The wait after `attempts` failed tries: [`INITIAL_BACKOFF`] doubled per try, at most
+/// [`MAX_BACKOFF`].
+pub fn backoff(attempts: u32) -> Duration {
+    let factor = 2u32.saturating_pow(attempts.saturating_sub(1).min(16));
+    INITIAL_BACKOFF.saturating_mul(factor).min(MAX_BACKOFF)
+}
+
+/// Entries compared without their conditions' times.
+fn entries_without_times(list: &[AllocatedDeviceStatus]) -> Vec<AllocatedDeviceStatus> {
+    list.iter()
+        .map(|d| {
+            let mut d = d.clone();
+            if let Some(cs) = d.conditions.as_mut() {
+                for c in cs {
+                    c.last_transition_time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+                }
+            }
+            d
+        })
+        .collect()
+}
+
+/// The API entries of a report, with `Ready` from the report and `Healthy` from `health`.
+pub fn entries(
+    config: &WriterConfig,
+    report: &ClaimStatusReport,
+    health: Option<&DeviceHealth>,
+) -> Vec<AllocatedDeviceStatus> {
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    report
+        .entries
+        .iter()
+        .map(|e| entry(config, report, e, health, &now))
+        .collect()
+}
+
+fn entry(
+    config: &WriterConfig,
+    report: &ClaimStatusReport,
+    e: &DeviceStatusEntry,
+    health: Option<&DeviceHealth>,
+    now: &Time,
+) -> AllocatedDeviceStatus {
+    let ready = if report.ready {
+        condition(
+            CONDITION_READY,
+            true,
+            "Prepared",
+            "prepared by the plugin",
+            now,
+        )
+    } else {
+        let reason = report.not_ready_reason.as_deref().unwrap_or("NotPrepared");
+        condition(CONDITION_READY, false, reason, "not prepared yet", now)
+    };
+    let healthy = match health.and_then(|h| h.condition(&e.device)) {
+        Some(c) => condition(
+            CONDITION_HEALTHY,
+            false,
+            condition_reason(c.kind),
+            &c.message,
+            now,
+        ),
+        None => condition(
+            CONDITION_HEALTHY,
+            true,
+            if health.is_some() {
+                "Healthy"
+            } else {
+                "NotChecked"
+            },
+            if health.is_some() {
+                "no Xid, ECC error or loss seen"
+            } else {
+                "device health checks are off"
+            },
+            now,
+        ),
+    };
+    let data = serde_json::to_value(&e.data).unwrap_or_default();
+    AllocatedDeviceStatus {
+        driver: config.driver_name.clone(),
+        pool: e.pool.clone(),
+        device: e.device.clone(),
+        share_id: e.share_id.clone(),
+        conditions: Some(vec![ready, healthy]),
+        data: data.is_object().then_some(RawExtension(data)),
+        network_data: None,
+    }
+}
+
+/// The condition reason (`^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`) of a health mark.
+fn condition_reason(kind: HealthEventKind) -> &'static str {
+    match kind {
+        HealthEventKind::Xid => "Xid",
+        HealthEventKind::DoubleBitEcc => "DoubleBitEccError",
+        HealthEventKind::Lost => "GpuLost",
+        HealthEventKind::Recovered => "Unhealthy",
+    }
+}
+
+fn condition(type_: &str, ok: bool, reason: &str, message: &str, now: &Time) -> Condition {
+    // The API allows 32768 bytes of message; health messages are far shorter.
+    let mut message = message.to_owned();
+    if message.len() > 1024 {
+        let mut end = 1021;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str("...");
+    }
+    Condition {
+        type_: type_.to_owned(),
+        status: if ok { "True" } else { "False" }.to_owned(),
+        reason: reason.to_owned(),
+        message,
+        last_transition_time: now.clone(),
+        observed_generation: None,
+    }
+}
+
+/// Reads the claim and replaces this driver's entries in this pool with `want` (`None`:
+/// removes them), keeping every other entry and the transition time of conditions that did
+/// not change. Entries for devices that are not (or no longer) in the claim's allocation
+/// are not sent: the API server would refuse the whole write.
+pub async fn write(
+    client: &kube::Client,
+    config: &WriterConfig,
+    claim: &ClaimRef,
+    want: Option<&[AllocatedDeviceStatus]>,
+) -> Result<WriteOutcome, StatusWriteError> {
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &claim.namespace);
+    let api_err = |operation, source| StatusWriteError::Api {
+        operation,
+        namespace: claim.namespace.clone(),
+        name: claim.name.clone(),
+        source,
+    };
+    let Some(mut object) = api
+        .get_opt(&claim.name)
+        .await
+        .map_err(|e| api_err("reading", e))?
+    else {
+        return Ok(WriteOutcome::Gone);
+    };
+    if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+        return Ok(WriteOutcome::Gone);
+    }
+    let status = object.status.get_or_insert_with(Default::default);
+    let allocated: Vec<(String, String, String, Option<String>)> = status
+        .allocation
+        .as_ref()
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref())
+        .map(|results| {
+            results
+                .iter()
+                .map(|r| {
+                    (
+                        r.driver.clone(),
+                        r.pool.clone(),
+                        r.device.clone(),
+                        r.share_id.clone(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let existing = status.devices.clone().unwrap_or_default();
+    let ours =
+        |d: &AllocatedDeviceStatus| d.driver == config.driver_name && d.pool == config.pool_name;
+    let mut next: Vec<AllocatedDeviceStatus> =
+        existing.iter().filter(|d| !ours(d)).cloned().collect();
+    for mut d in want.unwrap_or_default().iter().cloned() {
+        let key = (
+            d.driver.clone(),
+            d.pool.clone(),
+            d.device.clone(),
+            d.share_id.clone(),
+        );
+        if !allocated.contains(&key) {
+            debug!(device = %d.device, "device not in the claim's allocation; no status entry");
+            continue;
+        }
+        let before = existing.iter().find(|o| {
+            o.driver == d.driver
+                && o.pool == d.pool
+                && o.device == d.device
+                && o.share_id == d.share_id
+        });
+        if let (Some(before), Some(conditions)) = (before, d.conditions.as_mut()) {
+            for c in conditions.iter_mut() {
+                if let Some(old) = before
+                    .conditions
+                    .iter()
+                    .flatten()
+                    .find(|o| o.type_ == c.type_ && o.status == c.status)
+                {
+                    c.last_transition_time = old.last_transition_time.clone();
+                }
+            }
+        }
+        next.push(d);
+    }
+    if next == existing {
+        return Ok(WriteOutcome::Unchanged);
+    }
+    status.devices = (!next.is_empty()).then_some(next);
+    api.replace_status(&claim.name, &PostParams::default(), &object)
+        .await
+        .map_err(|e| api_err("writing", e))?;
+    Ok(WriteOutcome::Written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cleave_driver::prepare::{DeviceStatusData, STATUS_API_VERSION, STATUS_KIND};
+
+    fn report(ready: bool) -> ClaimStatusReport {
+        ClaimStatusReport {
+            claim: ClaimRef {
+                uid: "u".into(),
+                namespace: "ns".into(),
+                name: "c".into(),
+            },
+            ready,
+            not_ready_reason: (!ready).then(|| "Preparing".into()),
+            entries: vec![DeviceStatusEntry {
+                pool: "node-a".into(),
+                device: "gpu-0".into(),
+                share_id: None,
+                gpu_uuid: "GPU-0".into(),
+                data: DeviceStatusData {
+                    api_version: STATUS_API_VERSION.into(),
+                    kind: STATUS_KIND.into(),
+                    uuid: "GPU-0".into(),
+                    gpu_uuid: "GPU-0".into(),
+                    mig: None,
+                    mps: None,
+                    share: None,
+                    time_slice: None,
+                    admin_access: false,
+                    cdi_device_ids: Vec::new(),
+                },
+            }],
+        }
+    }
+
+    fn config() -> WriterConfig {
+        WriterConfig {
+            driver_name: "gpu.cleave.dev".into(),
+            pool_name: "node-a".into(),
+        }
+    }
+
+    #[test]
+    fn entries_carry_data_ready_and_healthy() {
+        let e = entries(&config(), &report(true), None);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].driver, "gpu.cleave.dev");
+        let data = &e[0].data.as_ref().map(|d| d.0.clone()).unwrap_or_default();
+        assert_eq!(data["uuid"], "GPU-0");
+        let conds = e[0].conditions.clone().unwrap_or_default();
+        assert_eq!(conds.len(), 2);
+        assert_eq!(conds[0].type_, CONDITION_READY);
+        assert_eq!(conds[0].status, "True");
+        assert_eq!(conds[1].type_, CONDITION_HEALTHY);
+        assert_eq!(conds[1].reason, "NotChecked");
+        let not_ready = entries(&config(), &report(false), None);
+        let c = not_ready[0].conditions.clone().unwrap_or_default();
+        assert_eq!(
+            (c[0].status.as_str(), c[0].reason.as_str()),
+            ("False", "Preparing")
+        );
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_bound() {
+        assert_eq!(backoff(1), INITIAL_BACKOFF);
+        assert_eq!(backoff(2), INITIAL_BACKOFF * 2);
+        assert_eq!(backoff(40), MAX_BACKOFF);
+    }
+
+    #[test]
+    fn reasons_are_valid_condition_reasons() {
+        for kind in [
+            HealthEventKind::Xid,
+            HealthEventKind::DoubleBitEcc,
+            HealthEventKind::Lost,
+            HealthEventKind::Recovered,
+        ] {
+            let r = condition_reason(kind);
+            assert!(r.chars().all(|c| c.is_ascii_alphanumeric()), "{r}");
+        }
+    }
+}

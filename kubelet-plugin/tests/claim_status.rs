@@ -1,0 +1,342 @@
+//! What a claim got, in the claim, end to end: the real binary over the mock NVML library and
+//! the API server stand-in (which checks `status.devices` as KEP-4817 states it). After a
+//! prepare, `status.devices` holds this driver's entries for a whole GPU, an on-demand MIG
+//! device, a per-claim MPS claim and a capacity share, each with its data and `Ready` /
+//! `Healthy` conditions; an Xid 79 on the whole GPU turns its `Healthy` false; unprepare
+//! removes the entries. With `--claim-device-status=false` nothing is written.
+//!
+//! Built with `harness = false`, like `usage`: the MPS claim and the share need the fake
+//! `nvidia-cuda-mps-control` and `nvidia-smi` of `cleave-fakes`, played by this test binary
+//! itself through wrappers in the driver root.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cleave_apiserver_standin::StandIn;
+use common::node::*;
+use common::*;
+use serde_json::{Value, json};
+
+/// GPU 0 in MIG mode (on-demand MIG), GPUs 1–3 whole.
+const MIXED: &str = "name: status-mixed\ngpus:\n  - product: h100-80gb\n    migEnabled: true\n  - product: h100-80gb\n    migEnabled: false\n  - product: h100-80gb\n    migEnabled: false\n  - product: h100-80gb\n    migEnabled: false\n";
+const SHARE_ID: &str = "5a000000-0000-4000-8000-00000000000a";
+
+fn fake_tools(dirs: &NodeDirs) -> Vec<(&'static str, String)> {
+    let bin = dirs.driver_root().join("usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
+        let path = bin.join(tool);
+        std::fs::write(
+            &path,
+            format!("#!/bin/sh\nexec '{}' __fake \"$0\" \"$@\"\n", exe.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let p = |n: &str| dirs.path().join(n).display().to_string();
+    vec![
+        ("FAKE_MPS_RECORD", p("fake-mps-record.log")),
+        ("FAKE_MPS_IDLE_EXIT_SECS", "60".into()),
+        ("FAKE_NVIDIA_SMI_RECORD", p("fake-smi-record.log")),
+        ("FAKE_NVIDIA_SMI_STATE", p("fake-smi-state")),
+    ]
+}
+
+fn put_claims(standin: &StandIn) {
+    put_claim(
+        standin,
+        "mig",
+        "uid-mig",
+        &[("mig", "gpu-0-mig-3g40gb-4")],
+        &[],
+    );
+    let mps = cleave_apiserver_standin::fixtures::opaque_config(
+        "FromClaim",
+        &["gpu"],
+        DRIVER,
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 50}}}),
+    );
+    put_claim(standin, "mps", "uid-mps", &[("gpu", "gpu-1")], &[mps]);
+    put_claim(standin, "whole", "uid-whole", &[("gpu", "gpu-2")], &[]);
+    let mut share = cleave_apiserver_standin::fixtures::resource_claim(
+        "default",
+        "share",
+        "uid-share",
+        DRIVER,
+        NODE,
+        &[("gpu", "gpu-3")],
+        &[],
+    );
+    for r in share
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .and_then(|d| d.results.as_mut())
+        .unwrap()
+    {
+        r.share_id = Some(SHARE_ID.into());
+        r.consumed_capacity = Some(
+            serde_json::from_value(json!({"memory": "20Gi", "multiprocessors": "44"})).unwrap(),
+        );
+    }
+    standin.put(&share).unwrap();
+}
+
+const CLAIMS: [(&str, &str); 4] = [
+    ("mig", "uid-mig"),
+    ("mps", "uid-mps"),
+    ("whole", "uid-whole"),
+    ("share", "uid-share"),
+];
+
+/// `status.devices` of claim `name` in the stand-in.
+fn entries(standin: &StandIn, name: &str) -> Vec<Value> {
+    standin
+        .get("resourceclaims", "default", name)
+        .and_then(|c| c["status"]["devices"].as_array().cloned())
+        .unwrap_or_default()
+}
+
+async fn wait_until(what: &str, dirs: &NodeDirs, mut f: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !f() {
+        assert!(
+            started.elapsed() < TIMEOUT,
+            "timed out waiting for {what}\n{}",
+            dirs.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn condition<'a>(entry: &'a Value, type_: &str) -> &'a Value {
+    entry["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .unwrap_or_else(|| panic!("no {type_} condition in {entry}"))
+}
+
+fn start_plugin(dirs: &NodeDirs, control: &Path, extra: &[(&'static str, String)]) -> Plugin {
+    let config = dirs.path().join("mixed.yaml");
+    std::fs::write(&config, MIXED).unwrap();
+    let mut env = vec![
+        ("MOCK_NVML_CONFIG", config.display().to_string()),
+        ("MOCK_NVML_MIG", String::new()),
+        ("MOCK_NVML_CONTROL", control.display().to_string()),
+        ("CONSUMABLE_CAPACITY", "mps".into()),
+        ("USAGE_INTERVAL", "0".into()),
+    ];
+    env.extend(fake_tools(dirs));
+    env.extend(extra.iter().cloned());
+    Plugin::start(
+        dirs,
+        &PluginOptions {
+            dynamic_mig: true,
+            env,
+            ..PluginOptions::default()
+        },
+    )
+}
+
+async fn entries_follow_prepare_health_and_unprepare() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claims(&standin);
+    let control = dirs.path().join("control");
+    std::fs::write(&control, "").unwrap();
+    let plugin = start_plugin(&dirs, &control, &[]);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, CLAIMS.iter().map(|(n, u)| claim(n, u)).collect()).await;
+    for (_, uid) in CLAIMS {
+        assert_eq!(r.claims[uid].error, "", "{uid}: {}", dirs.log());
+    }
+    wait_until("every claim's status entries", &dirs, || {
+        CLAIMS.iter().all(|(n, _)| !entries(&standin, n).is_empty())
+    })
+    .await;
+
+    for (name, _) in CLAIMS {
+        let e = entries(&standin, name);
+        assert_eq!(e.len(), 1, "{name}: {e:?}");
+        let e = &e[0];
+        assert_eq!(e["driver"], DRIVER);
+        assert_eq!(e["pool"], NODE);
+        assert_eq!(e["data"]["apiVersion"], "gpu.cleave.dev/v1alpha1");
+        assert_eq!(e["data"]["kind"], "DeviceStatus");
+        assert_eq!(condition(e, "Ready")["status"], "True", "{name}: {e}");
+        assert_eq!(condition(e, "Healthy")["status"], "True", "{name}: {e}");
+    }
+    let whole = &entries(&standin, "whole")[0];
+    assert_eq!(whole["device"], "gpu-2");
+    assert!(
+        whole["data"]["uuid"].as_str().unwrap().starts_with("GPU-"),
+        "{whole}"
+    );
+    assert_eq!(whole["data"]["uuid"], whole["data"]["gpuUUID"]);
+
+    let mig = &entries(&standin, "mig")[0];
+    assert_eq!(mig["device"], "gpu-0-mig-3g40gb-4");
+    let m = &mig["data"]["mig"];
+    assert!(
+        mig["data"]["uuid"].as_str().unwrap().starts_with("MIG-"),
+        "{mig}"
+    );
+    assert_eq!(m["uuid"], mig["data"]["uuid"]);
+    assert_eq!(m["profile"], "3g.40gb");
+    assert_eq!(m["placementStart"], 4);
+    assert_eq!(m["placementSize"], 4);
+    assert!(
+        m["gpuInstanceID"].is_u64() && m["computeInstanceID"].is_u64(),
+        "{mig}"
+    );
+    assert_eq!(m["createdForClaim"], true);
+
+    let mps = &entries(&standin, "mps")[0];
+    assert_eq!(mps["data"]["mps"]["activeThreadPercentage"], 50);
+    assert!(
+        mps["data"]["mps"]["daemon"]
+            .as_str()
+            .unwrap()
+            .starts_with("PID "),
+        "{mps}"
+    );
+
+    let share = &entries(&standin, "share")[0];
+    assert_eq!(share["shareID"], SHARE_ID);
+    let s = &share["data"]["share"];
+    assert_eq!(s["shareID"], SHARE_ID);
+    assert_eq!(s["consumedMemoryBytes"], 20u64 << 30);
+    assert_eq!(s["consumedMultiprocessors"], 44);
+    // 44 of the H100's 132 SMs: a third of the threads, the consumed memory pinned.
+    assert_eq!(s["clientActiveThreadPercentage"], 33);
+    assert_eq!(s["clientPinnedMemoryLimitMib"], 20 * 1024);
+    assert_eq!(s["daemon"], "shared-gpu-3");
+
+    // A fatal Xid on the whole GPU: its claim's Healthy turns False, naming the Xid; the
+    // others stay healthy.
+    std::fs::write(&control, "xid 2 79\n").unwrap();
+    wait_until("Healthy=False on the whole GPU's claim", &dirs, || {
+        entries(&standin, "whole")
+            .first()
+            .is_some_and(|e| condition(e, "Healthy")["status"] == "False")
+    })
+    .await;
+    let whole = &entries(&standin, "whole")[0];
+    let healthy = condition(whole, "Healthy");
+    assert_eq!(healthy["reason"], "Xid");
+    assert!(
+        healthy["message"].as_str().unwrap().contains("79"),
+        "{healthy}"
+    );
+    assert_eq!(condition(whole, "Ready")["status"], "True");
+    assert_eq!(
+        condition(&entries(&standin, "mig")[0], "Healthy")["status"],
+        "True"
+    );
+
+    // Unprepare clears every entry.
+    let u = unprepare(&mut dra, CLAIMS.iter().map(|(n, u)| claim(n, u)).collect()).await;
+    for (_, uid) in CLAIMS {
+        assert_eq!(u.claims[uid].error, "", "{uid}: {}", dirs.log());
+    }
+    wait_until("every claim's entries removed", &dirs, || {
+        CLAIMS.iter().all(|(n, _)| entries(&standin, n).is_empty())
+    })
+    .await;
+    assert!(plugin.terminate().success());
+}
+
+async fn nothing_is_written_when_turned_off() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claims(&standin);
+    let control = dirs.path().join("control");
+    std::fs::write(&control, "").unwrap();
+    let plugin = start_plugin(&dirs, &control, &[("CLAIM_DEVICE_STATUS", "false".into())]);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(r.claims["uid-whole"].error, "");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(entries(&standin, "whole").is_empty());
+    assert_eq!(standin.count("update", "resourceclaims"), 0);
+    assert!(plugin.terminate().success());
+}
+
+fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
+    let tool_args = match args.get(1).map(String::as_str) {
+        Some("__fake") => args.get(2..).unwrap_or_default(),
+        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
+            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
+                && args.first().and_then(|a| Path::new(a).file_name())
+                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
+        {
+            args
+        }
+        _ => return None,
+    };
+    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
+    Some(std::process::ExitCode::from(
+        u8::try_from(code).unwrap_or(1),
+    ))
+}
+
+fn run(f: impl std::future::Future<Output = ()>) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f);
+}
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = play_fake_tool(&args) {
+        return code;
+    }
+    let filters: Vec<&String> = args
+        .iter()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    type Test = fn();
+    let tests: [(&str, Test); 2] = [
+        ("entries_follow_prepare_health_and_unprepare", || {
+            run(entries_follow_prepare_health_and_unprepare())
+        }),
+        ("nothing_is_written_when_turned_off", || {
+            run(nothing_is_written_when_turned_off())
+        }),
+    ];
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, test) in tests {
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        let ok = std::panic::catch_unwind(test).is_ok();
+        println!("test {name} ... {}", if ok { "ok" } else { "FAILED" });
+        if !ok {
+            failed.push(name);
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len()
+    );
+    if failed.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
