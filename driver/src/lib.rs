@@ -19,6 +19,7 @@ pub mod model;
 pub mod nvml;
 pub mod pool;
 pub mod prepare;
+pub mod rightsize;
 pub mod sharing;
 pub mod timing;
 pub mod usage;
