@@ -38,7 +38,10 @@ pub const PUBLISHER_RBAC_RULES: &[(&str, &str, &[&str])] = &[
 ];
 
 /// Everything the node plugin needs: the publisher's rules plus reading ResourceClaims
-/// in prepare. Compared with the Helm ClusterRole by a test.
+/// in prepare and writing their `status.devices` entries (a PUT of the status
+/// subresource; `resourceclaims/driver` is the synthetic subresource that Kubernetes 1.36+
+/// authorizes per driver name, `associated-node:<verb>` for a node's own claims). Compared
+/// with the Helm ClusterRole by a test.
 pub const RBAC_RULES: &[(&str, &str, &[&str])] = &[
     (
         "resource.k8s.io",
@@ -46,6 +49,12 @@ pub const RBAC_RULES: &[(&str, &str, &[&str])] = &[
         &["get", "list", "watch", "create", "update", "delete"],
     ),
     ("resource.k8s.io", "resourceclaims", &["get"]),
+    ("resource.k8s.io", "resourceclaims/status", &["update"]),
+    (
+        "resource.k8s.io",
+        "resourceclaims/driver",
+        &["associated-node:update"],
+    ),
     ("", "nodes", &["get"]),
 ];
 

@@ -82,6 +82,8 @@ MPS_POD_FLAGS = {
 RBAC = {
     ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "delete"},
     ("resource.k8s.io", "resourceclaims"): {"get"},
+    ("resource.k8s.io", "resourceclaims/status"): {"update"},
+    ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:update"},
     ("", "nodes"): {"get"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
@@ -716,7 +718,9 @@ def rbac_is_least_privilege() -> None:
     got: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        # resourceNames narrow only the synthetic per-driver status subresource, to the driver.
+        narrowed = rule.get("resources") == ["resourceclaims/driver"] and rule.get("resourceNames") == ["gpu.cleave.dev"]
+        assert ("resourceNames" not in rule or narrowed) and "nonResourceURLs" not in rule, rule
         for group in rule["apiGroups"]:
             for res in rule["resources"]:
                 got.setdefault((group, res), set()).update(rule["verbs"])
@@ -800,7 +804,9 @@ def role_rules(role: dict) -> dict[tuple[str, str], set[str]]:
     got: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        # resourceNames narrow only the synthetic per-driver status subresource, to the driver.
+        narrowed = rule.get("resources") == ["resourceclaims/driver"] and rule.get("resourceNames") == ["gpu.cleave.dev"]
+        assert ("resourceNames" not in rule or narrowed) and "nonResourceURLs" not in rule, rule
         for group in rule["apiGroups"]:
             for res in rule["resources"]:
                 got.setdefault((group, res), set()).update(rule["verbs"])
