@@ -455,6 +455,7 @@ def daemonset_runs_the_plugin_as_designed() -> None:
         "/var/run/cdi": "/var/run/cdi",
         "/dev": "/dev",
         "/driver-root": "/",
+        "/run/cleave": "/run/cleave",  # MPS pipe directories, the same path on both sides
     }
     assert set(mounts) == set(expect), sorted(mounts)
     for path, host in expect.items():
@@ -922,7 +923,7 @@ def mps_values_schema_accepts_defaults_rejects_bad_values() -> None:
         defaults = chart.values["mps"]
         assert defaults == {"launcher": "pod", "image": {"repository": "", "tag": "", "pullPolicy": ""},
                             "priorityClassName": "system-node-critical", "serviceAccountName": "",
-                            "checkIntervalSeconds": 30}, defaults
+                            "checkIntervalSeconds": 30, "pipeRoot": "/run/cleave"}, defaults
         enum = chart.schema["properties"]["mps"]["properties"]["launcher"]["enum"]
         assert set(enum) == {"process", "pod"}, enum
         good = [None, {"mps": defaults}, {"mps": {"launcher": "process"}}, {"mps": {"launcher": "pod"}},
@@ -1764,7 +1765,7 @@ def mps_daemon_pod(node: str = "node-a", image: str = "ghcr.io/cleave-dev/cleave
                                  {"name": "shm", "mountPath": "/dev/shm"},
                                  {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True},
                                  {"name": "scratch", "mountPath": "/run/cleave-mps"}]}],
-            "volumes": [{"name": "pipe", "hostPath": {"path": f"{state_dir}/mps/{uid}/pipe", "type": "Directory"}},
+            "volumes": [{"name": "pipe", "hostPath": {"path": "/run/cleave/0123456789abcdef", "type": "Directory"}},
                         {"name": "log", "hostPath": {"path": f"{state_dir}/mps/{uid}/log", "type": "Directory"}},
                         {"name": "shm", "emptyDir": {"medium": "Memory"}},
                         {"name": "driver-root", "hostPath": {"path": driver_root, "type": "Directory"}},
@@ -2110,4 +2111,6 @@ def composition_matrix_classes_are_the_charts() -> None:
 if __name__ == "__main__":
     import test_tenancy  # the tenancy checks (hack/tests/test_tenancy.py) join this run
     test_tenancy.register(sys.modules[__name__])
+    import test_sharing_shapes  # the claim-shape policy's checks (hack/tests/test_sharing_shapes.py)
+    test_sharing_shapes.register(sys.modules[__name__], test_tenancy)
     sys.exit(run_all())

@@ -444,7 +444,7 @@ impl NodeDriver {
             let partial = ShareRecord::partial(share.as_ref()).is_some();
             let config = match config {
                 Some(c) if partial && c.config.sharing().is_some() => {
-                    self.fold_share_config(&device, gpu, c, share.as_mut())
+                    self.fold_share_config(&device, gpu, c, share.as_mut(), uid, state)
                 }
                 c => c,
             };
@@ -640,11 +640,37 @@ impl NodeDriver {
         gpu: &GpuInfo,
         config: ResolvedConfig,
         share: Option<&mut ShareRecord>,
+        uid: &str,
+        state: &State,
     ) -> Option<ResolvedConfig> {
         let sharing = config.config.sharing()?.clone();
         let mode = self.config.consumable_capacity;
         match (mode, sharing.strategy) {
-            (ConsumableCapacity::TimeSlicing, SharingStrategy::TimeSlicing) => Some(config),
+            (ConsumableCapacity::TimeSlicing, SharingStrategy::TimeSlicing) => {
+                // The interval is the GPU's: the first share that asks sets it; a share
+                // asking another while it is held keeps the GPU's (warned), never refused.
+                let wanted = sharing
+                    .time_slicing
+                    .as_ref()
+                    .map(|t| t.interval_or_default())
+                    .unwrap_or_default();
+                let held = super::time_slice_needs(&state.data)
+                    .into_iter()
+                    .find(|n| n.gpu_uuid == gpu.uuid && n.claim_uid != uid && n.interval != wanted);
+                match held {
+                    Some(n) => {
+                        tracing::warn!(
+                            device,
+                            wanted = ?wanted,
+                            held = ?n.interval,
+                            other = %n.claim_uid,
+                            "time-slice interval of a share not applied: another claim holds the GPU's interval"
+                        );
+                        None
+                    }
+                    None => Some(config),
+                }
+            }
             (ConsumableCapacity::Mps, SharingStrategy::Mps) => {
                 let mps = sharing.mps.clone().unwrap_or_default();
                 if let Some(s) = share {

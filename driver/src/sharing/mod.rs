@@ -168,18 +168,6 @@ pub enum SharingFailure {
         /// The limit as written.
         limit: String,
     },
-    /// A non-default time slice was asked for a MIG device.
-    #[error(
-        "device {device} ({uuid}): time slice {interval} cannot be set on a MIG device (nvidia-smi compute-policy does not support MIG; MIG devices run in their parent GPU's time slice)"
-    )]
-    TimeSlicingOnMig {
-        /// Device name.
-        device: String,
-        /// MIG device UUID.
-        uuid: String,
-        /// The interval asked for.
-        interval: TimeSliceInterval,
-    },
     /// Another recorded claim needs a different time slice on the same GPU.
     #[error(
         "GPU {gpu}: claim {claim} asks for time slice {interval}, but claim {other_claim} on the same GPU needs {other_interval}"
@@ -902,15 +890,14 @@ impl SharingManager {
         }
         for (d, interval) in devices {
             if d.kind == ConfigKind::Mig || d.uuid.starts_with("MIG-") {
+                // nvidia-smi compute-policy does not support MIG: a MIG device runs in its
+                // parent GPU's time slice. The claim is served; the interval is not applied.
                 if *interval == TimeSliceInterval::Default {
                     tracing::debug!(device = %d.device_name, "MIG device keeps its parent GPU's time slice");
-                    continue;
+                } else {
+                    tracing::warn!(device = %d.device_name, uuid = %d.uuid, interval = %interval, "time slice not applied: a MIG device runs in its parent GPU's time slice (nvidia-smi compute-policy does not support MIG)");
                 }
-                return Err(SharingFailure::TimeSlicingOnMig {
-                    device: d.device_name.clone(),
-                    uuid: d.uuid.clone(),
-                    interval: *interval,
-                });
+                continue;
             }
             if let Some(other) = needs.iter().find(|n| {
                 n.claim_uid != claim_uid && n.gpu_uuid == d.uuid && n.interval != *interval
