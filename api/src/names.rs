@@ -54,6 +54,8 @@ pub mod attr {
     pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
     /// Standard PCIe root attribute, used to align GPUs with NICs.
     pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+    /// NUMA node of the GPU's PCI device (int; KEP-6072), omitted when unknown.
+    pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
     /// Whether the GPU supports MIG.
     pub const MIG_CAPABLE: &str = "migCapable";
     /// MIG profile name, e.g. `1g.10gb`.

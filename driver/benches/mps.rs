@@ -57,6 +57,7 @@ fn main() {
         multiprocessors: Some(132),
         pci_bus_id: "0000:01:00.0".into(),
         pcie_root: None,
+        numa_node: None,
         mig: MigState::NotCapable,
     };
     let mut sharing: Sharing = serde_json::from_value(serde_json::json!({

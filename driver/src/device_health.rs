@@ -280,6 +280,7 @@ mod tests {
             multiprocessors: None,
             pci_bus_id: String::new(),
             pcie_root: None,
+            numa_node: None,
             mig: if instances.is_empty() {
                 MigState::NotCapable
             } else {

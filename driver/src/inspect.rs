@@ -302,6 +302,7 @@ mod tests {
             multiprocessors: Some(132),
             pci_bus_id: format!("0000:{:02x}:00.0", 0x53 + minor),
             pcie_root: None,
+            numa_node: None,
             mig,
         };
         let profiles = vec![

@@ -16,6 +16,7 @@ pub mod fault;
 pub mod health;
 pub mod inspect;
 pub mod model;
+pub mod numa;
 pub mod nvml;
 pub mod pool;
 pub mod prepare;

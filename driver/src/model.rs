@@ -61,6 +61,10 @@ pub struct GpuInfo {
     pub pci_bus_id: String,
     /// PCIe root complex (`pci0000:50`), when it can be resolved from sysfs.
     pub pcie_root: Option<String>,
+    /// NUMA node of the GPU's PCI device from sysfs (`numa_node`); `None` when sysfs says
+    /// `-1` (no affinity) or does not have it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
     /// MIG capability and state.
     pub mig: MigState,
 }

@@ -216,6 +216,7 @@ impl NvmlBackend {
         let pci_bus_id = canonical_pci_bus_id(&pci.bus_id)
             .unwrap_or_else(|| format!("{:04x}:{:02x}:{:02x}.0", pci.domain, pci.bus, pci.device));
         let pcie_root = pcie_root(&self.sysfs_root, &pci_bus_id);
+        let numa_node = crate::numa::numa_node(&self.sysfs_root, &pci_bus_id);
         let multiprocessors = whole_gpu_sms(
             &uuid,
             device.num_cores(),
@@ -263,6 +264,7 @@ impl NvmlBackend {
             multiprocessors,
             pci_bus_id,
             pcie_root,
+            numa_node,
             mig,
         })
     }

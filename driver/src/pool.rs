@@ -477,6 +477,10 @@ fn common_attributes(inv: &NodeInventory, gpu: &GpuInfo) -> Vec<(&'static str, D
     if let Some(root) = &gpu.pcie_root {
         a.push((attr::PCIE_ROOT, string(root)));
     }
+    // Scalar form only (KEP-6072); unknown (`-1` in sysfs) is left out, never published as 0.
+    if let Some(node) = gpu.numa_node {
+        a.push((attr::NUMA_NODE, int(node)));
+    }
     a
 }
 
@@ -893,6 +897,7 @@ mod tests {
             multiprocessors: Some(132),
             pci_bus_id: "0000:53:00.0".into(),
             pcie_root: Some("pci0000:50".into()),
+            numa_node: Some(1),
             mig,
         }
     }
@@ -1181,6 +1186,7 @@ mod tests {
             ("cudaDriverVersion", version("13.0.0")),
             ("resource.kubernetes.io/pciBusID", s("0000:53:00.0")),
             ("resource.kubernetes.io/pcieRoot", s("pci0000:50")),
+            ("resource.kubernetes.io/numaNode", int(1)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
@@ -1208,12 +1214,15 @@ mod tests {
     fn not_capable_gpu_without_pcie_root_or_sms() {
         let mut g = h100(3, MigState::NotCapable);
         g.pcie_root = None;
+        g.numa_node = None;
         g.multiprocessors = None;
         let pool = build_pool(&inv(vec![g]), &on_demand());
         let d = &pool.groups[0].devices[0];
         assert_eq!(d.name, "gpu-3");
         assert_eq!(attr_of(d, "migCapable").bool, Some(false));
         assert!(!d.attributes.as_ref().unwrap().contains_key(attr::PCIE_ROOT));
+        // sysfs said -1 (or nothing): no numaNode, never a 0 that would match other devices.
+        assert!(!d.attributes.as_ref().unwrap().contains_key(attr::NUMA_NODE));
         assert!(
             !d.capacity
                 .as_ref()
@@ -1228,6 +1237,12 @@ mod tests {
         let pool = build_pool(&inv(vec![h100(0, enabled(vec![]))]), &on_demand());
         let g = &pool.groups[0];
         assert_eq!(g.devices.len(), 26);
+        // Every MIG placement carries its GPU's NUMA node.
+        assert!(
+            g.devices
+                .iter()
+                .all(|d| attr_of(d, attr::NUMA_NODE).int == Some(1))
+        );
         let count = |label: &str| {
             g.devices
                 .iter()

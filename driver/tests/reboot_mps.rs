@@ -169,6 +169,7 @@ fn gpu(uuid: &str, minor: u32, mig: MigState) -> GpuInfo {
         multiprocessors: Some(132),
         pci_bus_id: format!("0000:{:02x}:00.0", minor + 1),
         pcie_root: None,
+        numa_node: None,
         mig,
     }
 }

@@ -163,6 +163,7 @@ fn run_args(node: &str, dir: &Path, lib: std::path::PathBuf) -> RunArgs {
             nvml_lib: Some(lib),
             mock_profile: None,
             mock: None,
+            sysfs_root: cleave_driver::nvml::DEFAULT_SYSFS_ROOT.into(),
         },
         lifecycle: Default::default(),
         mps: Default::default(),

@@ -215,6 +215,10 @@ pub struct NvmlArgs {
     /// (e.g. h100-80gb-x8).
     #[arg(long, conflicts_with_all = ["nvml_lib", "mock_profile"])]
     pub mock: Option<String>,
+    /// The host's sysfs as mounted here: each GPU's PCIe root and NUMA node
+    /// (`bus/pci/devices/<bus id>/numa_node`) are read under it.
+    #[arg(long, env = "SYSFS_ROOT", default_value = cleave_driver::nvml::DEFAULT_SYSFS_ROOT)]
+    pub sysfs_root: PathBuf,
 }
 
 /// How the driver prepares devices.

@@ -14,7 +14,8 @@ use crate::args::InspectArgs;
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let backend =
         NvmlBackend::open_in_driver_root(&args.driver_root, args.nvml.nvml_lib.as_deref())
-            .context("loading NVML")?;
+            .context("loading NVML")?
+            .with_sysfs_root(&args.nvml.sysfs_root);
     let inventory = backend.inventory().context("discovering GPUs")?;
     let options = PoolOptions {
         dynamic_mig: args.dynamic_mig,

@@ -253,9 +253,11 @@ pub async fn start_with_metrics(
 ) -> anyhow::Result<RunningPlugin> {
     let nvml_lib = args.nvml.nvml_lib.clone();
     let driver_root = args.driver.driver_root.clone();
+    let sysfs_root = args.nvml.sysfs_root.clone();
     let backend: Arc<dyn GpuBackend> = Arc::new(
         tokio::task::spawn_blocking(move || {
             NvmlBackend::open_in_driver_root(&driver_root, nvml_lib.as_deref())
+                .map(|b| b.with_sysfs_root(sysfs_root))
         })
         .await?
         .context("loading NVML")?,
@@ -644,10 +646,12 @@ pub async fn open_backend(
     driver_root: PathBuf,
     nvml_lib: Option<PathBuf>,
     allow_no_gpus: bool,
+    sysfs_root: PathBuf,
 ) -> anyhow::Result<Arc<dyn GpuBackend>> {
     tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn GpuBackend>> {
         let backend = NvmlBackend::open_in_driver_root(&driver_root, nvml_lib.as_deref())
-            .context("loading NVML")?;
+            .context("loading NVML")?
+            .with_sysfs_root(sysfs_root);
         let inventory = backend.inventory().context("listing GPUs through NVML")?;
         if inventory.gpus.is_empty() && !allow_no_gpus {
             anyhow::bail!(
@@ -702,6 +706,7 @@ pub async fn start_when_possible(
                     args.driver.driver_root.clone(),
                     args.nvml.nvml_lib.clone(),
                     args.lifecycle.allow_no_gpus,
+                    args.nvml.sysfs_root.clone(),
                 )
                 .await
                 {

@@ -34,6 +34,7 @@ fn gpu(minor: u32) -> GpuInfo {
         multiprocessors: None,
         pci_bus_id: String::new(),
         pcie_root: None,
+        numa_node: None,
         mig: MigState::NotCapable,
     }
 }

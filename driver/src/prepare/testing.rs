@@ -304,6 +304,7 @@ pub fn plain_gpu(minor: u32) -> GpuInfo {
         multiprocessors: Some(58),
         pci_bus_id: format!("0000:{:02x}:00.0", minor + 1),
         pcie_root: None,
+        numa_node: None,
         mig: MigState::NotCapable,
     }
 }

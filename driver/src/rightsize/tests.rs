@@ -69,6 +69,7 @@ fn gpu(minor: u32, mig_on: bool) -> GpuInfo {
         multiprocessors: Some(132),
         pci_bus_id: format!("0000:{minor:02x}:00.0"),
         pcie_root: None,
+        numa_node: None,
         mig: if mig_on {
             MigState::Enabled {
                 profiles: h100_profiles(),

@@ -312,6 +312,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             nvml_lib: Some(nvml_lib),
             mock_profile: Some(args.profile.clone()),
             mock: None,
+            sysfs_root: cleave_driver::nvml::DEFAULT_SYSFS_ROOT.into(),
         },
         lifecycle: Default::default(),
         mps: Default::default(),

@@ -256,6 +256,57 @@ impl DriverRootFixture {
     }
 }
 
+/// NUMA node the sysfs fixture gives GPU `index` of `count`: the first half on node 0, the
+/// rest on node 1, and the last GPU of three or more `-1` (the platform reports no
+/// affinity), so that tests see both a published and an omitted `numaNode`.
+pub fn fixture_numa_node(index: usize, count: usize) -> i32 {
+    if count >= 3 && index + 1 == count {
+        -1
+    } else {
+        i32::from(index * 2 >= count)
+    }
+}
+
+/// Lays out the part of sysfs the plugin reads for the GPUs of mock `profile` under
+/// `<root>/sys` (pass `<root>/sys` as the plugin's `--sysfs-root`): per GPU
+/// `devices/pci0000:<bus>/<bus id>/numa_node` ([`fixture_numa_node`]) and the
+/// `bus/pci/devices/<bus id>` link to it, as a host has them (the link also gives the PCIe
+/// root). Returns `(bus id, numa_node)` per GPU in NVML order; `None` for an unknown profile.
+pub fn lay_out_sysfs(root: &Path, profile: &str) -> io::Result<Option<Vec<(String, i32)>>> {
+    let Some(config) = crate::fixtures::profile(profile) else {
+        return Ok(None);
+    };
+    let Ok(node) = config.resolve(profile, None) else {
+        return Ok(None);
+    };
+    let sys = root.join("sys");
+    let count = node.gpus.len();
+    let mut out = Vec::new();
+    for (i, gpu) in node.gpus.iter().enumerate() {
+        let bus_id = gpu.bus_id().to_ascii_lowercase();
+        // NVML's `%08X` domain, sysfs's 4-digit one.
+        let bus_id = bus_id.get(4..).unwrap_or(&bus_id).to_owned();
+        let numa = fixture_numa_node(i, count);
+        let root_complex = format!(
+            "pci{}:{:02x}",
+            &bus_id[..4.min(bus_id.len())],
+            gpu.pci.1 & 0xf0
+        );
+        let dev = sys.join("devices").join(&root_complex).join(&bus_id);
+        write(&dev.join("numa_node"), &format!("{numa}\n"))?;
+        let links = sys.join("bus/pci/devices");
+        fs::create_dir_all(&links)?;
+        symlink_fresh(
+            &Path::new("../../../devices")
+                .join(&root_complex)
+                .join(&bus_id),
+            &links.join(&bus_id),
+        )?;
+        out.push((bus_id, numa));
+    }
+    Ok(Some(out))
+}
+
 fn write(path: &Path, text: &str) -> io::Result<()> {
     if let Some(parent) = path.parent() {
         fs::create_dir_all(parent)?;

@@ -31,6 +31,7 @@ fn node(product: Product, gpus: u32) -> NodeInventory {
                 multiprocessors: Some(132),
                 pci_bus_id: format!("0000:{:02x}:00.0", 0x10 + minor),
                 pcie_root: None,
+                numa_node: None,
                 mig: MigState::Enabled {
                     profiles: product.profiles(),
                     instances: vec![],
