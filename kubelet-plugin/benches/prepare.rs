@@ -918,6 +918,10 @@ fn usage_child(iterations: usize) {
                 interval: Duration::from_millis(100),
                 policy: cleave_driver::usage::IdlePolicy::default(),
                 pool: USAGE_NODE.into(),
+                rightsize: None,
+                rightsize_state: None,
+                oversized: None,
+                rightsize_metrics: None,
             },
             plugin.backend.usage_source().unwrap(),
             std::sync::Arc::new(Fixed {

@@ -341,6 +341,18 @@ pub struct UsageArgs {
     /// the figures.
     #[arg(long, env = "IDLE_EVENTS")]
     pub idle_events: bool,
+    /// Length of the per-claim usage window behind the right-sizing recommendations
+    /// (`24h`, `168h`, `30m`; at least 24s); a recommendation needs half of it seen.
+    #[arg(long, env = "RIGHTSIZE_WINDOW", default_value = "24h", value_parser = parse_window)]
+    pub rightsize_window: std::time::Duration,
+    /// Headroom (percent) over a claim's peak memory and p95 SM activity that the
+    /// recommended shape must hold; `0` turns recommendations into a bare fit.
+    #[arg(long, env = "RIGHTSIZE_HEADROOM", default_value_t = 20.0, value_parser = parse_headroom)]
+    pub rightsize_headroom: f64,
+    /// Post a Normal Event `ClaimOversized` on the ResourceClaim when its recommendation is
+    /// smaller than what it holds (or release), once per window per change.
+    #[arg(long, env = "RIGHTSIZE_EVENTS")]
+    pub rightsize_events: bool,
 }
 
 impl Default for UsageArgs {
@@ -350,6 +362,9 @@ impl Default for UsageArgs {
             idle_threshold: 5.0,
             idle_after: std::time::Duration::from_secs(30 * 60),
             idle_events: false,
+            rightsize_window: std::time::Duration::from_secs(24 * 3600),
+            rightsize_headroom: 20.0,
+            rightsize_events: false,
         }
     }
 }
@@ -360,6 +375,48 @@ impl UsageArgs {
         cleave_driver::usage::IdlePolicy {
             threshold_percent: self.idle_threshold,
             window: self.idle_after,
+        }
+    }
+}
+
+/// Parses a `--rightsize-window`: a duration of at least 24 seconds (one per bucket).
+fn parse_window(value: &str) -> Result<std::time::Duration, String> {
+    let d = parse_duration(value)?;
+    let least = u64::from(cleave_driver::rightsize::BUCKETS);
+    if d.as_secs() < least {
+        return Err(format!(
+            "{value:?} is shorter than {least}s (the window has {least} buckets of at least a second)"
+        ));
+    }
+    Ok(d)
+}
+
+/// Parses a headroom percentage, 0 to 1000.
+fn parse_headroom(value: &str) -> Result<f64, String> {
+    match value.trim().trim_end_matches('%').parse::<f64>() {
+        Ok(p) if (0.0..=1000.0).contains(&p) => Ok(p),
+        _ => Err(format!(
+            "{value:?} is not a headroom percentage between 0 and 1000"
+        )),
+    }
+}
+
+impl UsageArgs {
+    /// Right-sizing settings for a node serving `modes`.
+    pub fn rightsize_config(
+        &self,
+        modes: cleave_driver::rightsize::NodeModes,
+    ) -> crate::usage::recommend::RightsizeConfig {
+        crate::usage::recommend::RightsizeConfig {
+            window: cleave_driver::rightsize::WindowConfig {
+                window_seconds: self.rightsize_window.as_secs(),
+                idle_threshold_percent: self.idle_threshold,
+            },
+            policy: cleave_driver::rightsize::RightsizePolicy {
+                headroom: self.rightsize_headroom / 100.0,
+                idle_threshold_percent: self.idle_threshold,
+            },
+            modes,
         }
     }
 }
@@ -382,6 +439,11 @@ pub struct UsageCommandArgs {
     /// Time between scrapes (at least the plugin's `--usage-interval` to see new rounds).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub every: std::time::Duration,
+    /// Print the right-sizing table instead: per claim device what it holds, what it used
+    /// over the window, the recommended shape and why, and the node's GPUs held against
+    /// the GPUs the recommendations would need.
+    #[arg(long)]
+    pub recommend: bool,
 }
 
 /// Parses `500ms`, `10s`, `5m`, `1h` or a bare number of seconds.

@@ -95,7 +95,10 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
         Command::Inspect(a) => resolve_mock(&mut a.nvml)?,
         Command::Usage(a) => {
             if let Some(profile) = &a.mock {
-                usage_mock = Some(crate::usage::command::MockTry::prepare_env(profile)?);
+                usage_mock = Some(crate::usage::command::MockTry::prepare_env_with(
+                    profile,
+                    a.recommend,
+                )?);
             }
         }
         Command::Checkpoint(_) | Command::MpsDaemon(_) => {}

@@ -466,6 +466,25 @@ fn start_usage(
             interval: args.usage.usage_interval,
             policy: args.usage.idle_policy(),
             pool: args.node_name.clone(),
+            rightsize: Some(
+                args.usage
+                    .rightsize_config(cleave_driver::rightsize::NodeModes {
+                        dynamic_mig: args.driver.dynamic_mig,
+                        consumable_capacity: args.driver.consumable_capacity,
+                    }),
+            ),
+            rightsize_state: Some(
+                driver
+                    .config()
+                    .state_dir
+                    .join(cleave_driver::rightsize::STATE_FILE),
+            ),
+            oversized: args.usage.rightsize_events.then(|| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                crate::usage::recommend::spawn_oversized_events(events.clone(), rx);
+                tx
+            }),
+            rightsize_metrics: metrics.map(|m| Arc::clone(&m.rightsize)),
         },
         source,
         inputs,

@@ -30,6 +30,8 @@ use tracing::{debug, info, warn};
 use crate::metrics::usage::UsageMetrics;
 
 pub mod command;
+pub mod recommend;
+pub mod recommend_command;
 
 /// Event reason: a claim stayed below the idle threshold for the idle window.
 pub const REASON_CLAIM_IDLE: &str = "ClaimIdle";
@@ -40,6 +42,11 @@ pub trait ClaimDevices: Send + Sync {
     fn claim_devices(&self) -> Vec<ClaimDevice>;
     /// Every GPU: UUID, total memory (bytes), SMs where known.
     fn gpus(&self) -> Vec<(String, u64, Option<u32>)>;
+    /// The node's inventory, for right-sizing (MIG profile tables, MIG modes); `None`:
+    /// no recommendations.
+    fn inventory(&self) -> Option<cleave_driver::model::NodeInventory> {
+        None
+    }
 }
 
 impl ClaimDevices for NodeDriver {
@@ -52,6 +59,9 @@ impl ClaimDevices for NodeDriver {
             .into_iter()
             .map(|g| (g.uuid, g.memory_bytes, g.multiprocessors))
             .collect()
+    }
+    fn inventory(&self) -> Option<cleave_driver::model::NodeInventory> {
+        Some(NodeDriver::inventory(self))
     }
 }
 
@@ -75,6 +85,8 @@ pub struct RoundOutcome {
     pub newly_idle: Vec<IdleNotice>,
     /// How long the sampling took.
     pub took: Duration,
+    /// Windows and recommendations, when right-sizing runs and an inventory was given.
+    pub rightsize: Option<recommend::RightsizeOutcome>,
 }
 
 /// Sampler, idle tracker and the once-per-idle-period bookkeeping, without a thread (the
@@ -85,6 +97,8 @@ pub struct UsageRounds {
     tracker: IdleTracker,
     /// Claims (UID) whose current idle period was already reported.
     reported: BTreeSet<String>,
+    /// Usage windows and recommendations (`None`: off).
+    rightsizer: Option<recommend::Rightsizer>,
 }
 
 impl UsageRounds {
@@ -94,11 +108,43 @@ impl UsageRounds {
             sampler: UsageSampler::new(source),
             tracker: IdleTracker::new(policy),
             reported: BTreeSet::new(),
+            rightsizer: None,
         }
     }
 
-    /// One round over `devices` at `now`.
+    /// These rounds, also feeding usage windows and recommendations.
+    pub fn with_rightsizer(mut self, rightsizer: recommend::Rightsizer) -> Self {
+        self.rightsizer = Some(rightsizer);
+        self
+    }
+
+    /// The right-sizing state, when on.
+    pub fn rightsizer(&self) -> Option<&recommend::Rightsizer> {
+        self.rightsizer.as_ref()
+    }
+
+    /// Writes the usage windows (at shutdown).
+    pub fn flush(&mut self, wall: SystemTime) {
+        if let Some(r) = &mut self.rightsizer {
+            r.flush(wall);
+        }
+    }
+
+    /// One round over `devices` at `now` (no right-sizing).
     pub fn round(&mut self, devices: &[ClaimDevice], now: Instant) -> RoundOutcome {
+        self.round_with(devices, now, SystemTime::now(), None)
+    }
+
+    /// One round over `devices` at `now` (`wall` on the wall clock); with right-sizing on
+    /// and `inventory` given, the windows take the round and every claim device gets a
+    /// recommendation.
+    pub fn round_with(
+        &mut self,
+        devices: &[ClaimDevice],
+        now: Instant,
+        wall: SystemTime,
+        inventory: Option<&cleave_driver::model::NodeInventory>,
+    ) -> RoundOutcome {
         let started = Instant::now();
         let samples = if devices.is_empty() {
             Vec::new()
@@ -123,11 +169,16 @@ impl UsageRounds {
             }
         }
         self.reported = still_idle;
+        let rightsize = match (&mut self.rightsizer, inventory) {
+            (Some(r), Some(inv)) => Some(r.round(devices, &samples, inv, wall)),
+            _ => None,
+        };
         RoundOutcome {
             samples,
             idle,
             newly_idle,
             took,
+            rightsize,
         }
     }
 }
@@ -141,6 +192,14 @@ pub struct MonitorConfig {
     pub policy: IdlePolicy,
     /// The `pool` label (the node name).
     pub pool: String,
+    /// Right-sizing (`None`: off).
+    pub rightsize: Option<recommend::RightsizeConfig>,
+    /// Where the usage windows are kept (`None`: in memory only).
+    pub rightsize_state: Option<std::path::PathBuf>,
+    /// Where claims that turned oversized are sent (`--rightsize-events`).
+    pub oversized: Option<tokio::sync::mpsc::UnboundedSender<recommend::OversizedNotice>>,
+    /// Where recommendations are exported (`None`: not exported).
+    pub rightsize_metrics: Option<Arc<crate::metrics::rightsize::RightsizeMetrics>>,
 }
 
 /// The sampling thread; stopped when dropped.
@@ -167,6 +226,13 @@ impl UsageMonitor {
             .spawn(move || {
                 lower_own_priority();
                 let mut rounds = UsageRounds::new(source, config.policy);
+                let rightsize_metrics = config.rightsize_metrics.clone();
+                if let Some(rc) = config.rightsize {
+                    rounds = rounds.with_rightsizer(match &config.rightsize_state {
+                        Some(path) => recommend::Rightsizer::open(rc, path),
+                        None => recommend::Rightsizer::in_memory(rc),
+                    });
+                }
                 let mut warned_slow = false;
                 info!(
                     interval_ms = config.interval.as_millis() as u64,
@@ -177,8 +243,19 @@ impl UsageMonitor {
                 loop {
                     let now = Instant::now();
                     let devices = with_mps_servers(inputs.claim_devices());
-                    let r = rounds.round(&devices, now);
-                    metrics.apply_round(&config.pool, &r, &inputs.gpus(), now, SystemTime::now());
+                    let wall = SystemTime::now();
+                    let inventory = config.rightsize.and_then(|_| inputs.inventory());
+                    let r = rounds.round_with(&devices, now, wall, inventory.as_ref());
+                    metrics.apply_round(&config.pool, &r, &inputs.gpus(), now, wall);
+                    if let (Some(rs), Some(m)) = (&r.rightsize, &rightsize_metrics) {
+                        m.apply(&config.pool, rs);
+                    }
+                    if let (Some(rs), Some(tx)) = (&r.rightsize, &config.oversized) {
+                        for n in &rs.newly_oversized {
+                            info!(claim = %n.claim, note = %n.note, "claim oversized");
+                            let _ = tx.send(n.clone());
+                        }
+                    }
                     debug!(
                         devices = devices.len(),
                         took_ms = r.took.as_millis() as u64,
@@ -212,6 +289,7 @@ impl UsageMonitor {
                         _ => break,
                     }
                 }
+                rounds.flush(SystemTime::now());
             })?;
         Ok(Self {
             stop: Some(stop_tx),

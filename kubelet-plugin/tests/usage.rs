@@ -354,6 +354,67 @@ fn usage_mock_prints_a_table() {
     }
 }
 
+/// `usage --recommend --mock` prints a recommendation per scripted claim with its reason,
+/// and the node's GPUs held against needed.
+fn usage_recommend_mock_prints_a_plausible_table() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["usage", "--recommend", "--mock", "h100-80gb-x8"])
+        .env_remove("MOCK_NVML_CONFIG")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = |claim: &str| {
+        text.lines()
+            .find(|l| l.starts_with(claim))
+            .unwrap_or_else(|| panic!("no row for {claim} in\n{text}"))
+            .to_owned()
+    };
+    assert!(
+        text.lines().next().unwrap().contains("RECOMMENDS"),
+        "{text}"
+    );
+    for (claim, parts) in [
+        (
+            "team-a/notebook ",
+            &[
+                "3g.40gb",
+                "1g.10gb",
+                "oversized",
+                "peak 3.8 GiB of 39.5 GiB",
+            ][..],
+        ),
+        ("team-a/notebook-idle", &["idle: release"][..]),
+        (
+            "team-b/finetune",
+            &["1g.20gb", "too tight", "memory still rising"][..],
+        ),
+        ("team-b/training", &["whole GPU needed", "SM p95 97%"][..]),
+        ("team-c/inference", &["1g.20gb", "oversized"][..]),
+        (
+            "team-c/embeddings-mps",
+            &["3g.40gb", "process_sm_utilization", "--consumable-capacity"][..],
+        ),
+        (
+            "team-d/batch-mps-pod",
+            &["not attributable", "--mps-launcher=pod"][..],
+        ),
+    ] {
+        let line = row(claim);
+        for p in parts {
+            assert!(line.contains(p), "{p} missing in {line}");
+        }
+    }
+    assert!(
+        text.contains("the claims hold 5 GPU(s); their recommended shapes would need 4"),
+        "{text}"
+    );
+}
+
 /// `usage` against nothing says what to do.
 fn usage_without_a_plugin_names_the_flag() {
     let port = free_port();
@@ -407,7 +468,7 @@ fn main() -> std::process::ExitCode {
         .filter(|a| !a.starts_with('-'))
         .collect();
     type Test = fn();
-    let tests: [(&str, Test); 3] = [
+    let tests: [(&str, Test); 4] = [
         (
             "claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told",
             || {
@@ -422,6 +483,10 @@ fn main() -> std::process::ExitCode {
             },
         ),
         ("usage_mock_prints_a_table", usage_mock_prints_a_table),
+        (
+            "usage_recommend_mock_prints_a_plausible_table",
+            usage_recommend_mock_prints_a_plausible_table,
+        ),
         (
             "usage_without_a_plugin_names_the_flag",
             usage_without_a_plugin_names_the_flag,

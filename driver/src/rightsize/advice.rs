@@ -303,11 +303,27 @@ fn gpu_of<'a>(inventory: &'a NodeInventory, device: &ClaimDevice) -> Option<&'a 
     inventory.gpus.iter().find(|g| g.uuid == device.gpu_uuid)
 }
 
-fn profiles(gpu: &GpuInfo) -> &[MigProfile] {
+fn own_profiles(gpu: &GpuInfo) -> &[MigProfile] {
     match &gpu.mig {
         MigState::Enabled { profiles, .. } | MigState::Disabled { profiles } => profiles,
         MigState::NotCapable => &[],
     }
+}
+
+/// The MIG profile table of `gpu`: its own, or where NVML answers none for it (MIG mode
+/// off), the table of a GPU of the same product on the node.
+pub fn profiles<'a>(inventory: &'a NodeInventory, gpu: &'a GpuInfo) -> &'a [MigProfile] {
+    let own = own_profiles(gpu);
+    if !own.is_empty() || matches!(gpu.mig, MigState::NotCapable) {
+        return own;
+    }
+    inventory
+        .gpus
+        .iter()
+        .filter(|g| g.product_name == gpu.product_name)
+        .map(own_profiles)
+        .find(|t| !t.is_empty())
+        .unwrap_or(own)
 }
 
 /// What the node would need to serve `shape` on a GPU of `product`; `None` when it serves it.
@@ -423,7 +439,7 @@ pub fn recommend(
     // Without an activity figure the SMs it has are kept.
     let sms_floor = need_sms.or(device.allocated.sms).unwrap_or(0);
     let gpu_memory = gpu.memory_bytes;
-    let table = profiles(gpu);
+    let table = profiles(inventory, gpu);
     let full = table.iter().map(|p| p.slice_count).max().unwrap_or(0);
     let mig = table
         .iter()
@@ -437,8 +453,9 @@ pub fn recommend(
             sms: p.multiprocessors,
         });
     let share_memory = need_memory.div_ceil(MEMORY_STEP_BYTES).max(1) * MEMORY_STEP_BYTES;
+    // A share that needs every SM is a whole GPU in all but name: not offered.
     let share = (share_memory <= gpu_memory - gpu_memory % MEMORY_STEP_BYTES
-        && gpu.multiprocessors.is_none_or(|g| sms_floor <= g))
+        && gpu.multiprocessors.is_some_and(|g| sms_floor < g))
     .then_some(Shape::Share {
         memory_bytes: share_memory,
         sms: sms_floor.max(1),

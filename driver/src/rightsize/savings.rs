@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::model::{MigProfile, MigState, NodeInventory};
+use crate::model::{MigProfile, NodeInventory};
 use crate::usage::{ClaimDevice, DeviceKind};
 
 use super::advice::{Advice, Recommendation, Shape};
@@ -74,10 +74,7 @@ pub fn savings(
             by_product.entry("").or_default().push(Item::Alone);
             continue;
         };
-        let table: &[MigProfile] = match &gpu.mig {
-            MigState::Enabled { profiles, .. } | MigState::Disabled { profiles } => profiles,
-            MigState::NotCapable => &[],
-        };
+        let table: &[MigProfile] = super::advice::profiles(inventory, gpu);
         let profile = |name: &str| {
             table
                 .iter()
@@ -119,11 +116,12 @@ pub fn savings(
             (g.memory_bytes, u64::from(g.multiprocessors.unwrap_or(0)))
         });
         let compute_slices = gpu
-            .map(|g| match &g.mig {
-                MigState::Enabled { profiles, .. } | MigState::Disabled { profiles } => {
-                    profiles.iter().map(|p| p.slice_count).max().unwrap_or(0)
-                }
-                MigState::NotCapable => 0,
+            .map(|g| {
+                super::advice::profiles(inventory, g)
+                    .iter()
+                    .map(|p| p.slice_count)
+                    .max()
+                    .unwrap_or(0)
             })
             .unwrap_or(0);
         let mut migs: Vec<MigGpu> = Vec::new();

@@ -36,6 +36,7 @@ use crate::kubelet::dra::DraObserver;
 use crate::kubelet::registration::RegistrationState;
 
 pub mod observability;
+pub mod rightsize;
 pub mod usage;
 
 /// `/healthz` fails when the heartbeat is older than this.
@@ -79,6 +80,8 @@ pub struct Metrics {
     pub lifecycle: LifecycleMetrics,
     /// Per-claim usage, written by the usage monitor after each round (see [`usage`]).
     pub usage: Arc<usage::UsageMetrics>,
+    /// Usage windows and recommendations (see [`rightsize`]).
+    pub rightsize: Arc<rightsize::RightsizeMetrics>,
     /// Claim `status.devices` writes by result (see `crate::claim_status`).
     pub claim_status: crate::claim_status::StatusWriteMetrics,
 }
@@ -128,6 +131,7 @@ impl Metrics {
         let observability = observability::ObservabilityMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
         let usage = Arc::new(usage::UsageMetrics::register(&mut registry));
+        let rightsize = Arc::new(rightsize::RightsizeMetrics::register(&mut registry));
         let claim_status = crate::claim_status::StatusWriteMetrics::register(&mut registry);
         Self {
             registry,
@@ -140,6 +144,7 @@ impl Metrics {
             observability,
             lifecycle,
             usage,
+            rightsize,
             claim_status,
         }
     }

@@ -41,6 +41,22 @@ pub struct ClaimDeviceLabels {
     pub share: String,
 }
 
+impl ClaimDeviceLabels {
+    /// The labels of claim device `d` in `pool`.
+    pub fn of(pool: &str, d: &cleave_driver::usage::ClaimDevice) -> Self {
+        Self {
+            namespace: d.claim.namespace.clone(),
+            claim: d.claim.name.clone(),
+            device: d.device.clone(),
+            gpu: d.gpu_uuid.clone(),
+            kind: d.kind.as_str(),
+            sharing: d.sharing.as_str(),
+            pool: pool.to_owned(),
+            share: d.share_id.clone().unwrap_or_default(),
+        }
+    }
+}
+
 /// [`ClaimDeviceLabels`] and what was given as labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AllocatedInfoLabels {

@@ -331,6 +331,12 @@ impl MockTry {
     /// Finds the mock library next to this executable and points the mock at scratch
     /// state with `profile` in MIG mode. Call before any thread starts.
     pub fn prepare_env(profile: &str) -> anyhow::Result<Self> {
+        Self::prepare_env_with(profile, false)
+    }
+
+    /// [`MockTry::prepare_env`]; for `--recommend`, half the profile's GPUs in MIG mode
+    /// and the others whole (see [`super::recommend_command::mixed_node`]).
+    pub fn prepare_env_with(profile: &str, recommend: bool) -> anyhow::Result<Self> {
         let exe = std::env::current_exe()?;
         let library = crate::mock::find_library(&exe).ok_or_else(|| {
             anyhow::anyhow!(
@@ -344,6 +350,13 @@ impl MockTry {
         std::fs::write(dir.path().join("control"), "")?;
         crate::mock::set_env("MOCK_NVML_PROFILE", profile);
         crate::mock::set_env("MOCK_NVML_MIG", "on");
+        if recommend {
+            let node = dir.path().join("node.yaml");
+            std::fs::write(&node, super::recommend_command::mixed_node(profile)?)?;
+            crate::mock::set_env("MOCK_NVML_CONFIG", &node.display().to_string());
+            // Each GPU's own MIG mode from the file.
+            crate::mock::set_env("MOCK_NVML_MIG", "");
+        }
         crate::mock::set_env("MOCK_NVML_STATE", &path("state.json"));
         crate::mock::set_env("MOCK_NVML_CONTROL", &path("control"));
         Ok(Self { dir, library })
@@ -488,9 +501,11 @@ fn mock_claims(
 
 /// `usage`: the table from the running plugin or the mock try.
 pub fn run(args: &UsageCommandArgs, mock: Option<&MockTry>) -> anyhow::Result<String> {
-    match mock {
-        Some(m) => m.run(Duration::from_millis(200)),
-        None => run_live(args),
+    match (mock, args.recommend) {
+        (Some(m), true) => super::recommend_command::run_mock(&m.library, &m.control()),
+        (Some(m), false) => m.run(Duration::from_millis(200)),
+        (None, true) => super::recommend_command::run_live(&args.metrics_addr),
+        (None, false) => run_live(args),
     }
 }
 
