@@ -59,7 +59,8 @@ CAPACITIES = {
 DEVICE_CLASSES = {"gpu.cleave.dev", "mig.cleave.dev", "mps.gpu.cleave.dev", "shared.gpu.cleave.dev"}
 # Examples the kind demo cannot run, and why: the kind cluster is Kubernetes 1.34, where
 # DRAConsumableCapacity is alpha and off.
-KIND_DEMO_SKIPS = {"shared-capacity.yaml": "needs DRAConsumableCapacity (on by default from 1.36)"}
+KIND_DEMO_SKIPS = {"shared-capacity.yaml": "needs DRAConsumableCapacity (on by default from 1.36)",
+                   "numa-aligned.yaml": "the mock node of kind has no sysfs fixture, so no GPU publishes numaNode"}
 MOCK_PROFILES = {"a100-40gb-x8", "a100-80gb-x4", "h100-80gb-x8", "h200-141gb-x8", "l4-x2"}
 # Flags of `cleave-kubelet-plugin run` (each also settable from the environment).
 PLUGIN_FLAGS = {
@@ -72,6 +73,7 @@ PLUGIN_FLAGS = {
     "--usage-interval", "--idle-threshold", "--idle-after", "--idle-events",
     "--allow-no-gpus", "--disable-health-checks", "--device-taints", "--additional-xids-to-ignore",
     "--xids-to-check", "--xid-unhealthy-duration", "--lost-gpu-check-interval",
+    "--sysfs-root", "--claim-device-status", "--device-metadata",
 }
 # Flags that only the MPS pod launcher uses: passed with mps.launcher=pod only.
 MPS_POD_FLAGS = {
@@ -456,11 +458,14 @@ def daemonset_runs_the_plugin_as_designed() -> None:
         "/dev": "/dev",
         "/driver-root": "/",
         "/run/cleave": "/run/cleave",  # MPS pipe directories, the same path on both sides
+        "/host-sys": "/sys",  # PCIe roots and NUMA nodes, read-only
     }
     assert set(mounts) == set(expect), sorted(mounts)
     for path, host in expect.items():
         assert volumes[mounts[path]["name"]] == host, f"{path} <- {volumes[mounts[path]['name']]}"
     assert mounts["/driver-root"].get("readOnly") is True
+    assert mounts["/host-sys"].get("readOnly") is True
+    assert f["--sysfs-root"] == "/host-sys"
 
 
 @check

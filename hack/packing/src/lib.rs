@@ -47,6 +47,7 @@
 //! Unit tests compare both against a brute force over request-to-placement assignments.
 
 pub mod capacity;
+pub mod constraints;
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
