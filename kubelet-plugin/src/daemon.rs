@@ -256,9 +256,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let last_bare = Arc::new(std::sync::Mutex::new(plugin.bare_gpu_instances.clone()));
     let (pool_tx, mut pool_rx) =
         tokio::sync::mpsc::unbounded_channel::<cleave_api::pool::PoolDevices>();
-    let dynamic_mig = args.driver.dynamic_mig;
-    let consumable_capacity = args.driver.consumable_capacity;
-    let share_on_demand_mig = args.driver.share_on_demand_mig;
+    // How the pool is published (the instances are filled in when it is rebuilt).
+    let pool_options = PoolOptions {
+        dynamic_mig: args.driver.dynamic_mig,
+        consumable_capacity: args.driver.consumable_capacity,
+        share_on_demand_mig: args.driver.share_on_demand_mig,
+        ..PoolOptions::default()
+    };
     let signal = loop {
         tokio::select! {
             s = signals.recv() => break s,
@@ -273,9 +277,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                         mps_events.clone(),
                         Arc::clone(&last_bare),
                         pool_tx.clone(),
-                        dynamic_mig,
-                        consumable_capacity,
-                        share_on_demand_mig,
+                        pool_options.clone(),
                     ));
                 }
             }
@@ -415,9 +417,7 @@ fn spawn_sharing_check(
     events: EventReporter,
     last_bare: Arc<Mutex<BTreeMap<String, Vec<BareGpuInstance>>>>,
     pool_tx: tokio::sync::mpsc::UnboundedSender<PoolDevices>,
-    dynamic_mig: bool,
-    consumable_capacity: cleave_api::pool::ConsumableCapacity,
-    share_on_demand_mig: bool,
+    pool_options: PoolOptions,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let check = Arc::clone(&driver);
@@ -433,7 +433,7 @@ fn spawn_sharing_check(
             Ok(Err(e)) => warn!(error = %e, "checking MPS daemons"),
             Err(e) => warn!(error = %e, "checking MPS daemons"),
         }
-        if dynamic_mig {
+        if pool_options.dynamic_mig {
             let check = Arc::clone(&driver);
             let Ok(bare) = serializer.run(move || check.bare_gpu_instances()).await else {
                 return;
@@ -451,11 +451,9 @@ fn spawn_sharing_check(
                 let pool = build_pool(
                     &driver.inventory(),
                     &PoolOptions {
-                        dynamic_mig: true,
                         owned_instances: driver.owned_mig_uuids(),
                         bare_gpu_instances: bare,
-                        consumable_capacity,
-                        share_on_demand_mig,
+                        ..pool_options
                     },
                 );
                 let _ = pool_tx.send(pool);

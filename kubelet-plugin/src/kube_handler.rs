@@ -261,6 +261,8 @@ impl ClaimHandler for KubeClaimHandler {
                                         | PrepareError::UnknownDevice { .. }
                                         | PrepareError::InvalidClaim { .. }
                                         | PrepareError::MissingDriverFiles { .. }
+                                        | PrepareError::ShareRefused { .. }
+                                        | PrepareError::DeviceBusy { .. }
                                 );
                                 ClaimError::Prepare {
                                     message: e.to_string(),
@@ -284,6 +286,11 @@ impl ClaimHandler for KubeClaimHandler {
                 for (uid, (result, report)) in done {
                     if let (Some(writer), Some(report)) = (&self.status, report) {
                         writer.prepared(report);
+                    }
+                    if let Err(ClaimError::Prepare { message, .. }) = &result
+                        && let Some(m) = &self.metrics
+                    {
+                        m.count_refusal(message);
                     }
                     if let Err(ClaimError::Prepare {
                         message,

@@ -260,8 +260,8 @@ async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
     assert_eq!(kubelet.started.lock().unwrap().len(), 4);
 
     // The daemons got their own limits, told over their own pipes.
-    let pipe_a = world.mps_dir("uid-a").join("pipe").display().to_string();
-    let pipe_b = world.mps_dir("uid-b").join("pipe").display().to_string();
+    let pipe_a = world.dirs.mps_pipe_dir("uid-a").display().to_string();
+    let pipe_b = world.dirs.mps_pipe_dir("uid-b").display().to_string();
     let record = world.record();
     let has = |pipe: &str, what: &str| {
         record
@@ -637,7 +637,7 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
     })
     .await;
     // The new daemon got the claim's limits again.
-    let pipe = world.mps_dir("uid-a").join("pipe").display().to_string();
+    let pipe = world.dirs.mps_pipe_dir("uid-a").display().to_string();
     let limits = world
         .record()
         .iter()

@@ -254,14 +254,7 @@ async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
     let starts: Vec<&String> = record.iter().filter(|l| l.starts_with("start")).collect();
     assert_eq!(starts.len(), 1, "{}", world.logs());
     assert!(starts[0].contains("multiUser=1"), "{}", world.logs());
-    let pipe = world
-        .dirs
-        .state_dir()
-        .join("mps")
-        .join(SHARED)
-        .join("pipe")
-        .display()
-        .to_string();
+    let pipe = world.dirs.mps_pipe_dir(SHARED).display().to_string();
     assert!(
         record.iter().any(|l| l.contains(&format!("pipe={pipe}"))
             && l.contains("set_default_active_thread_percentage 100")),
@@ -351,8 +344,15 @@ async fn whole_claim_on_a_shared_gpu_is_refused_clearly() {
     let b = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
     let err = &b.claims["uid-whole"].error;
     assert!(
-        err.contains("gpu-0") && err.contains("allocated whole (no shareID)"),
+        err.contains("gpu-0") && err.contains("over-commit: allocated whole"),
         "{err}"
+    );
+    // The refusal reaches the claim as an Event naming the figures and the likely cause.
+    let event = wait_event(&standin, "PrepareFailed").await;
+    let note = event["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("over-commit") && note.contains("1.36.2"),
+        "{event}"
     );
     let un = unprepare(&mut dra, vec![claim("share", SHARES[0].0)]).await;
     assert_eq!(un.claims[SHARES[0].0].error, "", "{}", world.logs());
@@ -439,9 +439,314 @@ fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
     ))
 }
 
+/// One allocation result: `(request, device, shareID, memory, SMs, admin access)`.
+type Allocation<'a> = (&'a str, &'a str, Option<&'a str>, &'a str, &'a str, bool);
+
+/// Stores claim `name` with `results` as the allocator writes them on an `mps` node, with
+/// `configs` (allocation config).
+fn put_allocated(
+    standin: &StandIn,
+    name: &str,
+    uid: &str,
+    results: &[Allocation<'_>],
+    configs: serde_json::Value,
+) {
+    let results: Vec<serde_json::Value> = results
+        .iter()
+        .map(|(request, device, share, memory, sms, admin)| {
+            let mut r =
+                json!({"request": request, "driver": DRIVER, "pool": NODE, "device": device});
+            if let Some(share) = share {
+                r["shareID"] = json!(share);
+                r["consumedCapacity"] = json!({"memory": memory, "multiprocessors": sms});
+            }
+            if *admin {
+                r["adminAccess"] = json!(true);
+            }
+            r
+        })
+        .collect();
+    let requests: Vec<serde_json::Value> = results
+        .iter()
+        .map(|r| json!({"name": r["request"], "exactly": {"deviceClassName": "gpu.cleave.dev"}}))
+        .collect();
+    let claim: serde_json::Value = json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+        "spec": {"devices": {"requests": requests}},
+        "status": {
+            "allocation": {"devices": {"results": results, "config": configs}},
+            "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-uid"}]
+        }
+    });
+    let claim: k8s_openapi::api::resource::v1::ResourceClaim =
+        serde_json::from_value(claim).unwrap();
+    standin.put(&claim).unwrap();
+}
+
+/// The chart's `mps.gpu.cleave.dev` config, as the allocator attaches it (FromClass).
+fn mps_class_config(requests: &[&str]) -> serde_json::Value {
+    json!([{"source": "FromClass", "requests": requests, "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 50, "pinnedMemoryLimit": {"default": "10Gi"}}}}}}])
+}
+
+/// What the H100 mock publishes as a whole device's capacity (81559Mi, 132 SMs).
+const WHOLE: (&str, &str) = ("81559Mi", "132");
+
+/// The cases of a mixed cluster that prepare used to refuse after scheduling, through the
+/// real binary on an `mps` node: the MPS class (a whole-device share with the class's
+/// config), `count: 2` of the exclusive class, two requests the allocator placed on one
+/// GPU, admin access to a GPU another claim holds; and an over-committing share refused.
+async fn allocations_of_a_mixed_cluster_prepare_through_the_binary() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    let kubelet = world.kubelet(&standin);
+    let s = |n: u32| format!("{n:08x}-0000-4000-8000-00000000000{n}");
+    let (s1, s2, s3, s4, s5, s6) = (s(1), s(2), s(3), s(4), s(5), s(6));
+    put_allocated(
+        &standin,
+        "mps-class",
+        "uid-mps-class",
+        &[("gpu", "gpu-0", Some(s1.as_str()), WHOLE.0, WHOLE.1, false)],
+        mps_class_config(&["gpu"]),
+    );
+    put_allocated(
+        &standin,
+        "count-two",
+        "uid-count-two",
+        &[
+            ("gpu", "gpu-1", Some(s2.as_str()), WHOLE.0, WHOLE.1, false),
+            ("gpu", "gpu-2", Some(s3.as_str()), WHOLE.0, WHOLE.1, false),
+        ],
+        json!([]),
+    );
+    put_allocated(
+        &standin,
+        "two-requests",
+        "uid-two-requests",
+        &[
+            ("big", "gpu-3", Some(s4.as_str()), "20Gi", "44", false),
+            ("small", "gpu-3", Some(s5.as_str()), "10Gi", "22", false),
+        ],
+        json!([]),
+    );
+    put_allocated(
+        &standin,
+        "monitor",
+        "uid-monitor",
+        &[("watch", "gpu-0", None, "", "", true)],
+        json!([]),
+    );
+    put_allocated(
+        &standin,
+        "too-big",
+        "uid-too-big",
+        &[("gpu", "gpu-4", Some(s6.as_str()), "200Gi", "44", false)],
+        json!([]),
+    );
+    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+
+    let answer = prepare(
+        &mut dra,
+        vec![
+            claim("mps-class", "uid-mps-class"),
+            claim("count-two", "uid-count-two"),
+            claim("two-requests", "uid-two-requests"),
+        ],
+    )
+    .await;
+    for uid in ["uid-mps-class", "uid-count-two", "uid-two-requests"] {
+        assert_eq!(answer.claims[uid].error, "", "{uid}\n{}", world.logs());
+    }
+    // The MPS class: its own daemon pod with the class's limits, not the shared daemon.
+    assert!(
+        world.pod(&standin, "uid-mps-class").is_some(),
+        "{}",
+        world.logs()
+    );
+    assert!(world.pod(&standin, "shared-gpu-0").is_none());
+    // A per-claim daemon's edits are the claim's (every container of the claim).
+    let spec = world.cdi_spec("uid-mps-class");
+    let env: Vec<String> = spec["containerEdits"]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    let mounts: Vec<(String, String)> = spec["containerEdits"]["mounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| {
+            (
+                m["containerPath"].as_str().unwrap_or_default().to_owned(),
+                m["hostPath"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    assert!(
+        env.iter()
+            .any(|e| e == "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50"),
+        "{env:?}"
+    );
+    assert!(
+        env.iter()
+            .any(|e| e == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G"),
+        "{env:?}"
+    );
+    let own_pipe = world
+        .dirs
+        .mps_pipe_dir("uid-mps-class")
+        .display()
+        .to_string();
+    assert!(
+        mounts.contains(&("/tmp/nvidia-mps".into(), own_pipe)),
+        "{mounts:?}"
+    );
+    assert_eq!(
+        answer.claims["uid-mps-class"].devices[0]
+            .share_id
+            .as_deref(),
+        Some(s1.as_str())
+    );
+    // count: 2: two whole GPUs, no MPS.
+    let two = &answer.claims["uid-count-two"].devices;
+    assert_eq!(two.len(), 2);
+    for (_, env, _) in devices_of(&world.cdi_spec("uid-count-two")) {
+        assert!(!env.iter().any(|e| e.starts_with("CUDA_MPS")), "{env:?}");
+    }
+    // Two requests on one GPU: one CDI device, summed limits (30Gi; 66 of 132 SMs = 50 %),
+    // one answer entry per shareID.
+    let both = &answer.claims["uid-two-requests"].devices;
+    assert_eq!(both.len(), 2, "{both:?}");
+    assert_eq!(both[0].cdi_device_ids, both[1].cdi_device_ids);
+    let ids: Vec<_> = both.iter().map(|d| d.share_id.clone().unwrap()).collect();
+    assert_eq!(ids, [s4.clone(), s5.clone()]);
+    let (_, env, _) = devices_of(&world.cdi_spec("uid-two-requests")).remove(0);
+    for want in [
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=30720M",
+    ] {
+        assert!(env.iter().any(|e| e == want), "{want} not in {env:?}");
+    }
+
+    // Admin access to gpu-0, held by the MPS-class claim: served, nothing of MPS.
+    let monitor = prepare(&mut dra, vec![claim("monitor", "uid-monitor")]).await;
+    assert_eq!(monitor.claims["uid-monitor"].error, "", "{}", world.logs());
+    let (_, env, _) = devices_of(&world.cdi_spec("uid-monitor")).remove(0);
+    assert!(!env.iter().any(|e| e.starts_with("CUDA_MPS")), "{env:?}");
+    assert!(
+        world.dirs.log().contains("admin access"),
+        "{}",
+        world.logs()
+    );
+    let un = unprepare(&mut dra, vec![claim("monitor", "uid-monitor")]).await;
+    assert_eq!(un.claims["uid-monitor"].error, "");
+    assert!(
+        world.pod(&standin, "uid-mps-class").is_some(),
+        "admin unprepare stopped another claim's daemon"
+    );
+
+    // A share beyond its device: refused before anything changes, with the figures.
+    let too_big = prepare(&mut dra, vec![claim("too-big", "uid-too-big")]).await;
+    let err = &too_big.claims["uid-too-big"].error;
+    assert!(
+        err.contains("over-commit") && err.contains("204800Mi of 81559Mi"),
+        "{err}"
+    );
+    assert!(world.pod(&standin, "shared-gpu-4").is_none());
+    assert!(
+        !world
+            .dirs
+            .cdi_files()
+            .iter()
+            .any(|f| f.contains("uid-too-big"))
+    );
+
+    let un = unprepare(
+        &mut dra,
+        vec![
+            claim("mps-class", "uid-mps-class"),
+            claim("count-two", "uid-count-two"),
+            claim("two-requests", "uid-two-requests"),
+        ],
+    )
+    .await;
+    for (uid, c) in &un.claims {
+        assert_eq!(c.error, "", "{uid}");
+    }
+    eventually("the daemon pods are gone", &world, || {
+        world.pod(&standin, "uid-mps-class").is_none()
+            && world.pod(&standin, "shared-gpu-3").is_none()
+    })
+    .await;
+    assert!(
+        world.dirs.cdi_files().is_empty(),
+        "{:?}",
+        world.dirs.cdi_files()
+    );
+    drop(dra);
+    assert!(plugin.terminate().success());
+    drop(kubelet);
+}
+
+/// A node whose kubelet keeps its plugins under a long root (k0s: `/var/lib/k0s/kubelet`;
+/// here longer still): the per-claim daemon's sockets live under the short pipe root, so
+/// the claim prepares where the old layout (pipe directory inside the state directory)
+/// would need more than the 107 bytes of a unix socket path.
+async fn per_claim_mps_works_under_a_long_kubelet_root() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    let kubelet = world.kubelet(&standin);
+    let long_root = world.dirs.path().join("var/lib/k0s/kubelet");
+    let plugins = long_root.join("plugins");
+    let uid = "0b6f4a5c-1c1e-4f5e-9d2a-3c4b5a6d7e8f";
+    let old_layout = plugins
+        .join(DRIVER)
+        .join("mps")
+        .join(uid)
+        .join("pipe/control_privileged");
+    assert!(
+        old_layout.as_os_str().len() > 107,
+        "the test root is too short to show anything: {}",
+        old_layout.display()
+    );
+    put_allocated(
+        &standin,
+        "mps-class",
+        uid,
+        &[("gpu", "gpu-0", None, "", "", false)],
+        mps_class_config(&["gpu"]),
+    );
+    let mut options = world.plugin_options();
+    options.env.push((
+        "KUBELET_PLUGINS_DIRECTORY_PATH",
+        plugins.display().to_string(),
+    ));
+    let plugin = Plugin::start_with_state_dir(&world.dirs, &options, &plugins.join(DRIVER));
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let answer = prepare(&mut dra, vec![claim("mps-class", uid)]).await;
+    assert_eq!(answer.claims[uid].error, "", "{}", world.logs());
+    let pipe = cleave_driver::sharing::pipe_dir_under(
+        &world.dirs.mps_pipe_root(),
+        &plugins.join(DRIVER),
+        uid,
+    );
+    assert!(pipe.join("control_privileged").as_os_str().len() <= 107);
+    let un = unprepare(&mut dra, vec![claim("mps-class", uid)]).await;
+    assert_eq!(un.claims[uid].error, "", "{}", world.logs());
+    assert!(!pipe.exists(), "pipe directory left: {}", pipe.display());
+    drop(dra);
+    assert!(plugin.terminate().success());
+    drop(kubelet);
+}
+
 type TestFn = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
 
-const TESTS: [(&str, TestFn); 3] = [
+const TESTS: [(&str, TestFn); 5] = [
     (
         "three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared",
         || Box::pin(three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared()),
@@ -451,6 +756,13 @@ const TESTS: [(&str, TestFn); 3] = [
     }),
     ("process_launcher_serves_shares_with_one_daemon_too", || {
         Box::pin(process_launcher_serves_shares_with_one_daemon_too())
+    }),
+    (
+        "allocations_of_a_mixed_cluster_prepare_through_the_binary",
+        || Box::pin(allocations_of_a_mixed_cluster_prepare_through_the_binary()),
+    ),
+    ("per_claim_mps_works_under_a_long_kubelet_root", || {
+        Box::pin(per_claim_mps_works_under_a_long_kubelet_root())
     }),
 ];
 

@@ -50,6 +50,8 @@ pub struct RecordedClaim {
     pub devices: Vec<String>,
     /// Its sharing set-up; `None` when it has no sharing.
     pub sharing: Option<SharingKind>,
+    /// Its devices held with admin access (prepared beside other claims, nothing applied).
+    pub admin_access_devices: usize,
 }
 
 /// What the checkpoint records, by claim UID.
@@ -67,6 +69,15 @@ impl CheckpointSummary {
             .iter()
             .filter(|c| c.state == RecordedState::Prepared && c.sharing == Some(SharingKind::Mps))
             .count()
+    }
+
+    /// Devices of prepared claims held with admin access.
+    pub fn admin_access_devices(&self) -> usize {
+        self.claims
+            .iter()
+            .filter(|c| c.state == RecordedState::Prepared)
+            .map(|c| c.admin_access_devices)
+            .sum()
     }
 }
 
@@ -86,6 +97,7 @@ pub(crate) fn summarize(data: &CheckpointData) -> CheckpointSummary {
                     ClaimState::NeedsRecreate => RecordedState::NeedsRecreate,
                 },
                 devices: r.devices.iter().map(|d| d.name.clone()).collect(),
+                admin_access_devices: r.devices.iter().filter(|d| d.admin_access).count(),
                 sharing: r.sharing.as_ref().map(|v| {
                     match serde_json::from_value::<SharingState>(v.clone()) {
                         Ok(s) if s.mps.is_some() => SharingKind::Mps,

@@ -442,6 +442,18 @@ impl std::fmt::Debug for SharingManager {
     }
 }
 
+/// The pipe directory of daemon `key` of the driver whose state directory is `state_dir`,
+/// under `pipe_root`: `<pipe_root>/<first 16 hex digits of SHA-256(state_dir, 0, key)>`.
+pub fn pipe_dir_under(pipe_root: &Path, state_dir: &Path, key: &str) -> PathBuf {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(state_dir.as_os_str().as_encoded_bytes());
+    h.update([0]);
+    h.update(key.as_bytes());
+    let digest = hex::encode(h.finalize());
+    pipe_root.join(&digest[..16])
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -498,14 +510,8 @@ impl SharingManager {
     /// name is the first 16 hex digits of SHA-256 over the state directory and the key, so
     /// two drivers on one node never meet.
     pub fn short_pipe_dir(&self, key: &str) -> Option<PathBuf> {
-        use sha2::Digest;
         let root = self.config.pipe_root.as_ref()?;
-        let mut h = sha2::Sha256::new();
-        h.update(self.config.state_dir.as_os_str().as_encoded_bytes());
-        h.update([0]);
-        h.update(key.as_bytes());
-        let digest = hex::encode(h.finalize());
-        Some(root.join(&digest[..16]))
+        Some(pipe_dir_under(root, &self.config.state_dir, key))
     }
 
     /// Removes the daemon `key`'s directories: its state directory and its short pipe

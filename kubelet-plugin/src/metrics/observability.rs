@@ -57,6 +57,16 @@ pub struct ObservabilityMetrics {
     mig_created: Counter,
     mig_destroyed: Counter,
     mps_daemons: Gauge,
+    admin_access_devices: Gauge,
+    refusals: Family<RefusalLabels, Counter>,
+}
+
+/// Labels of `prepare_refusals`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    /// `over_commit` (the allocation exceeds its device: an old or buggy scheduler, or a
+    /// mode changed under prepared claims) or `other`.
+    pub reason: &'static str,
 }
 
 /// Labels of `driver_step_duration_seconds`.
@@ -79,7 +89,19 @@ impl ObservabilityMetrics {
             mig_created: Counter::default(),
             mig_destroyed: Counter::default(),
             mps_daemons: Gauge::default(),
+            admin_access_devices: Gauge::default(),
+            refusals: Family::default(),
         };
+        registry.register(
+            "admin_access_devices",
+            "Devices of prepared claims held with admin access (beside other claims, no sharing applied); updated with mps_daemons_running",
+            m.admin_access_devices.clone(),
+        );
+        registry.register(
+            "prepare_refusals",
+            "Claims whose prepare was refused, by reason: over_commit when the allocation exceeds its device (shares beyond it or summing past it, overlapping MIG placements, a device held by another claim)",
+            m.refusals.clone(),
+        );
         registry.register(
             "mig_instances_created",
             "On-demand MIG instances this process created successfully (prepare and recreation)",
@@ -164,9 +186,23 @@ impl ObservabilityMetrics {
     /// debug level (start-up and the driver report checkpoint errors themselves).
     pub fn refresh_mps_daemons(&self, state_dir: &Path) {
         match CheckpointReader::in_dir(state_dir).summary() {
-            Ok(summary) => self.set_mps_daemons(summary.mps_daemons()),
+            Ok(summary) => {
+                self.set_mps_daemons(summary.mps_daemons());
+                self.admin_access_devices
+                    .set(i64::try_from(summary.admin_access_devices()).unwrap_or(i64::MAX));
+            }
             Err(e) => tracing::debug!(error = %e, "reading the checkpoint for mps_daemons_running"),
         }
+    }
+
+    /// Counts a refused prepare; `over_commit` when the driver's message says so.
+    pub fn count_refusal(&self, message: &str) {
+        let reason = if message.contains("over-commit") {
+            "over_commit"
+        } else {
+            "other"
+        };
+        self.refusals.get_or_create(&RefusalLabels { reason }).inc();
     }
 
     /// An observer for [`cleave_controller::PublisherConfig::observer`].

@@ -42,6 +42,10 @@ impl NodeDirs {
     pub fn mps_pipe_root(&self) -> PathBuf {
         self.path().join("run")
     }
+    /// The pipe directory of MPS daemon `key` (a claim UID or `shared-<device>`).
+    pub fn mps_pipe_dir(&self, key: &str) -> PathBuf {
+        cleave_driver::sharing::pipe_dir_under(&self.mps_pipe_root(), &self.state_dir(), key)
+    }
     pub fn cdi_root(&self) -> PathBuf {
         self.path().join("cdi")
     }
@@ -167,7 +171,20 @@ pub struct Plugin {
 
 impl Plugin {
     pub fn start(dirs: &NodeDirs, opts: &PluginOptions) -> Self {
-        let (mut cmd, reg, dra) = Self::command(dirs, opts);
+        let (cmd, reg, dra) = Self::command(dirs, opts);
+        Self::spawn(dirs, cmd, reg, dra)
+    }
+
+    /// [`Plugin::start`] for options that move the plugins directory
+    /// (`KUBELET_PLUGINS_DIRECTORY_PATH`): the DRA socket is in `state_dir`.
+    #[allow(dead_code)]
+    pub fn start_with_state_dir(dirs: &NodeDirs, opts: &PluginOptions, state_dir: &Path) -> Self {
+        let (cmd, reg, dra) = Self::command(dirs, opts);
+        let dra = state_dir.join(dra.file_name().unwrap());
+        Self::spawn(dirs, cmd, reg, dra)
+    }
+
+    fn spawn(dirs: &NodeDirs, mut cmd: Command, reg: PathBuf, dra: PathBuf) -> Self {
         let mut child = cmd.spawn().unwrap();
         let started = Instant::now();
         // Connectable, not merely present: a plugin that was killed leaves its socket files
