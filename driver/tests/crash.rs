@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use cleave_api::names::DRIVER_NAME;
 use cleave_api::pool::ConsumableCapacity;
 use cleave_driver::cdi;
-use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
+use cleave_driver::checkpoint::{CheckpointStore, ClaimState, ShareRecord};
 use cleave_driver::fault;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver, shared_daemon_key};
@@ -60,6 +60,13 @@ const SHARE_C: &str = "c0000007-0000-4000-8000-000000000007";
 const SHARED_GPU: &str = "gpu-4";
 const MIG_SHARE_A: &str = "c0000008-0000-4000-8000-000000000008";
 const MIG_SHARE_B: &str = "c0000009-0000-4000-8000-000000000009";
+/// A whole-device share with an MPS config (the MPS class on an `mps` node): a daemon of
+/// its own, as on a node without consumable capacity.
+const WHOLE_SHARE_MPS: &str = "c000000a-0000-4000-8000-00000000000a";
+/// Two requests placed on one GPU: one CDI device with the summed limits.
+const TWO_IN_ONE: &str = "c000000b-0000-4000-8000-00000000000b";
+/// Admin access to the GPU of MPS_WHOLE: prepared beside it, nothing applied.
+const ADMIN: &str = "c000000c-0000-4000-8000-00000000000c";
 /// The on-demand MIG placement the MIG shares are of (3g.40gb: 60 SMs, so 20 SMs is 33 %).
 const SHARED_MIG: &str = "gpu-5-mig-3g40gb-4";
 
@@ -73,14 +80,23 @@ struct ClaimDef {
     mps: bool,
     /// The allocation's shareID (consumable capacity: what [`share_consumed`] says).
     share: Option<&'static str>,
+    /// The share consumed the whole device (a claim that asked no capacity).
+    whole: bool,
+    /// A second request the allocator placed on the same device, with this shareID.
+    second_share: Option<&'static str>,
+    /// Allocated with admin access.
+    admin: bool,
 }
 
-const CLAIMS: [ClaimDef; 9] = [
+const CLAIMS: [ClaimDef; 12] = [
     ClaimDef {
         uid: WHOLE,
         devices: &[("gpu", "gpu-0")],
         mps: false,
         share: None,
+        whole: false,
+        second_share: None,
+        admin: false,
     },
     ClaimDef {
         uid: MIG,
@@ -90,12 +106,18 @@ const CLAIMS: [ClaimDef; 9] = [
         ],
         mps: false,
         share: None,
+        whole: false,
+        second_share: None,
+        admin: false,
     },
     ClaimDef {
         uid: MPS,
         devices: &[("gpu", "gpu-2-mig-2g20gb-2")],
         mps: true,
         share: None,
+        whole: false,
+        second_share: None,
+        admin: false,
     },
     // On a node without MIG: MPS on a whole GPU switches its compute mode.
     ClaimDef {
@@ -103,43 +125,91 @@ const CLAIMS: [ClaimDef; 9] = [
         devices: &[("gpu", "gpu-3")],
         mps: true,
         share: None,
+        whole: false,
+        second_share: None,
+        admin: false,
     },
     ClaimDef {
         uid: SHARE_A,
         devices: &[("gpu", SHARED_GPU)],
         mps: false,
         share: Some("5a000000-0000-4000-8000-00000000000a"),
+        whole: false,
+        second_share: None,
+        admin: false,
     },
     ClaimDef {
         uid: SHARE_B,
         devices: &[("gpu", SHARED_GPU)],
         mps: false,
         share: Some("5b000000-0000-4000-8000-00000000000b"),
+        whole: false,
+        second_share: None,
+        admin: false,
     },
     ClaimDef {
         uid: SHARE_C,
         devices: &[("gpu", SHARED_GPU)],
         mps: false,
         share: Some("5c000000-0000-4000-8000-00000000000c"),
+        whole: false,
+        second_share: None,
+        admin: false,
     },
     ClaimDef {
         uid: MIG_SHARE_A,
         devices: &[("gpu", SHARED_MIG)],
         mps: false,
         share: Some("5d000000-0000-4000-8000-00000000000d"),
+        whole: false,
+        second_share: None,
+        admin: false,
     },
     ClaimDef {
         uid: MIG_SHARE_B,
         devices: &[("gpu", SHARED_MIG)],
         mps: false,
         share: Some("5e000000-0000-4000-8000-00000000000e"),
+        whole: false,
+        second_share: None,
+        admin: false,
+    },
+    ClaimDef {
+        uid: WHOLE_SHARE_MPS,
+        devices: &[("gpu", "gpu-6")],
+        mps: true,
+        share: Some("5f000000-0000-4000-8000-00000000000f"),
+        whole: true,
+        second_share: None,
+        admin: false,
+    },
+    ClaimDef {
+        uid: TWO_IN_ONE,
+        devices: &[("gpu", SHARED_GPU)],
+        mps: false,
+        share: Some("60000000-0000-4000-8000-000000000010"),
+        whole: false,
+        second_share: Some("61000000-0000-4000-8000-000000000011"),
+        admin: false,
+    },
+    ClaimDef {
+        uid: ADMIN,
+        devices: &[("watch", "gpu-3")],
+        mps: false,
+        share: None,
+        whole: false,
+        second_share: None,
+        admin: true,
     },
 ];
 
 /// What a share consumed (memory, SMs): two shares of the 3g.40gb (40448Mi, 60 SMs) fit it,
 /// three of the H100 (132 SMs) fit it.
 fn share_consumed(def: &ClaimDef) -> (&'static str, u32, u64) {
-    if def.devices[0].1 == SHARED_MIG {
+    if def.whole {
+        // The mock H100 80GB HBM3: 81559Mi, 132 SMs (the request policies' defaults).
+        ("81559Mi", 132, 81559)
+    } else if def.devices[0].1 == SHARED_MIG {
         ("16Gi", 20, 16384)
     } else {
         ("20Gi", 44, 20480)
@@ -148,7 +218,10 @@ fn share_consumed(def: &ClaimDef) -> (&'static str, u32, u64) {
 
 /// The thread percentage a share's CDI spec must carry: its SMs of its device's.
 fn share_percentage(def: &ClaimDef) -> u32 {
-    let (_, sms, _) = share_consumed(def);
+    let (_, mut sms, _) = share_consumed(def);
+    if def.second_share.is_some() {
+        sms *= 2;
+    }
     if def.devices[0].1 == SHARED_MIG {
         sms * 100 / 60
     } else {
@@ -293,6 +366,43 @@ const SCENARIOS: &[Scenario] = &[
         action: Action::PrepareAfterReboot,
         env: &[],
     },
+    // Cells of the one sharing model.
+    Scenario {
+        name: "prepare-whole-share-with-mps-config",
+        claims: &[WHOLE_SHARE_MPS],
+        action: Action::Prepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "unprepare-whole-share-with-mps-config",
+        claims: &[WHOLE_SHARE_MPS],
+        action: Action::Unprepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "prepare-two-shares-in-one-claim-beside-a-share",
+        claims: &[SHARE_A, TWO_IN_ONE],
+        action: Action::Prepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "unprepare-share-beside-two-in-one-claim",
+        claims: &[SHARE_A, TWO_IN_ONE],
+        action: Action::UnprepareFirst,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "prepare-admin-access-beside-mps",
+        claims: &[MPS_WHOLE, ADMIN],
+        action: Action::Prepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
+    Scenario {
+        name: "unprepare-admin-access-beside-mps",
+        claims: &[ADMIN, MPS_WHOLE],
+        action: Action::UnprepareFirst,
+        env: &[("MOCK_NVML_MIG", "off")],
+    },
     Scenario {
         name: "restart-after-crash-in-prepare",
         claims: &[MIG, MPS],
@@ -320,9 +430,19 @@ fn claim(def: &ClaimDef) -> ResourceClaim {
                 let (memory, sms, _) = share_consumed(def);
                 r["consumedCapacity"] = json!({"memory": memory, "multiprocessors": sms.to_string()});
             }
+            if def.admin {
+                r["adminAccess"] = json!(true);
+            }
             r
         })
         .collect();
+    let mut results = results;
+    if let Some(second) = def.second_share {
+        let mut r = results[0].clone();
+        r["request"] = json!("second");
+        r["shareID"] = json!(second);
+        results.push(r);
+    }
     let requests: Vec<_> = def.devices.iter().map(|(r, _)| *r).collect();
     let kind = if def.devices[0].1.contains("-mig-") {
         "MigConfig"
@@ -401,6 +521,7 @@ impl World {
             );
         let mut config = SharingConfig::new(self.state(), binaries);
         config.boot_id_path = self.root.join("boot_id");
+        config.pipe_root = Some(self.root.join("run"));
         config.ready_timeout = Duration::from_secs(10);
         config.stop_timeout = Duration::from_secs(3);
         config.extra_env = [
@@ -519,11 +640,15 @@ fn child(role: &str) {
                 .iter()
                 .flat_map(|d| d.cdi_device_ids.clone())
                 .collect();
-            let want: Vec<String> = def
+            let mut want: Vec<String> = def
                 .devices
                 .iter()
                 .map(|(_, d)| cdi::qualified_device_id(uid, &cdi_device(def, d)))
                 .collect();
+            // Two shares of one device: one entry per shareID, one CDI device.
+            if def.second_share.is_some() {
+                want.push(want[0].clone());
+            }
             assert_eq!(ids, want, "{uid}");
         }
     };
@@ -638,7 +763,11 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
     // The shares of one MIG device record one instance between them.
     let mut share_instances: BTreeMap<&str, BTreeSet<Option<String>>> = BTreeMap::new();
     for c in data.claims.values() {
-        for d in c.devices.iter().filter(|d| d.share.is_some()) {
+        for d in c
+            .devices
+            .iter()
+            .filter(|d| ShareRecord::partial(d.share.as_ref()).is_some())
+        {
             if let Some(m) = &d.mig {
                 share_instances
                     .entry(d.name.as_str())
@@ -653,6 +782,15 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
             .all(|u| u.len() == 1 && !u.contains(&None)),
         format!("shares of a MIG device record other than one instance: {share_instances:?}"),
     );
+
+    // Admin access records say so, and a claim never records another's MIG instance as its own.
+    for c in data.claims.values() {
+        let admin = claim_def(&c.uid).admin;
+        check(
+            c.devices.iter().all(|d| d.admin_access == admin),
+            format!("claim {} records admin access {} wrongly", c.uid, !admin),
+        );
+    }
 
     // CDI root: one spec per prepared claim, nothing else; each names the recorded UUIDs.
     let files: BTreeSet<String> = std::fs::read_dir(world.cdi())
@@ -697,13 +835,25 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
     let shared: BTreeSet<String> = expected
         .iter()
         .map(|u| claim_def(u))
-        .filter(|d| d.share.is_some())
+        .filter(|d| d.share.is_some() && !d.whole && !d.admin)
         .flat_map(|d| d.devices.iter().map(|(_, dev)| shared_daemon_key(dev)))
         .collect();
     let want_mps: BTreeSet<String> = own_mps.union(&shared).cloned().collect();
     check(
         mps_dirs == want_mps,
         format!("MPS directories {mps_dirs:?} != {want_mps:?}"),
+    );
+    // Their pipe directories under the short pipe root, nothing else.
+    let pipes: BTreeSet<PathBuf> = std::fs::read_dir(world.root.join("run"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    let want_pipes: BTreeSet<PathBuf> = want_mps
+        .iter()
+        .map(|k| cleave_driver::sharing::pipe_dir_under(&world.root.join("run"), &world.state(), k))
+        .collect();
+    check(
+        pipes == want_pipes,
+        format!("MPS pipe directories {pipes:?} != {want_pipes:?}"),
     );
     let mut recorded_pids = BTreeSet::new();
     for uid in &own_mps {
@@ -723,11 +873,17 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         recorded_pids.insert(record.daemon.unwrap().pid);
     }
     // Each share's CDI spec carries its own client limits (what it consumed of its device).
-    for uid in expected.iter().filter(|u| claim_def(u).share.is_some()) {
+    for uid in expected
+        .iter()
+        .filter(|u| claim_def(u).share.is_some() && !claim_def(u).whole)
+    {
         let text =
             std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(uid))).unwrap_or_default();
         let pct = share_percentage(claim_def(uid));
-        let (_, _, mib) = share_consumed(claim_def(uid));
+        let (_, _, mut mib) = share_consumed(claim_def(uid));
+        if claim_def(uid).second_share.is_some() {
+            mib *= 2;
+        }
         check(
             text.contains(&format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}\""))
                 && text.contains(&format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mib}M")),
