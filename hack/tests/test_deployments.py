@@ -71,6 +71,7 @@ PLUGIN_FLAGS = {
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--mps-pipe-root", "--namespace", "--pod-name",
     "--usage-interval", "--idle-threshold", "--idle-after", "--idle-events",
+    "--rightsize-window", "--rightsize-headroom", "--rightsize-events",
     "--allow-no-gpus", "--disable-health-checks", "--device-taints", "--additional-xids-to-ignore",
     "--xids-to-check", "--xid-unhealthy-duration", "--lost-gpu-check-interval",
     "--sysfs-root", "--claim-device-status", "--device-metadata",

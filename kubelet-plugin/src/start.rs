@@ -485,6 +485,7 @@ fn start_usage(
                 tx
             }),
             rightsize_metrics: metrics.map(|m| Arc::clone(&m.rightsize)),
+            priority: crate::usage::SamplingPriority::Idle,
         },
         source,
         inputs,

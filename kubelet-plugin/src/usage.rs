@@ -200,6 +200,18 @@ pub struct MonitorConfig {
     pub oversized: Option<tokio::sync::mpsc::UnboundedSender<recommend::OversizedNotice>>,
     /// Where recommendations are exported (`None`: not exported).
     pub rightsize_metrics: Option<Arc<crate::metrics::rightsize::RightsizeMetrics>>,
+    /// Scheduling of the sampling thread.
+    pub priority: SamplingPriority,
+}
+
+/// How the sampling thread is scheduled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SamplingPriority {
+    /// `SCHED_IDLE` (nice [`SAMPLING_NICE`] where refused): the plugin's.
+    #[default]
+    Idle,
+    /// Nice [`SAMPLING_NICE`] only (earlier releases; the bench compares).
+    Nice,
 }
 
 /// The sampling thread; stopped when dropped.
@@ -224,7 +236,10 @@ impl UsageMonitor {
         let thread = std::thread::Builder::new()
             .name("cleave-usage".into())
             .spawn(move || {
-                lower_own_priority();
+                match config.priority {
+                    SamplingPriority::Idle => lower_own_priority(),
+                    SamplingPriority::Nice => lower_own_nice(),
+                }
                 let mut rounds = UsageRounds::new(source, config.policy);
                 let rightsize_metrics = config.rightsize_metrics.clone();
                 if let Some(rc) = config.rightsize {
@@ -320,14 +335,34 @@ impl Drop for UsageMonitor {
     }
 }
 
-/// Nice value of the sampling thread: prepare and the gRPC threads win the CPU over it.
+/// Nice value of the sampling thread where `SCHED_IDLE` is refused: prepare and the gRPC
+/// threads win the CPU over it.
 pub const SAMPLING_NICE: i32 = 10;
 
-/// Lowers the calling thread's scheduling priority to [`SAMPLING_NICE`]. On Linux the
-/// nice value is a per-thread attribute and `setpriority(PRIO_PROCESS, <thread id>)` sets
-/// it for that thread only (man-pages `setpriority(2)`, NOTES). A failure is logged.
+/// Puts the calling thread in the `SCHED_IDLE` scheduling policy, so it runs only when no
+/// other thread of the node wants the CPU and gives it up at once when one wakes
+/// (man-pages `sched(7)`, "SCHED_IDLE: Scheduling very low priority jobs"; on Linux the
+/// policy is per thread, and `sched_setscheduler(0, ...)` sets the caller's). A nice value
+/// alone still lets the thread finish its time slice before a woken prepare thread runs,
+/// which on a node with few cores shows in prepare's tail latency. Where the policy is
+/// refused, lowers the thread's nice value to [`SAMPLING_NICE`] instead
+/// (`setpriority(PRIO_PROCESS, <thread id>)`, `setpriority(2)` NOTES). A failure is logged.
 #[allow(unsafe_code)]
 fn lower_own_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler reads the sched_param we pass by reference for the
+    // duration of the call; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    if rc == 0 {
+        return;
+    }
+    debug!(error = %std::io::Error::last_os_error(), "SCHED_IDLE refused for the usage sampling thread; lowering its nice value");
+    lower_own_nice();
+}
+
+/// Lowers the calling thread's nice value to [`SAMPLING_NICE`].
+#[allow(unsafe_code)]
+fn lower_own_nice() {
     // SAFETY: gettid and setpriority take plain integers and touch no memory of ours.
     let rc = unsafe {
         let tid = libc::gettid();
@@ -336,6 +371,13 @@ fn lower_own_priority() {
     if rc != 0 {
         debug!(error = %std::io::Error::last_os_error(), "could not lower the usage sampling thread's priority");
     }
+}
+
+/// The scheduling policy of the calling thread (for tests and the bench).
+#[allow(unsafe_code)]
+pub fn own_scheduling_policy() -> i32 {
+    // SAFETY: takes a plain integer (0: the calling thread).
+    unsafe { libc::sched_getscheduler(0) }
 }
 
 /// Adds to every MPS claim device's PIDs (its control daemon) the daemon's descendants
@@ -559,11 +601,17 @@ mod tests {
                     || n.starts_with("cleave_kubelet_plugin_claim_")
                     || n.starts_with("cleave_kubelet_plugin_gpu_")
             })
+            .filter(|n| {
+                !cleave_driver::rightsize::RIGHTSIZE_METRIC_NAMES
+                    .iter()
+                    .any(|r| n.starts_with(r))
+            })
             .collect();
         let names: BTreeSet<&str> = cleave_driver::usage::USAGE_METRIC_NAMES
             .iter()
             .copied()
             .filter(|n| !n.ends_with("idle_since_timestamp_seconds"))
+            .filter(|n| !cleave_driver::rightsize::RIGHTSIZE_METRIC_NAMES.contains(n))
             .collect();
         assert_eq!(exported, names, "{text}");
     }
