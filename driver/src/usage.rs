@@ -40,6 +40,18 @@ pub const USAGE_METRIC_NAMES: &[&str] = &[
     "cleave_kubelet_plugin_gpu_memory_total_bytes",
     "cleave_kubelet_plugin_gpu_sms",
     "cleave_kubelet_plugin_usage_sample_duration_seconds",
+    // Right-sizing (`crate::rightsize::RIGHTSIZE_METRIC_NAMES`).
+    "cleave_kubelet_plugin_claim_recommended_memory_bytes",
+    "cleave_kubelet_plugin_claim_recommended_multiprocessors",
+    "cleave_kubelet_plugin_claim_recommendation_info",
+    "cleave_kubelet_plugin_claim_window_peak_memory_bytes",
+    "cleave_kubelet_plugin_claim_window_p95_memory_bytes",
+    "cleave_kubelet_plugin_claim_window_p95_activity_percent",
+    "cleave_kubelet_plugin_claim_window_mean_activity_percent",
+    "cleave_kubelet_plugin_claim_window_idle_ratio",
+    "cleave_kubelet_plugin_claim_window_samples",
+    "cleave_kubelet_plugin_node_gpus_held",
+    "cleave_kubelet_plugin_node_gpus_recommended",
 ];
 
 /// Which claim a device belongs to (the driver's one claim identity).

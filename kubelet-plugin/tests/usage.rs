@@ -415,6 +415,292 @@ fn usage_recommend_mock_prints_a_plausible_table() {
     );
 }
 
+/// Set (to anything but `0`) where Prometheus must run: a skip is then a failure.
+const REQUIRE_PROMETHEUS: &str = "CLEAVE_REQUIRE_PROMETHEUS";
+
+/// The chart's recording rules and the Grafana dashboard, from the repository.
+fn repo_file(rel: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
+}
+
+/// Percent-encodes a query for a URL.
+fn url_encode(q: &str) -> String {
+    q.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Every PromQL query of the dashboard: targets' `expr`, and the metric of each
+/// `label_values(metric, label)` variable query; `$namespace` matches everything.
+fn dashboard_queries() -> Vec<String> {
+    fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr", serde_json::Value::String(e)) => out.push(e.clone()),
+                        ("definition", serde_json::Value::String(d)) => {
+                            if let Some(inner) = d
+                                .strip_prefix("label_values(")
+                                .and_then(|r| r.split(',').next())
+                            {
+                                out.push(inner.trim().to_owned());
+                            }
+                        }
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let text =
+        std::fs::read_to_string(repo_file("deployments/grafana/cleave-dashboard.json")).unwrap();
+    let mut out = Vec::new();
+    walk(&serde_json::from_str(&text).unwrap(), &mut out);
+    out.into_iter()
+        .map(|q| {
+            q.replace("$namespace", ".*")
+                .replace("$__rate_interval", "1m")
+        })
+        .collect()
+}
+
+/// A child process killed and reaped when dropped.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Series a Prometheus at `port` returns for `query` (instant), or its error.
+fn prom_query(port: u16, query: &str) -> Result<Vec<serde_json::Value>, String> {
+    let (status, body) =
+        http_get(port, &format!("/api/v1/query?query={}", url_encode(query))).ok_or("no answer")?;
+    let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
+    if status != 200 || v["status"] != "success" {
+        return Err(format!("{status}: {body}"));
+    }
+    Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
+}
+
+/// A real Prometheus scrapes the plugin over the mock with scripted usage and loads the
+/// chart's recording rules; every query of the dashboard returns a series for the claims
+/// prepared, and so does every recording rule.
+async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
+    let required = std::env::var(REQUIRE_PROMETHEUS).is_ok_and(|v| !v.is_empty() && v != "0");
+    let found = |tool: &str| {
+        std::process::Command::new(tool)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !found("prometheus") || !found("promtool") {
+        assert!(
+            !required,
+            "{REQUIRE_PROMETHEUS} is set but prometheus or promtool cannot run"
+        );
+        eprintln!(
+            "\n*** SKIPPED prometheus_scrapes_the_plugin_and_every_dashboard_query_answers: prometheus and promtool are not installed (Debian: apt-get install prometheus); set {REQUIRE_PROMETHEUS}=1 to make this a failure ***\n"
+        );
+        return;
+    }
+    let rules = repo_file("deployments/helm/cleave/files/rightsizing-rules.yaml");
+    let check = std::process::Command::new("promtool")
+        .arg("check")
+        .arg("rules")
+        .arg(&rules)
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "promtool check rules: {}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let tools = fake_tools(&dirs);
+    let config = dirs.path().join("mixed.yaml");
+    std::fs::write(&config, MIXED).unwrap();
+    let control = dirs.path().join("control");
+    let idle_lines = "gpm 2 0.5 0.2\nmemory 2 1024\n";
+    std::fs::write(&control, idle_lines).unwrap();
+    let port = free_port();
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            dynamic_mig: true,
+            metrics_port: Some(port),
+            env: vec![
+                ("MOCK_NVML_CONFIG", config.display().to_string()),
+                ("MOCK_NVML_MIG", String::new()),
+                ("MOCK_NVML_CONTROL", control.display().to_string()),
+                ("USAGE_INTERVAL", "200ms".into()),
+                ("IDLE_THRESHOLD", "5".into()),
+                ("IDLE_AFTER", "1s".into()),
+                // 24 one-second buckets: a recommendation after 12 s.
+                ("RIGHTSIZE_WINDOW", "24s".into()),
+            ]
+            .into_iter()
+            .chain(tools)
+            .collect(),
+            ..PluginOptions::default()
+        },
+    );
+    put_claim(
+        &standin,
+        "mig",
+        "uid-mig",
+        &[("mig", "gpu-0-mig-3g40gb-4")],
+        &[],
+    );
+    put_claim(
+        &standin,
+        "mps",
+        "uid-mps",
+        &[("gpu", "gpu-1")],
+        &[mps_config()],
+    );
+    put_claim(&standin, "idle", "uid-idle", &[("gpu", "gpu-2")], &[]);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(
+        &mut dra,
+        vec![
+            claim("mig", "uid-mig"),
+            claim("mps", "uid-mps"),
+            claim("idle", "uid-idle"),
+        ],
+    )
+    .await;
+    for uid in ["uid-mig", "uid-mps", "uid-idle"] {
+        assert_eq!(r.claims[uid].error, "", "{uid}: {}", dirs.log());
+    }
+    let gi = recorded(&dirs, "uid-mig")["devices"][0]["mig"]["giId"]
+        .as_u64()
+        .unwrap();
+    let daemon = recorded(&dirs, "uid-mps")["sharing"]["mps"]["daemon"]["pid"]
+        .as_u64()
+        .unwrap();
+    std::fs::write(
+        &control,
+        format!(
+            "{idle_lines}memory 0 {gi} 0 5120\ngpm 0 {gi} 42.5 20\nprocess 1 {daemon} 3072 45\n"
+        ),
+    )
+    .unwrap();
+
+    // Prometheus on loopback, scraping the plugin every second, with the chart's rules.
+    let prom_dir = dirs.path().join("prometheus");
+    std::fs::create_dir_all(&prom_dir).unwrap();
+    let prom_config = prom_dir.join("prometheus.yml");
+    std::fs::write(
+        &prom_config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: cleave\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n",
+            rules.display()
+        ),
+    )
+    .unwrap();
+    let prom_port = free_port();
+    let prom_log = std::fs::File::create(prom_dir.join("log")).unwrap();
+    let _prometheus = Reaped(
+        std::process::Command::new("prometheus")
+            .arg(format!("--config.file={}", prom_config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                prom_dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(prom_log.try_clone().unwrap())
+            .stderr(prom_log)
+            .spawn()
+            .unwrap(),
+    );
+    let prom_failure = || {
+        format!(
+            "\nprometheus log:\n{}\nplugin log:\n{}",
+            std::fs::read_to_string(prom_dir.join("log")).unwrap_or_default(),
+            dirs.log()
+        )
+    };
+    // Recommendations need half the 24 s window; the rules one evaluation more.
+    let started = Instant::now();
+    let mut queries = dashboard_queries();
+    assert!(queries.len() > 10, "{queries:?}");
+    queries.extend(
+        [
+            "cleave:gpus_held:sum",
+            "cleave:gpus_recommended:sum",
+            "cleave:gpus_freed:sum",
+            "namespace:cleave_claim_allocated_memory_bytes:sum",
+            "namespace:cleave_claim_recommended_memory_bytes:sum",
+            "namespace_recommendation_change:cleave_claim_devices:count",
+            // 5 GiB and 42.5 % of 60 SMs, with 20 % headroom: 6 GiB and 31 SMs.
+            r#"cleave_kubelet_plugin_claim_recommendation_info{claim="mig",recommendation="mig",profile="2g.20gb",change="smaller"}"#,
+            r#"cleave_kubelet_plugin_claim_recommendation_info{claim="idle",recommendation="release"}"#,
+        ]
+        .map(str::to_owned),
+    );
+    let mut missing: Vec<String> = queries.clone();
+    while !missing.is_empty() {
+        missing.retain(|q| !prom_query(prom_port, q).is_ok_and(|r| !r.is_empty()));
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "queries without a series after 60 s: {missing:#?}\nerrors: {:#?}{}",
+            missing
+                .iter()
+                .map(|q| prom_query(prom_port, q).err())
+                .collect::<Vec<_>>(),
+            prom_failure()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The MPS claim's window: its memory and activity are its processes'.
+    let mps_peak = prom_query(
+        prom_port,
+        r#"cleave_kubelet_plugin_claim_window_peak_memory_bytes{claim="mps"}"#,
+    )
+    .unwrap();
+    assert_eq!(mps_peak[0]["value"][1], "3221225472", "{mps_peak:?}");
+    drop(_prometheus);
+    let u = unprepare(
+        &mut dra,
+        vec![
+            claim("mig", "uid-mig"),
+            claim("mps", "uid-mps"),
+            claim("idle", "uid-idle"),
+        ],
+    )
+    .await;
+    assert!(u.claims.values().all(|c| c.error.is_empty()));
+    // Unprepared: the windows leave the state file beside the checkpoint.
+    let state = dirs.checkpoint().with_file_name("usage-windows.json");
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&state).unwrap_or_default();
+        if !text.contains("uid-mig") && text.contains("\"version\":1") {
+            break;
+        }
+        assert!(started.elapsed() < TIMEOUT, "{}: {text}", state.display());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(plugin.terminate().success());
+}
+
 /// `usage` against nothing says what to do.
 fn usage_without_a_plugin_names_the_flag() {
     let port = free_port();
@@ -468,7 +754,7 @@ fn main() -> std::process::ExitCode {
         .filter(|a| !a.starts_with('-'))
         .collect();
     type Test = fn();
-    let tests: [(&str, Test); 4] = [
+    let tests: [(&str, Test); 5] = [
         (
             "claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told",
             || {
@@ -480,6 +766,17 @@ fn main() -> std::process::ExitCode {
                     .block_on(
                         claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told(),
                     )
+            },
+        ),
+        (
+            "prometheus_scrapes_the_plugin_and_every_dashboard_query_answers",
+            || {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(prometheus_scrapes_the_plugin_and_every_dashboard_query_answers())
             },
         ),
         ("usage_mock_prints_a_table", usage_mock_prints_a_table),
