@@ -17,6 +17,9 @@
 //! sampling round and of one `/metrics` encoding (a scrape) with those 56 claim devices;
 //! and the process's resident memory before and after sampling.
 //!
+//! Then whole-GPU prepare p50/p99 with the claim status writer off and on, in the same run,
+//! and how long after the answer the claim's `status.devices` entry is stored.
+//!
 //! Run: `cargo bench -p cleave-kubelet-plugin --bench prepare` (ITERATIONS env to change
 //! the sample count). Prints p50/p99 and the ratios; asserts nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -255,6 +258,13 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         }
     }
     plugin.shutdown().await.unwrap();
+    let (status_off, status_on, status_after) = status_phase(
+        &standin,
+        dir,
+        iterations,
+        &args.nvml.nvml_lib.clone().unwrap(),
+    )
+    .await;
     let mig = mig_phase(&standin, dir, iterations, &args).await;
     let startup = startup_and_memory(&standin, dir).await;
     standin.shutdown().await;
@@ -274,6 +284,22 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
         percentile(&mut unprepare, 0.99),
     );
     let (f50, f99) = (percentile(&mut floor, 0.5), percentile(&mut floor, 0.99));
+    println!(
+        "whole-GPU prepare with claim status writes off and on (--claim-device-status), {iterations} samples each"
+    );
+    println!("  {:<44} {:>9} {:>9}", "", "p50 ms", "p99 ms");
+    for (label, (a, b)) in [
+        ("prepare, status writes off", status_off),
+        ("prepare, status writes on", status_on),
+        ("status entry stored, after the answer", status_after),
+    ] {
+        println!("  {label:<44} {:>9.3} {:>9.3}", ms(a), ms(b));
+    }
+    println!(
+        "  ratio on/off: p50 {:.2}x, p99 {:.2}x (the write runs after the answer)",
+        ms(status_on.0) / ms(status_off.0),
+        ms(status_on.1) / ms(status_off.1)
+    );
     println!(
         "whole-GPU claim over the DRA socket, {iterations} samples (h100-80gb-x8 mock, stand-in)"
     );
@@ -1070,4 +1096,106 @@ fn usage_child(iterations: usize) {
             rss_after.saturating_sub(rss_before)
         );
     });
+}
+
+/// Prepare latency with the claim status writer on and off (`--claim-device-status`), in
+/// the same run: each a fresh plugin on its own directories against the same stand-in,
+/// whole-GPU claims prepared and unprepared in turn. With it on, also how long after the
+/// kubelet's answer the claim's `status.devices` entry is stored (polled every 0.2 ms): the
+/// write runs after the answer, so it shows up there and not in the prepare figures.
+/// Returns ((off p50, off p99), (on p50, on p99), (entry-after-answer p50, p99)).
+#[allow(clippy::type_complexity)]
+async fn status_phase(
+    standin: &StandIn,
+    dir: &Path,
+    iterations: usize,
+    lib: &Path,
+) -> (
+    (Duration, Duration),
+    (Duration, Duration),
+    (Duration, Duration),
+) {
+    let mut results = Vec::new();
+    let mut after = Vec::new();
+    for (round, on) in [(0, false), (1, true)] {
+        let node_dir = dir.join(format!("status-{round}"));
+        let mut args = run_args(NODE, &node_dir, lib.to_path_buf());
+        args.claim_info.claim_device_status = on;
+        mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
+            .lay_out(&args.driver.driver_root)
+            .unwrap();
+        let plugin = cleave_kubelet_plugin::start::start(&args, standin.client())
+            .await
+            .unwrap();
+        let channel = cleave_kubelet_plugin::connect_unix(plugin.server.dra_socket())
+            .await
+            .unwrap();
+        let mut dra = v1::dra_plugin_client::DraPluginClient::new(channel);
+        let mut prepare = Vec::with_capacity(iterations);
+        let warmup = 10;
+        for i in 0..iterations + warmup {
+            let uid = format!("00000000-0000-4000-8{round:03}-{i:012}");
+            let name = format!("status-{round}-{i}");
+            let device = format!("gpu-{}", i % 8);
+            let claim = fixtures::resource_claim(
+                "default",
+                &name,
+                &uid,
+                cleave_api::names::DRIVER_NAME,
+                NODE,
+                &[("gpu", device.as_str())],
+                &[],
+            );
+            standin.put(&claim).unwrap();
+            let request = v1::Claim {
+                namespace: "default".into(),
+                name: name.clone(),
+                uid: uid.clone(),
+            };
+            let t = Instant::now();
+            let resp = dra
+                .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                    claims: vec![request.clone()],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let prep = t.elapsed();
+            assert_eq!(resp.claims[&uid].error, "", "prepare failed");
+            if on {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while standin
+                    .get("resourceclaims", "default", &name)
+                    .is_none_or(|c| c["status"]["devices"].as_array().is_none_or(Vec::is_empty))
+                {
+                    assert!(Instant::now() < deadline, "no status entry for {name}");
+                    tokio::time::sleep(Duration::from_micros(200)).await;
+                }
+                if i >= warmup {
+                    after.push(t.elapsed().saturating_sub(prep));
+                }
+            }
+            let resp = dra
+                .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+                    claims: vec![request],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(resp.claims[&uid].error, "", "unprepare failed");
+            if i >= warmup {
+                prepare.push(prep);
+            }
+        }
+        plugin.shutdown().await.unwrap();
+        results.push((
+            percentile(&mut prepare, 0.5),
+            percentile(&mut prepare, 0.99),
+        ));
+    }
+    (
+        results[0],
+        results[1],
+        (percentile(&mut after, 0.5), percentile(&mut after, 0.99)),
+    )
 }
