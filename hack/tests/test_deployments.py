@@ -719,6 +719,40 @@ def gpu_class_serves_an_extended_resource_only_when_asked() -> None:
 
 
 @check
+def kubernetes_version_sets_extended_resource_and_taint_defaults() -> None:
+    """kubernetesVersion 1.36+ (DRAExtendedResource, DRADeviceTaints beta and on) turns on
+    nvidia.com/gpu on gpu.cleave.dev and --device-taints=on; before, or unset, both stay off;
+    an explicit value wins either way."""
+    def state(values: dict) -> tuple[str | None, str | None]:
+        objs = render(values)
+        spec = one(objs, "DeviceClass", "gpu.cleave.dev")["spec"]
+        return spec.get("extendedResourceName"), flags(plugin_container(objs))["--device-taints"]
+
+    assert state({}) == (None, "off")
+    for version, want in (("1.34", (None, "off")), ("1.35.3", (None, "off")), ("1.36", ("nvidia.com/gpu", "on")),
+                          ("v1.36.0-rc.1", ("nvidia.com/gpu", "on")), ("1.37", ("nvidia.com/gpu", "on")),
+                          ("v1.37.2-gke.100", ("nvidia.com/gpu", "on"))):
+        got = state({"kubernetesVersion": version})
+        assert got == want, f"kubernetesVersion {version}: {got} != {want}"
+    for version in ("1.34", "1.36", "1.37"):
+        # Explicit values win: off on 1.36+ ("" turns the extended resource off), on before.
+        got = state({"kubernetesVersion": version, "deviceClasses": {"gpu": {"extendedResourceName": ""}},
+                     "health": {"deviceTaints": "off"}})
+        assert got == (None, "off"), f"{version} with explicit off: {got}"
+        got = state({"kubernetesVersion": version, "deviceClasses": {"gpu": {"extendedResourceName": "example.com/gpu"}},
+                     "health": {"deviceTaints": "auto"}})
+        assert got == ("example.com/gpu", "auto"), f"{version} with explicit values: {got}"
+    # The 1.37 render validates, and its other classes get no extended resource.
+    objs = render({"kubernetesVersion": "1.37"})
+    for c in (o for o in objs if o["kind"] == "DeviceClass"):
+        validate_k8s(c, "kubernetesVersion 1.37")
+        assert c["metadata"]["name"] == "gpu.cleave.dev" or "extendedResourceName" not in c["spec"], c
+    with helm.Chart.load(CHART) as chart:
+        accepted = schema_accepted(chart, [{"kubernetesVersion": v} for v in ("136", "1.x", "latest", "1.36 ")])
+    assert not accepted, f"schema accepted bad versions: {accepted}"
+
+
+@check
 def rbac_is_least_privilege() -> None:
     objs = render()
     role = one(objs, "ClusterRole")
@@ -1648,7 +1682,8 @@ def operator_values_reach_the_plugin() -> None:
     assert m, "args.rs: no TaintMode"
     modes = {v.lower() for v in re.findall(r"^\s*(\w+),", m.group(1), re.M)}
     with helm.Chart.load(CHART) as chart:
-        enum = set(chart.schema["properties"]["health"]["properties"]["deviceTaints"]["enum"])
+        # null (unset) picks the default from kubernetesVersion.
+        enum = set(chart.schema["properties"]["health"]["properties"]["deviceTaints"]["enum"]) - {None}
         assert modes == enum, f"args.rs TaintMode {modes} != schema {enum}"
         bad = [
             {"health": {"deviceTaints": False}}, {"health": {"deviceTaints": "yes"}},
@@ -1924,7 +1959,9 @@ FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--pl
                  "--config", "--privileged", "--cgroups", "--device", "--gpu-reset", "--help",
                  "--bench", "--query-gpu", "--set-timeslice"}
 # Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).
-CONFIG_NOT_VALUES = {"mps.multiUser", "mps.pinnedMemoryLimit", "mps.activeThreadPercentage"}
+# Names docs use that start like a chart value but are not one: opaque config fields and
+# fields of the claim status data (docs/attributes.md).
+CONFIG_NOT_VALUES = {"mps.multiUser", "mps.pinnedMemoryLimit", "mps.activeThreadPercentage", "mps.daemon"}
 
 
 def doc_value_paths(text: str) -> set[str]:

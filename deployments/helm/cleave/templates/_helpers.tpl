@@ -75,3 +75,32 @@ plugin's image (the daemon runs `cleave-kubelet-plugin mps-daemon` from the same
 {{- define "cleave.mpsImagePullPolicy" -}}
 {{- default .Values.image.pullPolicy .Values.mps.image.pullPolicy -}}
 {{- end -}}
+
+{{/* "true" when kubernetesVersion is 1.36 or later (DRAExtendedResource and DRADeviceTaints
+beta and on by default), else empty. Pre-releases ("1.36.0-rc.1") count as 1.36. */}}
+{{- define "cleave.kube136" -}}
+{{- with .Values.kubernetesVersion -}}
+{{- if semverCompare ">=1.36.0-0" . -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The gpu class's extended resource: the value when set (even ""), else nvidia.com/gpu
+from 1.36. */}}
+{{- define "cleave.gpuExtendedResourceName" -}}
+{{- $v := .Values.deviceClasses.gpu.extendedResourceName -}}
+{{- if kindIs "invalid" $v -}}
+{{- if include "cleave.kube136" . -}}nvidia.com/gpu{{- end -}}
+{{- else -}}
+{{- $v -}}
+{{- end -}}
+{{- end -}}
+
+{{/* --device-taints: the value when set, else "on" from 1.36 and "off" before. */}}
+{{- define "cleave.deviceTaints" -}}
+{{- $v := .Values.health.deviceTaints -}}
+{{- if kindIs "invalid" $v -}}
+{{- if include "cleave.kube136" . -}}on{{- else -}}off{{- end -}}
+{{- else -}}
+{{- $v -}}
+{{- end -}}
+{{- end -}}
