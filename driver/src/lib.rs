@@ -15,6 +15,7 @@ pub mod driver_root;
 pub mod fault;
 pub mod health;
 pub mod inspect;
+pub mod metadata;
 pub mod model;
 pub mod numa;
 pub mod nvml;

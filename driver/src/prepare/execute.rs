@@ -299,7 +299,13 @@ impl NodeDriver {
             }
         }
 
-        match self.execute(&label, uid, &plan, &mut record, &mut state) {
+        let pod_claim_name = claim
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(crate::metadata::POD_CLAIM_NAME_ANNOTATION))
+            .map(String::as_str);
+        match self.execute(&label, uid, &plan, &mut record, &mut state, pod_claim_name) {
             Ok(()) => {
                 tracing::info!(devices = record.devices.len(), "prepared");
                 Ok(answer(&record))
@@ -342,6 +348,7 @@ impl NodeDriver {
         plan: &[PlannedDevice],
         record: &mut ClaimRecord,
         state: &mut State,
+        pod_claim_name: Option<&str>,
     ) -> Result<(), PrepareError> {
         // Create on-demand MIG instances (not those another share of the device holds).
         for (i, d) in plan.iter().enumerate() {
@@ -443,6 +450,11 @@ impl NodeDriver {
         crate::timing::timed(crate::timing::step::CDI_WRITE, || {
             self.write_cdi(uid, record, &edits)
         })?;
+        // Device metadata (`--device-metadata`), after the CDI spec; it adds its CDI IDs to
+        // the record. A failed write is only logged, as in the Go helper.
+        if let Some(m) = self.metadata.get() {
+            self.write_metadata(m, pod_claim_name, record, &state.data, &state.inventory);
+        }
 
         // Durable record, then the answer.
         record.state = ClaimState::Prepared;
@@ -506,6 +518,99 @@ impl NodeDriver {
         Ok(())
     }
 
+    /// Writes a device metadata file and its CDI spec for each request of `record`
+    /// ([`crate::metadata`]) and adds each spec's CDI ID to the request's first device.
+    /// Each device lists the attributes the pool publishes for it, plus `uuid` (the MIG
+    /// device's for a MIG device, created at prepare or not) and, for a MIG device,
+    /// `parentUUID`. A request whose write fails is logged and served without metadata.
+    pub(super) fn write_metadata(
+        &self,
+        m: &super::MetadataSettings,
+        pod_claim_name: Option<&str>,
+        record: &mut ClaimRecord,
+        data: &crate::checkpoint::CheckpointData,
+        inventory: &NodeInventory,
+    ) {
+        use cleave_api::names::attr;
+        use k8s_openapi::api::resource::v1::DeviceAttribute;
+        let owned_instances = data
+            .claims
+            .values()
+            .chain(std::iter::once(&*record))
+            .flat_map(|r| &r.devices)
+            .filter_map(|d| d.mig.as_ref())
+            .filter(|m| m.created_by_cleave)
+            .filter_map(|m| m.uuid.clone())
+            .collect();
+        let pool = crate::pool::build_pool(
+            inventory,
+            &crate::pool::PoolOptions {
+                owned_instances,
+                ..m.pool.clone()
+            },
+        );
+        let claim = crate::metadata::ClaimRef {
+            namespace: record.namespace.clone(),
+            name: record.name.clone(),
+            uid: record.uid.clone(),
+            pod_claim_name: pod_claim_name.map(str::to_owned),
+        };
+        // Requests in order of first appearance: (name as allocated, device indexes).
+        let mut requests: Vec<(String, Vec<usize>)> = Vec::new();
+        for (i, d) in record.devices.iter().enumerate() {
+            for r in &d.request_names {
+                let base = base_request(r);
+                match requests.iter_mut().find(|(n, _)| base_request(n) == base) {
+                    Some((_, idx)) if !idx.contains(&i) => idx.push(i),
+                    Some(_) => {}
+                    None => requests.push((r.clone(), vec![i])),
+                }
+            }
+        }
+        let string = |v: &str| DeviceAttribute {
+            string: Some(v.to_owned()),
+            ..Default::default()
+        };
+        for (name, idx) in requests {
+            let devices = idx
+                .iter()
+                .map(|&i| {
+                    let d = &record.devices[i];
+                    let mut attrs = pool
+                        .devices()
+                        .find(|p| p.name == d.name)
+                        .and_then(|p| p.attributes.clone())
+                        .unwrap_or_default();
+                    attrs.insert(attr::UUID.to_owned(), string(&device_uuid(d)));
+                    if d.mig.is_some() {
+                        attrs.insert(attr::PARENT_UUID.to_owned(), string(&d.gpu_uuid));
+                    }
+                    crate::metadata::MetadataDevice::new(
+                        &self.config.driver_name,
+                        &d.pool,
+                        &d.name,
+                        attrs,
+                    )
+                })
+                .collect();
+            let request = crate::metadata::RequestMetadata {
+                name: name.clone(),
+                devices,
+            };
+            match m.store.write(&claim, &request) {
+                Ok(id) => {
+                    let first = &mut record.devices[idx[0]];
+                    if !first.cdi_device_ids.contains(&id) {
+                        first.cdi_device_ids.push(id);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(request = %name, error = %e, "device metadata not written; the claim is served without it");
+                }
+            }
+        }
+    }
+
     /// Undoes everything a record describes, except the checkpoint entry: sharing, MIG
     /// instances cleave created (verified against NVML first), the CDI spec. Idempotent.
     /// An instance without a recorded UUID is looked for by profile and placement (skipping
@@ -556,6 +661,21 @@ impl NodeDriver {
                 claim: record.uid.clone(),
                 source,
             })?;
+        // Device metadata, whether or not it is on now: it may have been written by a run
+        // with `--device-metadata`, or half-written before a rollback.
+        let removed = match self.metadata.get() {
+            Some(m) => m
+                .store
+                .remove_claim(&record.namespace, &record.name, &record.uid),
+            None => {
+                self.metadata_store()
+                    .remove_claim(&record.namespace, &record.name, &record.uid)
+            }
+        };
+        removed.map_err(|source| PrepareError::Metadata {
+            claim: record.uid.clone(),
+            source,
+        })?;
         Ok(())
     }
 

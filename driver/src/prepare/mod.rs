@@ -230,6 +230,14 @@ pub enum PrepareError {
         /// The CDI error.
         source: CdiError,
     },
+    /// Removing a claim's device metadata failed (the error names the path).
+    #[error("claim {claim}: {source}")]
+    Metadata {
+        /// Claim UID.
+        claim: String,
+        /// The metadata error.
+        source: crate::metadata::MetadataError,
+    },
     /// Loading or writing the checkpoint failed (the error names the path).
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
@@ -333,6 +341,16 @@ pub struct NodeDriver {
     files: std::sync::RwLock<Arc<DriverView>>,
     checkpoint: CheckpointStore,
     state: Mutex<State>,
+    /// Device metadata files (`--device-metadata`): set once by
+    /// [`NodeDriver::enable_device_metadata`], before the first prepare.
+    metadata: std::sync::OnceLock<MetadataSettings>,
+}
+
+/// Where device metadata goes and how the pool (whose attributes it copies) is built.
+#[derive(Debug)]
+pub(super) struct MetadataSettings {
+    pub(super) store: crate::metadata::MetadataStore,
+    pub(super) pool: crate::pool::PoolOptions,
 }
 
 impl std::fmt::Debug for NodeDriver {
@@ -415,6 +433,7 @@ impl NodeDriver {
                 data: CheckpointData::default(),
                 recreate_errors: BTreeMap::new(),
             }),
+            metadata: std::sync::OnceLock::new(),
         };
 
         let recreate_errors = driver.recover_at_start(&mut data, boot_id)?;
@@ -538,6 +557,41 @@ impl NodeDriver {
                 name: r.name.clone(),
             })
             .collect()
+    }
+
+    /// The device metadata store of this driver's state directory and CDI root.
+    pub(super) fn metadata_store(&self) -> crate::metadata::MetadataStore {
+        crate::metadata::MetadataStore::new(
+            &self.config.driver_name,
+            &self.config.state_dir,
+            &self.config.cdi_root,
+        )
+    }
+
+    /// Turns on device metadata files (KEP-5304, [`crate::metadata`]): every later prepare
+    /// writes one per request, with the attributes the pool built with `pool` publishes,
+    /// under the state directory, and adds its CDI ID to the request's first device.
+    /// Removes the metadata of claims the checkpoint does not hold (a crash between the
+    /// write and the record, or a claim unprepared while the flag was off). A second call
+    /// changes nothing.
+    pub fn enable_device_metadata(&self, pool: crate::pool::PoolOptions) {
+        let store = self.metadata_store();
+        let recorded: Vec<(String, String, String)> = self
+            .lock_for_view()
+            .data
+            .claims
+            .values()
+            .map(|r| (r.namespace.clone(), r.name.clone(), r.uid.clone()))
+            .collect();
+        match store.sweep(&recorded) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                removed = n,
+                "removed device metadata of claims no longer prepared"
+            ),
+            Err(e) => tracing::warn!(error = %e, "sweeping device metadata"),
+        }
+        let _ = self.metadata.set(MetadataSettings { store, pool });
     }
 
     /// UUIDs of the MIG instances cleave created for claims (published as available

@@ -694,6 +694,12 @@ impl NodeDriver {
         }
         merge_edits(&mut edits, share_edits);
         self.write_cdi(&uid, record, &edits)?;
+        // Device metadata: its CDI specs live in the CDI root (gone after a reboot) and a
+        // recreated MIG device has a new UUID, so rewrite it (the next generation).
+        if let Some(m) = self.metadata.get() {
+            let pod_claim_name = m.store.pod_claim_name(&record.namespace, &record.name);
+            self.write_metadata(m, pod_claim_name.as_deref(), record, data, inventory);
+        }
 
         record.state = ClaimState::Prepared;
         let previous = data.claims.insert(uid.clone(), record.clone());

@@ -1386,3 +1386,83 @@ fn two_plugin_instances_on_one_node_never_lose_each_others_records() {
     assert!(old.fake.instances(&gpu_uuid(0)).is_empty());
     assert!(old.cdi_files().is_empty());
 }
+
+#[test]
+fn device_metadata_per_request_only_when_enabled_and_removed_with_the_claim() {
+    let node = Node::new(false, vec![plain_gpu(0), plain_gpu(1)]);
+    let metadata_root = node.driver.config().state_dir.join("dra-device-metadata");
+    // Off: nothing written, one CDI ID per device.
+    let plain = node_claim(UID_B, &[("gpu", "gpu-0")]);
+    let prepared = node.driver.prepare(&plain).unwrap();
+    assert_eq!(prepared.devices[0].cdi_device_ids.len(), 1);
+    assert!(!metadata_root.exists());
+    node.driver.unprepare(UID_B).unwrap();
+
+    node.driver
+        .enable_device_metadata(crate::pool::PoolOptions::default());
+    let mut claim = node_claim(UID_A, &[("pair", "gpu-0"), ("pair", "gpu-1")]);
+    claim.metadata.annotations = Some(
+        [(
+            crate::metadata::POD_CLAIM_NAME_ANNOTATION.to_owned(),
+            "trainer".to_owned(),
+        )]
+        .into(),
+    );
+    let prepared = node.driver.prepare(&claim).unwrap();
+    let id = format!("{DRIVER}/metadata={UID_A}_pair");
+    assert_eq!(
+        prepared.devices[0].cdi_device_ids,
+        vec![
+            format!("k8s.gpu.cleave.dev/claim={UID_A}-gpu-0"),
+            id.clone()
+        ]
+    );
+    assert_eq!(
+        prepared.devices[1].cdi_device_ids,
+        vec![format!("k8s.gpu.cleave.dev/claim={UID_A}-gpu-1")]
+    );
+    let file = metadata_root.join("default_claim-aaaaaaaa/pair/metadata.json");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(doc["podClaimName"], "trainer");
+    assert_eq!(doc["metadata"]["generation"], 1);
+    let devices = doc["requests"][0]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    for (d, minor) in devices.iter().zip([0, 1]) {
+        assert_eq!(
+            d["attributes"][format!("{DRIVER}/uuid")]["string"],
+            gpu_uuid(minor)
+        );
+        assert_eq!(d["attributes"][format!("{DRIVER}/type")]["string"], "gpu");
+    }
+    let spec_path = node
+        .driver
+        .config()
+        .cdi_root
+        .join(format!("{DRIVER}_metadata_{UID_A}_pair.json"));
+    let spec = cdi_json(&spec_path);
+    assert_eq!(
+        spec["devices"][0]["containerEdits"]["mounts"][0]["containerPath"],
+        format!(
+            "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/trainer/pair/{DRIVER}-metadata.json"
+        )
+    );
+    // The IDs are recorded: a replayed prepare answers the same.
+    assert_eq!(node.driver.prepare(&claim).unwrap(), prepared);
+
+    node.driver.unprepare(UID_A).unwrap();
+    assert!(!file.exists() && !spec_path.exists());
+    assert!(!metadata_root.join("default_claim-aaaaaaaa").exists());
+
+    // A leftover of a claim no longer recorded goes at the next start.
+    node.driver.prepare(&claim).unwrap();
+    let mut data = node.checkpoint();
+    data.claims.remove(UID_A);
+    CheckpointStore::in_dir(&node.driver.config().state_dir)
+        .store(&data)
+        .unwrap();
+    let node = node.restart();
+    assert!(file.exists());
+    node.driver
+        .enable_device_metadata(crate::pool::PoolOptions::default());
+    assert!(!file.exists() && !spec_path.exists());
+}
