@@ -1194,7 +1194,7 @@ def dockerfile_is_hadolint_clean() -> None:
 ALL_FLAGS_VALUES: dict[str, Any] = {
     "mps": {"launcher": "pod", "image": {"repository": "example.com/mps", "tag": "1", "pullPolicy": "Always"},
             "priorityClassName": "gpu-critical", "serviceAccountName": "cleave-mps"},
-    "nvmlLib": "/driver-root/usr/lib64/libnvidia-ml.so.1", "dynamicMig": True,
+    "nvmlLib": "/driver-root/usr/lib64/libnvidia-ml.so.1", "dynamicMig": True, "deviceMetadata": True,
 }
 
 
@@ -1665,8 +1665,12 @@ def operator_values_reach_the_plugin() -> None:
     f = flags(plugin_container(render()))
     assert f["--device-taints"] == "off" and f["--xid-unhealthy-duration"] == "0"
     assert f["--lost-gpu-check-interval"] == "5"
-    for absent in ("--allow-no-gpus", "--disable-health-checks", "--additional-xids-to-ignore", "--xids-to-check"):
+    for absent in ("--allow-no-gpus", "--disable-health-checks", "--additional-xids-to-ignore", "--xids-to-check",
+                   "--device-metadata"):
         assert absent not in f, f"{absent} passed by default"
+    c = plugin_container(render({"deviceMetadata": True}))
+    assert "--device-metadata" in flags(c) and flags(c)["--device-metadata"] is None
+    assert env_of(c)["DEVICE_METADATA"] == "true"
     for mode in ("off", "on", "auto"):
         assert flags(plugin_container(render({"health": {"deviceTaints": mode}})))["--device-taints"] == mode
     f = flags(plugin_container(render({"allowNoGpus": True, "health": {
@@ -1690,7 +1694,7 @@ def operator_values_reach_the_plugin() -> None:
             {"health": {"xidsToCheck": ["79"]}}, {"health": {"xidsToCheck": [79, 79]}},
             {"health": {"additionalXidsToIgnore": [0]}}, {"health": {"xidUnhealthyDurationSeconds": -1}},
             {"health": {"lostGpuCheckIntervalSeconds": 0}}, {"health": {"taints": "on"}},
-            {"allowNoGpus": "true"}, {"extraArgs": ["run"]}, {"extraArgs": [5]}, {"extraArgs": "--x"},
+            {"allowNoGpus": "true"}, {"deviceMetadata": "true"}, {"extraArgs": ["run"]}, {"extraArgs": [5]}, {"extraArgs": "--x"},
             {"extraEnv": [{"value": "x"}]}, {"extraEnv": [{"name": "A", "valu": "x"}]},
             {"metrics": {"enabled": True, "port": 9400, "podMonitor": {"interval": "30 seconds"}}},
             {"metrics": {"enabled": True, "port": 9400, "service": {"enabled": "yes"}}},

@@ -301,11 +301,22 @@ async fn start_on(
     let (driver, instance_lock) = {
         let backend = Arc::clone(&backend);
         let state_dir = plugin.data_dir();
+        // --device-metadata: the files copy the attributes of the pool as published.
+        let metadata_pool = args.claim_info.device_metadata.then(|| PoolOptions {
+            dynamic_mig: args.driver.dynamic_mig,
+            consumable_capacity: args.driver.consumable_capacity,
+            share_on_demand_mig: args.driver.share_on_demand_mig,
+            ..PoolOptions::default()
+        });
         serializer
             .run(move || {
                 let driver = NodeDriver::start_with_sharing(config, backend, sharing)
                     .map_err(anyhow::Error::from)
                     .context("starting the node driver")?;
+                if let Some(pool) = metadata_pool {
+                    driver.enable_device_metadata(pool);
+                    info!("device metadata files on (--device-metadata)");
+                }
                 // Under the node lock, once the checkpoint has been read: from now on
                 // `checkpoint reset` sees a running plugin and refuses.
                 let lock = crate::lifecycle::hold_instance_lock(&state_dir).with_context(|| {
