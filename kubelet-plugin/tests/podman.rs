@@ -400,7 +400,8 @@ impl World {
             .dirs
             .cdi_files()
             .into_iter()
-            .find(|f| f.contains(uid))
+            // Not a device metadata spec (`<driver>_metadata_<uid>_<request>.json`).
+            .find(|f| f.contains(uid) && !f.contains("_metadata_"))
             .unwrap_or_else(|| panic!("no CDI spec for {uid}: {:?}", self.dirs.cdi_files()));
         let text = std::fs::read_to_string(self.dirs.cdi_root().join(name)).unwrap();
         serde_json::from_str(&text)
@@ -578,8 +579,22 @@ async fn containers_under_podman_see_what_prepare_gave_them() -> bool {
     };
     let (whole_id, mps_id) = (cdi_id("uid-whole"), cdi_id("uid-mps"));
 
-    // A whole GPU.
-    assert_container_sees_its_claim(&podman, &world, "uid-whole", &whole_id, 0, "");
+    // A whole GPU; without --device-metadata, no metadata file and no mount of one.
+    let seen = assert_container_sees_its_claim(
+        &podman,
+        &world,
+        "uid-whole",
+        &whole_id,
+        0,
+        &format!(
+            "if test -e {METADATA_ROOT} || grep -q dra-device-attributes /proc/mounts; \
+             then echo 'metadata present'; else echo 'no metadata'; fi;"
+        ),
+    );
+    assert!(
+        seen.lines().any(|l| l == "no metadata"),
+        "a metadata file or mount without --device-metadata:\n{seen}"
+    );
 
     // An MPS claim: also the daemon's pipe directory (its control socket) and the daemon
     // pod's memory emptyDir as /dev/shm (a file put there on the host is seen inside).
@@ -630,10 +645,67 @@ async fn containers_under_podman_see_what_prepare_gave_them() -> bool {
     );
     drop(dra);
     assert!(plugin.terminate().success());
+
+    // With --device-metadata: the container reads the request's metadata file, which names
+    // the GPU by the UUID the claim's own spec gives the container.
+    put_claim(&standin, "meta", "uid-meta", &[("gpu", "gpu-2")], &[]);
+    let mut options = world.plugin_options();
+    options.env.push(("DEVICE_METADATA", "true".into()));
+    let plugin = Plugin::start(&world.dirs, &options);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let answer = prepare(&mut dra, vec![claim("meta", "uid-meta")]).await;
+    let c = &answer.claims["uid-meta"];
+    assert_eq!(c.error, "", "{}", world.logs());
+    let ids: Vec<&str> = c.devices[0]
+        .cdi_device_ids
+        .iter()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert_eq!(ids[1], format!("{DRIVER}/metadata=uid-meta_gpu"));
+    let uuid_env = spec_env(&world.cdi_spec("uid-meta"))
+        .into_iter()
+        .find_map(|e| {
+            e.strip_prefix("CLEAVE_DEVICE_GPU_2_UUID=")
+                .map(str::to_owned)
+        })
+        .expect("the claim's spec names the GPU's UUID");
+    let file = format!("{METADATA_ROOT}/resourceclaims/meta/gpu/{DRIVER}-metadata.json");
+    let out = podman.container(
+        &ids,
+        &format!("cat {file}; grep dra-device-attributes /proc/mounts"),
+    );
+    let seen = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{}\n{}", text(&out), world.logs());
+    let json_end = seen.rfind("}\n").map_or(seen.len(), |i| i + 2);
+    let doc: serde_json::Value = serde_json::from_str(&seen[..json_end])
+        .unwrap_or_else(|e| panic!("{e}: the metadata file as the container reads it:\n{seen}"));
+    assert_eq!(doc["kind"], "DeviceMetadata", "{seen}");
+    let device = &doc["requests"][0]["devices"][0];
+    assert_eq!(device["name"], "gpu-2", "{seen}");
+    assert_eq!(
+        device["attributes"][format!("{DRIVER}/uuid")]["string"],
+        uuid_env.as_str(),
+        "{seen}"
+    );
+    assert_eq!(
+        device["attributes"][format!("{DRIVER}/type")]["string"],
+        "gpu",
+        "{seen}"
+    );
+    assert!(seen[json_end..].contains(&file), "the mount:\n{seen}");
+    let un = unprepare(&mut dra, vec![claim("meta", "uid-meta")]).await;
+    assert_eq!(un.claims["uid-meta"].error, "", "{}", world.logs());
+    drop(dra);
+    assert!(plugin.terminate().success());
+
     drop(kubelet);
     podman.clean_up();
     true
 }
+
+/// Root of the device metadata files in a container (KEP-5304).
+const METADATA_ROOT: &str = "/var/run/kubernetes.io/dra-device-attributes";
 
 /// First argument that makes this test binary play a fake NVIDIA tool.
 const FAKE_TOOL_ARG: &str = "__fake";
