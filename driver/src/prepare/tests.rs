@@ -1466,3 +1466,63 @@ fn device_metadata_per_request_only_when_enabled_and_removed_with_the_claim() {
         .enable_device_metadata(crate::pool::PoolOptions::default());
     assert!(!file.exists() && !spec_path.exists());
 }
+
+#[test]
+fn device_metadata_of_mig_devices_and_of_a_failed_prepare() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    node.driver
+        .enable_device_metadata(crate::pool::PoolOptions {
+            dynamic_mig: true,
+            ..Default::default()
+        });
+    node.driver
+        .prepare(&node_claim(UID_A, &[("mig", "gpu-0-mig-1g5gb-0")]))
+        .unwrap();
+    let root = node.driver.config().state_dir.join("dra-device-metadata");
+    let a_file = root.join("default_claim-aaaaaaaa/mig/metadata.json");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&a_file).unwrap()).unwrap();
+    let attrs = &doc["requests"][0]["devices"][0]["attributes"];
+    // The MIG device created at prepare: its UUID and its GPU's.
+    assert!(
+        attrs[format!("{DRIVER}/uuid")]["string"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("MIG-")),
+        "{attrs}"
+    );
+    assert_eq!(attrs[format!("{DRIVER}/parentUUID")]["string"], gpu_uuid(0));
+
+    // A prepare whose checkpoint write fails after the metadata write (a whole GPU: no
+    // intent record first) takes its metadata with it.
+    let node = Node::new(false, vec![plain_gpu(0), plain_gpu(1)]);
+    node.driver
+        .enable_device_metadata(crate::pool::PoolOptions::default());
+    node.driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap();
+    let path = node.checkpoint_path();
+    std::fs::remove_file(&path).unwrap();
+    std::fs::create_dir(&path).unwrap();
+    std::fs::write(path.join("keep"), b"").unwrap();
+    let e = node
+        .driver
+        .prepare(&node_claim(UID_B, &[("gpu", "gpu-1")]))
+        .unwrap_err();
+    assert!(matches!(e, PrepareError::Checkpoint(_)), "{e}");
+    let root = node.driver.config().state_dir.join("dra-device-metadata");
+    let cdi_root = &node.driver.config().cdi_root;
+    assert!(!root.join("default_claim-bbbbbbbb").exists());
+    assert!(
+        !cdi_root
+            .join(format!("{DRIVER}_metadata_{UID_B}_gpu.json"))
+            .exists()
+    );
+    assert!(
+        root.join("default_claim-aaaaaaaa/gpu/metadata.json")
+            .exists()
+    );
+    assert!(
+        cdi_root
+            .join(format!("{DRIVER}_metadata_{UID_A}_gpu.json"))
+            .exists()
+    );
+}
