@@ -179,8 +179,10 @@ fn overlapping_placements_are_refused_with_the_nvml_code() {
     let nvml = backend();
     let driver = NodeDriver::start(config(&dir, true), nvml.clone()).unwrap();
     let gpu0 = driver.inventory().gpus[0].uuid.clone();
-    driver
-        .prepare(&claim(&uid(1), &[("mig", "gpu-0-mig-3g40gb-0")]))
+    // An instance made behind cleave's back (3g.40gb, profile 9, at 0): NVML refuses the
+    // overlapping placements with its own code.
+    let outside = nvml
+        .create_mig(&gpu0, 9, Placement { start: 0, size: 4 })
         .unwrap();
     let e = driver
         .prepare(&claim(&uid(2), &[("mig", "gpu-0-mig-2g20gb-2")]))
@@ -197,6 +199,17 @@ fn overlapping_placements_are_refused_with_the_nvml_code() {
         .unwrap_err();
     assert!(matches!(e, PrepareError::MigCreate { .. }), "{e}");
     assert_eq!(nvml.list_mig(&gpu0).unwrap().len(), 1);
+    assert!(driver.prepared_claims().is_empty());
+    nvml.destroy_mig(&gpu0, outside.gi_id, outside.ci_id).unwrap();
+    // An overlap with a placement prepared for another claim never reaches NVML: prepare
+    // refuses it as an over-commit first.
+    driver
+        .prepare(&claim(&uid(1), &[("mig", "gpu-0-mig-3g40gb-0")]))
+        .unwrap();
+    let e = driver
+        .prepare(&claim(&uid(2), &[("mig", "gpu-0-mig-2g20gb-2")]))
+        .unwrap_err();
+    assert!(e.to_string().contains("over-commit"), "{e}");
     assert_eq!(driver.prepared_claims().len(), 1);
     let cdi: Vec<_> = std::fs::read_dir(dir.join("cdi")).unwrap().collect();
     assert_eq!(cdi.len(), 1);
