@@ -200,7 +200,8 @@ fn overlapping_placements_are_refused_with_the_nvml_code() {
     assert!(matches!(e, PrepareError::MigCreate { .. }), "{e}");
     assert_eq!(nvml.list_mig(&gpu0).unwrap().len(), 1);
     assert!(driver.prepared_claims().is_empty());
-    nvml.destroy_mig(&gpu0, outside.gi_id, outside.ci_id).unwrap();
+    nvml.destroy_mig(&gpu0, outside.gi_id, outside.ci_id)
+        .unwrap();
     // An overlap with a placement prepared for another claim never reaches NVML: prepare
     // refuses it as an over-commit first.
     driver
