@@ -209,7 +209,7 @@ fn example_shapes() -> Vec<Shape> {
     out
 }
 
-/// Shapes per class: the allocation shapes SCHEDULER-style allocators produce.
+/// Shapes per class: the allocation shapes the upstream allocator produces for shareable and exclusive devices.
 fn class_shapes(class: &Class) -> Vec<Shape> {
     let c = class.name.as_str();
     let shape = |label: &str, requests: Vec<Request>, same_device: bool| Shape {

@@ -483,7 +483,7 @@ async fn mig_xid_marks_only_its_instance_gpu_wide_marks_all_placements() {
     assert_eq!(sample(&prepared, DESTROYED, &[]), Some(0.0));
     // No MPS config on the claim: no daemon.
     assert_eq!(sample(&prepared, MPS, &[]), Some(0.0));
-    // Placement 0 of a 1g profile is GPU instance 7 (MIG-FACTS §6), compute instance 0.
+    // Placement 0 of a 1g profile is GPU instance 7 (docs/hardware-sources.md, GPU/compute instance IDs), compute instance 0.
     let unhealthy = |h: &Health| -> Vec<String> {
         h.iter()
             .filter(|(_, (ok, _))| !ok)

@@ -339,7 +339,7 @@ fn profile(
     }
 }
 
-/// The A100-SXM4-40GB GPU-instance profiles (MIG-FACTS §4.1).
+/// The A100-SXM4-40GB GPU-instance profiles (docs/hardware-sources.md, "MIG profile tables").
 pub fn a100_40gb_profiles() -> Vec<MigProfile> {
     vec![
         profile(19, "1g.5gb", 1, 7, 4864, 14, 1, &[0, 1, 2, 3, 4, 5, 6]),
