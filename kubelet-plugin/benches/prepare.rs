@@ -169,7 +169,11 @@ fn run_args(node: &str, dir: &Path, lib: std::path::PathBuf) -> RunArgs {
             sysfs_root: cleave_driver::nvml::DEFAULT_SYSFS_ROOT.into(),
         },
         lifecycle: Default::default(),
-        mps: Default::default(),
+        // MPS pipe directories in the run's own directory, not the host's /run/cleave.
+        mps: cleave_kubelet_plugin::args::MpsArgs {
+            mps_pipe_root: dir.join("run"),
+            ..Default::default()
+        },
         usage: cleave_kubelet_plugin::args::UsageArgs {
             usage_interval: Duration::ZERO,
             ..Default::default()

@@ -61,6 +61,7 @@ fn command(dirs: &NodeDirs, nvml_lib: &Path, port: u16) -> Command {
         .env("KUBELET_REGISTRAR_DIRECTORY_PATH", dirs.registrar())
         .env("KUBELET_PLUGINS_DIRECTORY_PATH", dirs.plugins())
         .env("CDI_ROOT", dirs.cdi_root())
+        .env("MPS_PIPE_ROOT", dirs.mps_pipe_root())
         .env("NVIDIA_DRIVER_ROOT", dirs.driver_root())
         .env("RUST_LOG", "info")
         .envs(RETRY)

@@ -315,7 +315,11 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             sysfs_root: cleave_driver::nvml::DEFAULT_SYSFS_ROOT.into(),
         },
         lifecycle: Default::default(),
-        mps: Default::default(),
+        // MPS pipe directories in the run's own directory, not the host's /run/cleave.
+        mps: cleave_kubelet_plugin::args::MpsArgs {
+            mps_pipe_root: dir.join("run"),
+            ..Default::default()
+        },
         usage: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
