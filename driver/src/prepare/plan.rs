@@ -226,7 +226,6 @@ impl DeviceCapacity {
 /// claim, or planned earlier in this claim, on the same GPU (NVML would refuse it later, after
 /// the scheduler over-committed the GPU's counters).
 fn check_placement_free(
-    label: &str,
     uid: &str,
     device: &str,
     gpu: &GpuInfo,
@@ -234,7 +233,6 @@ fn check_placement_free(
     planned: &[PlannedDevice],
     state: &State,
 ) -> Result<(), String> {
-    let _ = label;
     let others = state
         .data
         .claims
@@ -437,7 +435,7 @@ impl NodeDriver {
                 .as_ref()
                 .filter(|m| m.created_by_cleave && m.uuid.is_none())
             {
-                check_placement_free(label, uid, &device, gpu, m, &plan, state)
+                check_placement_free(uid, &device, gpu, m, &plan, state)
                     .map_err(|reason| refuse(&device, reason))?;
             }
 
