@@ -19,14 +19,15 @@
 //!
 //! Spec-level `containerEdits` (applied when any device of the claim is injected) hold the
 //! common driver edits of [`crate::driver_root`] plus claim-level edits from the sharing
-//! strategy. Files are written atomically and validated with the `container-device-interface`
-//! crate before they are written.
+//! strategy. Files are written atomically and checked before they are written by the rules a
+//! runtime's CDI library applies to the fields cleave emits (CDI `specs-go/config.go`,
+//! `pkg/cdi/container-edits.go`); tests hold these checks and the version rule against the
+//! `container-device-interface` crate's full validation.
 
 use std::io;
 use std::path::{Path, PathBuf};
 
 use cleave_api::names::{CDI_CLASS, CDI_KIND, CDI_VENDOR, DNS_LABEL_MAX};
-use container_device_interface::version::VersionWrapper;
 use serde::Serialize;
 
 use crate::checkpoint::write_file_atomic;
@@ -293,10 +294,27 @@ pub fn mig_device_edits(
 pub struct CdiStore {
     root: PathBuf,
     common: ContainerEdits,
-    /// The common edits checked once (CDI schema and semantic validation) and the lowest
-    /// CDI version they need; the same for every claim, so never checked per prepare.
-    common_check: std::sync::OnceLock<Result<VersionWrapper, String>>,
+    /// The common edits checked once, and whether they need CDI 0.5.0; the same for every
+    /// claim, so never checked per prepare.
+    common_check: std::sync::OnceLock<Result<bool, String>>,
 }
+
+/// CDI version of a spec using only what cleave emits (env, device nodes, bind mounts
+/// without `type`, hooks, no annotations).
+pub const CDI_VERSION_BASE: &str = "0.3.0";
+/// CDI version needed once a device node has `hostPath` or a device name does not start
+/// with a letter (CDI `specs-go/version.go`, `requiresV050`).
+pub const CDI_VERSION_HOST_PATH: &str = "0.5.0";
+
+/// Hook names a CDI spec may use (CDI `specs-go/config.go`, the OCI hook points).
+const CDI_HOOK_NAMES: [&str; 6] = [
+    "prestart",
+    "createRuntime",
+    "createContainer",
+    "startContainer",
+    "poststart",
+    "poststop",
+];
 
 /// A CDI spec document of `devices` and spec-level `edits` (none when empty).
 fn spec_doc(
@@ -316,20 +334,54 @@ fn spec_doc(
     Ok(doc)
 }
 
-/// Validates a spec document as a runtime would load it (schema and semantic checks of the
-/// `container-device-interface` crate) and returns the lowest CDI version it needs.
-fn check_doc(doc: &serde_json::Value, path: &Path) -> Result<VersionWrapper, String> {
-    let parse = |v: &serde_json::Value| {
-        serde_json::from_value::<container_device_interface::specs::config::Spec>(v.clone())
-            .map_err(|e| e.to_string())
-    };
-    let version = container_device_interface::version::minimum_required_version(&parse(doc)?)
-        .map_err(|e| format!("{e:#}"))?;
-    let mut versioned = doc.clone();
-    versioned["cdiVersion"] = serde_json::Value::String(version.to_string());
-    container_device_interface::spec::new_spec(&parse(&versioned)?, &path.to_path_buf(), 0)
-        .map_err(|e| format!("{e:#}"))?;
-    Ok(version)
+/// Checks edits as a runtime's CDI library does when it loads the spec: `NAME=VALUE` env
+/// entries with a name, device nodes with a path and a known type, hooks at a known point
+/// with a path, mounts with both paths. Returns whether they need CDI 0.5.0 (a non-empty
+/// `hostPath`).
+fn check_edits(edits: &ContainerEdits) -> Result<bool, String> {
+    for entry in &edits.env {
+        if entry.find('=').is_none_or(|at| at == 0) {
+            return Err(format!("env entry {entry:?} is not NAME=VALUE"));
+        }
+    }
+    for node in &edits.device_nodes {
+        if node.path.is_empty() {
+            return Err("a device node has an empty path".into());
+        }
+        if let Some(t) = &node.r#type
+            && !matches!(t.as_str(), "" | "b" | "c" | "u" | "p")
+        {
+            return Err(format!(
+                "device node {}: type {t:?} is not b, c, u or p",
+                node.path
+            ));
+        }
+    }
+    for hook in &edits.hooks {
+        if !CDI_HOOK_NAMES.contains(&hook.hook_name.as_str()) {
+            return Err(format!(
+                "hook {:?}: hook name {:?} is not one of {}",
+                hook.path,
+                hook.hook_name,
+                CDI_HOOK_NAMES.join(", ")
+            ));
+        }
+        if hook.path.is_empty() {
+            return Err(format!("{} hook with an empty path", hook.hook_name));
+        }
+    }
+    for mount in &edits.mounts {
+        if mount.host_path.is_empty() || mount.container_path.is_empty() {
+            return Err(format!(
+                "mount {:?} -> {:?}: both paths are required",
+                mount.host_path, mount.container_path
+            ));
+        }
+    }
+    Ok(edits
+        .device_nodes
+        .iter()
+        .any(|n| n.host_path.as_deref().is_some_and(|h| !h.is_empty())))
 }
 
 impl CdiStore {
@@ -367,47 +419,51 @@ impl CdiStore {
             path: path.clone(),
             message,
         };
-        let common_version = self
+        let common_needs_v050 = self
             .common_check
             .get_or_init(|| {
-                let probe = [serde_json::json!({
-                    "name": "common",
-                    "containerEdits": {"env": ["CLEAVE_CDI_CHECK=1"]},
-                })];
-                spec_doc(
-                    container_device_interface::specs::config::CURRENT_VERSION,
-                    &probe,
-                    &self.common,
-                )
-                .and_then(|doc| check_doc(&doc, &path))
-                .map_err(|e| format!("the driver's common edits: {e}"))
+                check_edits(&self.common).map_err(|e| format!("the driver's common edits: {e}"))
             })
             .clone()
             .map_err(&invalid)?;
+        let claim_needs_v050 =
+            check_edits(claim_edits).map_err(|e| invalid(format!("the claim's edits: {e}")))?;
+        let mut needs_v050 = common_needs_v050 || claim_needs_v050;
+        if devices.is_empty() {
+            return Err(invalid("a spec needs at least one device".into()));
+        }
         let mut device_values = Vec::with_capacity(devices.len());
         for device in devices {
             validate_device_name(&device.device_name)?;
+            let name = cdi_device_name(claim_uid, &device.device_name);
+            if device.edits.is_empty() {
+                return Err(invalid(format!(
+                    "device {name}: no container edits (a CDI device must change the container)"
+                )));
+            }
+            let device_needs_v050 =
+                check_edits(&device.edits).map_err(|e| invalid(format!("device {name}: {e}")))?;
+            needs_v050 |= device_needs_v050 || !name.starts_with(|c: char| c.is_ascii_alphabetic());
+            if device_values
+                .iter()
+                .any(|v: &serde_json::Value| v["name"] == name.as_str())
+            {
+                return Err(invalid(format!("device {name} is listed twice")));
+            }
             device_values.push(serde_json::json!({
-                "name": cdi_device_name(claim_uid, &device.device_name),
+                "name": name,
                 "containerEdits": device.edits,
             }));
         }
-        let claim_doc = spec_doc(
-            container_device_interface::specs::config::CURRENT_VERSION,
-            &device_values,
-            claim_edits,
-        )
-        .map_err(&invalid)?;
-        let claim_version = check_doc(&claim_doc, &path).map_err(&invalid)?;
-        // Emit the lowest version that carries the features used: the widest runtime support.
-        let version = if claim_version.is_greater_than(&common_version) {
-            claim_version
+        // The lowest version that carries the fields used: the widest runtime support.
+        let version = if needs_v050 {
+            CDI_VERSION_HOST_PATH
         } else {
-            common_version
+            CDI_VERSION_BASE
         };
         let mut spec_edits = self.common.clone();
         spec_edits.extend(claim_edits);
-        let doc = spec_doc(&version.to_string(), &device_values, &spec_edits).map_err(&invalid)?;
+        let doc = spec_doc(version, &device_values, &spec_edits).map_err(&invalid)?;
         serde_json::to_vec(&doc).map_err(|e| invalid(e.to_string()))
     }
 
@@ -630,6 +686,159 @@ mod tests {
                 .render(UID, &devices, &ContainerEdits::default())
                 .unwrap_err();
             assert!(e.to_string().contains("common edits"), "{e}");
+        }
+    }
+
+    /// The driver's own checks and version rule agree with the `container-device-interface`
+    /// crate's full validation (schema and semantics) over generated edits, the bad ones
+    /// included: whatever the driver writes, a runtime's CDI library loads.
+    mod against_the_cdi_crate {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn text() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just(String::new()),
+                Just("/dev/nvidia0".to_owned()),
+                Just("/usr/lib/x86_64-linux-gnu/libcuda.so.1".to_owned()),
+                "[a-z/._-]{1,12}",
+            ]
+        }
+
+        fn env() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("A=B".to_owned()),
+                Just("=x".to_owned()),
+                Just("NO_VALUE=".to_owned()),
+                Just("NOEQUALS".to_owned()),
+                "[A-Z_]{0,4}=?[a-z=]{0,4}",
+            ]
+        }
+
+        fn node() -> impl Strategy<Value = DeviceNode> {
+            (
+                text(),
+                proptest::option::of(text()),
+                proptest::option::of(prop_oneof![
+                    Just("c".to_owned()),
+                    Just("b".to_owned()),
+                    Just(String::new()),
+                    Just("x".to_owned()),
+                ]),
+                proptest::option::of(0i64..300),
+            )
+                .prop_map(|(path, host_path, r#type, num)| DeviceNode {
+                    path,
+                    host_path,
+                    r#type,
+                    major: num,
+                    minor: num,
+                })
+        }
+
+        fn hook() -> impl Strategy<Value = Hook> {
+            (
+                prop_oneof![
+                    Just("createContainer".to_owned()),
+                    Just("prestart".to_owned()),
+                    Just("poststop".to_owned()),
+                    Just("create-container".to_owned()),
+                    Just(String::new()),
+                ],
+                text(),
+            )
+                .prop_map(|(hook_name, path)| Hook {
+                    hook_name,
+                    args: vec![path.clone(), "create-symlinks".into()],
+                    path,
+                })
+        }
+
+        fn mount() -> impl Strategy<Value = Mount> {
+            (
+                text(),
+                text(),
+                proptest::collection::vec("ro|bind|nosuid", 0..3),
+            )
+                .prop_map(|(host_path, container_path, options)| Mount {
+                    host_path,
+                    container_path,
+                    options,
+                })
+        }
+
+        fn edits() -> impl Strategy<Value = ContainerEdits> {
+            (
+                proptest::collection::vec(env(), 0..3),
+                proptest::collection::vec(node(), 0..3),
+                proptest::collection::vec(mount(), 0..2),
+                proptest::collection::vec(hook(), 0..2),
+            )
+                .prop_map(|(env, device_nodes, mounts, hooks)| ContainerEdits {
+                    env,
+                    device_nodes,
+                    mounts,
+                    hooks,
+                })
+        }
+
+        /// The crate's verdict on `edits` used as spec-level, claim and device edits, and
+        /// the version it requires.
+        fn crate_verdict(
+            uid: &str,
+            device_name: &str,
+            common: &ContainerEdits,
+            claim: &ContainerEdits,
+            device: &ContainerEdits,
+        ) -> Result<String, String> {
+            let mut spec_edits = common.clone();
+            spec_edits.extend(claim);
+            let doc = spec_doc(
+                "1.1.0",
+                &[serde_json::json!({
+                    "name": cdi_device_name(uid, device_name),
+                    "containerEdits": device,
+                })],
+                &spec_edits,
+            )?;
+            let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
+            container_device_interface::schema::validate_builtin(&bytes)
+                .map_err(|e| format!("{e:#}"))?;
+            let raw: container_device_interface::specs::config::Spec =
+                serde_json::from_value(doc.clone()).map_err(|e| e.to_string())?;
+            let version = container_device_interface::version::minimum_required_version(&raw)
+                .map_err(|e| format!("{e:#}"))?;
+            container_device_interface::spec::new_spec(
+                &raw,
+                &PathBuf::from("/var/run/cdi/x.json"),
+                0,
+            )
+            .map_err(|e| format!("{e:#}"))?;
+            Ok(version.to_string())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(400))]
+            #[test]
+            fn same_verdict_and_version(
+                common in edits(),
+                claim in edits(),
+                device in edits(),
+                uid in prop_oneof![Just(UID), Just("a1b2c3d4-0000-4000-8000-000000000000")],
+            ) {
+                let store = CdiStore::new("/var/run/cdi", common.clone());
+                let devices = [CdiDevice { device_name: "gpu-0".into(), edits: device.clone() }];
+                let ours = store.render(uid, &devices, &claim);
+                let theirs = crate_verdict(uid, "gpu-0", &common, &claim, &device);
+                match (&ours, &theirs) {
+                    (Ok(bytes), Ok(version)) => {
+                        let v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+                        prop_assert_eq!(v["cdiVersion"].as_str(), Some(version.as_str()));
+                    }
+                    (Err(_), Err(_)) => {}
+                    _ => prop_assert!(false, "driver {:?} vs crate {:?}", ours.as_ref().map(|_| ()), theirs),
+                }
+            }
         }
     }
 
