@@ -25,7 +25,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use cleave_api::names::{CDI_CLASS, CDI_KIND, CDI_VENDOR, DNS_LABEL_MAX};
+use cleave_api::limits::MAX_DNS_LABEL_LENGTH;
+use cleave_api::names::{CDI_CLASS, CDI_KIND, CDI_VENDOR, is_dns_label};
 use container_device_interface::version::VersionWrapper;
 use serde::Serialize;
 
@@ -184,14 +185,7 @@ pub struct CdiDevice {
 
 /// Checks that a claim UID is safe in a file name and a CDI device name.
 pub fn validate_claim_uid(uid: &str) -> Result<(), CdiError> {
-    let ok = !uid.is_empty()
-        && uid.len() <= DNS_LABEL_MAX
-        && uid
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !uid.starts_with('-')
-        && !uid.ends_with('-');
-    if ok {
+    if is_dns_label(uid) {
         Ok(())
     } else {
         Err(CdiError::InvalidClaimUid {
@@ -202,14 +196,7 @@ pub fn validate_claim_uid(uid: &str) -> Result<(), CdiError> {
 
 /// Checks that a device name is a DNS label (`[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63).
 pub fn validate_device_name(name: &str) -> Result<(), CdiError> {
-    let ok = !name.is_empty()
-        && name.len() <= DNS_LABEL_MAX
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !name.starts_with('-')
-        && !name.ends_with('-');
-    if ok {
+    if is_dns_label(name) {
         Ok(())
     } else {
         Err(CdiError::InvalidDeviceName {
@@ -234,7 +221,7 @@ pub fn cdi_device_name(claim_uid: &str, device_name: &str) -> String {
 /// already make it unique; the share ID says which allocation it is.
 pub fn share_device_name(device_name: &str, share_id: &str) -> String {
     let mut name = format!("{device_name}-share-{share_id}");
-    name.truncate(DNS_LABEL_MAX);
+    name.truncate(MAX_DNS_LABEL_LENGTH);
     while name.ends_with('-') {
         name.pop();
     }
