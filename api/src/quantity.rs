@@ -7,7 +7,7 @@
 //! <number>          ::= <digits> | <digits>.<digits> | <digits>. | .<digits>
 //! <suffix>          ::= <binarySI> | <decimalExponent> | <decimalSI>
 //! <binarySI>        ::= Ki | Mi | Gi | Ti | Pi | Ei
-//! <decimalSI>       ::= m | "" | k | M | G | T | P | E
+//! <decimalSI>       ::= n | u | m | "" | k | M | G | T | P | E
 //! <decimalExponent> ::= e <sign>? <digits> | E <sign>? <digits>
 //! ```
 //!
@@ -211,6 +211,8 @@ fn parse_value(text: &str) -> Result<i64, QuantityError> {
     let suffix = &text[pos..];
     let (exp10, exp2): (i64, u32) = match suffix {
         "" => (0, 0),
+        "n" => (-9, 0),
+        "u" => (-6, 0),
         "m" => (-3, 0),
         "k" => (3, 0),
         "M" => (6, 0),
