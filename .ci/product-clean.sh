@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The shipped crates and binaries carry no mock, fixture or stand-in code:
 #  (a) no test-rig crate is a normal (non-dev, non-build) dependency of a product crate;
-#  (b) the plugin and CDI hook binaries, built without extra features, hold none of the
+#  (b) no product library compiles a mock or fixtures module unconditionally;
+#  (c) the plugin and CDI hook binaries, built without extra features, hold none of the
 #      test rig's marker names in their symbols or strings.
 # Report-only by default (prints what it finds, exits 0); CLEAVE_PRODUCT_CLEAN_STRICT=1
 # makes any finding fail. CLEAVE_PRODUCT_CLEAN_PROFILE=release checks the release build
@@ -46,7 +47,16 @@ for crate in "${product_crates[@]}"; do
   done
 done
 
-echo "-- (b) marker names in the shipped binaries ($profile build, default features)"
+echo "-- (b) test-rig modules compiled into the product libraries (no #[cfg(...)] above them)"
+while IFS= read -r f; do
+  while IFS= read -r line; do
+    found "$f: $line"
+  done < <(awk '/^[[:space:]]*#\[cfg\(/ {cfg = 1; next}
+    /^[[:space:]]*(pub(\([a-z]+\))? )?mod (mock|mocks|fixtures|fakes|testing|standin|stand_in)[[:space:]]*;/ { if (!cfg) print }
+    {cfg = 0}' "$f")
+done < <(git ls-files 'api/src/*.rs' 'driver/src/*.rs' 'controller/src/*.rs' 'kubelet-plugin/src/*.rs' 'cdi-hook/src/*.rs')
+
+echo "-- (c) marker names in the shipped binaries ($profile build, default features)"
 build_args=(--locked -p cleave-kubelet-plugin --bins)
 [[ "$profile" == release ]] && build_args+=(--release)
 cargo build "${build_args[@]}"
@@ -70,7 +80,7 @@ for bin in cleave-kubelet-plugin cleave-cdi-hook; do
 done
 
 if ((findings == 0)); then
-  echo "product clean: no test-rig crate among the product's dependencies, no marker in its binaries"
+  echo "product clean: no test-rig crate among the product's dependencies, no rig module, no marker in its binaries"
   exit 0
 fi
 echo "product clean: $findings finding(s) above"
