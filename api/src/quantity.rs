@@ -347,6 +347,12 @@ mod tests {
         assert_eq!(v("1.5k"), 1500);
         assert_eq!(v("1.G"), 1_000_000_000);
         assert_eq!(v(".5k"), 500);
+        assert_eq!(v("1000000000n"), 1);
+        assert_eq!(v("3000000u"), 3);
+        assert_eq!(
+            err("1n"),
+            "invalid quantity \"1n\": not a whole number of bytes"
+        );
     }
 
     #[test]
