@@ -74,7 +74,8 @@ for bin in cleave-kubelet-plugin cleave-cdi-hook; do
   for m in "${markers[@]}"; do
     n="$(grep -cF -- "$m" "$target_dir/product-clean-$bin.txt" || true)"
     if ((n > 0)); then
-      found "$bin: $n lines with '$m', e.g.: $(grep -F -- "$m" "$target_dir/product-clean-$bin.txt" | head -n 3 | cut -c1-160 | tr '\n' '|')"
+      pattern="$(printf '%s' "$m" | sed 's/[].[*^$()+?{|\\]/\\&/g')"
+      found "$bin: $n lines with '$m', e.g.: $(grep -oaE -- ".{0,30}$pattern.{0,50}" "$target_dir/product-clean-$bin.txt" | head -n 3 | tr '\n' '|')"
     fi
   done
 done
