@@ -30,6 +30,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::str::FromStr;
 
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -141,7 +142,7 @@ pub enum ApplyError {
         /// Index of the entry in `status.allocation.devices.config`.
         index: usize,
         /// Where the entry came from.
-        from: crate::merge::ConfigSource,
+        from: ConfigSource,
         /// `GpuConfig` or `MigConfig`.
         config_kind: &'static str,
         /// The kind of the allocated device.
@@ -149,10 +150,50 @@ pub enum ApplyError {
     },
 }
 
-/// Whether an allocated device is a whole GPU or a MIG device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Where a config entry came from (`DeviceAllocationConfiguration.source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ConfigSource {
+    /// Set by the DeviceClass (`FromClass`), i.e. by the cluster admin.
+    FromClass,
+    /// Set in the claim (`FromClaim`), i.e. by the user.
+    FromClaim,
+}
+
+impl ConfigSource {
+    /// The API value, `FromClass` or `FromClaim`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::FromClass => "FromClass",
+            Self::FromClaim => "FromClaim",
+        }
+    }
+}
+
+impl fmt::Display for ConfigSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ConfigSource {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "FromClass" => Ok(Self::FromClass),
+            "FromClaim" => Ok(Self::FromClaim),
+            _ => Err(()),
+        }
+    }
+}
+
+/// Whether an allocated device is a whole GPU or a MIG device: the config kind it takes and
+/// the kind the checkpoint records (serialized `gpu` / `mig`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub enum DeviceKind {
-    /// A whole GPU (takes [`GpuConfig`]).
+    /// A whole GPU (takes [`GpuConfig`]; also one served by a full-size MIG instance on a
+    /// MIG-enabled GPU).
     Gpu,
     /// A MIG device (takes [`MigConfig`]).
     Mig,
@@ -223,6 +264,22 @@ pub enum SharingStrategy {
     /// A per-claim MPS control daemon.
     #[serde(rename = "MPS")]
     Mps,
+}
+
+impl SharingStrategy {
+    /// The lower-case label of metrics, `usage` output and `--consumable-capacity`
+    /// (`time-slicing`, `mps`); [`sharing_label`] adds `exclusive` for no sharing.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::TimeSlicing => "time-slicing",
+            Self::Mps => "mps",
+        }
+    }
+}
+
+/// The label of how a device is shared: `exclusive` when it is not, else the strategy's.
+pub fn sharing_label(sharing: Option<SharingStrategy>) -> &'static str {
+    sharing.map_or("exclusive", SharingStrategy::label)
 }
 
 impl fmt::Display for SharingStrategy {

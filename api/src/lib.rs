@@ -19,13 +19,13 @@ pub mod pool;
 pub mod quantity;
 
 pub use config::{
-    ApplyError, ConfigError, DeviceConfig, DeviceKind, GpuConfig, MigConfig, MpsConfig,
-    PinnedMemoryLimit, Sharing, SharingStrategy, TimeSliceInterval, TimeSlicingConfig,
+    ApplyError, ConfigError, ConfigSource, DeviceConfig, DeviceKind, GpuConfig, MigConfig,
+    MpsConfig, PinnedMemoryLimit, Sharing, SharingStrategy, TimeSliceInterval, TimeSlicingConfig,
     ValidationError, decode_config, parse_config,
 };
 pub use merge::{
-    ClaimConfigError, ConfigEntry, ConfigSource, ResolvedConfig, merge_configs,
-    resolve_allocation_configs, resolve_claim_configs,
+    ClaimConfigError, ConfigEntry, ResolvedConfig, merge_configs, resolve_allocation_configs,
+    resolve_claim_configs,
 };
 pub use names::DeviceName;
 pub use quantity::{Quantity, QuantityError};

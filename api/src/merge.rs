@@ -16,50 +16,13 @@
 //! device is an error) is checked when applying it: [`ResolvedConfig::sharing_for`].
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 
 use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ApplyError, ConfigError, DeviceConfig, DeviceKind, Sharing, decode_config};
-
-/// Where a config entry came from (`DeviceAllocationConfiguration.source`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum ConfigSource {
-    /// Set by the DeviceClass (`FromClass`), i.e. by the cluster admin.
-    FromClass,
-    /// Set in the claim (`FromClaim`), i.e. by the user.
-    FromClaim,
-}
-
-impl ConfigSource {
-    /// The API value, `FromClass` or `FromClaim`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::FromClass => "FromClass",
-            Self::FromClaim => "FromClaim",
-        }
-    }
-}
-
-impl fmt::Display for ConfigSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for ConfigSource {
-    type Err = ();
-
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s {
-            "FromClass" => Ok(Self::FromClass),
-            "FromClaim" => Ok(Self::FromClaim),
-            _ => Err(()),
-        }
-    }
-}
+use crate::config::{
+    ApplyError, ConfigError, ConfigSource, DeviceConfig, DeviceKind, Sharing, decode_config,
+};
 
 /// One decoded config entry of an allocation, for this driver.
 #[derive(Debug, Clone, PartialEq, Eq)]

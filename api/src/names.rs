@@ -4,6 +4,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::limits::MAX_DNS_LABEL_LENGTH;
+
 /// Default DRA driver name (also the attribute domain and the opaque config API group).
 pub const DRIVER_NAME: &str = "gpu.cleave.dev";
 /// API version of the opaque config objects.
@@ -92,8 +94,16 @@ pub mod device_type {
     pub const MIG: &str = "mig";
 }
 
-/// Maximum length of a DNS label (device names must be DNS labels).
-pub const DNS_LABEL_MAX: usize = 63;
+/// Whether `s` is a DNS-1123 label (`[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 bytes), as
+/// device, counter-set and counter names and claim UIDs in CDI names must be.
+pub fn is_dns_label(s: &str) -> bool {
+    let alnum = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    let b = s.as_bytes();
+    b.len() <= MAX_DNS_LABEL_LENGTH
+        && b.first().is_some_and(alnum)
+        && b.last().is_some_and(alnum)
+        && b.iter().all(|c| alnum(c) || *c == b'-')
+}
 
 /// Maximum length of a DNS subdomain (node names, pool names).
 pub const DNS_SUBDOMAIN_MAX: usize = 253;
@@ -236,7 +246,7 @@ impl FromStr for DeviceName {
             name: name.to_owned(),
             reason,
         };
-        if name.len() > DNS_LABEL_MAX {
+        if name.len() > MAX_DNS_LABEL_LENGTH {
             return Err(err("longer than 63 characters"));
         }
         let rest = name
@@ -270,6 +280,18 @@ impl FromStr for DeviceName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dns_labels() {
+        assert!(is_dns_label("gpu-0-mig-1g10gb-3"));
+        assert!(is_dns_label(&"a".repeat(63)));
+        assert!(!is_dns_label(&"a".repeat(64)));
+        assert!(!is_dns_label("-a"));
+        assert!(!is_dns_label("a-"));
+        assert!(!is_dns_label("A"));
+        assert!(!is_dns_label("a_b"));
+        assert!(!is_dns_label(""));
+    }
 
     #[test]
     fn node_names_follow_dns_subdomain_rules() {

@@ -3,6 +3,8 @@
 
 use k8s_openapi::api::resource::v1::{CounterSet, Device};
 
+use crate::config::SharingStrategy;
+
 /// Devices that must be published in the same ResourceSlice as the counter sets they
 /// consume (on Kubernetes 1.34 a counter set and its consumers share a slice).
 /// The driver emits one group per GPU; groups without counter sets may be merged freely.
@@ -54,10 +56,15 @@ impl ConsumableCapacity {
 
     /// The flag value (`off`, `mps`, `time-slicing`).
     pub fn as_str(self) -> &'static str {
+        self.sharing().map_or("off", SharingStrategy::label)
+    }
+
+    /// How shares of a device are shared in this mode; `None` when there are no shares.
+    pub fn sharing(self) -> Option<SharingStrategy> {
         match self {
-            Self::Off => "off",
-            Self::Mps => "mps",
-            Self::TimeSlicing => "time-slicing",
+            Self::Off => None,
+            Self::Mps => Some(SharingStrategy::Mps),
+            Self::TimeSlicing => Some(SharingStrategy::TimeSlicing),
         }
     }
 

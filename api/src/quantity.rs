@@ -7,7 +7,7 @@
 //! <number>          ::= <digits> | <digits>.<digits> | <digits>. | .<digits>
 //! <suffix>          ::= <binarySI> | <decimalExponent> | <decimalSI>
 //! <binarySI>        ::= Ki | Mi | Gi | Ti | Pi | Ei
-//! <decimalSI>       ::= m | "" | k | M | G | T | P | E
+//! <decimalSI>       ::= n | u | m | "" | k | M | G | T | P | E
 //! <decimalExponent> ::= e <sign>? <digits> | E <sign>? <digits>
 //! ```
 //!
@@ -211,6 +211,8 @@ fn parse_value(text: &str) -> Result<i64, QuantityError> {
     let suffix = &text[pos..];
     let (exp10, exp2): (i64, u32) = match suffix {
         "" => (0, 0),
+        "n" => (-9, 0),
+        "u" => (-6, 0),
         "m" => (-3, 0),
         "k" => (3, 0),
         "M" => (6, 0),
@@ -345,6 +347,12 @@ mod tests {
         assert_eq!(v("1.5k"), 1500);
         assert_eq!(v("1.G"), 1_000_000_000);
         assert_eq!(v(".5k"), 500);
+        assert_eq!(v("1000000000n"), 1);
+        assert_eq!(v("3000000u"), 3);
+        assert_eq!(
+            err("1n"),
+            "invalid quantity \"1n\": not a whole number of bytes"
+        );
     }
 
     #[test]

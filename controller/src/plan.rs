@@ -22,9 +22,10 @@ use cleave_api::limits::{
     MAX_ATTRIBUTE_VALUE_LENGTH, MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE,
     MAX_COUNTER_CONSUMPTIONS_PER_DEVICE, MAX_COUNTER_SETS_PER_SLICE, MAX_COUNTERS_PER_COUNTER_SET,
     MAX_COUNTERS_PER_DEVICE, MAX_DEVICE_COUNTERS_PER_SLICE, MAX_DEVICES_PER_SLICE,
-    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, MAX_DNS_LABEL_LENGTH,
-    MAX_SHARED_COUNTERS_PER_SLICE, MAX_TAINTS_PER_DEVICE,
+    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS, MAX_SHARED_COUNTERS_PER_SLICE,
+    MAX_TAINTS_PER_DEVICE,
 };
+use cleave_api::names::is_dns_label;
 use cleave_api::pool::{DeviceGroup, PoolDevices};
 use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourcePool, ResourceSliceSpec};
 
@@ -180,17 +181,6 @@ pub enum PlanError {
         /// The name.
         name: String,
     },
-}
-
-/// Whether `s` is a DNS-1123 label.
-pub(crate) fn is_dns_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    let ok = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-    !b.is_empty()
-        && b.len() <= MAX_DNS_LABEL_LENGTH
-        && b.first().is_some_and(ok)
-        && b.last().is_some_and(ok)
-        && b.iter().all(|c| ok(c) || *c == b'-')
 }
 
 fn check_label(kind: &'static str, name: &str) -> Result<(), PlanError> {
@@ -1021,17 +1011,6 @@ mod tests {
             plan_slices(&pool, SliceLayout::CountersWithDevices),
             Err(PlanError::InvalidName { .. })
         ));
-    }
-
-    #[test]
-    fn dns_labels() {
-        assert!(is_dns_label("gpu-0-mig-1g10gb-3"));
-        assert!(is_dns_label(&"a".repeat(63)));
-        assert!(!is_dns_label(&"a".repeat(64)));
-        assert!(!is_dns_label("-a"));
-        assert!(!is_dns_label("a-"));
-        assert!(!is_dns_label("A"));
-        assert!(!is_dns_label(""));
     }
 
     #[test]

@@ -13,9 +13,7 @@ use std::time::{Duration, Instant};
 use cleave_driver::backend::GpuBackend as _;
 use cleave_driver::model::Placement;
 use cleave_driver::nvml::NvmlBackend;
-use cleave_driver::usage::{
-    Allocation, ClaimDevice, ClaimRef, DeviceKind, MigRef, SharingMode, UsageSampler,
-};
+use cleave_driver::usage::{Allocation, ClaimDevice, ClaimRef, Holding, MigRef, UsageSampler};
 
 const CHILD: &str = "CLEAVE_USAGE_BENCH_CHILD";
 const GPUS: usize = 8;
@@ -85,8 +83,8 @@ fn main() {
                     name: format!("claim-{g}-{start}"),
                 },
                 device: format!("gpu-{g}-mig-1g.10gb-{start}"),
-                kind: DeviceKind::Mig,
-                sharing: SharingMode::Exclusive,
+                kind: Holding::Mig,
+                sharing: None,
                 share_id: None,
                 gpu_uuid: gpu.uuid.clone(),
                 mig: Some(MigRef {

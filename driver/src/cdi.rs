@@ -27,10 +27,11 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use cleave_api::names::{CDI_CLASS, CDI_KIND, CDI_VENDOR, DNS_LABEL_MAX};
-use serde::Serialize;
+use cleave_api::limits::MAX_DNS_LABEL_LENGTH;
+use cleave_api::names::{CDI_CLASS, CDI_KIND, CDI_VENDOR, is_dns_label};
 
 use crate::checkpoint::write_file_atomic;
+pub use crate::container_edits::{ContainerEdits, DeviceNode, Hook, Mount};
 use crate::driver_root::DriverFiles;
 
 /// Default CDI root for generated specs (the runtime's dynamic, highest-priority directory).
@@ -79,101 +80,6 @@ pub enum CdiError {
     },
 }
 
-/// CDI container edits (the subset cleave emits), serialised with the CDI field names.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ContainerEdits {
-    /// `NAME=VALUE` entries.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub env: Vec<String>,
-    /// Device nodes.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub device_nodes: Vec<DeviceNode>,
-    /// Bind mounts.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub mounts: Vec<Mount>,
-    /// OCI hooks (cleave's CDI hook: soname links, ld cache, CUDA compat).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub hooks: Vec<Hook>,
-}
-
-impl ContainerEdits {
-    /// True if the edits change nothing.
-    pub fn is_empty(&self) -> bool {
-        self.env.is_empty()
-            && self.device_nodes.is_empty()
-            && self.mounts.is_empty()
-            && self.hooks.is_empty()
-    }
-
-    /// Appends `other`'s edits.
-    pub fn extend(&mut self, other: &ContainerEdits) {
-        self.env.extend(other.env.iter().cloned());
-        self.device_nodes.extend(other.device_nodes.iter().cloned());
-        self.mounts.extend(other.mounts.iter().cloned());
-        self.hooks.extend(other.hooks.iter().cloned());
-    }
-}
-
-/// A CDI (OCI) hook.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Hook {
-    /// `createContainer` for every hook cleave emits: it runs after the container's mounts
-    /// exist and before its process starts.
-    pub hook_name: String,
-    /// The program, as a path on the host (the runtime resolves it in its own namespace).
-    pub path: String,
-    /// Arguments, `args[0]` being the program name (OCI convention).
-    pub args: Vec<String>,
-}
-
-/// A CDI device node.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DeviceNode {
-    /// Path in the container.
-    pub path: String,
-    /// Path on the host.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub host_path: Option<String>,
-    /// `c` for a character device, when given.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub r#type: Option<String>,
-    /// Major number, when given.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub major: Option<i64>,
-    /// Minor number, when given.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub minor: Option<i64>,
-}
-
-impl DeviceNode {
-    /// A node the runtime stats on the host to learn type and numbers.
-    pub fn path(container: impl AsRef<Path>, host: impl AsRef<Path>) -> Self {
-        Self {
-            path: container.as_ref().display().to_string(),
-            host_path: Some(host.as_ref().display().to_string()),
-            r#type: None,
-            major: None,
-            minor: None,
-        }
-    }
-}
-
-/// A CDI bind mount.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Mount {
-    /// Source on the host.
-    pub host_path: String,
-    /// Target in the container.
-    pub container_path: String,
-    /// Mount options (`ro`, `bind`, ...).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub options: Vec<String>,
-}
-
 /// One device of a claim spec: the cleave device name and its own edits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CdiDevice {
@@ -185,14 +91,7 @@ pub struct CdiDevice {
 
 /// Checks that a claim UID is safe in a file name and a CDI device name.
 pub fn validate_claim_uid(uid: &str) -> Result<(), CdiError> {
-    let ok = !uid.is_empty()
-        && uid.len() <= DNS_LABEL_MAX
-        && uid
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !uid.starts_with('-')
-        && !uid.ends_with('-');
-    if ok {
+    if is_dns_label(uid) {
         Ok(())
     } else {
         Err(CdiError::InvalidClaimUid {
@@ -203,14 +102,7 @@ pub fn validate_claim_uid(uid: &str) -> Result<(), CdiError> {
 
 /// Checks that a device name is a DNS label (`[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63).
 pub fn validate_device_name(name: &str) -> Result<(), CdiError> {
-    let ok = !name.is_empty()
-        && name.len() <= DNS_LABEL_MAX
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !name.starts_with('-')
-        && !name.ends_with('-');
-    if ok {
+    if is_dns_label(name) {
         Ok(())
     } else {
         Err(CdiError::InvalidDeviceName {
@@ -235,7 +127,7 @@ pub fn cdi_device_name(claim_uid: &str, device_name: &str) -> String {
 /// already make it unique; the share ID says which allocation it is.
 pub fn share_device_name(device_name: &str, share_id: &str) -> String {
     let mut name = format!("{device_name}-share-{share_id}");
-    name.truncate(DNS_LABEL_MAX);
+    name.truncate(MAX_DNS_LABEL_LENGTH);
     while name.ends_with('-') {
         name.pop();
     }

@@ -35,7 +35,7 @@
 //! with no prepared claims. MIG instances cleave created for old claims then look like instances an
 //! administrator made: remove them with `nvidia-smi mig -dci` / `-dgi` if they are not in use.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -117,6 +117,20 @@ pub struct CheckpointData {
     pub claims: BTreeMap<String, ClaimRecord>,
 }
 
+impl CheckpointData {
+    /// UUIDs of the MIG instances the records hold, with `record` in place of the recorded
+    /// claim of the same UID.
+    pub(crate) fn mig_uuids_with(&self, record: &ClaimRecord) -> BTreeSet<String> {
+        self.claims
+            .values()
+            .filter(|r| r.uid != record.uid)
+            .chain(std::iter::once(record))
+            .flat_map(|r| &r.devices)
+            .filter_map(|d| d.mig.as_ref()?.uuid.clone())
+            .collect()
+    }
+}
+
 /// Where a claim is in its life on this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClaimState {
@@ -156,15 +170,8 @@ pub struct ClaimRecord {
     pub sharing: Option<serde_json::Value>,
 }
 
-/// Kind of a prepared device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum DeviceKind {
-    /// A whole GPU (used as is, or as one full-size MIG instance on a MIG-enabled GPU).
-    Gpu,
-    /// A MIG device.
-    Mig,
-}
+/// Kind of a prepared device (recorded as `gpu` / `mig`).
+pub use cleave_api::DeviceKind;
 
 /// One device of a claim.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -22,7 +22,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::cdi::{ContainerEdits, DeviceNode, Hook, Mount};
+use crate::container_edits::{ContainerEdits, DeviceNode, Hook, Mount};
 
 /// Control device nodes every CUDA container needs, as names under `/dev`.
 pub const CONTROL_NODES: &[&str] = &[

@@ -4,12 +4,14 @@
 //!   [`nvml`]: the real backend over NVML.
 //! - [`pool`]: turns the model into published devices; [`inspect`]: human-readable views.
 //! - [`prepare`]: the prepare/unprepare state machine; [`cdi`]: CDI spec files;
-//!   [`checkpoint`]: the durable record of prepared claims; [`driver_root`]: driver files.
+//!   [`container_edits`]: what CDI adds to a container; [`checkpoint`]: the durable record
+//!   of prepared claims; [`driver_root`]: driver files.
 //! - [`health`]: device health events; [`usage`]: per-claim usage sampling and idle claims.
 
 pub mod backend;
 pub mod cdi;
 pub mod checkpoint;
+pub mod container_edits;
 pub mod device_health;
 pub mod driver_root;
 pub mod fault;

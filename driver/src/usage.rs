@@ -57,9 +57,11 @@ pub const USAGE_METRIC_NAMES: &[&str] = &[
 /// Which claim a device belongs to (the driver's one claim identity).
 pub use crate::model::ClaimRef;
 
-/// What the claim holds of the hardware.
+/// What the claim holds of the hardware (the `kind` label): a device to itself, a share
+/// through its own MPS daemon, or a capacity share. Not [`cleave_api::Holding`], which
+/// only says GPU or MIG.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DeviceKind {
+pub enum Holding {
     /// A whole GPU to itself.
     Whole,
     /// A MIG device to itself.
@@ -70,7 +72,7 @@ pub enum DeviceKind {
     Share,
 }
 
-impl DeviceKind {
+impl Holding {
     /// Label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -82,27 +84,8 @@ impl DeviceKind {
     }
 }
 
-/// How the device is shared in time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SharingMode {
-    /// Nobody else runs on it.
-    Exclusive,
-    /// Time-sliced with other claims.
-    TimeSlicing,
-    /// Through an MPS daemon.
-    Mps,
-}
-
-impl SharingMode {
-    /// Label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Exclusive => "exclusive",
-            Self::TimeSlicing => "time-slicing",
-            Self::Mps => "mps",
-        }
-    }
-}
+/// How a claim device is shared (the `sharing` label, [`cleave_api::config::sharing_label`]).
+pub use cleave_api::SharingStrategy;
 
 /// The MIG device a claim device is on.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -134,9 +117,9 @@ pub struct ClaimDevice {
     /// Published device name.
     pub device: String,
     /// Whole GPU, MIG device, MPS share or capacity share.
-    pub kind: DeviceKind,
-    /// Sharing mode.
-    pub sharing: SharingMode,
+    pub kind: Holding,
+    /// How it is shared; `None`: exclusive.
+    pub sharing: Option<SharingStrategy>,
     /// `shareID` of a capacity share.
     pub share_id: Option<String>,
     /// UUID of the (parent) GPU.
@@ -164,7 +147,7 @@ impl ClaimDevice {
     }
 
     fn attributes_by_process(&self) -> bool {
-        matches!(self.kind, DeviceKind::Mps | DeviceKind::Share)
+        matches!(self.kind, Holding::Mps | Holding::Share)
     }
 }
 
@@ -691,8 +674,8 @@ mod tests {
         ClaimDevice {
             claim: claim(uid),
             device: format!("gpu-{gpu}"),
-            kind: DeviceKind::Whole,
-            sharing: SharingMode::Exclusive,
+            kind: Holding::Whole,
+            sharing: None,
             share_id: None,
             gpu_uuid: gpu.into(),
             mig: None,
@@ -707,7 +690,7 @@ mod tests {
 
     fn mig(uid: &str, gpu: &str, mig_uuid: &str, gi: u32) -> ClaimDevice {
         ClaimDevice {
-            kind: DeviceKind::Mig,
+            kind: Holding::Mig,
             mig: Some(MigRef {
                 uuid: mig_uuid.into(),
                 gi,
@@ -724,8 +707,8 @@ mod tests {
 
     fn share(uid: &str, gpu: &str, pids: &[u32]) -> ClaimDevice {
         ClaimDevice {
-            kind: DeviceKind::Share,
-            sharing: SharingMode::TimeSlicing,
+            kind: Holding::Share,
+            sharing: Some(SharingStrategy::TimeSlicing),
             share_id: Some(format!("share-{uid}")),
             pids: pids.to_vec(),
             ..whole(uid, gpu)
@@ -851,8 +834,8 @@ mod tests {
             share("a", "GPU-s", &[100, 200]),
             share("b", "GPU-s", &[]),
             ClaimDevice {
-                kind: DeviceKind::Mps,
-                sharing: SharingMode::Mps,
+                kind: Holding::Mps,
+                sharing: Some(SharingStrategy::Mps),
                 ..share("c", "GPU-s", &[300])
             },
         ]);

@@ -9,8 +9,8 @@ use cleave_driver::backend::GpuBackend as _;
 use cleave_driver::model::Placement;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::usage::{
-    Activity, ActivitySource, Allocation, ClaimDevice, ClaimRef, DeviceKind, MemorySource, MigRef,
-    SharingMode, UsageSampler,
+    Activity, ActivitySource, Allocation, ClaimDevice, ClaimRef, Holding, MemorySource, MigRef,
+    SharingStrategy, UsageSampler,
 };
 use common::{mock_lib, run_child, scenario};
 
@@ -23,13 +23,7 @@ fn node(product: &str) -> String {
     )
 }
 
-fn device(
-    uid: &str,
-    kind: DeviceKind,
-    gpu: &str,
-    mig: Option<MigRef>,
-    pids: &[u32],
-) -> ClaimDevice {
+fn device(uid: &str, kind: Holding, gpu: &str, mig: Option<MigRef>, pids: &[u32]) -> ClaimDevice {
     ClaimDevice {
         claim: ClaimRef {
             uid: uid.into(),
@@ -39,11 +33,11 @@ fn device(
         device: format!("dev-{uid}"),
         kind,
         sharing: match kind {
-            DeviceKind::Share => SharingMode::TimeSlicing,
-            DeviceKind::Mps => SharingMode::Mps,
-            _ => SharingMode::Exclusive,
+            Holding::Share => Some(SharingStrategy::TimeSlicing),
+            Holding::Mps => Some(SharingStrategy::Mps),
+            _ => None,
         },
-        share_id: (kind == DeviceKind::Share).then(|| format!("s-{uid}")),
+        share_id: (kind == Holding::Share).then(|| format!("s-{uid}")),
         gpu_uuid: gpu.into(),
         mig,
         allocated: Allocation::default(),
@@ -62,10 +56,10 @@ fn setup() -> (NvmlBackend, Vec<ClaimDevice>, std::path::PathBuf) {
         .create_mig(&uuid(1), 19, Placement { start: 0, size: 1 })
         .unwrap();
     let devices = vec![
-        device("whole", DeviceKind::Whole, &uuid(0), None, &[]),
+        device("whole", Holding::Whole, &uuid(0), None, &[]),
         device(
             "mig",
-            DeviceKind::Mig,
+            Holding::Mig,
             &uuid(1),
             Some(MigRef {
                 uuid: mig.uuid.clone(),
@@ -74,8 +68,8 @@ fn setup() -> (NvmlBackend, Vec<ClaimDevice>, std::path::PathBuf) {
             }),
             &[],
         ),
-        device("share-a", DeviceKind::Share, &uuid(2), None, &[100, 200]),
-        device("share-b", DeviceKind::Share, &uuid(2), None, &[]),
+        device("share-a", Holding::Share, &uuid(2), None, &[100, 200]),
+        device("share-b", Holding::Share, &uuid(2), None, &[]),
     ];
     (backend, devices, control)
 }

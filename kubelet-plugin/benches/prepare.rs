@@ -913,9 +913,7 @@ fn own_rss_kib() -> u64 {
 
 fn usage_child(iterations: usize) {
     use cleave_driver::backend::GpuBackend as _;
-    use cleave_driver::usage::{
-        Allocation, ClaimDevice, ClaimRef, DeviceKind, MigRef, SharingMode,
-    };
+    use cleave_driver::usage::{Allocation, ClaimDevice, ClaimRef, Holding, MigRef};
     let dir = tempfile::tempdir().unwrap();
     let lib = cleave_kubelet_plugin::mock::find_library(&std::env::current_exe().unwrap())
         .expect("mock NVML library not built");
@@ -964,8 +962,8 @@ fn usage_child(iterations: usize) {
                         name: format!("claim-{g}-{start}"),
                     },
                     device: format!("gpu-{g}-mig-1g10gb-{start}"),
-                    kind: DeviceKind::Mig,
-                    sharing: SharingMode::Exclusive,
+                    kind: Holding::Mig,
+                    sharing: None,
                     share_id: None,
                     gpu_uuid: gpu.uuid.clone(),
                     mig: Some(MigRef {

@@ -22,8 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 use cleave_driver::backend::UsageSource;
 use cleave_driver::prepare::NodeDriver;
 use cleave_driver::usage::{
-    ClaimDevice, ClaimRef, DeviceKind, DeviceSample, IdlePolicy, IdleState, IdleTracker,
-    UsageSampler,
+    ClaimDevice, ClaimRef, DeviceSample, Holding, IdlePolicy, IdleState, IdleTracker, UsageSampler,
 };
 use tracing::{debug, info, warn};
 
@@ -385,12 +384,12 @@ pub fn own_scheduling_policy() -> i32 {
 pub fn with_mps_servers(mut devices: Vec<ClaimDevice>) -> Vec<ClaimDevice> {
     if !devices
         .iter()
-        .any(|d| d.kind == DeviceKind::Mps && !d.pids.is_empty())
+        .any(|d| d.kind == Holding::Mps && !d.pids.is_empty())
     {
         return devices;
     }
     let children = process_children(std::path::Path::new("/proc"));
-    for d in devices.iter_mut().filter(|d| d.kind == DeviceKind::Mps) {
+    for d in devices.iter_mut().filter(|d| d.kind == Holding::Mps) {
         d.pids = descendants(&children, &d.pids);
     }
     devices
@@ -476,7 +475,7 @@ mod tests {
     use cleave_driver::backend::{
         BackendError, GpmReading, GpmTarget, MemoryUse, ProcessMemory, ProcessUtilization,
     };
-    use cleave_driver::usage::{Allocation, SharingMode};
+    use cleave_driver::usage::Allocation;
     use std::sync::Mutex;
 
     /// Whole GPUs without GPM whose utilization the test sets.
@@ -517,8 +516,8 @@ mod tests {
                 name: format!("c-{uid}"),
             },
             device: "gpu-0".into(),
-            kind: DeviceKind::Whole,
-            sharing: SharingMode::Exclusive,
+            kind: Holding::Whole,
+            sharing: None,
             share_id: None,
             gpu_uuid: "GPU-0".into(),
             mig: None,

@@ -18,13 +18,11 @@
 
 use std::collections::BTreeSet;
 
-use cleave_api::config::DeviceKind as ConfigKind;
 use cleave_api::merge::base_request;
 use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::plan::{PlannedDevice, claim_label};
-use super::recover::recorded_uuids;
 use super::{
     GpuFacts, NodeDriver, PrepareError, PreparedClaim, PreparedDevice, ShareDevice, SharingClaim,
     SharingDevice, SharingEdits, State, device_need, device_uuid, share_holders, time_slice_needs,
@@ -32,7 +30,7 @@ use super::{
 use crate::backend::BackendError;
 use crate::cdi::{self, CdiDevice};
 use crate::checkpoint::{
-    CheckpointData, ClaimRecord, ClaimState, DeviceKind, DeviceRecord, MigRecord, ShareRecord,
+    CheckpointData, ClaimRecord, ClaimState, DeviceRecord, MigRecord, ShareRecord,
 };
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
@@ -81,14 +79,6 @@ pub(super) fn cdi_name(device: &str, share: Option<&crate::checkpoint::ShareReco
     match share {
         Some(s) => cdi::share_device_name(device, &s.share_id),
         None => device.to_owned(),
-    }
-}
-
-/// Adds `more` to `edits` (claim edits, then per-device edits); `edits.state` is kept.
-pub(super) fn merge_edits(edits: &mut SharingEdits, more: SharingEdits) {
-    edits.claim_edits.extend(&more.claim_edits);
-    for (device, e) in more.device_edits {
-        edits.device_edits.entry(device).or_default().extend(&e);
     }
 }
 
@@ -411,11 +401,7 @@ impl NodeDriver {
                 let sharing = d.config.as_ref()?.config.sharing()?.clone();
                 Some(SharingDevice {
                     device_name: d.name.clone(),
-                    kind: if r.kind == DeviceKind::Mig {
-                        ConfigKind::Mig
-                    } else {
-                        ConfigKind::Gpu
-                    },
+                    kind: r.kind,
                     uuid: device_uuid(r),
                     gpu_uuid: r.gpu_uuid.clone(),
                     gpu: Some(GpuFacts::of(&d.gpu, &d.name)),
@@ -444,7 +430,7 @@ impl NodeDriver {
         if share_edits != SharingEdits::default() {
             crate::fault::point("prepare.after_share_apply");
         }
-        merge_edits(&mut edits, share_edits);
+        edits.merge(share_edits);
 
         // CDI spec.
         crate::timing::timed(crate::timing::step::CDI_WRITE, || {
@@ -636,7 +622,7 @@ impl NodeDriver {
                 .release_shares(&record.uid, &shares, &share_holders(data))?;
             crate::fault::point("release.after_share_release");
         }
-        let taken = recorded_uuids(data, record);
+        let taken = data.mig_uuids_with(record);
         for d in record.devices.iter().rev() {
             let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
                 continue;

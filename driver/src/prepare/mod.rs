@@ -64,7 +64,7 @@ pub use status::{
     ClaimStatusReport, DeviceStatusData, DeviceStatusEntry, MigStatus, MpsStatus,
     STATUS_API_VERSION, STATUS_KIND, ShareStatus,
 };
-pub use summary::{CheckpointReader, CheckpointSummary, RecordedClaim, RecordedState, SharingKind};
+pub use summary::{CheckpointReader, CheckpointSummary, RecordedClaim, RecordedState};
 
 /// Node driver settings (from the plugin's flags).
 #[derive(Debug, Clone, PartialEq, Eq)]

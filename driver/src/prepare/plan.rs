@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 
-use cleave_api::config::DeviceKind as ConfigKind;
 use cleave_api::merge::{ResolvedConfig, resolve_claim_configs};
 use cleave_api::names::{DeviceName, profile_label};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -376,7 +375,7 @@ impl NodeDriver {
             for request in &a.request_names {
                 let resolved = configs.get(request).cloned().flatten();
                 if let Some(r) = &resolved {
-                    r.sharing_for(ConfigKind::from(&name)).map_err(|e| {
+                    r.sharing_for(DeviceKind::from(&name)).map_err(|e| {
                         PrepareError::InvalidConfig {
                             claim: label.to_owned(),
                             message: format!("device {device}: {e}"),

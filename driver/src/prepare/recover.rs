@@ -63,17 +63,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use cleave_api::config::DeviceKind as ConfigKind;
 use cleave_api::merge::ResolvedConfig;
 
-use super::execute::merge_edits;
 use super::{
     DriverView, GpuFacts, NodeDriver, PrepareError, SharingClaim, SharingDevice, SharingEdits,
     device_uuid, empty_inventory, shared_daemon_key, time_slice_needs,
 };
 use crate::backend::BackendError;
 use crate::cdi;
-use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, DeviceKind, MigRecord};
+use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, MigRecord};
 use crate::driver_root::{DeviceNeed, DriverFiles};
 use crate::model::NodeInventory;
 
@@ -126,16 +124,6 @@ pub(super) fn claims_of_restarted(
         .collect()
 }
 
-pub(super) fn recorded_uuids(data: &CheckpointData, record: &ClaimRecord) -> BTreeSet<String> {
-    data.claims
-        .values()
-        .filter(|r| r.uid != record.uid)
-        .chain(std::iter::once(record))
-        .flat_map(|r| &r.devices)
-        .filter_map(|d| d.mig.as_ref()?.uuid.clone())
-        .collect()
-}
-
 impl NodeDriver {
     /// The sharing devices of a record, from the effective configs it recorded, with the
     /// facts of their GPUs from `inventory` (see [`Self::gpu_facts`]).
@@ -158,11 +146,7 @@ impl NodeDriver {
                 let sharing = resolved.config.sharing()?.clone();
                 Some(SharingDevice {
                     device_name: r.name.clone(),
-                    kind: if r.kind == DeviceKind::Mig {
-                        ConfigKind::Mig
-                    } else {
-                        ConfigKind::Gpu
-                    },
+                    kind: r.kind,
                     uuid: device_uuid(r),
                     gpu_uuid: r.gpu_uuid.clone(),
                     gpu: self.gpu_facts(inventory, &r.gpu_uuid, &r.name),
@@ -427,7 +411,7 @@ impl NodeDriver {
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
         }
         let share_edits = self.apply_record_shares(&record, data, inventory)?;
-        merge_edits(&mut edits, share_edits);
+        edits.merge(share_edits);
         self.write_cdi(uid, &record, &edits)?;
         data.claims.insert(uid.to_owned(), record);
         self.checkpoint.store(data)?;
@@ -568,7 +552,7 @@ impl NodeDriver {
                         // A crash of this boot came between our create and its record: the
                         // instance at exactly this profile and placement, recorded for nothing
                         // else, is ours.
-                        let taken = recorded_uuids(data, record);
+                        let taken = data.mig_uuids_with(record);
                         list.iter()
                             .find(|i| {
                                 i.profile_id == mig.profile_id
@@ -692,7 +676,7 @@ impl NodeDriver {
         if share_edits != SharingEdits::default() {
             crate::fault::point("recreate.after_share_apply");
         }
-        merge_edits(&mut edits, share_edits);
+        edits.merge(share_edits);
         self.write_cdi(&uid, record, &edits)?;
         // Device metadata: its CDI specs live in the CDI root (gone after a reboot) and a
         // recreated MIG device has a new UUID, so rewrite it (the next generation).

@@ -256,9 +256,8 @@ pub fn time_slice_needs(data: &CheckpointData) -> Vec<TimeSliceNeed> {
     let mut needs = Vec::new();
     for claim in data.claims.values() {
         for device in &claim.devices {
-            let is_whole = device.kind == checkpoint::DeviceKind::Gpu
-                && device.mig.is_none()
-                && !device.admin_access;
+            let is_whole =
+                device.kind == DeviceKind::Gpu && device.mig.is_none() && !device.admin_access;
             let Some(raw) = device.config.as_ref().filter(|_| is_whole) else {
                 continue;
             };
@@ -300,6 +299,16 @@ pub struct SharingEdits {
     pub device_edits: BTreeMap<String, ContainerEdits>,
     /// State to keep in the checkpoint and hand back to [`SharingHandler::release`].
     pub state: Option<serde_json::Value>,
+}
+
+impl SharingEdits {
+    /// Adds `more` (claim edits, then per-device edits); `self.state` is kept.
+    pub fn merge(&mut self, more: SharingEdits) {
+        self.claim_edits.extend(&more.claim_edits);
+        for (device, e) in more.device_edits {
+            self.device_edits.entry(device).or_default().extend(&e);
+        }
+    }
 }
 
 /// A sharing strategy failed.

@@ -9,7 +9,9 @@
 use std::path::Path;
 
 use super::NodeDriver;
-use crate::checkpoint::{CheckpointData, CheckpointError, CheckpointStore, ClaimState};
+use cleave_api::SharingStrategy;
+
+use crate::checkpoint::{CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceKind};
 use crate::sharing::SharingState;
 
 /// Where a recorded claim is in its life on this node.
@@ -21,18 +23,6 @@ pub enum RecordedState {
     Prepared,
     /// Prepared once; its hardware state is gone and waits to be recreated.
     NeedsRecreate,
-}
-
-/// The sharing a recorded claim has set up, as its recorded sharing state says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SharingKind {
-    /// An MPS control daemon of its own.
-    Mps,
-    /// Time slices on whole GPUs.
-    TimeSlicing,
-    /// A sharing state without either (nothing applied, or a state this release does
-    /// not read).
-    Other,
 }
 
 /// One claim the checkpoint records.
@@ -48,8 +38,10 @@ pub struct RecordedClaim {
     pub state: RecordedState,
     /// Its device names on this node, in allocation order.
     pub devices: Vec<String>,
-    /// Its sharing set-up; `None` when it has no sharing.
-    pub sharing: Option<SharingKind>,
+    /// The sharing its recorded sharing state shows set up (an MPS daemon of its own, or
+    /// time slices on whole GPUs); `None` when it has none, or a state this release does not
+    /// read.
+    pub sharing: Option<SharingStrategy>,
     /// Its devices held with admin access (prepared beside other claims, nothing applied).
     pub admin_access_devices: usize,
 }
@@ -67,7 +59,9 @@ impl CheckpointSummary {
     pub fn mps_daemons(&self) -> usize {
         self.claims
             .iter()
-            .filter(|c| c.state == RecordedState::Prepared && c.sharing == Some(SharingKind::Mps))
+            .filter(|c| {
+                c.state == RecordedState::Prepared && c.sharing == Some(SharingStrategy::Mps)
+            })
             .count()
     }
 
@@ -98,11 +92,11 @@ pub(crate) fn summarize(data: &CheckpointData) -> CheckpointSummary {
                 },
                 devices: r.devices.iter().map(|d| d.name.clone()).collect(),
                 admin_access_devices: r.devices.iter().filter(|d| d.admin_access).count(),
-                sharing: r.sharing.as_ref().map(|v| {
+                sharing: r.sharing.as_ref().and_then(|v| {
                     match serde_json::from_value::<SharingState>(v.clone()) {
-                        Ok(s) if s.mps.is_some() => SharingKind::Mps,
-                        Ok(s) if !s.time_slicing.is_empty() => SharingKind::TimeSlicing,
-                        _ => SharingKind::Other,
+                        Ok(s) if s.mps.is_some() => Some(SharingStrategy::Mps),
+                        Ok(s) if !s.time_slicing.is_empty() => Some(SharingStrategy::TimeSlicing),
+                        _ => None,
                     }
                 }),
             })
@@ -143,9 +137,9 @@ impl NodeDriver {
     /// The devices of the claims prepared by this instance, as the usage sampler needs
     /// them: identity, hardware, what was given, and for MPS claims the host PID of their
     /// control daemon (started as a host process; a daemon in a pod has no host PID here,
-    /// so its activity stays not attributable). Reads the cached state, never the file
-    /// (the sampler calls this every round). Capacity shares are not recorded yet:
-    /// `share_id` stays `None`.
+    /// so its activity stays not attributable). A capacity share carries its `shareID` and
+    /// what it consumed. Reads the cached state, never the file (the sampler calls this
+    /// every round).
     pub fn claim_devices(&self) -> Vec<crate::usage::ClaimDevice> {
         let state = self.lock();
         claim_devices(
@@ -162,9 +156,8 @@ pub(crate) fn claim_devices(
     inventory: &crate::model::NodeInventory,
     mode: cleave_api::pool::ConsumableCapacity,
 ) -> Vec<crate::usage::ClaimDevice> {
-    use crate::checkpoint::DeviceKind as Recorded;
     use crate::model::MigState;
-    use crate::usage::{Allocation, ClaimDevice, ClaimRef, DeviceKind, MigRef, SharingMode};
+    use crate::usage::{Allocation, ClaimDevice, ClaimRef, Holding, MigRef};
     let mut out = Vec::new();
     for r in data
         .claims
@@ -200,7 +193,7 @@ pub(crate) fn claim_devices(
                 };
                 profiles.iter().find(|p| p.id == m.profile_id)
             });
-            let is_mig = d.kind == Recorded::Mig;
+            let is_mig = d.kind == DeviceKind::Mig;
             let allocated = match (is_mig, profile) {
                 (true, Some(p)) => Allocation {
                     memory_bytes: p.memory_mib << 20,
@@ -219,16 +212,16 @@ pub(crate) fn claim_devices(
                 },
             };
             let mut kind = match (mps.is_some(), is_mig) {
-                (true, _) => DeviceKind::Mps,
-                (false, true) => DeviceKind::Mig,
-                (false, false) => DeviceKind::Whole,
+                (true, _) => Holding::Mps,
+                (false, true) => Holding::Mig,
+                (false, false) => Holding::Whole,
             };
             let mut sharing = if mps.is_some() {
-                SharingMode::Mps
+                Some(SharingStrategy::Mps)
             } else if time_sliced {
-                SharingMode::TimeSlicing
+                Some(SharingStrategy::TimeSlicing)
             } else {
-                SharingMode::Exclusive
+                None
             };
             let mut allocated = allocated;
             // A capacity share was given what it consumed. One that consumed the whole device
@@ -248,14 +241,8 @@ pub(crate) fn claim_devices(
                     allocated.sms = share.multiprocessors;
                 }
                 if !whole {
-                    kind = DeviceKind::Share;
-                    sharing = match mode {
-                        cleave_api::pool::ConsumableCapacity::Mps => SharingMode::Mps,
-                        cleave_api::pool::ConsumableCapacity::TimeSlicing => {
-                            SharingMode::TimeSlicing
-                        }
-                        cleave_api::pool::ConsumableCapacity::Off => SharingMode::Exclusive,
-                    };
+                    kind = Holding::Share;
+                    sharing = mode.sharing();
                 }
             }
             out.push(ClaimDevice {
@@ -331,17 +318,17 @@ mod tests {
 
     #[test]
     fn claim_devices_of_prepared_claims_with_hardware_allocation_and_daemon_pid() {
-        use crate::checkpoint::{DeviceKind as Recorded, DeviceRecord, MigRecord};
+        use crate::checkpoint::{DeviceRecord, MigRecord};
         use crate::prepare::testing::{gpu_uuid, inventory, mig_gpu, plain_gpu};
-        use crate::usage::{DeviceKind, SharingMode};
+        use crate::usage::Holding;
         let device = |name: &str, minor: u32, mig: Option<MigRecord>| DeviceRecord {
             name: name.into(),
             pool: "node".into(),
             request_names: vec!["r".into()],
             kind: if mig.is_some() {
-                Recorded::Mig
+                DeviceKind::Mig
             } else {
-                Recorded::Gpu
+                DeviceKind::Gpu
             },
             admin_access: false,
             gpu_uuid: gpu_uuid(minor),
@@ -395,15 +382,18 @@ mod tests {
             (m.claim.uid.as_str(), m.claim.namespace.as_str()),
             ("m", "ns")
         );
-        assert_eq!(m.kind, DeviceKind::Mig);
-        assert_eq!(m.sharing, SharingMode::Exclusive);
+        assert_eq!(m.kind, Holding::Mig);
+        assert_eq!(m.sharing, None);
         assert_eq!(m.device_uuid(), "MIG-x");
         assert_eq!(m.mig.as_ref().map(|x| (x.gi, x.ci)), Some((2, 0)));
         assert_eq!(m.allocated.memory_bytes, 19968 << 20);
         assert_eq!(m.allocated.sms, Some(42));
         assert_eq!(m.allocated.mig_profile.as_deref(), Some("3g.20gb"));
         let p = &got[1];
-        assert_eq!((p.kind, p.sharing), (DeviceKind::Mps, SharingMode::Mps));
+        assert_eq!(
+            (p.kind, p.sharing),
+            (Holding::Mps, Some(SharingStrategy::Mps))
+        );
         assert_eq!(p.pids, [4242]);
         assert_eq!(p.allocated.memory_bytes, 24 << 30);
         assert_eq!(p.allocated.sms, Some(58));
@@ -430,7 +420,10 @@ mod tests {
         );
         assert_eq!(got.len(), 2, "{got:?}");
         let a = &got[0];
-        assert_eq!((a.kind, a.sharing), (DeviceKind::Share, SharingMode::Mps));
+        assert_eq!(
+            (a.kind, a.sharing),
+            (Holding::Share, Some(SharingStrategy::Mps))
+        );
         assert_eq!(a.share_id.as_deref(), Some("share-a"));
         assert_eq!(
             (a.allocated.memory_bytes, a.allocated.sms),
@@ -438,14 +431,10 @@ mod tests {
         );
         assert!(a.pids.is_empty());
         let b = &got[1];
-        assert_eq!(
-            (b.kind, b.sharing),
-            (DeviceKind::Whole, SharingMode::Exclusive)
-        );
+        assert_eq!((b.kind, b.sharing), (Holding::Whole, None));
         assert_eq!(b.share_id.as_deref(), Some("share-b"));
     }
 
-    /// Moved from the plugin's metrics, with its assertions.
     #[test]
     fn mps_daemons_counts_prepared_claims_with_an_mps_record() {
         let d = data(vec![
@@ -493,7 +482,7 @@ mod tests {
                 name: format!("gpu-{minor}"),
                 pool: "node".into(),
                 request_names: vec!["gpu".into()],
-                kind: crate::checkpoint::DeviceKind::Gpu,
+                kind: DeviceKind::Gpu,
                 admin_access: false,
                 gpu_uuid: format!("GPU-{minor}"),
                 gpu_minor: minor,
@@ -516,13 +505,18 @@ mod tests {
         assert_eq!(
             got,
             vec![
-                ("m", RecordedState::Prepared, vec![], Some(SharingKind::Mps)),
+                (
+                    "m",
+                    RecordedState::Prepared,
+                    vec![],
+                    Some(SharingStrategy::Mps)
+                ),
                 ("n", RecordedState::PrepareStarted, vec![], None),
                 (
                     "t",
                     RecordedState::NeedsRecreate,
                     vec!["gpu-0".to_owned(), "gpu-1".to_owned()],
-                    Some(SharingKind::TimeSlicing)
+                    Some(SharingStrategy::TimeSlicing)
                 ),
             ]
         );

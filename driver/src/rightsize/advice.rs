@@ -20,7 +20,7 @@ use cleave_api::pool::ConsumableCapacity;
 
 use crate::model::{GpuInfo, MigProfile, MigState, NodeInventory};
 use crate::pool::MEMORY_STEP_BYTES;
-use crate::usage::{ActivitySource, ClaimDevice, DeviceKind};
+use crate::usage::{ActivitySource, ClaimDevice, Holding};
 
 use super::window::{BUCKETS, MIN_SEEN_BUCKETS, WindowStats};
 
@@ -291,8 +291,8 @@ pub fn figures(device: &ClaimDevice, st: &WindowStats) -> String {
 /// Why a claim device's usage is not attributable to it.
 fn not_attributable_reason(device: &ClaimDevice) -> String {
     match device.kind {
-        DeviceKind::Mps if device.pids.is_empty() => "not attributable: the claim's MPS daemon runs in a pod (--mps-launcher=pod), so its processes are unknown on the host and NVML's per-process figures cannot be tied to the claim".into(),
-        DeviceKind::Share if device.pids.is_empty() => "not attributable: a capacity share; its processes talk to the device's one MPS server and NVML does not tell which share a process belongs to".into(),
+        Holding::Mps if device.pids.is_empty() => "not attributable: the claim's MPS daemon runs in a pod (--mps-launcher=pod), so its processes are unknown on the host and NVML's per-process figures cannot be tied to the claim".into(),
+        Holding::Share if device.pids.is_empty() => "not attributable: a capacity share; its processes talk to the device's one MPS server and NVML does not tell which share a process belongs to".into(),
         _ if device.mig.is_some() => "not attributable: NVML reports no per-process SM utilization on MIG-enabled GPUs".into(),
         _ => "not attributable: NVML gives no figure that belongs to this claim alone".into(),
     }
@@ -355,7 +355,7 @@ fn unserved(
             (true, false) => Some(format!("a {product} GPU with MIG mode off")),
         },
         Shape::WholeGpu { .. } => {
-            if mig_off || device.kind == DeviceKind::Whole {
+            if mig_off || device.kind == Holding::Whole {
                 None
             } else {
                 Some(format!("a {product} GPU with MIG mode off"))
@@ -427,7 +427,7 @@ pub fn recommend(
     let need_memory = (peak as f64 * h).ceil() as u64;
     // SMs the activity figure is a share of: the share's GPU, else the device given.
     let basis = match device.kind {
-        DeviceKind::Share => gpu.multiprocessors,
+        Holding::Share => gpu.multiprocessors,
         _ => device.allocated.sms.or(gpu.multiprocessors),
     };
     let need_sms: Option<u32> = match (st.p95_activity, basis) {
@@ -444,7 +444,7 @@ pub fn recommend(
     let mig = table
         .iter()
         .filter(|p| !p.name.contains('+'))
-        .filter(|p| !(device.kind == DeviceKind::Whole && p.slice_count == full))
+        .filter(|p| !(device.kind == Holding::Whole && p.slice_count == full))
         .filter(|p| (p.memory_mib << 20) >= need_memory && p.multiprocessors >= sms_floor)
         .min_by_key(|p| (p.memory_mib, p.multiprocessors, p.slice_count))
         .map(|p| Shape::Mig {
@@ -465,8 +465,8 @@ pub fn recommend(
         sms: gpu.multiprocessors,
     };
     let order: Vec<Option<Shape>> = match device.kind {
-        DeviceKind::Whole | DeviceKind::Mig => vec![mig, share, Some(whole)],
-        DeviceKind::Mps | DeviceKind::Share => vec![share, mig, Some(whole)],
+        Holding::Whole | Holding::Mig => vec![mig, share, Some(whole)],
+        Holding::Mps | Holding::Share => vec![share, mig, Some(whole)],
     };
     let fitting: Vec<Shape> = order.into_iter().flatten().collect();
     let product = gpu.product_name.as_str();
@@ -569,8 +569,8 @@ fn change_of(device: &ClaimDevice, shape: &Shape) -> Change {
     let held_mem = device.allocated.memory_bytes;
     let held_sms = device.allocated.sms;
     match (shape, device.kind) {
-        (Shape::WholeGpu { .. }, DeviceKind::Whole) => return Change::Same,
-        (Shape::Mig { profile, .. }, DeviceKind::Mig)
+        (Shape::WholeGpu { .. }, Holding::Whole) => return Change::Same,
+        (Shape::Mig { profile, .. }, Holding::Mig)
             if device.allocated.mig_profile.as_deref() == Some(profile) =>
         {
             return Change::Same;

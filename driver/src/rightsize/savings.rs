@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 
 use crate::model::{MigProfile, NodeInventory};
-use crate::usage::{ClaimDevice, DeviceKind};
+use crate::usage::{ClaimDevice, Holding};
 
 use super::advice::{Advice, Recommendation, Shape};
 
@@ -91,14 +91,14 @@ pub fn savings(
                 sms: u64::from(*sms),
             },
             Advice::Pending | Advice::NotAttributable => match d.kind {
-                DeviceKind::Whole => Item::Whole,
-                DeviceKind::Mig => d
+                Holding::Whole => Item::Whole,
+                Holding::Mig => d
                     .allocated
                     .mig_profile
                     .as_deref()
                     .map_or(Item::Alone, profile),
-                DeviceKind::Mps | DeviceKind::Share if d.mig.is_some() => Item::Alone,
-                DeviceKind::Mps | DeviceKind::Share => Item::Share {
+                Holding::Mps | Holding::Share if d.mig.is_some() => Item::Alone,
+                Holding::Mps | Holding::Share => Item::Share {
                     memory: d.allocated.memory_bytes,
                     sms: u64::from(d.allocated.sms.or(gpu.multiprocessors).unwrap_or(0)),
                 },

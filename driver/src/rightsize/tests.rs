@@ -3,8 +3,8 @@
 use super::*;
 use crate::model::{GpuInfo, MigProfile, MigState, NodeInventory, Placement};
 use crate::usage::{
-    Activity, ActivitySource, Allocation, ClaimDevice, ClaimRef, DeviceKind, DeviceSample,
-    MemorySource, MigRef, SharingMode,
+    Activity, ActivitySource, Allocation, ClaimDevice, ClaimRef, DeviceSample, Holding,
+    MemorySource, MigRef, SharingStrategy,
 };
 use cleave_api::pool::ConsumableCapacity;
 
@@ -111,8 +111,8 @@ fn whole(uid: &str) -> ClaimDevice {
     ClaimDevice {
         claim: claim(uid),
         device: "gpu-0".into(),
-        kind: DeviceKind::Whole,
-        sharing: SharingMode::Exclusive,
+        kind: Holding::Whole,
+        sharing: None,
         share_id: None,
         gpu_uuid: "GPU-0".into(),
         mig: None,
@@ -128,7 +128,7 @@ fn whole(uid: &str) -> ClaimDevice {
 fn mig(uid: &str, profile: &str, mib: u64, sms: u32) -> ClaimDevice {
     ClaimDevice {
         device: format!("gpu-1-mig-{}-0", profile.replace('.', "")),
-        kind: DeviceKind::Mig,
+        kind: Holding::Mig,
         gpu_uuid: "GPU-1".into(),
         mig: Some(MigRef {
             uuid: format!("MIG-{uid}"),
@@ -146,8 +146,8 @@ fn mig(uid: &str, profile: &str, mib: u64, sms: u32) -> ClaimDevice {
 
 fn mps(uid: &str, pids: &[u32]) -> ClaimDevice {
     ClaimDevice {
-        kind: DeviceKind::Mps,
-        sharing: SharingMode::Mps,
+        kind: Holding::Mps,
+        sharing: Some(SharingStrategy::Mps),
         pids: pids.to_vec(),
         ..whole(uid)
     }
@@ -155,8 +155,8 @@ fn mps(uid: &str, pids: &[u32]) -> ClaimDevice {
 
 fn share(uid: &str, pids: &[u32], gib: u64, sms: u32) -> ClaimDevice {
     ClaimDevice {
-        kind: DeviceKind::Share,
-        sharing: SharingMode::Mps,
+        kind: Holding::Share,
+        sharing: Some(SharingStrategy::Mps),
         share_id: Some(format!("share-{uid}")),
         pids: pids.to_vec(),
         allocated: Allocation {
@@ -170,10 +170,9 @@ fn share(uid: &str, pids: &[u32], gib: u64, sms: u32) -> ClaimDevice {
 
 /// One round's sample as the sampler would give it.
 fn sample(d: &ClaimDevice, used: Option<u64>, activity: Option<f64>) -> DeviceSample {
-    let attributable =
-        !(matches!(d.kind, DeviceKind::Mps | DeviceKind::Share) && d.pids.is_empty());
+    let attributable = !(matches!(d.kind, Holding::Mps | Holding::Share) && d.pids.is_empty());
     let source = match d.kind {
-        DeviceKind::Mps | DeviceKind::Share => ActivitySource::ProcessSmUtilization,
+        Holding::Mps | Holding::Share => ActivitySource::ProcessSmUtilization,
         _ => ActivitySource::GpmSmActivity,
     };
     DeviceSample {

@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use cleave_api::config::{DeviceKind as ConfigKind, MpsConfig, SharingStrategy, TimeSliceInterval};
+use cleave_api::config::{DeviceKind, MpsConfig, SharingStrategy, TimeSliceInterval};
 use serde::{Deserialize, Serialize};
 
 use crate::cdi::{ContainerEdits, Mount};
@@ -895,7 +895,7 @@ impl SharingManager {
             return Ok(plan);
         }
         for (d, interval) in devices {
-            if d.kind == ConfigKind::Mig || d.uuid.starts_with("MIG-") {
+            if d.kind == DeviceKind::Mig || d.uuid.starts_with("MIG-") {
                 // nvidia-smi compute-policy does not support MIG: a MIG device runs in its
                 // parent GPU's time slice. The claim is served; the interval is not applied.
                 if *interval == TimeSliceInterval::Default {

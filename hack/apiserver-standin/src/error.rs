@@ -3,7 +3,7 @@
 
 use serde_json::{Value, json};
 
-use crate::store::ResourceDef;
+use crate::resources::ResourceDef;
 use crate::validate::FieldError;
 
 /// A failed API request, rendered as a `meta/v1` `Status`.

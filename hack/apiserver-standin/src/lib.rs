@@ -22,7 +22,8 @@
 //! apply is approximated by a merge patch (creating a missing object); JSON patch answers 415;
 //! core and `events.k8s.io` Events are stored separately; field selectors accept any dotted
 //! path; 1.35+ cross-slice counter references are not checked per request (see
-//! [`validate_pools`]); quantities and taint keys are only checked for presence.
+//! [`validate_pools`]); taint keys are only checked for presence. Quantities are read by the
+//! stand-in's own parser ([`quantity`]), not cleave's.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -38,7 +39,9 @@ pub mod claim_status;
 mod error;
 pub mod fixtures;
 pub mod limits;
+pub mod quantity;
 mod rand;
+mod resources;
 mod select;
 mod server;
 mod store;
@@ -56,14 +59,15 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use error::{ApiError, StandInError};
-pub use store::{RESOURCES, ResourceDef};
+pub use resources::{RESOURCES, ResourceDef};
 pub use validate::{
     FieldError, FieldErrorKind, validate_pools, validate_resource_slice,
     validate_resource_slice_typed,
 };
 
+use resources::{find_by_name, find_by_type};
 use server::{Fault, Shared, lock};
-use store::{Preconditions, Store, find_by_name, find_by_type, meta_str};
+use store::{Preconditions, Store, meta_str};
 
 /// Kubernetes version the stand-in pretends to be (major is always 1). It selects the
 /// ResourceSlice validation rules and what `GET /version` answers.

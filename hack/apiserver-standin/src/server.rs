@@ -19,10 +19,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::error::ApiError;
+use crate::resources::{ResourceDef, find_by_path};
 use crate::select::{Selector, parse_query};
-use crate::store::{
-    Filter, Preconditions, ResourceDef, Store, WatchStart, find_by_path, meta_str, translate,
-};
+use crate::store::{Filter, Preconditions, Store, WatchStart, meta_str, translate};
 use crate::{KubeVersion, RequestRecord, validate};
 
 pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;

@@ -570,8 +570,8 @@ impl Checker {
             .as_str()
             .map(str::to_owned)
             .unwrap_or_else(|| v.to_string());
-        match cleave_api::quantity::Quantity::parse(&text) {
-            Ok(qty) => Some((qty.value(), text)),
+        match crate::quantity::value(&text) {
+            Ok(value) => Some((value, text)),
             Err(e) => {
                 self.invalid(field, q(&text), &e.to_string());
                 None

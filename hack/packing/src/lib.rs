@@ -591,7 +591,7 @@ impl Mix {
         weights: [12.0, 1.0, 3.0, 2.0, 1.0, 0.5, 0.5],
     };
 
-    /// The mixed MIG stream: 40/30/20/10 % of 1g/2g/3g/4g requests, each selecting
+    /// A mixed MIG stream: 40/30/20/10 % of 1g/2g/3g/4g requests, each selecting
     /// its profile (the one-slice 1g, not `+me` or the two-slice 1g).
     pub const MIG_STREAM: Mix = Mix {
         name: "1g/2g/3g/4g 40/30/20/10",
@@ -1126,7 +1126,7 @@ impl Product {
     }
 }
 
-/// Products the ordering is chosen on (the brief: A100 and H100 mixes).
+/// Products the ordering is chosen on (A100 and H100 mixes).
 pub const SELECTION_PRODUCTS: [Product; 2] = [Product::A100_40GB, Product::H100];
 
 /// The score the default ordering is chosen by: the mean admitted fraction over

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 use std::time::SystemTime;
 
+use cleave_api::config::sharing_label;
 use cleave_driver::usage::Activity;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
@@ -50,7 +51,7 @@ impl ClaimDeviceLabels {
             device: d.device.clone(),
             gpu: d.gpu_uuid.clone(),
             kind: d.kind.as_str(),
-            sharing: d.sharing.as_str(),
+            sharing: sharing_label(d.sharing),
             pool: pool.to_owned(),
             share: d.share_id.clone().unwrap_or_default(),
         }
@@ -220,7 +221,7 @@ impl UsageMetrics {
                 device: d.device.clone(),
                 gpu: d.gpu_uuid.clone(),
                 kind: d.kind.as_str(),
-                sharing: d.sharing.as_str(),
+                sharing: sharing_label(d.sharing),
                 pool: pool.to_owned(),
                 share: d.share_id.clone().unwrap_or_default(),
             };

@@ -19,7 +19,7 @@ use anyhow::Context as _;
 use cleave_driver::backend::GpuBackend as _;
 use cleave_driver::model::Placement;
 use cleave_driver::usage::{
-    Allocation, ClaimDevice, ClaimRef, DeviceKind, IdlePolicy, MigRef, SharingMode,
+    Allocation, ClaimDevice, ClaimRef, Holding, IdlePolicy, MigRef, SharingStrategy,
 };
 
 use crate::args::UsageCommandArgs;
@@ -421,11 +421,11 @@ fn mock_claims(
     let mut devices = Vec::new();
     let mut script = String::new();
     // (namespace, claim, GPU index, kind, scripted lines per (gpu, gi))
-    let plan: [(&str, &str, usize, DeviceKind); 4] = [
-        ("team-a", "notebook-1", 0, DeviceKind::Mig),
-        ("team-a", "notebook-2", 0, DeviceKind::Mig),
-        ("team-b", "training", 1, DeviceKind::Mig),
-        ("team-b", "inference-mps", 1, DeviceKind::Mps),
+    let plan: [(&str, &str, usize, Holding); 4] = [
+        ("team-a", "notebook-1", 0, Holding::Mig),
+        ("team-a", "notebook-2", 0, Holding::Mig),
+        ("team-b", "training", 1, Holding::Mig),
+        ("team-b", "inference-mps", 1, Holding::Mps),
     ];
     let mut next_start: BTreeMap<usize, u32> = BTreeMap::new();
     for (n, (ns, name, g, kind)) in plan.into_iter().enumerate() {
@@ -452,7 +452,7 @@ fn mock_claims(
         let pid = 4000 + n as u32;
         let (mib, act) = [(6144, 62.5), (300, 0.5), (9000, 91.0), (2048, 0.0)][n];
         match kind {
-            DeviceKind::Mps => {
+            Holding::Mps => {
                 let _ = writeln!(script, "process {g} {} 0 {pid} {mib} 40", mig.gi_id);
             }
             _ => {
@@ -472,10 +472,10 @@ fn mock_claims(
                 mig.placement.start
             ),
             kind,
-            sharing: if kind == DeviceKind::Mps {
-                SharingMode::Mps
+            sharing: if kind == Holding::Mps {
+                Some(SharingStrategy::Mps)
             } else {
-                SharingMode::Exclusive
+                None
             },
             share_id: None,
             gpu_uuid: gpu.uuid.clone(),
@@ -489,7 +489,7 @@ fn mock_claims(
                 sms: Some(profile.multiprocessors),
                 mig_profile: Some(profile.name.clone()),
             },
-            pids: if kind == DeviceKind::Mps {
+            pids: if kind == Holding::Mps {
                 vec![pid]
             } else {
                 Vec::new()

@@ -204,9 +204,7 @@ pub const DEFAULT_WINDOW: Duration = Duration::from_secs(24 * 3600);
 mod tests {
     use super::*;
     use cleave_driver::model::{GpuInfo, MigState};
-    use cleave_driver::usage::{
-        Activity, ActivitySource, Allocation, DeviceKind, MemorySource, SharingMode,
-    };
+    use cleave_driver::usage::{Activity, ActivitySource, Allocation, Holding, MemorySource};
 
     fn inventory() -> NodeInventory {
         NodeInventory {
@@ -239,8 +237,8 @@ mod tests {
                 name: format!("c-{uid}"),
             },
             device: "gpu-0".into(),
-            kind: DeviceKind::Whole,
-            sharing: SharingMode::Exclusive,
+            kind: Holding::Whole,
+            sharing: None,
             share_id: None,
             gpu_uuid: "GPU-0".into(),
             mig: None,

@@ -20,7 +20,7 @@ use cleave_driver::model::{MigState, NodeInventory, Placement};
 use cleave_driver::rightsize::advice::gib;
 use cleave_driver::rightsize::{Advice, NodeModes, RightsizePolicy, WindowConfig};
 use cleave_driver::usage::{
-    Allocation, ClaimDevice, ClaimRef, DeviceKind, IdlePolicy, MigRef, SharingMode,
+    Allocation, ClaimDevice, ClaimRef, Holding, IdlePolicy, MigRef, SharingStrategy,
 };
 
 use super::UsageRounds;
@@ -107,8 +107,8 @@ fn holds(d: &ClaimDevice) -> String {
     if let Some(sms) = d.allocated.sms {
         let _ = write!(s, ", {sms} SMs");
     }
-    if d.sharing != SharingMode::Exclusive {
-        let _ = write!(s, ", {}", d.sharing.as_str());
+    if let Some(sharing) = d.sharing {
+        let _ = write!(s, ", {}", sharing.label());
     }
     s
 }
@@ -333,7 +333,7 @@ struct Scripted {
     name: &'static str,
     /// `Some(profile)`: a MIG device of that profile on the first MIG GPU with room.
     mig: Option<&'static str>,
-    kind: DeviceKind,
+    kind: Holding,
     usage: fn(u64) -> (u64, f64),
 }
 
@@ -342,49 +342,49 @@ const SCRIPT: &[Scripted] = &[
         ns: "team-a",
         name: "notebook",
         mig: Some("3g.40gb"),
-        kind: DeviceKind::Mig,
+        kind: Holding::Mig,
         usage: |i| (3900, if i % 6 == 0 { 9.0 } else { 5.5 }),
     },
     Scripted {
         ns: "team-a",
         name: "notebook-idle",
         mig: Some("1g.10gb"),
-        kind: DeviceKind::Mig,
+        kind: Holding::Mig,
         usage: |_| (300, 0.5),
     },
     Scripted {
         ns: "team-b",
         name: "finetune",
         mig: Some("1g.10gb"),
-        kind: DeviceKind::Mig,
+        kind: Holding::Mig,
         usage: |i| (3000 + i * 45, 60.0),
     },
     Scripted {
         ns: "team-b",
         name: "training",
         mig: None,
-        kind: DeviceKind::Whole,
+        kind: Holding::Whole,
         usage: |i| (61_000, if i % 8 == 0 { 97.0 } else { 70.0 }),
     },
     Scripted {
         ns: "team-c",
         name: "inference",
         mig: None,
-        kind: DeviceKind::Whole,
+        kind: Holding::Whole,
         usage: |i| (12_288, 8.0 + (i % 5) as f64),
     },
     Scripted {
         ns: "team-c",
         name: "embeddings-mps",
         mig: None,
-        kind: DeviceKind::Mps,
+        kind: Holding::Mps,
         usage: |_| (8192, 25.0),
     },
     Scripted {
         ns: "team-d",
         name: "batch-mps-pod",
         mig: None,
-        kind: DeviceKind::Mps,
+        kind: Holding::Mps,
         usage: |_| (4096, 30.0),
     },
 ];
@@ -453,8 +453,8 @@ pub fn run_mock(library: &std::path::Path, control: &std::path::Path) -> anyhow:
                         profile.name.replace(['.', '+'], ""),
                         placement.start
                     ),
-                    kind: DeviceKind::Mig,
-                    sharing: SharingMode::Exclusive,
+                    kind: Holding::Mig,
+                    sharing: None,
                     share_id: None,
                     gpu_uuid: gpu.uuid.clone(),
                     mig: Some(MigRef {
@@ -484,10 +484,10 @@ pub fn run_mock(library: &std::path::Path, control: &std::path::Path) -> anyhow:
                     },
                     device: format!("gpu-{}", gpu.minor),
                     kind: s.kind,
-                    sharing: if s.kind == DeviceKind::Mps {
-                        SharingMode::Mps
+                    sharing: if s.kind == Holding::Mps {
+                        Some(SharingStrategy::Mps)
                     } else {
-                        SharingMode::Exclusive
+                        None
                     },
                     share_id: None,
                     gpu_uuid: gpu.uuid.clone(),
@@ -498,7 +498,7 @@ pub fn run_mock(library: &std::path::Path, control: &std::path::Path) -> anyhow:
                         mig_profile: None,
                     },
                     // The pod-run daemon has no host PID in the record.
-                    pids: if s.kind == DeviceKind::Mps && !s.name.ends_with("-pod") {
+                    pids: if s.kind == Holding::Mps && !s.name.ends_with("-pod") {
                         vec![pid]
                     } else {
                         Vec::new()
@@ -524,7 +524,7 @@ pub fn run_mock(library: &std::path::Path, control: &std::path::Path) -> anyhow:
         for (s, (g, gi, pid)) in SCRIPT.iter().zip(&where_) {
             let (mib, act) = (s.usage)(i);
             match (s.kind, gi) {
-                (DeviceKind::Mps, _) => {
+                (Holding::Mps, _) => {
                     let _ = writeln!(script, "process {g} {pid} {mib} {}", act as u32);
                 }
                 (_, Some(gi)) => {
