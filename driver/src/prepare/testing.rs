@@ -146,6 +146,15 @@ impl FakeBackend {
             .unwrap_or_default()
     }
 
+    /// Forgets every MIG instance, as a reboot does (MIG mode stays on).
+    pub fn reboot(&self) {
+        for gpu in &mut self.lock().inventory.gpus {
+            if let MigState::Enabled { instances, .. } = &mut gpu.mig {
+                instances.clear();
+            }
+        }
+    }
+
     /// Creates an instance without recording a call (as an administrator would).
     pub fn add_instance(
         &self,
