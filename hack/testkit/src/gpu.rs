@@ -2,7 +2,7 @@
 //! profiles with their sources), so that no test writes a product table of its own.
 
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
-use mock_nvml::fixtures::{ARCH_ADA, ARCH_AMPERE, ARCH_HOPPER, GiProfile, MEMORY_SLICES, Product};
+use mock_nvml::fixtures::{MEMORY_SLICES, Product};
 
 /// The H100 80GB HBM3 (`NVIDIA H100 80GB HBM3`).
 pub const H100: &str = "h100-80gb";
@@ -32,42 +32,11 @@ pub fn node_product(profile: &str) -> (&'static Product, usize) {
 }
 
 /// The architecture name discovery reports for `product`.
-pub fn architecture(product: &Product) -> &'static str {
-    match product.architecture {
-        ARCH_AMPERE => "Ampere",
-        ARCH_HOPPER => "Hopper",
-        ARCH_ADA => "Ada",
-        other => panic!("architecture {other} has no name here"),
-    }
-}
-
-fn mig_profile(p: &GiProfile) -> MigProfile {
-    MigProfile {
-        id: p.id,
-        name: p.name.into(),
-        slice_count: p.slice_count,
-        instance_count: p.instance_count,
-        memory_mib: p.memory_mib,
-        multiprocessors: p.sm,
-        copy_engines: p.ce,
-        decoders: p.dec,
-        encoders: p.enc,
-        jpeg_engines: p.jpg,
-        ofa_engines: p.ofa,
-        placements: p
-            .starts
-            .iter()
-            .map(|&start| Placement {
-                start,
-                size: p.placement_size,
-            })
-            .collect(),
-    }
-}
+pub use cleave_driver::prepare::testing::architecture_name as architecture;
 
 /// The GPU-instance profiles of product `key` as the driver models them.
 pub fn mig_profiles(key: &str) -> Vec<MigProfile> {
-    product(key).mig_profiles.iter().map(mig_profile).collect()
+    cleave_driver::prepare::testing::mock_profiles(key)
 }
 
 /// The GPU-instance profile `name` (`1g.10gb`) of product `key`.
@@ -95,33 +64,18 @@ pub fn gpu_uuid(minor: u32) -> String {
 /// GPU `minor` (UUID [`gpu_uuid`], PCI bus `0000:<minor + 1>:00.0`) of product `key`, as
 /// discovery over NVML describes it.
 pub fn gpu(key: &str, minor: u32, mig: Mig) -> GpuInfo {
-    let p = product(key);
-    let (major, minor_cc) = p.compute_capability;
-    let profiles = mig_profiles(key);
     let mig = match mig {
-        _ if !p.mig_capable() => MigState::NotCapable,
-        Mig::Off => MigState::Disabled { profiles },
+        _ if !product(key).mig_capable() => MigState::NotCapable,
+        Mig::Off => MigState::Disabled {
+            profiles: mig_profiles(key),
+        },
         Mig::On(instances) => MigState::Enabled {
-            profiles,
+            profiles: mig_profiles(key),
             instances,
             memory_slices: MEMORY_SLICES,
         },
     };
-    GpuInfo {
-        index: minor,
-        minor,
-        uuid: gpu_uuid(minor),
-        product_name: p.name.into(),
-        brand: "Nvidia".into(),
-        architecture: architecture(p).into(),
-        cuda_compute_capability: (major.unsigned_abs(), minor_cc.unsigned_abs()),
-        memory_bytes: p.memory_mib << 20,
-        multiprocessors: Some(p.sm_count),
-        pci_bus_id: format!("0000:{:02x}:00.0", minor + 1),
-        pcie_root: None,
-        numa_node: None,
-        mig,
-    }
+    cleave_driver::prepare::testing::mock_gpu(key, minor, mig)
 }
 
 /// An H100 `minor` with MIG off.
