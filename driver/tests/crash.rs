@@ -569,18 +569,11 @@ impl World {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().unwrap();
-        let deadline = Instant::now() + CHILD_TIMEOUT;
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{scenario} {role} timed out after {CHILD_TIMEOUT:?}");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
+        let status = cleave_testkit::process::wait_or_kill(
+            &mut child,
+            CHILD_TIMEOUT,
+            &format!("{scenario} {role}"),
+        );
         (status, std::fs::read_to_string(&log).unwrap_or_default())
     }
 

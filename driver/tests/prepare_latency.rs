@@ -145,18 +145,11 @@ fn child(name: &str, mig: &str) -> String {
         std::io::Read::read_to_string(&mut pipe, &mut s).unwrap();
         s
     });
-    let deadline = Instant::now() + CHILD_TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("measurement {name} timed out");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = cleave_testkit::process::wait_or_kill(
+        &mut child,
+        CHILD_TIMEOUT,
+        &format!("measurement {name}"),
+    );
     let out = reader.join().unwrap();
     assert!(
         status.success() && out.contains("1 passed"),

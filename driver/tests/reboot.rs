@@ -21,11 +21,11 @@ use cleave_driver::backend::GpuBackend;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
 use cleave_driver::model::{MigInstance, Placement};
 use cleave_driver::nvml::NvmlBackend;
-use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError, PreparedClaim};
+use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use cleave_driver::prepare::testing::node_claim;
-use common::{child_tmp, log_to_stderr, mock_lib, run_child, scenario};
+use common::{cdi_ids, child_tmp, log_to_stderr, mock_lib, run_child, scenario};
 
 const PRODUCT: &str = "a100-80gb-x4";
 const MIG_CLAIM: &str = "0000000a-0000-4000-8000-000000000000";
@@ -90,14 +90,6 @@ fn gpu_uuid(nvml: &NvmlBackend, minor: u32) -> String {
         .find(|g| g.minor == minor)
         .unwrap()
         .uuid
-}
-
-fn cdi_ids(prepared: &PreparedClaim) -> Vec<String> {
-    prepared
-        .devices
-        .iter()
-        .flat_map(|d| d.cdi_device_ids.clone())
-        .collect()
 }
 
 fn spec_path(dir: &Path, uid: &str) -> PathBuf {

@@ -22,11 +22,12 @@ use cleave_api::names::DRIVER_NAME;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
 use cleave_driver::model::GpuInfo;
 use cleave_driver::prepare::testing::FakeBackend;
-use cleave_driver::prepare::{DriverConfig, NodeDriver, PreparedClaim};
+use cleave_driver::prepare::{DriverConfig, NodeDriver};
 use cleave_driver::sharing::{SharingConfig, SharingManager, SharingState};
-use cleave_testkit::fake_tools::NodeTools;
+use cleave_testkit::fake_tools::ToolNode;
 use cleave_testkit::gpu::{h100, h100_mig, inventory};
 use cleave_testkit::process::{alive, wait_dead};
+use common::cdi_ids;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 
@@ -47,27 +48,20 @@ fn main() -> std::process::ExitCode {
 }
 
 /// A node in a temp dir: state dir, CDI root, fake tools, record files, boot ID.
-struct World {
-    _tmp: tempfile::TempDir,
-    root: PathBuf,
-    state: PathBuf,
-    tools: NodeTools,
+struct World(ToolNode);
+
+impl std::ops::Deref for World {
+    type Target = ToolNode;
+    fn deref(&self) -> &ToolNode {
+        &self.0
+    }
 }
 
 impl World {
     fn new() -> Self {
-        let tmp = tempfile::tempdir().unwrap();
-        let root = tmp.path().to_owned();
-        let tools = NodeTools::install(&root);
-        let state = root.join("state");
-        std::fs::create_dir_all(&state).unwrap();
-        common::lay_out_driver_root(&root.join("driver-root"));
-        World {
-            tools,
-            state,
-            root,
-            _tmp: tmp,
-        }
+        let node = ToolNode::new();
+        common::lay_out_driver_root(&node.root.join("driver-root"));
+        World(node)
     }
 
     fn sharing_config(&self) -> SharingConfig {
@@ -118,13 +112,6 @@ impl World {
         self.root
             .join("cdi")
             .join(cleave_driver::cdi::spec_file_name(uid))
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        // Whatever happened, no fake daemon outlives its test.
-        self.tools.files.kill_started();
     }
 }
 
@@ -181,14 +168,6 @@ fn claims() -> [ResourceClaim; 3] {
                    "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}),
         ),
     ]
-}
-
-fn cdi_ids(prepared: &PreparedClaim) -> Vec<String> {
-    prepared
-        .devices
-        .iter()
-        .flat_map(|d| d.cdi_device_ids.clone())
-        .collect()
 }
 
 fn reboot_restarts_mps_daemons_and_sets_time_slices_again() {

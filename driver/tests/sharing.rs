@@ -30,7 +30,7 @@ use cleave_driver::prepare::{
 };
 use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
 use cleave_driver::sharing::{SharingConfig, SharingFailure, SharingManager, SharingState};
-use cleave_testkit::fake_tools::NodeTools;
+use cleave_testkit::fake_tools::ToolNode;
 use cleave_testkit::process::{alive, wait_dead};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
@@ -153,32 +153,29 @@ fn main() -> std::process::ExitCode {
     cleave_testkit::runner::main(tests)
 }
 
-/// A node in a temp dir: state dir, fake tools, record files, boot ID.
+/// A node in a temp dir (state dir, fake tools, record files, boot ID) and the fakes' files.
 struct World {
-    _tmp: tempfile::TempDir,
-    root: PathBuf,
-    state: PathBuf,
-    tools: NodeTools,
+    node: ToolNode,
     mps_record: PathBuf,
     smi_record: PathBuf,
     smi_state: PathBuf,
 }
 
+impl std::ops::Deref for World {
+    type Target = ToolNode;
+    fn deref(&self) -> &ToolNode {
+        &self.node
+    }
+}
+
 impl World {
     fn new() -> Self {
-        let tmp = tempfile::tempdir().unwrap();
-        let root = tmp.path().to_owned();
-        let tools = NodeTools::install(&root);
-        let state = root.join("state");
-        std::fs::create_dir_all(&state).unwrap();
+        let node = ToolNode::new();
         World {
-            mps_record: tools.files.mps_record(),
-            smi_record: tools.files.smi_record(),
-            smi_state: tools.files.smi_state(),
-            tools,
-            state,
-            root,
-            _tmp: tmp,
+            mps_record: node.tools.files.mps_record(),
+            smi_record: node.tools.files.smi_record(),
+            smi_state: node.tools.files.smi_state(),
+            node,
         }
     }
 
@@ -250,13 +247,6 @@ impl World {
             .map(|d| d.flatten().map(|e| e.path()).collect())
             .unwrap_or_default();
         assert!(left.is_empty(), "left behind: {left:?}");
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        // Whatever happened, no fake daemon outlives its test.
-        self.tools.files.kill_started();
     }
 }
 

@@ -5,6 +5,7 @@
 #![allow(dead_code, unused_imports)]
 
 use cleave_driver::model::{GpuInfo, NodeInventory};
+use cleave_driver::prepare::PreparedClaim;
 
 pub use cleave_testkit::child::{
     CHILD_TIMEOUT, SCENARIO_ENV, child_tmp, log_to_stderr, run_child, scenario, try_run_child,
@@ -19,4 +20,13 @@ pub fn gpu(inv: &NodeInventory, minor: u32) -> &GpuInfo {
         .iter()
         .find(|g| g.minor == minor)
         .unwrap_or_else(|| panic!("no GPU with minor {minor}"))
+}
+
+/// The CDI device IDs a prepare answered, in order.
+pub fn cdi_ids(prepared: &PreparedClaim) -> Vec<String> {
+    prepared
+        .devices
+        .iter()
+        .flat_map(|d| d.cdi_device_ids.clone())
+        .collect()
 }

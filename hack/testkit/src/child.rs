@@ -8,7 +8,7 @@
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Names the scenario a child process runs.
 pub const SCENARIO_ENV: &str = "CLEAVE_TEST_SCENARIO";
@@ -79,18 +79,11 @@ pub fn try_run_child(test_name: &str, scenario: &str, env: &[(&str, &str)]) -> C
         let _ = stderr_pipe.read_to_string(&mut s);
         s
     });
-    let deadline = Instant::now() + CHILD_TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("scenario {scenario:?} of {test_name} timed out after {CHILD_TIMEOUT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = crate::process::wait_or_kill(
+        &mut child,
+        CHILD_TIMEOUT,
+        &format!("scenario {scenario:?} of {test_name}"),
+    );
     let stdout = out_t.join().unwrap();
     let stderr = err_t.join().unwrap();
     // Make sure the child really ran the test (not "0 tests" because of a wrong name).

@@ -174,3 +174,46 @@ impl NodeTools {
         config
     }
 }
+
+/// A node in a temporary directory of its own whose sharing manager runs the fake tools:
+/// [`NodeTools`] under `root`, state in `root/state`. No fake daemon outlives it.
+#[derive(Debug)]
+pub struct ToolNode {
+    _tmp: tempfile::TempDir,
+    /// The node's directory.
+    pub root: PathBuf,
+    /// The driver's state directory (created).
+    pub state: PathBuf,
+    /// The fake tools and their files.
+    pub tools: NodeTools,
+}
+
+impl ToolNode {
+    /// A fresh node.
+    pub fn new() -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().to_owned();
+        let tools = NodeTools::install(&root);
+        let state = root.join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        Self {
+            _tmp: tmp,
+            root,
+            state,
+            tools,
+        }
+    }
+}
+
+impl Default for ToolNode {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for ToolNode {
+    fn drop(&mut self) {
+        // Whatever happened, no fake daemon outlives its test.
+        self.tools.files.kill_started();
+    }
+}

@@ -1,6 +1,7 @@
 //! Checks on processes a test started (fake MPS daemons above all), so none outlives it.
 
 use std::path::Path;
+use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 
 /// Running and not a zombie.
@@ -50,4 +51,21 @@ pub fn started_pids(record: &Path) -> Vec<u32> {
                 .ok()
         })
         .collect()
+}
+
+/// Waits for `child` to exit and returns its status; past `timeout` kills it and panics
+/// naming `what`, so a hung child cannot hang the test.
+pub fn wait_or_kill(child: &mut Child, timeout: Duration, what: &str) -> ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} timed out after {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
