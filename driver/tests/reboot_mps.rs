@@ -21,7 +21,7 @@ use std::time::Duration;
 use cleave_api::names::DRIVER_NAME;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
 use cleave_driver::model::GpuInfo;
-use cleave_driver::prepare::testing::FakeBackend;
+use cleave_driver::prepare::testing::{FakeBackend, node_claim, with_config};
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
 use cleave_driver::sharing::{SharingConfig, SharingManager, SharingState};
 use cleave_testkit::fake_tools::ToolNode;
@@ -134,18 +134,13 @@ fn backend() -> FakeBackend {
 }
 
 fn claim(uid: &str, device: &str, parameters: serde_json::Value) -> ResourceClaim {
-    serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": format!("claim-{uid}"), "namespace": "default", "uid": uid},
-        "spec": {"devices": {}},
-        "status": {"allocation": {"devices": {
-            "results": [{"request": "gpu", "driver": DRIVER_NAME, "pool": "node-a", "device": device}],
-            "config": [{"source": "FromClaim", "requests": ["gpu"], "opaque": {
-                "driver": DRIVER_NAME, "parameters": parameters}}]
-        }}}
-    }))
-    .unwrap()
+    with_config(
+        node_claim(uid, &[("gpu", device)]),
+        "FromClaim",
+        DRIVER_NAME,
+        &["gpu"],
+        parameters,
+    )
 }
 
 fn claims() -> [ResourceClaim; 3] {

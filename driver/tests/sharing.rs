@@ -24,7 +24,7 @@ use cleave_driver::checkpoint::{
     DeviceRecord,
 };
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
-use cleave_driver::prepare::testing::{Call, FakeBackend};
+use cleave_driver::prepare::testing::{Call, FakeBackend, node_claim, with_config};
 use cleave_driver::prepare::{
     DriverConfig, GpuFacts, NodeDriver, SharingDevice, TimeSliceNeed, time_slice_needs,
 };
@@ -1257,21 +1257,15 @@ fn driver_config(world: &World) -> DriverConfig {
 }
 
 fn mps_claim(uid: &str, device: &str, pct: u8, limit: &str) -> ResourceClaim {
-    serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": format!("claim-{uid}"), "namespace": "default", "uid": uid},
-        "spec": {"devices": {}},
-        "status": {"allocation": {"devices": {
-            "results": [{"request": "gpu", "driver": DRIVER_NAME, "pool": "node-a", "device": device}],
-            "config": [{"source": "FromClaim", "requests": ["gpu"], "opaque": {
-                "driver": DRIVER_NAME,
-                "parameters": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
-                    "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": pct,
-                        "pinnedMemoryLimit": {"default": limit}}}}}}]
-        }}}
-    }))
-    .unwrap()
+    with_config(
+        node_claim(uid, &[("gpu", device)]),
+        "FromClaim",
+        DRIVER_NAME,
+        &["gpu"],
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": pct,
+                "pinnedMemoryLimit": {"default": limit}}}}),
+    )
 }
 
 fn start_driver(world: &World, knobs: &[(&str, &str)]) -> (NodeDriver, Arc<SharingManager>) {
