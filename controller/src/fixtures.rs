@@ -1,6 +1,7 @@
 //! Synthetic pools for tests and benchmarks (no hardware): an H100/H200-like GPU with
 //! on-demand MIG (one counter set per GPU, 26 devices) and plain whole GPUs.
-//! Public so that integration tests, benchmarks and the plugin's tests share one shape.
+//! Behind the `testing` feature (never in the shipped library), so that integration tests,
+//! benchmarks and other crates' tests share one shape.
 
 use std::collections::BTreeMap;
 

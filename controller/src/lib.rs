@@ -6,12 +6,14 @@
 //! - [`diff`]: pure comparison of existing and desired slices (matching, pool generation);
 //! - [`publisher`]: the [`SlicePublisher`] background task (list+watch, minimal writes,
 //!   backoff, status for readiness, uninstall);
-//! - [`stats`]: API request counting for metrics; [`fixtures`]: synthetic pools.
+//! - [`stats`]: API request counting for metrics;
+//! - `fixtures` (feature `testing`, for tests and benchmarks only): synthetic pools.
 //!
 //! No NVML and no `cleave-driver` here: the driver hands over plain `PoolDevices`.
 
 pub mod backoff;
 pub mod diff;
+#[cfg(any(test, feature = "testing"))]
 pub mod fixtures;
 pub mod plan;
 pub mod publisher;

@@ -267,29 +267,20 @@ mod tests {
     use super::*;
     use crate::model::{GpuInfo, MigInstance, Placement};
 
+    /// An H100 `GPU-<minor>`, with MIG on when it has instances.
     fn gpu(minor: u32, instances: Vec<MigInstance>) -> GpuInfo {
+        let mig = if instances.is_empty() {
+            MigState::NotCapable
+        } else {
+            MigState::Enabled {
+                profiles: crate::prepare::testing::h100_profiles(),
+                instances,
+                memory_slices: 8,
+            }
+        };
         GpuInfo {
-            index: minor,
-            minor,
             uuid: format!("GPU-{minor}"),
-            product_name: "p".into(),
-            brand: "b".into(),
-            architecture: "a".into(),
-            cuda_compute_capability: (9, 0),
-            memory_bytes: 1,
-            multiprocessors: None,
-            pci_bus_id: String::new(),
-            pcie_root: None,
-            numa_node: None,
-            mig: if instances.is_empty() {
-                MigState::NotCapable
-            } else {
-                MigState::Enabled {
-                    profiles: Vec::new(),
-                    instances,
-                    memory_slices: 8,
-                }
-            },
+            ..crate::prepare::testing::h100_gpu(minor, mig)
         }
     }
 

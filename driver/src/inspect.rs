@@ -269,46 +269,17 @@ mod tests {
     use crate::model::{MigInstance, MigProfile, Placement};
     use crate::pool::{PoolOptions, build_pool};
 
-    fn profile(id: u32, name: &str, g: u32, mib: u64, starts: &[u32], size: u32) -> MigProfile {
-        MigProfile {
-            id,
-            name: name.into(),
-            slice_count: g,
-            instance_count: starts.len() as u32,
-            memory_mib: mib,
-            multiprocessors: 16 * g,
-            copy_engines: g,
-            decoders: g,
-            encoders: 0,
-            jpeg_engines: g,
-            ofa_engines: 0,
-            placements: starts
-                .iter()
-                .map(|&start| Placement { start, size })
-                .collect(),
-        }
-    }
-
     fn inventory() -> NodeInventory {
         let gpu = |minor: u32, mig: MigState| GpuInfo {
-            index: minor,
-            minor,
             uuid: format!("GPU-{minor}"),
-            product_name: "NVIDIA H100 80GB HBM3".into(),
-            brand: "Nvidia".into(),
-            architecture: "Hopper".into(),
-            cuda_compute_capability: (9, 0),
-            memory_bytes: 81559 << 20,
-            multiprocessors: Some(132),
             pci_bus_id: format!("0000:{:02x}:00.0", 0x53 + minor),
-            pcie_root: None,
-            numa_node: None,
-            mig,
+            ..crate::prepare::testing::h100_gpu(minor, mig)
         };
-        let profiles = vec![
-            profile(19, "1g.10gb", 1, 9984, &[0, 1, 2, 3, 4, 5, 6], 1),
-            profile(0, "7g.80gb", 7, 81152, &[0], 8),
-        ];
+        // Two of the H100's profiles: 1g.10gb and 7g.80gb.
+        let profiles: Vec<MigProfile> = crate::prepare::testing::h100_profiles()
+            .into_iter()
+            .filter(|p| p.id == 19 || p.id == 0)
+            .collect();
         NodeInventory {
             driver_version: "580.105.08".into(),
             driver_semver: "580.105.8".into(),
@@ -370,7 +341,7 @@ mod tests {
         );
         assert_eq!(
             line("gpu-1-mig-7g80gb-0"),
-            "gpu-1-mig-7g80gb-0 mig 7g.80gb 0-7 79.2 GiB 112 blocked -"
+            "gpu-1-mig-7g80gb-0 mig 7g.80gb 0-7 79.2 GiB 132 blocked -"
         );
         assert_eq!(
             line("gpu-1-mig-1g10gb-5"),

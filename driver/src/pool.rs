@@ -669,105 +669,17 @@ pub fn count_quantity(n: u64) -> Quantity {
 mod tests {
     use super::*;
 
-    #[allow(clippy::too_many_arguments)]
-    fn prof(
-        id: u32,
-        name: &str,
-        g: u32,
-        inst: u32,
-        mib: u64,
-        sm: u32,
-        engines: [u32; 5],
-        starts: &[u32],
-        size: u32,
-    ) -> MigProfile {
-        MigProfile {
-            id,
-            name: name.into(),
-            slice_count: g,
-            instance_count: inst,
-            memory_mib: mib,
-            multiprocessors: sm,
-            copy_engines: engines[0],
-            decoders: engines[1],
-            encoders: engines[2],
-            jpeg_engines: engines[3],
-            ofa_engines: engines[4],
-            placements: starts
-                .iter()
-                .map(|&start| Placement { start, size })
-                .collect(),
-        }
-    }
+    use crate::prepare::testing::{h100_gpu, h100_profiles};
 
-    /// H100 80GB HBM3 table (MIG profile tables, docs/hardware-sources.md).
-    fn h100_profiles() -> Vec<MigProfile> {
-        vec![
-            prof(
-                19,
-                "1g.10gb",
-                1,
-                7,
-                9984,
-                16,
-                [1, 1, 0, 1, 0],
-                &[0, 1, 2, 3, 4, 5, 6],
-                1,
-            ),
-            prof(
-                20,
-                "1g.10gb+me",
-                1,
-                1,
-                9984,
-                16,
-                [1, 1, 0, 1, 1],
-                &[0, 1, 2, 3, 4, 5, 6],
-                1,
-            ),
-            prof(
-                15,
-                "1g.20gb",
-                1,
-                4,
-                20096,
-                26,
-                [1, 1, 0, 1, 0],
-                &[0, 2, 4, 6],
-                2,
-            ),
-            prof(
-                14,
-                "2g.20gb",
-                2,
-                3,
-                20096,
-                32,
-                [2, 2, 0, 2, 0],
-                &[0, 2, 4],
-                2,
-            ),
-            prof(9, "3g.40gb", 3, 2, 40448, 60, [3, 3, 0, 3, 0], &[0, 4], 4),
-            prof(5, "4g.40gb", 4, 1, 40448, 64, [4, 4, 0, 4, 0], &[0], 4),
-            prof(0, "7g.80gb", 7, 1, 81152, 132, [8, 7, 0, 7, 1], &[0], 8),
-        ]
-    }
-
+    /// GPU `minor` of an HGX H100 board as its tests see it (bus 53, root complex
+    /// pci0000:50, NUMA node 1).
     fn h100(minor: u32, mig: MigState) -> GpuInfo {
         GpuInfo {
-            index: minor,
-            minor,
             uuid: format!("GPU-00000000-0000-0000-0000-00000000000{minor}"),
-            product_name: "NVIDIA H100 80GB HBM3".into(),
-            brand: "Nvidia".into(),
-            architecture: "Hopper".into(),
-            cuda_compute_capability: (9, 0),
-            memory_bytes: 81559 * (1 << 20),
-            multiprocessors: Some(132),
             pci_bus_id: "0000:53:00.0".into(),
             pcie_root: Some("pci0000:50".into()),
             numa_node: Some(1),
-            mig,
+            ..h100_gpu(minor, mig)
         }
     }
 
@@ -1388,17 +1300,15 @@ mod tests {
     #[test]
     fn unnameable_profiles_are_skipped_and_long_values_dropped() {
         let mut profiles = h100_profiles();
-        profiles.push(prof(
-            67,
-            "1g.10gb-me",
-            1,
-            7,
-            9984,
-            16,
-            [1, 0, 0, 0, 0],
-            &[0],
-            1,
-        ));
+        // A profile no name rule covers (an unknown `-me` variant at slice 0).
+        profiles.push(MigProfile {
+            id: 67,
+            name: "1g.10gb-me".into(),
+            decoders: 0,
+            jpeg_engines: 0,
+            placements: vec![Placement { start: 0, size: 1 }],
+            ..profiles[0].clone()
+        });
         let mut g = h100(
             0,
             MigState::Enabled {

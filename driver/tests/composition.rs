@@ -36,15 +36,16 @@ use cleave_driver::model::Placement;
 use cleave_driver::pool::{PoolOptions, build_pool};
 use cleave_driver::prepare::testing::{FakeBackend, inventory, mig_gpu, plain_gpu};
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
-use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager};
+use cleave_driver::sharing::SharingManager;
+use cleave_testkit::fake_tools::NodeTools;
 use k8s_openapi::api::resource::v1::{Device, ResourceClaim};
 use serde_json::{Value, json};
 
-fn main() {
-    common::harness::main(&[(
+fn main() -> std::process::ExitCode {
+    cleave_testkit::runner::main(&[(
         "every_shipped_class_and_example_prepares_in_every_node_mode",
         every_shipped_class_and_example_prepares_in_every_node_mode,
-    )]);
+    )])
 }
 
 // ---------------------------------------------------------------------------------------
@@ -652,7 +653,7 @@ struct Node {
     _tmp: tempfile::TempDir,
     root: PathBuf,
     driver: NodeDriver,
-    mps_record: PathBuf,
+    tools: NodeTools,
     state: PathBuf,
 }
 
@@ -662,13 +663,7 @@ impl Node {
     fn new(mode: NodeMode) -> Self {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().to_owned();
-        let bin = root.join("bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        let exe = std::env::current_exe().unwrap();
-        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
-            std::os::unix::fs::symlink(&exe, bin.join(tool)).unwrap();
-        }
-        std::fs::write(root.join("boot_id"), "boot-1\n").unwrap();
+        let tools = NodeTools::install(&root);
         let state = root.join("state");
         let backend = Arc::new(FakeBackend::new(inventory(vec![
             plain_gpu(0),
@@ -684,30 +679,8 @@ impl Node {
                 )
                 .unwrap();
         }
-        let binaries = SharingBinaries::under_driver_root(Path::new("/nonexistent"))
-            .with_overrides(
-                Some(bin.join("nvidia-cuda-mps-control")),
-                Some(bin.join("nvidia-smi")),
-            );
-        let mps_record = root.join("mps-record.log");
-        let mut sharing = SharingConfig::new(&state, binaries);
-        sharing.boot_id_path = root.join("boot_id");
+        let mut sharing = tools.sharing_config(&state, &[]);
         sharing.pipe_root = Some(root.join("run"));
-        sharing.extra_env = [
-            ("FAKE_MPS_RECORD", mps_record.display().to_string()),
-            (
-                "FAKE_NVIDIA_SMI_RECORD",
-                root.join("smi-record.log").display().to_string(),
-            ),
-            (
-                "FAKE_NVIDIA_SMI_STATE",
-                root.join("smi-state").display().to_string(),
-            ),
-            ("FAKE_MPS_IDLE_EXIT_SECS", "120".to_owned()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
         let config = DriverConfig {
             dynamic_mig: mode.dynamic_mig,
             consumable_capacity: mode.capacity,
@@ -720,7 +693,7 @@ impl Node {
             _tmp: tmp,
             root,
             driver,
-            mps_record,
+            tools,
             state,
         }
     }
@@ -747,9 +720,9 @@ impl Node {
     }
 
     fn assert_nothing_left(&self, ctx: &str) {
-        for pid in common::harness::started_pids(&self.mps_record) {
+        for pid in self.tools.files.started_pids() {
             assert!(
-                common::harness::wait_dead(pid, std::time::Duration::from_secs(5)),
+                cleave_testkit::process::wait_dead(pid, std::time::Duration::from_secs(5)),
                 "{ctx}: daemon {pid} still runs"
             );
         }
@@ -767,13 +740,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        for pid in common::harness::started_pids(&self.mps_record) {
-            if common::harness::alive(pid) {
-                let _ = std::process::Command::new("kill")
-                    .args(["-9", &pid.to_string()])
-                    .status();
-            }
-        }
+        self.tools.files.kill_started();
     }
 }
 

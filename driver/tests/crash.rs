@@ -33,8 +33,10 @@ use cleave_driver::checkpoint::{CheckpointStore, ClaimState, ShareRecord};
 use cleave_driver::fault;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver, shared_daemon_key};
-use cleave_driver::sharing::{SharingBinaries, SharingConfig, SharingManager, SharingState};
-use common::harness::{alive, wait_dead};
+use cleave_driver::sharing::{SharingConfig, SharingManager, SharingState};
+use cleave_fakes::mps_control::ENV_IDLE_EXIT_SECS;
+use cleave_testkit::fake_tools::NodeTools;
+use cleave_testkit::process::{alive, wait_dead};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 
@@ -472,19 +474,14 @@ fn claim(def: &ClaimDef) -> ResourceClaim {
 
 struct World {
     root: PathBuf,
+    tools: NodeTools,
 }
 
 impl World {
     fn create(root: PathBuf) -> Self {
-        let bin = root.join("bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        let exe = std::env::current_exe().unwrap();
-        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
-            std::os::unix::fs::symlink(&exe, bin.join(tool)).unwrap();
-        }
+        let tools = NodeTools::install(&root);
         common::lay_out_driver_root(&root.join("driver-root"));
-        std::fs::write(root.join("boot_id"), "boot-1\n").unwrap();
-        World { root }
+        World { root, tools }
     }
 
     fn state(&self) -> PathBuf {
@@ -495,9 +492,6 @@ impl World {
     }
     fn nvml_state(&self) -> PathBuf {
         self.root.join("nvml-state.json")
-    }
-    fn mps_record(&self) -> PathBuf {
-        self.root.join("mps-record.log")
     }
     fn boot(&self) -> String {
         std::fs::read_to_string(self.root.join("boot_id"))
@@ -514,31 +508,16 @@ impl World {
     }
 
     fn sharing_config(&self) -> SharingConfig {
-        let binaries = SharingBinaries::under_driver_root(Path::new("/nonexistent"))
-            .with_overrides(
-                Some(self.root.join("bin/nvidia-cuda-mps-control")),
-                Some(self.root.join("bin/nvidia-smi")),
-            );
-        let mut config = SharingConfig::new(self.state(), binaries);
-        config.boot_id_path = self.root.join("boot_id");
+        let mut config = self
+            .tools
+            .sharing_config(&self.state(), &[(ENV_IDLE_EXIT_SECS, "60")]);
         config.pipe_root = Some(self.root.join("run"));
-        config.ready_timeout = Duration::from_secs(10);
-        config.stop_timeout = Duration::from_secs(3);
-        config.extra_env = [
-            ("FAKE_MPS_RECORD", self.mps_record()),
-            ("FAKE_NVIDIA_SMI_RECORD", self.root.join("smi-record.log")),
-            ("FAKE_NVIDIA_SMI_STATE", self.root.join("smi-state")),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.display().to_string()))
-        .chain([("FAKE_MPS_IDLE_EXIT_SECS".to_owned(), "60".to_owned())])
-        .collect();
         config
     }
 
     /// PIDs of every daemon the fake started in this world.
     fn started_pids(&self) -> Vec<u32> {
-        common::harness::started_pids(&self.mps_record())
+        self.tools.files.started_pids()
     }
 
     fn kill_daemons(&self) {
@@ -554,7 +533,7 @@ impl World {
     /// ID) and CDI specs (tmpfs) are gone, the kernel boot ID changes.
     fn reboot(&self) {
         self.kill_daemons();
-        let _ = std::fs::remove_file(self.root.join("smi-state"));
+        let _ = std::fs::remove_file(self.tools.files.smi_state());
         if let Ok(entries) = std::fs::read_dir(self.cdi()) {
             for e in entries.flatten() {
                 std::fs::remove_file(e.path()).unwrap();
@@ -590,18 +569,11 @@ impl World {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().unwrap();
-        let deadline = Instant::now() + CHILD_TIMEOUT;
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{scenario} {role} timed out after {CHILD_TIMEOUT:?}");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
+        let status = cleave_testkit::process::wait_or_kill(
+            &mut child,
+            CHILD_TIMEOUT,
+            &format!("{scenario} {role}"),
+        );
         (status, std::fs::read_to_string(&log).unwrap_or_default())
     }
 
@@ -618,8 +590,10 @@ impl World {
 // Child roles
 
 fn child(role: &str) {
+    let root = PathBuf::from(std::env::var(WORLD_ENV).unwrap());
     let world = World {
-        root: PathBuf::from(std::env::var(WORLD_ENV).unwrap()),
+        tools: NodeTools::at(&root),
+        root,
     };
     let scenario = scenario(&std::env::var(SCENARIO_ENV).unwrap());
     let _ = tracing_subscriber::fmt()
@@ -901,7 +875,7 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
     );
 
     // Compute modes: EXCLUSIVE_PROCESS exactly on whole GPUs of prepared MPS claims.
-    let smi = cleave_fakes::nvidia_smi::read_state(&world.root.join("smi-state"));
+    let smi = cleave_fakes::nvidia_smi::read_state(&world.tools.files.smi_state());
     let exclusive: BTreeSet<String> = smi
         .iter()
         .filter(|((_, key), value)| key == "computeMode" && *value == "EXCLUSIVE_PROCESS")
@@ -1128,25 +1102,17 @@ fn run_harness() -> bool {
     failures.is_empty() && missing.is_empty()
 }
 
-fn main() {
+fn main() -> std::process::ExitCode {
+    // A fake tool first: the tools this process spawns inherit the role variable.
     let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = cleave_fakes::dispatch(&args) {
+    if let Some(code) = cleave_testkit::runner::play_fake_tool(&args) {
         std::process::exit(code);
     }
     if let Ok(role) = std::env::var(ROLE_ENV) {
         child(&role);
-        return;
+        return std::process::ExitCode::SUCCESS;
     }
-    const NAME: &str = "crash_consistency_at_every_fault_point";
-    let (filter, list) = common::harness::parse_args(&args);
-    if list {
-        println!("{NAME}: test");
-        return;
-    }
-    if filter.is_some_and(|f| !NAME.contains(f.as_str())) {
-        common::harness::report(0, 0);
-        return;
-    }
-    let ok = run_harness();
-    common::harness::report(usize::from(ok), usize::from(!ok));
+    cleave_testkit::runner::main(&[("crash_consistency_at_every_fault_point", || {
+        assert!(run_harness(), "crash consistency failed (see above)");
+    })])
 }

@@ -13,7 +13,8 @@ use cleave_driver::model::{MigState, Placement};
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::pool::{PoolOptions, build_pool, limit_violations};
 
-use common::{PROFILES, gpu, mock_lib, profile_facts, run_child, scenario};
+use cleave_testkit::gpu::{architecture, mig_profiles, node_product};
+use common::{PROFILES, gpu, mock_lib, run_child, scenario};
 
 fn open() -> NvmlBackend {
     NvmlBackend::open(Some(&mock_lib())).expect("mock NVML opens")
@@ -24,7 +25,7 @@ fn open() -> NvmlBackend {
 #[test]
 fn discovers_every_profile() {
     if let Some(profile) = scenario() {
-        let (facts, count) = profile_facts(&profile);
+        let (facts, count) = node_product(&profile);
         // A sysfs stand-in where GPU 0's bus ID links below root complex pci0000:50.
         let sysfs = tempfile::tempdir().unwrap();
         let devices = sysfs.path().join("bus/pci/devices");
@@ -59,12 +60,16 @@ fn discovers_every_profile() {
         assert_eq!(buses.len(), count);
         for g in &inv.gpus {
             assert!(g.uuid.starts_with("GPU-"), "{}", g.uuid);
+            let (major, minor) = facts.compute_capability;
             assert_eq!(g.product_name, facts.name);
             assert_eq!(g.brand, "Nvidia");
-            assert_eq!(g.architecture, facts.arch);
-            assert_eq!(g.cuda_compute_capability, facts.cc);
+            assert_eq!(g.architecture, architecture(facts));
+            assert_eq!(
+                g.cuda_compute_capability,
+                (major.unsigned_abs(), minor.unsigned_abs())
+            );
             assert_eq!(g.memory_bytes, facts.memory_mib << 20);
-            assert_eq!(g.multiprocessors, Some(facts.sms));
+            assert_eq!(g.multiprocessors, Some(facts.sm_count));
             let b = &g.pci_bus_id;
             assert!(
                 b.len() == 12
@@ -73,7 +78,8 @@ fn discovers_every_profile() {
                     && *b == b.to_lowercase(),
                 "{b}"
             );
-            if facts.profiles.is_empty() {
+            let expected = mig_profiles(facts.key);
+            if expected.is_empty() {
                 assert_eq!(g.mig, MigState::NotCapable);
                 continue;
             }
@@ -87,42 +93,15 @@ fn discovers_every_profile() {
             };
             assert!(instances.is_empty());
             assert_eq!(*memory_slices, 8);
-            assert_eq!(profiles.len(), facts.profiles.len());
-            for f in facts.profiles {
-                let p = profiles
+            assert_eq!(profiles.len(), expected.len());
+            for f in expected {
+                let mut p = profiles
                     .iter()
                     .find(|p| p.id == f.id)
-                    .unwrap_or_else(|| panic!("{profile}: no profile id {}", f.id));
-                assert_eq!(p.name, f.name, "{profile} id {}", f.id);
-                assert_eq!(p.slice_count, f.slices, "{}", f.name);
-                assert_eq!(p.instance_count, f.instances, "{}", f.name);
-                assert_eq!(p.multiprocessors, f.sms, "{}", f.name);
-                assert_eq!(
-                    [
-                        p.copy_engines,
-                        p.decoders,
-                        p.encoders,
-                        p.jpeg_engines,
-                        p.ofa_engines
-                    ],
-                    f.engines,
-                    "{}",
-                    f.name
-                );
-                if let Some(mib) = f.memory_mib {
-                    assert_eq!(p.memory_mib, mib, "{}", f.name);
-                }
-                let expected: Vec<Placement> = f
-                    .starts
-                    .iter()
-                    .map(|&start| Placement {
-                        start,
-                        size: f.size,
-                    })
-                    .collect();
-                let mut got = p.placements.clone();
-                got.sort();
-                assert_eq!(got, expected, "{} placements", f.name);
+                    .unwrap_or_else(|| panic!("{profile}: no profile id {}", f.id))
+                    .clone();
+                p.placements.sort();
+                assert_eq!(p, f, "{profile} id {}", f.id);
             }
         }
         // Bus IDs of the HGX layout (device identity, docs/hardware-sources.md QX capture): minors 0..7 in bus order.

@@ -11,15 +11,14 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cleave_api::names::DRIVER_NAME;
 use cleave_driver::backend::GpuBackend;
 use cleave_driver::cdi;
 use cleave_driver::checkpoint::{CheckpointError, CheckpointStore, ClaimState};
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError};
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use serde_json::json;
 
+use cleave_driver::prepare::testing::node_claim;
 use common::{child_tmp, mock_lib, run_child, scenario};
 
 const UID: &str = "f0000001-0000-4000-8000-000000000001";
@@ -34,16 +33,7 @@ fn config(dir: &Path) -> DriverConfig {
 }
 
 fn claim(uid: &str, device: &str) -> ResourceClaim {
-    serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": "c", "namespace": "default", "uid": uid},
-        "spec": {"devices": {}},
-        "status": {"allocation": {"devices": {
-            "results": [{"request": "r", "driver": DRIVER_NAME, "pool": "node-a", "device": device}]
-        }}}
-    }))
-    .unwrap()
+    node_claim(uid, &[("r", device)])
 }
 
 fn backend() -> Arc<NvmlBackend> {

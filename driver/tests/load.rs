@@ -15,15 +15,14 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cleave_api::names::DRIVER_NAME;
 use cleave_driver::backend::GpuBackend;
 use cleave_driver::cdi;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use serde_json::json;
 
+use cleave_driver::prepare::testing::node_claim;
 use common::{child_tmp, mock_lib, run_child, scenario};
 
 const CLAIMS: usize = 400;
@@ -36,16 +35,7 @@ fn config(dir: &Path) -> DriverConfig {
 }
 
 fn claim(uid: &str, device: &str) -> ResourceClaim {
-    serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": format!("c-{}", &uid[..8]), "namespace": "load", "uid": uid},
-        "spec": {"devices": {}},
-        "status": {"allocation": {"devices": {
-            "results": [{"request": "r", "driver": DRIVER_NAME, "pool": "node-a", "device": device}]
-        }}}
-    }))
-    .unwrap()
+    node_claim(uid, &[("r", device)])
 }
 
 /// Devices that never overlap: GPUs 0-1 whole, GPUs 2-7 as four 1g.10gb and one 3g.40gb.

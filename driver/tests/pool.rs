@@ -16,7 +16,8 @@ use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::pool::{PoolOptions, build_pool, limit_violations};
 use k8s_openapi::api::resource::v1::Device;
 
-use common::{PROFILES, gpu, mock_lib, profile_facts, run_child, scenario};
+use cleave_testkit::gpu::node_product;
+use common::{PROFILES, gpu, mock_lib, run_child, scenario};
 
 fn open() -> NvmlBackend {
     NvmlBackend::open(Some(&mock_lib())).expect("mock NVML opens")
@@ -26,10 +27,10 @@ fn open() -> NvmlBackend {
 #[test]
 fn pools_of_every_profile_pass_limits() {
     if let Some(profile) = scenario() {
-        let (facts, count) = profile_facts(&profile);
+        let (facts, count) = node_product(&profile);
         let backend = open();
         let inv = backend.inventory().unwrap();
-        let mig = !facts.profiles.is_empty();
+        let mig = facts.mig_capable();
 
         // On demand: whole GPU + every placement (25 on these parts) per GPU.
         let on_demand = build_pool(
@@ -46,7 +47,11 @@ fn pools_of_every_profile_pass_limits() {
         );
         assert_eq!(on_demand.groups.len(), count);
         let per_gpu = if mig {
-            1 + facts.profiles.iter().map(|p| p.starts.len()).sum::<usize>()
+            1 + facts
+                .mig_profiles
+                .iter()
+                .map(|p| p.starts.len())
+                .sum::<usize>()
         } else {
             1
         };
@@ -67,12 +72,12 @@ fn pools_of_every_profile_pass_limits() {
             // A typical mixed layout on GPU 0: 3g@4, 2g@0, 1g@2, 1g+me@3 (ids from the tables).
             let id = |slices: u32, starts: usize, size: u32, me: bool| {
                 facts
-                    .profiles
+                    .mig_profiles
                     .iter()
                     .find(|p| {
-                        p.slices == slices
+                        p.slice_count == slices
                             && p.starts.len() == starts
-                            && p.size == size
+                            && p.placement_size == size
                             && p.name.ends_with("+me") == me
                     })
                     .unwrap()
@@ -91,7 +96,7 @@ fn pools_of_every_profile_pass_limits() {
                         p.id,
                         Placement {
                             start,
-                            size: p.size,
+                            size: p.placement_size,
                         },
                     )
                     .unwrap();

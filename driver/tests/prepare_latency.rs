@@ -17,42 +17,15 @@ use cleave_driver::checkpoint::write_file_atomic;
 use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
-use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
-    ResourceClaimStatus,
-};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 
+use cleave_driver::prepare::testing::node_claim;
 use common::{CHILD_TIMEOUT, SCENARIO_ENV, child_tmp, mock_lib, scenario};
 
 const ROUNDS: usize = 300;
 
 fn claim(uid: &str, device: &str) -> ResourceClaim {
-    ResourceClaim {
-        metadata: ObjectMeta {
-            name: Some("bench".into()),
-            namespace: Some("default".into()),
-            uid: Some(uid.into()),
-            ..ObjectMeta::default()
-        },
-        status: Some(ResourceClaimStatus {
-            allocation: Some(AllocationResult {
-                devices: Some(DeviceAllocationResult {
-                    config: None,
-                    results: Some(vec![DeviceRequestAllocationResult {
-                        request: "gpu".into(),
-                        driver: DRIVER_NAME.into(),
-                        pool: "node-a".into(),
-                        device: device.into(),
-                        ..DeviceRequestAllocationResult::default()
-                    }]),
-                }),
-                ..AllocationResult::default()
-            }),
-            ..ResourceClaimStatus::default()
-        }),
-        ..ResourceClaim::default()
-    }
+    node_claim(uid, &[("gpu", device)])
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -172,18 +145,11 @@ fn child(name: &str, mig: &str) -> String {
         std::io::Read::read_to_string(&mut pipe, &mut s).unwrap();
         s
     });
-    let deadline = Instant::now() + CHILD_TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("measurement {name} timed out");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = cleave_testkit::process::wait_or_kill(
+        &mut child,
+        CHILD_TIMEOUT,
+        &format!("measurement {name}"),
+    );
     let out = reader.join().unwrap();
     assert!(
         status.success() && out.contains("1 passed"),

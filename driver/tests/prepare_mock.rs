@@ -16,16 +16,12 @@ use cleave_driver::backend::GpuBackend;
 use cleave_driver::checkpoint::{
     CheckpointStore, ClaimRecord, ClaimState, DeviceKind, DeviceRecord, MigRecord,
 };
-use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::{MigState, Placement};
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError};
-use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
-    ResourceClaimStatus,
-};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 
+use cleave_driver::prepare::testing::node_claim;
 use common::{child_tmp, mock_lib, run_child, scenario};
 
 const MIG_PRODUCTS: [&str; 4] = [
@@ -40,22 +36,9 @@ fn config(dir: &Path, dynamic_mig: bool) -> DriverConfig {
     if !boot_id_path.exists() {
         std::fs::write(&boot_id_path, "boot-1\n").unwrap();
     }
-    common::lay_out_driver_root(&dir.join("driver-root"));
     DriverConfig {
-        driver_name: DRIVER_NAME.into(),
-        pool_name: "node-a".into(),
-        state_dir: dir.join("plugins").join(DRIVER_NAME),
-        cdi_root: dir.join("cdi"),
-        driver_root: DriverRootConfig {
-            root: dir.join("driver-root"),
-            host_root: None,
-            dev_root: Some(dir.join("driver-root")),
-            proc_root: dir.join("proc"),
-        },
         dynamic_mig,
-        boot_id_path,
-        cdi_hook: None,
-        consumable_capacity: Default::default(),
+        ..common::node_config(dir, dir.join("plugins").join(DRIVER_NAME))
     }
 }
 
@@ -64,36 +47,7 @@ fn backend() -> Arc<NvmlBackend> {
 }
 
 fn claim(uid: &str, devices: &[(&str, &str)]) -> ResourceClaim {
-    ResourceClaim {
-        metadata: ObjectMeta {
-            name: Some(format!("c-{}", &uid[..8])),
-            namespace: Some("default".into()),
-            uid: Some(uid.into()),
-            ..ObjectMeta::default()
-        },
-        status: Some(ResourceClaimStatus {
-            allocation: Some(AllocationResult {
-                devices: Some(DeviceAllocationResult {
-                    config: None,
-                    results: Some(
-                        devices
-                            .iter()
-                            .map(|(request, device)| DeviceRequestAllocationResult {
-                                request: (*request).into(),
-                                driver: DRIVER_NAME.into(),
-                                pool: "node-a".into(),
-                                device: (*device).into(),
-                                ..DeviceRequestAllocationResult::default()
-                            })
-                            .collect(),
-                    ),
-                }),
-                ..AllocationResult::default()
-            }),
-            ..ResourceClaimStatus::default()
-        }),
-        ..ResourceClaim::default()
-    }
+    node_claim(uid, devices)
 }
 
 fn uid(n: usize) -> String {

@@ -21,14 +21,11 @@ use cleave_driver::backend::GpuBackend;
 use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
 use cleave_driver::model::{MigInstance, Placement};
 use cleave_driver::nvml::NvmlBackend;
-use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError, PreparedClaim};
-use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
-    ResourceClaimStatus,
-};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 
-use common::{child_tmp, log_to_stderr, mock_lib, run_child, scenario};
+use cleave_driver::prepare::testing::node_claim;
+use common::{cdi_ids, child_tmp, log_to_stderr, mock_lib, run_child, scenario};
 
 const PRODUCT: &str = "a100-80gb-x4";
 const MIG_CLAIM: &str = "0000000a-0000-4000-8000-000000000000";
@@ -74,31 +71,7 @@ fn backend() -> Arc<NvmlBackend> {
 }
 
 fn claim(uid: &str, request: &str, device: &str) -> ResourceClaim {
-    ResourceClaim {
-        metadata: ObjectMeta {
-            name: Some(format!("c-{}", &uid[..8])),
-            namespace: Some("default".into()),
-            uid: Some(uid.into()),
-            ..ObjectMeta::default()
-        },
-        status: Some(ResourceClaimStatus {
-            allocation: Some(AllocationResult {
-                devices: Some(DeviceAllocationResult {
-                    config: None,
-                    results: Some(vec![DeviceRequestAllocationResult {
-                        request: request.into(),
-                        driver: DRIVER_NAME.into(),
-                        pool: "node-a".into(),
-                        device: device.into(),
-                        ..DeviceRequestAllocationResult::default()
-                    }]),
-                }),
-                ..AllocationResult::default()
-            }),
-            ..ResourceClaimStatus::default()
-        }),
-        ..ResourceClaim::default()
-    }
+    node_claim(uid, &[(request, device)])
 }
 
 fn mig_claim() -> ResourceClaim {
@@ -117,14 +90,6 @@ fn gpu_uuid(nvml: &NvmlBackend, minor: u32) -> String {
         .find(|g| g.minor == minor)
         .unwrap()
         .uuid
-}
-
-fn cdi_ids(prepared: &PreparedClaim) -> Vec<String> {
-    prepared
-        .devices
-        .iter()
-        .flat_map(|d| d.cdi_device_ids.clone())
-        .collect()
 }
 
 fn spec_path(dir: &Path, uid: &str) -> PathBuf {

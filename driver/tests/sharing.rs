@@ -19,20 +19,19 @@ use std::time::{Duration, Instant};
 use cleave_api::config::{DeviceKind, Sharing};
 use cleave_api::names::DRIVER_NAME;
 use cleave_api::pool::ConsumableCapacity;
-use cleave_driver::backend::{BackendError, GpuBackend};
 use cleave_driver::checkpoint::{
     CheckpointData, CheckpointStore, ClaimRecord, ClaimState, DeviceKind as RecordKind,
     DeviceRecord,
 };
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
+use cleave_driver::prepare::testing::{Call, FakeBackend, node_claim, with_config};
 use cleave_driver::prepare::{
     DriverConfig, GpuFacts, NodeDriver, SharingDevice, TimeSliceNeed, time_slice_needs,
 };
 use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
-use cleave_driver::sharing::{
-    SharingBinaries, SharingConfig, SharingFailure, SharingManager, SharingState,
-};
-use common::harness::{alive, wait_dead};
+use cleave_driver::sharing::{SharingConfig, SharingFailure, SharingManager, SharingState};
+use cleave_testkit::fake_tools::ToolNode;
+use cleave_testkit::process::{alive, wait_dead};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,8 +46,8 @@ const GIB: u64 = 1 << 30;
 // ---------------------------------------------------------------------------------------
 // Harness
 
-fn main() {
-    let tests: &[(&str, fn())] = &[
+fn main() -> std::process::ExitCode {
+    let tests: &[cleave_testkit::runner::Test] = &[
         (
             "supervisor_quits_the_daemon_on_stop_and_notices_its_exit",
             supervisor_quits_the_daemon_on_stop_and_notices_its_exit,
@@ -151,64 +150,37 @@ fn main() {
             admin_access_is_prepared_beside_other_claims_and_touches_nothing,
         ),
     ];
-    common::harness::main(tests);
+    cleave_testkit::runner::main(tests)
 }
 
-/// A node in a temp dir: state dir, fake tools, record files, boot ID.
+/// A node in a temp dir (state dir, fake tools, record files, boot ID) and the fakes' files.
 struct World {
-    _tmp: tempfile::TempDir,
-    root: PathBuf,
-    state: PathBuf,
+    node: ToolNode,
     mps_record: PathBuf,
     smi_record: PathBuf,
     smi_state: PathBuf,
 }
 
+impl std::ops::Deref for World {
+    type Target = ToolNode;
+    fn deref(&self) -> &ToolNode {
+        &self.node
+    }
+}
+
 impl World {
     fn new() -> Self {
-        let tmp = tempfile::tempdir().unwrap();
-        let root = tmp.path().to_owned();
-        let bin = root.join("bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        let exe = std::env::current_exe().unwrap();
-        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
-            std::os::unix::fs::symlink(&exe, bin.join(tool)).unwrap();
-        }
-        std::fs::write(root.join("boot_id"), "boot-1\n").unwrap();
-        let state = root.join("state");
-        std::fs::create_dir_all(&state).unwrap();
+        let node = ToolNode::new();
         World {
-            mps_record: root.join("mps-record.log"),
-            smi_record: root.join("smi-record.log"),
-            smi_state: root.join("smi-state"),
-            state,
-            root,
-            _tmp: tmp,
+            mps_record: node.tools.files.mps_record(),
+            smi_record: node.tools.files.smi_record(),
+            smi_state: node.tools.files.smi_state(),
+            node,
         }
     }
 
     fn config(&self, knobs: &[(&str, &str)]) -> SharingConfig {
-        let binaries = SharingBinaries::under_driver_root(Path::new("/nonexistent"))
-            .with_overrides(
-                Some(self.root.join("bin/nvidia-cuda-mps-control")),
-                Some(self.root.join("bin/nvidia-smi")),
-            );
-        let mut config = SharingConfig::new(&self.state, binaries);
-        config.boot_id_path = self.root.join("boot_id");
-        config.ready_timeout = Duration::from_secs(10);
-        config.stop_timeout = Duration::from_secs(3);
-        let mut env = vec![
-            ("FAKE_MPS_RECORD", self.mps_record.to_str().unwrap()),
-            ("FAKE_NVIDIA_SMI_RECORD", self.smi_record.to_str().unwrap()),
-            ("FAKE_NVIDIA_SMI_STATE", self.smi_state.to_str().unwrap()),
-            ("FAKE_MPS_IDLE_EXIT_SECS", "120"),
-        ];
-        env.extend_from_slice(knobs);
-        config.extra_env = env
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        config
+        self.tools.sharing_config(&self.state, knobs)
     }
 
     fn manager_with(&self, config: SharingConfig) -> SharingManager {
@@ -251,7 +223,7 @@ impl World {
 
     /// PIDs of every daemon the fake started in this world.
     fn started_pids(&self) -> Vec<u32> {
-        common::harness::started_pids(&self.mps_record)
+        cleave_testkit::process::started_pids(&self.mps_record)
     }
 
     fn smi_setting(&self, gpu: &str, key: &str) -> Option<String> {
@@ -278,17 +250,6 @@ impl World {
     }
 }
 
-impl Drop for World {
-    fn drop(&mut self) {
-        // Whatever happened, no fake daemon outlives its test.
-        for pid in self.started_pids() {
-            if alive(pid) {
-                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            }
-        }
-    }
-}
-
 fn read_lines(path: &Path) -> Vec<String> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -297,68 +258,50 @@ fn read_lines(path: &Path) -> Vec<String> {
         .collect()
 }
 
+/// An H100 of the test kit as `uuid`, with this compute capability (a Pascal part below
+/// 7.0), memory and MIG state.
 fn gpu(uuid: &str, minor: u32, cc: (u32, u32), memory: u64, mig: MigState) -> GpuInfo {
+    let h100 = cleave_testkit::gpu::h100(minor);
+    let (product_name, architecture) = if cc.0 < 7 {
+        ("Tesla P100-PCIE-16GB".into(), "Pascal".into())
+    } else {
+        (h100.product_name.clone(), h100.architecture.clone())
+    };
     GpuInfo {
-        index: minor,
-        minor,
         uuid: uuid.into(),
-        product_name: if cc.0 < 7 {
-            "Tesla P100-PCIE-16GB".into()
-        } else {
-            "NVIDIA H100 80GB HBM3".into()
-        },
-        brand: "Tesla".into(),
-        architecture: if cc.0 < 7 {
-            "Pascal".into()
-        } else {
-            "Hopper".into()
-        },
+        product_name,
+        architecture,
         cuda_compute_capability: cc,
         memory_bytes: memory,
-        multiprocessors: Some(132),
-        pci_bus_id: format!("0000:{:02x}:00.0", minor + 1),
-        pcie_root: None,
-        numa_node: None,
         mig,
+        ..h100
     }
 }
 
+/// GPUs A and B (H100), an old GPU without MPS support, and an H100 in MIG mode offering
+/// one 1g.10gb placement (at slice 0, 9856 MiB).
 fn inventory() -> NodeInventory {
     let profile = MigProfile {
-        id: 19,
-        name: "1g.10gb".into(),
-        slice_count: 1,
-        instance_count: 7,
         memory_mib: 9856,
-        multiprocessors: 16,
-        copy_engines: 1,
-        decoders: 1,
-        encoders: 0,
-        jpeg_engines: 1,
-        ofa_engines: 0,
         placements: vec![Placement { start: 0, size: 1 }],
+        ..cleave_testkit::gpu::mig_profile_named(cleave_testkit::gpu::H100, "1g.10gb")
     };
-    NodeInventory {
-        driver_version: "570.148.08".into(),
-        driver_semver: "570.148.8".into(),
-        cuda_driver_semver: "12.8.0".into(),
-        gpus: vec![
-            gpu(GPU_A, 0, (9, 0), 80 * GIB, MigState::NotCapable),
-            gpu(GPU_B, 1, (9, 0), 80 * GIB, MigState::NotCapable),
-            gpu(GPU_OLD, 2, (6, 0), 16 * GIB, MigState::NotCapable),
-            gpu(
-                GPU_MIG,
-                3,
-                (9, 0),
-                80 * GIB,
-                MigState::Enabled {
-                    profiles: vec![profile],
-                    instances: vec![],
-                    memory_slices: 8,
-                },
-            ),
-        ],
-    }
+    cleave_testkit::gpu::inventory(vec![
+        gpu(GPU_A, 0, (9, 0), 80 * GIB, MigState::NotCapable),
+        gpu(GPU_B, 1, (9, 0), 80 * GIB, MigState::NotCapable),
+        gpu(GPU_OLD, 2, (6, 0), 16 * GIB, MigState::NotCapable),
+        gpu(
+            GPU_MIG,
+            3,
+            (9, 0),
+            80 * GIB,
+            MigState::Enabled {
+                profiles: vec![profile],
+                instances: vec![],
+                memory_slices: 8,
+            },
+        ),
+    ])
 }
 
 fn sharing(value: serde_json::Value) -> Sharing {
@@ -1301,25 +1244,8 @@ fn time_slicing_on_mig_and_conflicts() {
 // Through the prepare state machine
 
 /// Inventory only: the claims here need no MIG changes.
-struct StaticBackend;
-
-impl GpuBackend for StaticBackend {
-    fn inventory(&self) -> Result<NodeInventory, BackendError> {
-        Ok(inventory())
-    }
-    fn create_mig(&self, gpu: &str, _: u32, _: Placement) -> Result<MigInstance, BackendError> {
-        Err(BackendError::Other(format!(
-            "no MIG changes in this test ({gpu})"
-        )))
-    }
-    fn destroy_mig(&self, gpu: &str, _: u32, _: u32) -> Result<(), BackendError> {
-        Err(BackendError::Other(format!(
-            "no MIG changes in this test ({gpu})"
-        )))
-    }
-    fn list_mig(&self, _: &str) -> Result<Vec<MigInstance>, BackendError> {
-        Ok(Vec::new())
-    }
+fn static_backend() -> Arc<FakeBackend> {
+    Arc::new(FakeBackend::new(inventory()))
 }
 
 fn driver_config(world: &World) -> DriverConfig {
@@ -1331,31 +1257,22 @@ fn driver_config(world: &World) -> DriverConfig {
 }
 
 fn mps_claim(uid: &str, device: &str, pct: u8, limit: &str) -> ResourceClaim {
-    serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": format!("claim-{uid}"), "namespace": "default", "uid": uid},
-        "spec": {"devices": {}},
-        "status": {"allocation": {"devices": {
-            "results": [{"request": "gpu", "driver": DRIVER_NAME, "pool": "node-a", "device": device}],
-            "config": [{"source": "FromClaim", "requests": ["gpu"], "opaque": {
-                "driver": DRIVER_NAME,
-                "parameters": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
-                    "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": pct,
-                        "pinnedMemoryLimit": {"default": limit}}}}}}]
-        }}}
-    }))
-    .unwrap()
+    with_config(
+        node_claim(uid, &[("gpu", device)]),
+        "FromClaim",
+        DRIVER_NAME,
+        &["gpu"],
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": pct,
+                "pinnedMemoryLimit": {"default": limit}}}}),
+    )
 }
 
 fn start_driver(world: &World, knobs: &[(&str, &str)]) -> (NodeDriver, Arc<SharingManager>) {
     let manager = Arc::new(SharingManager::new(world.config(knobs)));
-    let driver = NodeDriver::start_with_sharing(
-        driver_config(world),
-        Arc::new(StaticBackend),
-        manager.clone(),
-    )
-    .unwrap();
+    let driver =
+        NodeDriver::start_with_sharing(driver_config(world), static_backend(), manager.clone())
+            .unwrap();
     (driver, manager)
 }
 
@@ -1538,7 +1455,7 @@ fn start_share_driver(
         consumable_capacity: mode,
         ..driver_config(world)
     };
-    NodeDriver::start_with_sharing(config, Arc::new(StaticBackend), manager).unwrap()
+    NodeDriver::start_with_sharing(config, static_backend(), manager).unwrap()
 }
 
 fn cdi_text(world: &World, uid: &str) -> String {
@@ -1827,97 +1744,40 @@ fn time_slicing_shares_are_scheduled_not_enforced() {
 /// 9856 MiB; its GPU has 132 SMs).
 const MIG_SHARED: &str = "gpu-3-mig-1g10gb-0";
 
-/// A GPU backend over `inventory()` whose MIG instances are created and destroyed in memory,
-/// counting the calls (what NVML would be asked).
-struct MigBackend {
-    instances: std::sync::Mutex<Vec<MigInstance>>,
-    creates: std::sync::atomic::AtomicU32,
-    destroys: std::sync::atomic::AtomicU32,
-}
-
-impl MigBackend {
-    fn new(instances: Vec<MigInstance>) -> Arc<Self> {
-        Arc::new(MigBackend {
-            instances: std::sync::Mutex::new(instances),
-            creates: Default::default(),
-            destroys: Default::default(),
-        })
-    }
-
-    fn instances(&self) -> Vec<MigInstance> {
-        self.instances.lock().unwrap().clone()
-    }
-
-    fn creates(&self) -> u32 {
-        self.creates.load(Ordering::SeqCst)
-    }
-
-    fn destroys(&self) -> u32 {
-        self.destroys.load(Ordering::SeqCst)
-    }
-}
-
-impl GpuBackend for MigBackend {
-    fn inventory(&self) -> Result<NodeInventory, BackendError> {
-        let mut inv = inventory();
-        for g in &mut inv.gpus {
-            if let MigState::Enabled { instances, .. } = &mut g.mig
-                && g.uuid == GPU_MIG
-            {
-                *instances = self.instances();
-            }
+/// The driver's fake backend over `inventory()` with `instances` on `GPU_MIG`: MIG
+/// instances are created and destroyed in memory, and the calls recorded (what NVML would be
+/// asked).
+fn mig_backend(instances: Vec<MigInstance>) -> Arc<FakeBackend> {
+    let mut inv = inventory();
+    for g in &mut inv.gpus {
+        if let MigState::Enabled { instances: now, .. } = &mut g.mig
+            && g.uuid == GPU_MIG
+        {
+            now.clone_from(&instances);
         }
-        Ok(inv)
     }
-    fn create_mig(
-        &self,
-        gpu: &str,
-        profile_id: u32,
-        placement: Placement,
-    ) -> Result<MigInstance, BackendError> {
-        assert_eq!(gpu, GPU_MIG, "MIG instance asked of another GPU");
-        let mut list = self.instances.lock().unwrap();
-        if list.iter().any(|i| i.placement == placement) {
-            // What NVML answers for a taken placement.
-            return Err(BackendError::Other(format!(
-                "insufficient resources: placement {placement:?} is taken"
-            )));
-        }
-        let n = self.creates.fetch_add(1, Ordering::SeqCst) + 1;
-        let inst = MigInstance {
-            uuid: format!("MIG-0000000{n}-0000-4000-8000-000000000000"),
-            profile_id,
-            profile_name: "1g.10gb".into(),
-            gi_id: n,
-            ci_id: 0,
-            placement,
-        };
-        list.push(inst.clone());
-        Ok(inst)
-    }
-    fn destroy_mig(&self, gpu: &str, gi_id: u32, ci_id: u32) -> Result<(), BackendError> {
-        assert_eq!(gpu, GPU_MIG);
-        let mut list = self.instances.lock().unwrap();
-        let before = list.len();
-        list.retain(|i| !(i.gi_id == gi_id && i.ci_id == ci_id));
-        assert_eq!(
-            list.len() + 1,
-            before,
-            "destroyed an instance that is not there"
-        );
-        self.destroys.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-    fn list_mig(&self, gpu: &str) -> Result<Vec<MigInstance>, BackendError> {
-        Ok(if gpu == GPU_MIG {
-            self.instances()
-        } else {
-            Vec::new()
-        })
-    }
+    Arc::new(FakeBackend::new(inv))
 }
 
-fn start_mig_share_driver(world: &World, backend: &Arc<MigBackend>, dynamic: bool) -> NodeDriver {
+/// MIG instances the driver created so far.
+fn creates(backend: &FakeBackend) -> usize {
+    backend
+        .mutations()
+        .iter()
+        .filter(|c| matches!(c, Call::CreateMig { .. }))
+        .count()
+}
+
+/// MIG instances the driver destroyed so far.
+fn destroys(backend: &FakeBackend) -> usize {
+    backend
+        .mutations()
+        .iter()
+        .filter(|c| matches!(c, Call::DestroyMig { .. }))
+        .count()
+}
+
+fn start_mig_share_driver(world: &World, backend: &Arc<FakeBackend>, dynamic: bool) -> NodeDriver {
     let config = DriverConfig {
         consumable_capacity: ConsumableCapacity::Mps,
         dynamic_mig: dynamic,
@@ -1985,7 +1845,7 @@ fn recorded_mig(world: &World, uid: &str) -> (String, bool) {
 
 fn shares_of_an_on_demand_mig_device_use_one_instance_and_one_daemon() {
     let world = World::new();
-    let backend = MigBackend::new(Vec::new());
+    let backend = mig_backend(Vec::new());
     let driver = start_mig_share_driver(&world, &backend, true);
     let (a, b, c) = (
         "5a000000-0000-4000-8000-000000000001",
@@ -2022,8 +1882,8 @@ fn shares_of_an_on_demand_mig_device_use_one_instance_and_one_daemon() {
         .unwrap();
 
     // One instance, created once, recorded for both shares as cleave's.
-    assert_eq!(backend.creates(), 1);
-    let instances = backend.instances();
+    assert_eq!(creates(&backend), 1);
+    let instances = backend.instances(GPU_MIG);
     assert_eq!(instances.len(), 1);
     let mig = instances[0].uuid.clone();
     assert_eq!(recorded_mig(&world, a), (mig.clone(), true));
@@ -2035,8 +1895,8 @@ fn shares_of_an_on_demand_mig_device_use_one_instance_and_one_daemon() {
     // Unprepare of the share that created the instance keeps instance and daemon for
     // the other.
     driver.unprepare(a).unwrap();
-    assert_eq!(backend.destroys(), 0);
-    assert_eq!(backend.instances().len(), 1);
+    assert_eq!(destroys(&backend), 0);
+    assert_eq!(backend.instances(GPU_MIG).len(), 1);
     assert!(alive(pid));
     assert!(cdi_text(&world, a).is_empty());
     assert_mig_share_spec(&world, b, &mig, 50, 5120);
@@ -2054,19 +1914,19 @@ fn shares_of_an_on_demand_mig_device_use_one_instance_and_one_daemon() {
             None,
         ))
         .unwrap();
-    assert_eq!(backend.creates(), 1);
+    assert_eq!(creates(&backend), 1);
     assert_eq!(recorded_mig(&world, c), (mig.clone(), true));
     assert_mig_share_spec(&world, c, &mig, 12, 2048);
     assert_eq!(world.started_pids(), [pid]);
     driver.unprepare(b).unwrap();
-    assert_eq!(backend.destroys(), 0);
+    assert_eq!(destroys(&backend), 0);
     assert!(alive(pid));
 
     // The last share stops the daemon and destroys the on-demand instance.
     driver.unprepare(c).unwrap();
     assert!(wait_dead(pid, Duration::from_secs(5)));
-    assert_eq!(backend.destroys(), 1);
-    assert!(backend.instances().is_empty());
+    assert_eq!(destroys(&backend), 1);
+    assert!(backend.instances(GPU_MIG).is_empty());
     assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
     assert!(driver.prepared_claims().is_empty());
     world.assert_nothing_left();
@@ -2074,7 +1934,7 @@ fn shares_of_an_on_demand_mig_device_use_one_instance_and_one_daemon() {
 
 fn shares_of_a_static_mig_instance_use_one_daemon_and_keep_the_instance() {
     let world = World::new();
-    let backend = MigBackend::new(vec![MigInstance {
+    let backend = mig_backend(vec![MigInstance {
         uuid: MIG_1.into(),
         profile_id: 19,
         profile_name: "1g.10gb".into(),
@@ -2106,8 +1966,8 @@ fn shares_of_a_static_mig_instance_use_one_daemon_and_keep_the_instance() {
     driver.unprepare(b).unwrap();
     assert!(wait_dead(pid, Duration::from_secs(5)));
     // The static instance is the administrator's: never created, never destroyed.
-    assert_eq!((backend.creates(), backend.destroys()), (0, 0));
-    assert_eq!(backend.instances().len(), 1);
+    assert_eq!((creates(&backend), destroys(&backend)), (0, 0));
+    assert_eq!(backend.instances(GPU_MIG).len(), 1);
     assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
     world.assert_nothing_left();
 }

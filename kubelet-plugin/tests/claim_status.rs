@@ -12,11 +12,11 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cleave_apiserver_standin::StandIn;
+use cleave_testkit::runner::block_on;
 use common::node::*;
 use common::*;
 use serde_json::{Value, json};
@@ -24,28 +24,6 @@ use serde_json::{Value, json};
 /// GPU 0 in MIG mode (on-demand MIG), GPUs 1–3 whole.
 const MIXED: &str = "name: status-mixed\ngpus:\n  - product: h100-80gb\n    migEnabled: true\n  - product: h100-80gb\n    migEnabled: false\n  - product: h100-80gb\n    migEnabled: false\n  - product: h100-80gb\n    migEnabled: false\n";
 const SHARE_ID: &str = "5a000000-0000-4000-8000-00000000000a";
-
-fn fake_tools(dirs: &NodeDirs) -> Vec<(&'static str, String)> {
-    let bin = dirs.driver_root().join("usr/bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    let exe = std::env::current_exe().unwrap();
-    for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
-        let path = bin.join(tool);
-        std::fs::write(
-            &path,
-            format!("#!/bin/sh\nexec '{}' __fake \"$0\" \"$@\"\n", exe.display()),
-        )
-        .unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    let p = |n: &str| dirs.path().join(n).display().to_string();
-    vec![
-        ("FAKE_MPS_RECORD", p("fake-mps-record.log")),
-        ("FAKE_MPS_IDLE_EXIT_SECS", "60".into()),
-        ("FAKE_NVIDIA_SMI_RECORD", p("fake-smi-record.log")),
-        ("FAKE_NVIDIA_SMI_STATE", p("fake-smi-state")),
-    ]
-}
 
 fn put_claims(standin: &StandIn) {
     put_claim(
@@ -133,7 +111,7 @@ fn start_plugin(dirs: &NodeDirs, control: &Path, extra: &[(&'static str, String)
         ("CONSUMABLE_CAPACITY", "mps".into()),
         ("USAGE_INTERVAL", "0".into()),
     ];
-    env.extend(fake_tools(dirs));
+    env.extend(dirs.install_fake_tools());
     env.extend(extra.iter().cloned());
     Plugin::start(
         dirs,
@@ -269,74 +247,13 @@ async fn nothing_is_written_when_turned_off() {
     assert!(plugin.terminate().success());
 }
 
-fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
-    let tool_args = match args.get(1).map(String::as_str) {
-        Some("__fake") => args.get(2..).unwrap_or_default(),
-        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
-            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
-                && args.first().and_then(|a| Path::new(a).file_name())
-                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
-        {
-            args
-        }
-        _ => return None,
-    };
-    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
-    Some(std::process::ExitCode::from(
-        u8::try_from(code).unwrap_or(1),
-    ))
-}
-
-fn run(f: impl std::future::Future<Output = ()>) {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f);
-}
-
 fn main() -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = play_fake_tool(&args) {
-        return code;
-    }
-    let filters: Vec<&String> = args
-        .iter()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    type Test = fn();
-    let tests: [(&str, Test); 2] = [
+    cleave_testkit::runner::main(&[
         ("entries_follow_prepare_health_and_unprepare", || {
-            run(entries_follow_prepare_health_and_unprepare())
+            block_on(entries_follow_prepare_health_and_unprepare())
         }),
         ("nothing_is_written_when_turned_off", || {
-            run(nothing_is_written_when_turned_off())
+            block_on(nothing_is_written_when_turned_off())
         }),
-    ];
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in tests {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        let ok = std::panic::catch_unwind(test).is_ok();
-        println!("test {name} ... {}", if ok { "ok" } else { "FAILED" });
-        if !ok {
-            failed.push(name);
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
-    );
-    if failed.is_empty() {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    ])
 }

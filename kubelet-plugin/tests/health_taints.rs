@@ -10,8 +10,8 @@ use cleave_api::pool::{DeviceGroup, PoolDevices};
 use cleave_apiserver_standin::{StandIn, StandInOptions};
 use cleave_controller::PublisherStatus;
 use cleave_driver::health::{HealthEvent, HealthEventKind};
-use cleave_driver::model::{GpuInfo, MigState, NodeInventory};
 use cleave_kubelet_plugin::health::{DeviceHealth, HealthArgs, TAINT_XID};
+use cleave_testkit::gpu::{gpu_uuid, h100, inventory};
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceSlice};
 use serde_json::json;
 
@@ -19,24 +19,6 @@ use serde_json::json;
 struct Flags {
     #[command(flatten)]
     health: HealthArgs,
-}
-
-fn gpu(minor: u32) -> GpuInfo {
-    GpuInfo {
-        index: minor,
-        minor,
-        uuid: format!("GPU-{minor}"),
-        product_name: "p".into(),
-        brand: "b".into(),
-        architecture: "a".into(),
-        cuda_compute_capability: (9, 0),
-        memory_bytes: 1,
-        multiprocessors: None,
-        pci_bus_id: String::new(),
-        pcie_root: None,
-        numa_node: None,
-        mig: MigState::NotCapable,
-    }
 }
 
 fn pool() -> PoolDevices {
@@ -80,16 +62,11 @@ async fn run(taints: Option<Vec<DeviceTaint>>) -> (Arc<DeviceHealth>, Option<boo
         .unwrap()
         .health;
     let health = Arc::new(DeviceHealth::new("n1", pool(), &args));
-    let inv = NodeInventory {
-        driver_version: String::new(),
-        driver_semver: String::new(),
-        cuda_driver_semver: String::new(),
-        gpus: vec![gpu(0), gpu(1)],
-    };
+    let inv = inventory(vec![h100(0), h100(1)]);
     assert!(!health.needs_taint_check(), "nothing tainted yet");
     health.apply(
         &HealthEvent {
-            gpu_uuid: "GPU-1".into(),
+            gpu_uuid: gpu_uuid(1),
             gi: None,
             ci: None,
             kind: HealthEventKind::Xid,

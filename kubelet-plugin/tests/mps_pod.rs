@@ -4,27 +4,24 @@
 //! `nvidia-smi` (of `cleave-fakes`, played by this test binary itself: the shipped plugin
 //! plays no fake tool, so the tool wrappers run `<this test> __fake <tool> <args>...`).
 //!
-//! Built with `harness = false`: [`main`] first plays a fake tool when asked to, then runs
-//! the tests below one by one (a name given on the command line selects the tests whose
-//! names contain it).
+//! Built with `harness = false`: `main` is the test kit's runner, which first plays a fake
+//! tool when asked to, then runs the tests below one by one.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
 use cleave_apiserver_standin::StandIn;
 use cleave_kubelet_plugin::proto::dra::v1;
-use common::kubelet::{FakeKubelet, KubeletOptions};
+use cleave_testkit::runner::block_on;
+use common::kubelet::{FakeKubelet, KubeletOptions, NAMESPACE, PodWorld, eventually};
 use common::node::*;
 use common::*;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::DeviceAllocationConfiguration;
 use serde_json::json;
-
-const NAMESPACE: &str = "cleave-system";
 
 fn mps_config(pct: u8, limit: &str) -> DeviceAllocationConfiguration {
     serde_json::from_value(json!({
@@ -49,129 +46,17 @@ fn put_mps_claim(standin: &StandIn, name: &str, device: &str, pct: u8, limit: &s
     );
 }
 
-/// Files of one test beyond the node's: fake tools' records and the kubelet root.
-struct World {
-    dirs: NodeDirs,
-}
+type World = PodWorld;
 
-impl World {
-    fn new() -> Self {
-        let dirs = NodeDirs::new();
-        // The fake tools under the driver root: wrappers running this crate's binary.
-        let bin = dirs.driver_root().join("usr/bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        let exe = std::env::current_exe().unwrap();
-        let exe = exe.display();
-        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
-            let path = bin.join(tool);
-            std::fs::write(
-                &path,
-                format!("#!/bin/sh\nexec '{exe}' __fake \"$0\" \"$@\"\n"),
-            )
-            .unwrap();
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        std::fs::create_dir_all(dirs.path().join("pod-logs")).unwrap();
-        Self { dirs }
-    }
-    fn kubelet_root(&self) -> PathBuf {
-        self.dirs.path().join("kubelet")
-    }
-    fn mps_record(&self) -> PathBuf {
-        self.dirs.path().join("fake-mps-record.log")
-    }
-    fn record(&self) -> Vec<String> {
-        std::fs::read_to_string(self.mps_record())
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
-    /// The fakes' knobs, for the plugin and for every container.
-    fn tool_env(&self) -> Vec<(String, String)> {
-        let p = |n: &str| self.dirs.path().join(n).display().to_string();
-        vec![
-            ("FAKE_MPS_RECORD".into(), p("fake-mps-record.log")),
-            ("FAKE_MPS_IDLE_EXIT_SECS".into(), "60".into()),
-            ("FAKE_NVIDIA_SMI_RECORD".into(), p("fake-smi-record.log")),
-            ("FAKE_NVIDIA_SMI_STATE".into(), p("fake-smi-state")),
-        ]
-    }
+impl PodWorld {
     fn plugin_options(&self) -> PluginOptions {
-        let mut env: Vec<(&'static str, String)> = vec![
-            ("MPS_LAUNCHER", "pod".into()),
-            ("MPS_DAEMON_IMAGE", "cleave:test".into()),
-            ("POD_NAMESPACE", NAMESPACE.into()),
-            (
-                "KUBELET_ROOT_DIR",
-                self.kubelet_root().display().to_string(),
-            ),
-        ];
-        for (k, v) in self.tool_env() {
-            env.push((Box::leak(k.into_boxed_str()), v));
-        }
-        PluginOptions {
-            env,
-            ..PluginOptions::default()
-        }
+        self.pod_plugin_options(&[])
     }
-    fn kubelet(&self, standin: &StandIn, mut options: KubeletOptions) -> FakeKubelet {
-        options.env.extend(self.tool_env());
-        FakeKubelet::start(
-            standin.config(),
-            NODE,
-            &self.kubelet_root(),
-            Path::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
-            &self.dirs.path().join("pod-logs"),
-            options,
-        )
+    fn kubelet(&self, standin: &StandIn, options: KubeletOptions) -> FakeKubelet {
+        self.start_kubelet(standin, options)
     }
     fn mps_dir(&self, uid: &str) -> PathBuf {
         self.dirs.state_dir().join("mps").join(uid)
-    }
-    /// The stored daemon pod of a claim.
-    fn pod(&self, standin: &StandIn, uid: &str) -> Option<Pod> {
-        standin.get_as("pods", NAMESPACE, &format!("cleave-mps-{uid}"))
-    }
-    fn cdi_spec(&self, uid: &str) -> serde_json::Value {
-        let name = self
-            .dirs
-            .cdi_files()
-            .into_iter()
-            .find(|f| f.contains(uid))
-            .unwrap_or_else(|| panic!("no CDI spec for {uid}: {:?}", self.dirs.cdi_files()));
-        let text = std::fs::read_to_string(self.dirs.cdi_root().join(name)).unwrap();
-        serde_json::from_str(&text)
-            .or_else(|_| serde_yaml::from_str(&text))
-            .unwrap()
-    }
-    /// Context for failed assertions.
-    fn logs(&self) -> String {
-        let mut out = format!("plugin log:\n{}\n", self.dirs.log());
-        if let Ok(rd) = std::fs::read_dir(self.dirs.path().join("pod-logs")) {
-            for e in rd.flatten() {
-                out.push_str(&format!(
-                    "--- {}:\n{}\n",
-                    e.file_name().to_string_lossy(),
-                    std::fs::read_to_string(e.path()).unwrap_or_default()
-                ));
-            }
-        }
-        out.push_str(&format!("fake MPS record:\n{}\n", self.record().join("\n")));
-        out
-    }
-}
-
-/// Waits (bounded) until `done` holds.
-async fn eventually(what: &str, world: &World, mut done: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !done() {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "timed out waiting until {what}\n{}",
-            world.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -719,94 +604,25 @@ async fn plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart(
     }
 }
 
-/// First argument that makes this test binary play a fake NVIDIA tool.
-const FAKE_TOOL_ARG: &str = "__fake";
-
-/// `<exe> __fake <tool path> <args>...` runs the fake tool of `cleave-fakes` named by the
-/// tool path's file name; the fake MPS control daemon re-runs this executable as
-/// `<tool path> --daemon-loop [-M]` (its own `argv[0]`), which is played too. `None` for
-/// every other command line.
-fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
-    let tool_args = match args.get(1).map(String::as_str) {
-        Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
-        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
-            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
-                && args.first().and_then(|a| Path::new(a).file_name())
-                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
-        {
-            args
-        }
-        _ => return None,
-    };
-    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
-    Some(std::process::ExitCode::from(
-        u8::try_from(code).unwrap_or(1),
-    ))
-}
-
-type TestFn = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
-
-const TESTS: [(&str, TestFn); 4] = [
+const TESTS: [cleave_testkit::runner::Test; 4] = [
     (
         "claims_get_own_daemon_pods_which_outlive_plugin_restarts",
-        || Box::pin(claims_get_own_daemon_pods_which_outlive_plugin_restarts()),
+        || block_on(claims_get_own_daemon_pods_which_outlive_plugin_restarts()),
     ),
     (
         "daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing",
-        || Box::pin(daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing()),
+        || block_on(daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing()),
     ),
     (
         "daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets",
-        || Box::pin(daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets()),
+        || block_on(daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets()),
     ),
     (
         "plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart",
-        || Box::pin(plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart()),
+        || block_on(plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart()),
     ),
 ];
 
 fn main() -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = play_fake_tool(&args) {
-        return code;
-    }
-    let filters: Vec<&String> = args
-        .iter()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in TESTS {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        let result = std::panic::catch_unwind(|| {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(test());
-        });
-        println!(
-            "test {name} ... {}",
-            if result.is_ok() { "ok" } else { "FAILED" }
-        );
-        if result.is_err() {
-            failed.push(name);
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
-    );
-    if failed.is_empty() {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    cleave_testkit::runner::main(&TESTS)
 }

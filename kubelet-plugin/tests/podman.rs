@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use cleave_apiserver_standin::StandIn;
-use common::kubelet::{FakeKubelet, KubeletOptions};
+use common::kubelet::{FakeKubelet, KubeletOptions, NAMESPACE, PodWorld};
 use common::node::*;
 use common::*;
 use k8s_openapi::api::core::v1::Pod;
@@ -48,7 +48,6 @@ use k8s_openapi::api::resource::v1::DeviceAllocationConfiguration;
 use mock_nvml::driver_root::{DRIVER_VERSION, NVIDIA_MAJOR, UVM_MAJOR};
 use serde_json::json;
 
-const NAMESPACE: &str = "cleave-system";
 const IMAGE: &str = "localhost/cleave-podman-test:busybox";
 /// The busybox applets the container's scripts use.
 const APPLETS: &[&str] = &["sh", "ls", "cat", "readlink", "env", "stat", "test", "echo"];
@@ -328,98 +327,14 @@ fn mps_config() -> DeviceAllocationConfiguration {
     .unwrap()
 }
 
-/// One node: the plugin's files, the fake tools and the fake kubelet's root.
-struct World {
-    dirs: NodeDirs,
-}
+type World = PodWorld;
 
-impl World {
-    fn new() -> Self {
-        let dirs = NodeDirs::new();
-        let bin = dirs.driver_root().join("usr/bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        let exe = std::env::current_exe().unwrap();
-        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
-            let path = bin.join(tool);
-            std::fs::write(
-                &path,
-                format!("#!/bin/sh\nexec '{}' __fake \"$0\" \"$@\"\n", exe.display()),
-            )
-            .unwrap();
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        std::fs::create_dir_all(dirs.path().join("pod-logs")).unwrap();
-        Self { dirs }
-    }
-    fn kubelet_root(&self) -> PathBuf {
-        self.dirs.path().join("kubelet")
-    }
-    fn tool_env(&self) -> Vec<(String, String)> {
-        let p = |n: &str| self.dirs.path().join(n).display().to_string();
-        vec![
-            ("FAKE_MPS_RECORD".into(), p("fake-mps-record.log")),
-            // A daemon a failed run leaves behind exits by itself.
-            ("FAKE_MPS_IDLE_EXIT_SECS".into(), "60".into()),
-            ("FAKE_NVIDIA_SMI_RECORD".into(), p("fake-smi-record.log")),
-            ("FAKE_NVIDIA_SMI_STATE".into(), p("fake-smi-state")),
-        ]
-    }
+impl PodWorld {
     fn plugin_options(&self) -> PluginOptions {
-        let mut env: Vec<(&'static str, String)> = vec![
-            ("MPS_LAUNCHER", "pod".into()),
-            ("MPS_DAEMON_IMAGE", "cleave:test".into()),
-            ("POD_NAMESPACE", NAMESPACE.into()),
-            (
-                "KUBELET_ROOT_DIR",
-                self.kubelet_root().display().to_string(),
-            ),
-        ];
-        for (k, v) in self.tool_env() {
-            env.push((Box::leak(k.into_boxed_str()), v));
-        }
-        PluginOptions {
-            env,
-            ..PluginOptions::default()
-        }
+        self.pod_plugin_options(&[])
     }
     fn kubelet(&self, standin: &StandIn) -> FakeKubelet {
-        let mut options = KubeletOptions::default();
-        options.env.extend(self.tool_env());
-        FakeKubelet::start(
-            standin.config(),
-            NODE,
-            &self.kubelet_root(),
-            Path::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
-            &self.dirs.path().join("pod-logs"),
-            options,
-        )
-    }
-    /// The CDI spec of claim `uid`.
-    fn cdi_spec(&self, uid: &str) -> serde_json::Value {
-        let name = self
-            .dirs
-            .cdi_files()
-            .into_iter()
-            // Not a device metadata spec (`<driver>_metadata_<uid>_<request>.json`).
-            .find(|f| f.contains(uid) && !f.contains("_metadata_"))
-            .unwrap_or_else(|| panic!("no CDI spec for {uid}: {:?}", self.dirs.cdi_files()));
-        let text = std::fs::read_to_string(self.dirs.cdi_root().join(name)).unwrap();
-        serde_json::from_str(&text)
-            .or_else(|_| serde_yaml::from_str(&text))
-            .unwrap()
-    }
-    fn logs(&self) -> String {
-        let mut out = format!("plugin log:\n{}\n", self.dirs.log());
-        if let Ok(rd) = std::fs::read_dir(self.dirs.path().join("pod-logs")) {
-            for e in rd.flatten() {
-                out.push_str(&format!(
-                    "--- {}:\n{}\n",
-                    e.file_name().to_string_lossy(),
-                    std::fs::read_to_string(e.path()).unwrap_or_default()
-                ));
-            }
-        }
-        out
+        self.start_kubelet(standin, KubeletOptions::default())
     }
 }
 
@@ -707,71 +622,14 @@ async fn containers_under_podman_see_what_prepare_gave_them() -> bool {
 /// Root of the device metadata files in a container (KEP-5304).
 const METADATA_ROOT: &str = "/var/run/kubernetes.io/dra-device-attributes";
 
-/// First argument that makes this test binary play a fake NVIDIA tool.
-const FAKE_TOOL_ARG: &str = "__fake";
-
-/// `<exe> __fake <tool path> <args>...` plays the fake tool named by the path's file name;
-/// the fake MPS control daemon re-runs its `argv[0]` as `<tool path> --daemon-loop [-M]`,
-/// which is played too. `None` for every other command line.
-fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
-    let tool_args = match args.get(1).map(String::as_str) {
-        Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
-        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
-            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
-                && args.first().and_then(|a| Path::new(a).file_name())
-                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
-        {
-            args
-        }
-        _ => return None,
-    };
-    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
-    Some(std::process::ExitCode::from(
-        u8::try_from(code).unwrap_or(1),
-    ))
-}
-
 fn main() -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = play_fake_tool(&args) {
-        return code;
-    }
-    let filters: Vec<&String> = args
-        .iter()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let name = "containers_under_podman_see_what_prepare_gave_them";
-    if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-        println!("\ntest result: ok. 0 passed; 0 failed; 0 ignored");
-        return std::process::ExitCode::SUCCESS;
-    }
-    let result = std::panic::catch_unwind(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(containers_under_podman_see_what_prepare_gave_them())
-    });
-    let ok = result.is_ok();
-    let ran = result.unwrap_or(true);
-    let outcome = match (ok, ran) {
-        (false, _) => "FAILED",
-        (true, true) => "ok",
-        (true, false) => "ignored (skipped: podman cannot run here)",
-    };
-    println!("test {name} ... {outcome}");
-    println!(
-        "\ntest result: {}. {} passed; {} failed; {} ignored",
-        if ok { "ok" } else { "FAILED" },
-        usize::from(ok && ran),
-        usize::from(!ok),
-        usize::from(!ran)
-    );
-    if ok {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    cleave_testkit::runner::main(
+        &[("containers_under_podman_see_what_prepare_gave_them", || {
+            if !cleave_testkit::runner::block_on(
+                containers_under_podman_see_what_prepare_gave_them(),
+            ) {
+                cleave_testkit::runner::skip("skipped: podman cannot run here");
+            }
+        })],
+    )
 }

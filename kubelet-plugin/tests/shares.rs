@@ -10,24 +10,20 @@
 //! `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=33` and a 20Gi pinned memory limit; the daemon lives
 //! until the last share is unprepared; an exclusive claim on another GPU works as before.
 //!
-//! Built with `harness = false`: [`main`] first plays a fake tool when asked to, then runs
-//! the tests below one by one.
+//! Built with `harness = false`: `main` is the test kit's runner, which first plays a fake
+//! tool when asked to, then runs the tests below one by one.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
-
 use cleave_apiserver_standin::{StandIn, fixtures};
-use common::kubelet::{FakeKubelet, KubeletOptions};
+use cleave_testkit::runner::block_on;
+use common::kubelet::{FakeKubelet, KubeletOptions, PodWorld, eventually};
 use common::node::*;
 use common::*;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
-const NAMESPACE: &str = "cleave-system";
 /// The shared daemon of `gpu-0` (directory and pod are named after it).
 const SHARED: &str = "shared-gpu-0";
 const SHARES: [(&str, &str); 3] = [
@@ -58,121 +54,14 @@ fn put_share_claim(standin: &StandIn, name: &str, uid: &str, device: &str, share
     standin.put(&claim).unwrap();
 }
 
-/// Files of one test beyond the node's: fake tools' records and the kubelet root.
-struct World {
-    dirs: NodeDirs,
-}
+type World = PodWorld;
 
-impl World {
-    fn new() -> Self {
-        let dirs = NodeDirs::new();
-        let bin = dirs.driver_root().join("usr/bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        let exe = std::env::current_exe().unwrap();
-        let exe = exe.display();
-        for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
-            let path = bin.join(tool);
-            std::fs::write(
-                &path,
-                format!("#!/bin/sh\nexec '{exe}' __fake \"$0\" \"$@\"\n"),
-            )
-            .unwrap();
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        std::fs::create_dir_all(dirs.path().join("pod-logs")).unwrap();
-        Self { dirs }
-    }
-    fn kubelet_root(&self) -> PathBuf {
-        self.dirs.path().join("kubelet")
-    }
-    fn record(&self) -> Vec<String> {
-        std::fs::read_to_string(self.dirs.path().join("fake-mps-record.log"))
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
-    fn tool_env(&self) -> Vec<(String, String)> {
-        let p = |n: &str| self.dirs.path().join(n).display().to_string();
-        vec![
-            ("FAKE_MPS_RECORD".into(), p("fake-mps-record.log")),
-            ("FAKE_MPS_IDLE_EXIT_SECS".into(), "60".into()),
-            ("FAKE_NVIDIA_SMI_RECORD".into(), p("fake-smi-record.log")),
-            ("FAKE_NVIDIA_SMI_STATE".into(), p("fake-smi-state")),
-        ]
-    }
+impl PodWorld {
     fn plugin_options(&self) -> PluginOptions {
-        let mut env: Vec<(&'static str, String)> = vec![
-            ("CONSUMABLE_CAPACITY", "mps".into()),
-            ("MPS_LAUNCHER", "pod".into()),
-            ("MPS_DAEMON_IMAGE", "cleave:test".into()),
-            ("POD_NAMESPACE", NAMESPACE.into()),
-            (
-                "KUBELET_ROOT_DIR",
-                self.kubelet_root().display().to_string(),
-            ),
-        ];
-        for (k, v) in self.tool_env() {
-            env.push((Box::leak(k.into_boxed_str()), v));
-        }
-        PluginOptions {
-            env,
-            ..PluginOptions::default()
-        }
+        self.pod_plugin_options(&[("CONSUMABLE_CAPACITY", "mps".into())])
     }
     fn kubelet(&self, standin: &StandIn) -> FakeKubelet {
-        let mut options = KubeletOptions::default();
-        options.env.extend(self.tool_env());
-        FakeKubelet::start(
-            standin.config(),
-            NODE,
-            &self.kubelet_root(),
-            Path::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
-            &self.dirs.path().join("pod-logs"),
-            options,
-        )
-    }
-    fn pod(&self, standin: &StandIn, key: &str) -> Option<Pod> {
-        standin.get_as("pods", NAMESPACE, &format!("cleave-mps-{key}"))
-    }
-    fn cdi_spec(&self, uid: &str) -> serde_json::Value {
-        let name = self
-            .dirs
-            .cdi_files()
-            .into_iter()
-            .find(|f| f.contains(uid))
-            .unwrap_or_else(|| panic!("no CDI spec for {uid}: {:?}", self.dirs.cdi_files()));
-        let text = std::fs::read_to_string(self.dirs.cdi_root().join(name)).unwrap();
-        serde_json::from_str(&text)
-            .or_else(|_| serde_yaml::from_str(&text))
-            .unwrap()
-    }
-    fn logs(&self) -> String {
-        let mut out = format!("plugin log:\n{}\n", self.dirs.log());
-        if let Ok(rd) = std::fs::read_dir(self.dirs.path().join("pod-logs")) {
-            for e in rd.flatten() {
-                out.push_str(&format!(
-                    "--- {}:\n{}\n",
-                    e.file_name().to_string_lossy(),
-                    std::fs::read_to_string(e.path()).unwrap_or_default()
-                ));
-            }
-        }
-        out.push_str(&format!("fake MPS record:\n{}\n", self.record().join("\n")));
-        out
-    }
-}
-
-/// Waits (bounded) until `done` holds.
-async fn eventually(what: &str, world: &World, mut done: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !done() {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "timed out waiting until {what}\n{}",
-            world.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        self.start_kubelet(standin, KubeletOptions::default())
     }
 }
 
@@ -415,28 +304,6 @@ async fn process_launcher_serves_shares_with_one_daemon_too() {
     assert!(!world.dirs.state_dir().join("mps").join(SHARED).exists());
     drop(dra);
     assert!(plugin.terminate().success());
-}
-
-const FAKE_TOOL_ARG: &str = "__fake";
-
-/// Plays a fake tool (as `tests/mps_pod.rs` does): the wrappers under the driver root run
-/// `<this test> __fake <tool> <args>...`; the fake daemon re-executes itself as the tool.
-fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
-    let tool_args = match args.get(1).map(String::as_str) {
-        Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
-        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
-            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
-                && args.first().and_then(|a| Path::new(a).file_name())
-                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
-        {
-            args
-        }
-        _ => return None,
-    };
-    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
-    Some(std::process::ExitCode::from(
-        u8::try_from(code).unwrap_or(1),
-    ))
 }
 
 /// One allocation result: `(request, device, shareID, memory, SMs, admin access)`.
@@ -744,70 +611,26 @@ async fn per_claim_mps_works_under_a_long_kubelet_root() {
     drop(kubelet);
 }
 
-type TestFn = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
-
-const TESTS: [(&str, TestFn); 5] = [
+const TESTS: [cleave_testkit::runner::Test; 5] = [
     (
         "three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared",
-        || Box::pin(three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared()),
+        || block_on(three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared()),
     ),
     ("whole_claim_on_a_shared_gpu_is_refused_clearly", || {
-        Box::pin(whole_claim_on_a_shared_gpu_is_refused_clearly())
+        block_on(whole_claim_on_a_shared_gpu_is_refused_clearly())
     }),
     ("process_launcher_serves_shares_with_one_daemon_too", || {
-        Box::pin(process_launcher_serves_shares_with_one_daemon_too())
+        block_on(process_launcher_serves_shares_with_one_daemon_too())
     }),
     (
         "allocations_of_a_mixed_cluster_prepare_through_the_binary",
-        || Box::pin(allocations_of_a_mixed_cluster_prepare_through_the_binary()),
+        || block_on(allocations_of_a_mixed_cluster_prepare_through_the_binary()),
     ),
     ("per_claim_mps_works_under_a_long_kubelet_root", || {
-        Box::pin(per_claim_mps_works_under_a_long_kubelet_root())
+        block_on(per_claim_mps_works_under_a_long_kubelet_root())
     }),
 ];
 
 fn main() -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = play_fake_tool(&args) {
-        return code;
-    }
-    let filters: Vec<&String> = args
-        .iter()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in TESTS {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        let result = std::panic::catch_unwind(|| {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(test());
-        });
-        println!(
-            "test {name} ... {}",
-            if result.is_ok() { "ok" } else { "FAILED" }
-        );
-        if result.is_err() {
-            failed.push(name);
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
-    );
-    if failed.is_empty() {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    cleave_testkit::runner::main(&TESTS)
 }

@@ -13,11 +13,11 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cleave_kubelet_plugin::usage::command::{Sample, parse_exposition};
+use cleave_testkit::runner::block_on;
 use common::node::*;
 use common::*;
 
@@ -93,35 +93,10 @@ fn mps_config() -> k8s_openapi::api::resource::v1::DeviceAllocationConfiguration
     )
 }
 
-/// Wrappers under the driver root that run this binary as the fake tools, and the fakes'
-/// files, as the plugin's environment.
-fn fake_tools(dirs: &NodeDirs) -> Vec<(&'static str, String)> {
-    let bin = dirs.driver_root().join("usr/bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    let exe = std::env::current_exe().unwrap();
-    for tool in ["nvidia-cuda-mps-control", "nvidia-smi"] {
-        let path = bin.join(tool);
-        std::fs::write(
-            &path,
-            format!("#!/bin/sh\nexec '{}' __fake \"$0\" \"$@\"\n", exe.display()),
-        )
-        .unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    let p = |n: &str| dirs.path().join(n).display().to_string();
-    vec![
-        ("FAKE_MPS_RECORD", p("fake-mps-record.log")),
-        // A daemon a failed run leaves behind exits by itself.
-        ("FAKE_MPS_IDLE_EXIT_SECS", "60".into()),
-        ("FAKE_NVIDIA_SMI_RECORD", p("fake-smi-record.log")),
-        ("FAKE_NVIDIA_SMI_STATE", p("fake-smi-state")),
-    ]
-}
-
 async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told() {
     let dirs = NodeDirs::new();
     let standin = start_standin(&dirs).await;
-    let tools = fake_tools(&dirs);
+    let tools = dirs.install_fake_tools();
     let config = dirs.path().join("mixed.yaml");
     std::fs::write(&config, MIXED).unwrap();
     let control = dirs.path().join("control");
@@ -530,7 +505,7 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
 
     let dirs = NodeDirs::new();
     let standin = start_standin(&dirs).await;
-    let tools = fake_tools(&dirs);
+    let tools = dirs.install_fake_tools();
     let config = dirs.path().join("mixed.yaml");
     std::fs::write(&config, MIXED).unwrap();
     let control = dirs.path().join("control");
@@ -722,62 +697,15 @@ fn usage_without_a_plugin_names_the_flag() {
     );
 }
 
-/// `<exe> __fake <tool path> <args>...` plays the fake tool named by the path's file name;
-/// the fake MPS control daemon re-runs its `argv[0]` as `<tool path> --daemon-loop [-M]`,
-/// which is played too. `None` for every other command line.
-fn play_fake_tool(args: &[String]) -> Option<std::process::ExitCode> {
-    let tool_args = match args.get(1).map(String::as_str) {
-        Some("__fake") => args.get(2..).unwrap_or_default(),
-        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
-            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
-                && args.first().and_then(|a| Path::new(a).file_name())
-                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
-        {
-            args
-        }
-        _ => return None,
-    };
-    let code = cleave_fakes::dispatch(tool_args).unwrap_or(2);
-    Some(std::process::ExitCode::from(
-        u8::try_from(code).unwrap_or(1),
-    ))
-}
-
 fn main() -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = play_fake_tool(&args) {
-        return code;
-    }
-    let filters: Vec<&String> = args
-        .iter()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    type Test = fn();
-    let tests: [(&str, Test); 5] = [
+    cleave_testkit::runner::main(&[
         (
             "claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told",
-            || {
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .unwrap()
-                    .block_on(
-                        claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told(),
-                    )
-            },
+            || block_on(claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told()),
         ),
         (
             "prometheus_scrapes_the_plugin_and_every_dashboard_query_answers",
-            || {
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .unwrap()
-                    .block_on(prometheus_scrapes_the_plugin_and_every_dashboard_query_answers())
-            },
+            || block_on(prometheus_scrapes_the_plugin_and_every_dashboard_query_answers()),
         ),
         ("usage_mock_prints_a_table", usage_mock_prints_a_table),
         (
@@ -788,29 +716,5 @@ fn main() -> std::process::ExitCode {
             "usage_without_a_plugin_names_the_flag",
             usage_without_a_plugin_names_the_flag,
         ),
-    ];
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in tests {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        let ok = std::panic::catch_unwind(test).is_ok();
-        println!("test {name} ... {}", if ok { "ok" } else { "FAILED" });
-        if !ok {
-            failed.push(name);
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
-    );
-    if failed.is_empty() {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    ])
 }

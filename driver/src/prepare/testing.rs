@@ -146,6 +146,15 @@ impl FakeBackend {
             .unwrap_or_default()
     }
 
+    /// Forgets every MIG instance, as a reboot does (MIG mode stays on).
+    pub fn reboot(&self) {
+        for gpu in &mut self.lock().inventory.gpus {
+            if let MigState::Enabled { instances, .. } = &mut gpu.mig {
+                instances.clear();
+            }
+        }
+    }
+
     /// Creates an instance without recording a call (as an administrator would).
     pub fn add_instance(
         &self,
@@ -367,6 +376,77 @@ pub fn mig_gpu(minor: u32) -> GpuInfo {
         },
         ..plain_gpu(minor)
     }
+}
+
+/// The mock NVML library's product `key` (`h100-80gb`, `a100-40gb`, `l4`, ...).
+pub fn mock_product(key: &str) -> &'static mock_nvml::fixtures::Product {
+    mock_nvml::fixtures::product(key).unwrap_or_else(|| panic!("no mock product {key}"))
+}
+
+/// The architecture name discovery reports for a mock product.
+pub fn architecture_name(product: &mock_nvml::fixtures::Product) -> &'static str {
+    match product.architecture {
+        mock_nvml::fixtures::ARCH_AMPERE => "Ampere",
+        mock_nvml::fixtures::ARCH_HOPPER => "Hopper",
+        mock_nvml::fixtures::ARCH_ADA => "Ada",
+        other => panic!("architecture {other} has no name here"),
+    }
+}
+
+/// The GPU-instance profiles of the mock NVML library's product `key` as discovery models
+/// them: one table for every test.
+pub fn mock_profiles(key: &str) -> Vec<MigProfile> {
+    mock_product(key)
+        .mig_profiles
+        .iter()
+        .map(|p| MigProfile {
+            id: p.id,
+            name: p.name.into(),
+            slice_count: p.slice_count,
+            instance_count: p.instance_count,
+            memory_mib: p.memory_mib,
+            multiprocessors: p.sm,
+            copy_engines: p.ce,
+            decoders: p.dec,
+            encoders: p.enc,
+            jpeg_engines: p.jpg,
+            ofa_engines: p.ofa,
+            placements: p
+                .starts
+                .iter()
+                .map(|&start| Placement {
+                    start,
+                    size: p.placement_size,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// GPU `minor` (UUID [`gpu_uuid`], PCI bus `0000:<minor + 1>:00.0`) of the mock's product
+/// `key` with this MIG state, with the identity discovery reads from the mock library.
+pub fn mock_gpu(key: &str, minor: u32, mig: MigState) -> GpuInfo {
+    let p = mock_product(key);
+    let (major, minor_cc) = p.compute_capability;
+    GpuInfo {
+        product_name: p.name.into(),
+        architecture: architecture_name(p).into(),
+        cuda_compute_capability: (major.unsigned_abs(), minor_cc.unsigned_abs()),
+        memory_bytes: p.memory_mib << 20,
+        multiprocessors: Some(p.sm_count),
+        mig,
+        ..plain_gpu(minor)
+    }
+}
+
+/// The H100 80GB HBM3 GPU-instance profiles (the mock library's table).
+pub fn h100_profiles() -> Vec<MigProfile> {
+    mock_profiles("h100-80gb")
+}
+
+/// An H100 80GB HBM3 with this MIG state.
+pub fn h100_gpu(minor: u32, mig: MigState) -> GpuInfo {
+    mock_gpu("h100-80gb", minor, mig)
 }
 
 /// An inventory of these GPUs.

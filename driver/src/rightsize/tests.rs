@@ -1,7 +1,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use super::*;
-use crate::model::{GpuInfo, MigProfile, MigState, NodeInventory, Placement};
+use crate::model::{GpuInfo, MigState, NodeInventory};
+use crate::prepare::testing::h100_profiles;
 use crate::usage::{
     Activity, ActivitySource, Allocation, ClaimDevice, ClaimRef, DeviceSample, Holding,
     MemorySource, MigRef, SharingStrategy,
@@ -10,77 +11,25 @@ use cleave_api::pool::ConsumableCapacity;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
-const PRODUCT: &str = "NVIDIA H100 80GB HBM3";
 const H100_MIB: u64 = 81559;
 
-#[allow(clippy::too_many_arguments)]
-fn profile(
-    name: &str,
-    id: u32,
-    g: u32,
-    count: u32,
-    mib: u64,
-    sms: u32,
-    starts: &[u32],
-    size: u32,
-) -> MigProfile {
-    MigProfile {
-        id,
-        name: name.into(),
-        slice_count: g,
-        instance_count: count,
-        memory_mib: mib,
-        multiprocessors: sms,
-        copy_engines: g,
-        decoders: g,
-        encoders: 0,
-        jpeg_engines: g,
-        ofa_engines: 0,
-        placements: starts
-            .iter()
-            .map(|&start| Placement { start, size })
-            .collect(),
-    }
-}
-
-/// The H100 80GB table the mock library carries.
-fn h100_profiles() -> Vec<MigProfile> {
-    vec![
-        profile("1g.10gb", 19, 1, 7, 9984, 16, &[0, 1, 2, 3, 4, 5, 6], 1),
-        profile("1g.10gb+me", 20, 1, 1, 9984, 16, &[0, 1, 2, 3, 4, 5, 6], 1),
-        profile("1g.20gb", 15, 1, 4, 20096, 26, &[0, 2, 4, 6], 2),
-        profile("2g.20gb", 14, 2, 3, 20096, 32, &[0, 2, 4], 2),
-        profile("3g.40gb", 9, 3, 2, 40448, 60, &[0, 4], 4),
-        profile("4g.40gb", 5, 4, 1, 40448, 64, &[0], 4),
-        profile("7g.80gb", 0, 7, 1, 81152, 132, &[0], 8),
-    ]
-}
-
+/// GPU `minor` (UUID `GPU-<minor>`), an H100 with MIG on or off.
 fn gpu(minor: u32, mig_on: bool) -> GpuInfo {
+    let mig = if mig_on {
+        MigState::Enabled {
+            profiles: h100_profiles(),
+            instances: Vec::new(),
+            memory_slices: 8,
+        }
+    } else {
+        MigState::Disabled {
+            profiles: h100_profiles(),
+        }
+    };
     GpuInfo {
-        index: minor,
-        minor,
         uuid: format!("GPU-{minor}"),
-        product_name: PRODUCT.into(),
-        brand: "Nvidia".into(),
-        architecture: "Hopper".into(),
-        cuda_compute_capability: (9, 0),
-        memory_bytes: H100_MIB * MIB,
-        multiprocessors: Some(132),
         pci_bus_id: format!("0000:{minor:02x}:00.0"),
-        pcie_root: None,
-        numa_node: None,
-        mig: if mig_on {
-            MigState::Enabled {
-                profiles: h100_profiles(),
-                instances: Vec::new(),
-                memory_slices: 8,
-            }
-        } else {
-            MigState::Disabled {
-                profiles: h100_profiles(),
-            }
-        },
+        ..crate::prepare::testing::h100_gpu(minor, mig)
     }
 }
 

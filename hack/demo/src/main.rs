@@ -28,8 +28,8 @@ struct Cli {
 fn main() -> ExitCode {
     // The demo's tool wrappers run this binary as its fake NVIDIA tools (never in --help).
     let args: Vec<String> = std::env::args().collect();
-    if let Some(code) = tour::play_fake_tool(&args) {
-        return code;
+    if let Some(code) = cleave_testkit::runner::play_fake_tool(&args) {
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     let cli = Cli::parse();
     cleave_kubelet_plugin::install_crypto_provider();
@@ -45,10 +45,10 @@ fn main() -> ExitCode {
 fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
     // Environment changes must happen while the process is single-threaded.
     let exe = std::env::current_exe()?;
-    let lib = cleave_kubelet_plugin::mock::find_library(&exe).ok_or_else(|| {
+    let lib = cleave_testkit::locate::cdylib_path().ok_or_else(|| {
         anyhow::anyhow!(
             "demo: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
-            cleave_kubelet_plugin::mock::MOCK_LIBRARY,
+            cleave_testkit::locate::CDYLIB_NAME,
             exe.display()
         )
     })?;
@@ -59,7 +59,7 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
         .tempdir()
         .context("creating the demo's working directory")?;
     for (key, value) in tour::mock_env(&cli.demo, dir.path()) {
-        cleave_kubelet_plugin::mock::set_env(key, &value);
+        cleave_testkit::set_env(key, &value);
     }
     // The demo's output is the tour; its logs only say what went wrong.
     cleave_kubelet_plugin::telemetry::init(

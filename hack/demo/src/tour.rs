@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -39,8 +38,6 @@ const NAMESPACE: &str = "default";
 
 /// GPUs of the demo node whose MIG mode starts disabled (the others have MIG on).
 const PLAIN_GPUS: u32 = 2;
-/// First argument that makes the binary play a fake NVIDIA tool (see [`play_fake_tool`]).
-pub const FAKE_TOOL_ARG: &str = "__fake";
 /// Seconds after which a forgotten fake MPS daemon exits by itself (a last resort: the
 /// demo stops every daemon it started on every path).
 const FAKE_DAEMON_IDLE_EXIT_SECS: &str = "60";
@@ -103,36 +100,6 @@ fn mps_config() -> serde_json::Value {
                 "pinnedMemoryLimit": {"default": "10Gi"},
             },
         },
-    })
-}
-
-/// When `args` is `<exe> __fake <tool path> <args>...`, runs the fake tool of
-/// `cleave-fakes` named by the tool path's file name (`nvidia-cuda-mps-control`,
-/// `nvidia-smi`) and returns its exit code. The demo's tool wrappers call this, so the
-/// demo needs no other binary built. The fake MPS control daemon re-runs this executable
-/// as `<tool path> --daemon-loop [-M]` (its own `argv[0]`), which is played too. `None` for
-/// every other command line.
-pub fn play_fake_tool(args: &[String]) -> Option<ExitCode> {
-    let tool_args = match args.get(1).map(String::as_str) {
-        Some(FAKE_TOOL_ARG) => args.get(2..).unwrap_or_default(),
-        Some(cleave_fakes::mps_control::DAEMON_LOOP_ARG)
-            if (args.len() == 2 || args.get(2).is_some_and(|a| a == "-M") && args.len() == 3)
-                && args.first().and_then(|a| Path::new(a).file_name())
-                    == Some(cleave_fakes::mps_control::TOOL.as_ref()) =>
-        {
-            args
-        }
-        _ => return None,
-    };
-    Some(match cleave_fakes::dispatch(tool_args) {
-        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
-        None => {
-            eprintln!(
-                "{FAKE_TOOL_ARG}: no fake tool named {:?}",
-                tool_args.first()
-            );
-            ExitCode::from(2)
-        }
     })
 }
 
@@ -676,29 +643,9 @@ fn fake_driver_root(root: &Path) -> anyhow::Result<()> {
     mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
         .lay_out(root)
         .with_context(|| format!("laying out the simulated driver root {}", root.display()))?;
-    let exe = std::env::current_exe().context("finding the demo's own executable")?;
-    let exe = exe.display().to_string().replace('\'', r"'\''");
-    for tool in [
-        cleave_fakes::mps_control::TOOL,
-        cleave_fakes::nvidia_smi::TOOL,
-    ] {
-        let path = root.join("usr/bin").join(tool);
-        write_file(
-            &path,
-            &format!("#!/bin/sh\nexec '{exe}' {FAKE_TOOL_ARG} \"$0\" \"$@\"\n"),
-        )?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
-            .with_context(|| format!("making {} executable", path.display()))?;
-    }
+    cleave_testkit::fake_tools::install_wrappers(&root.join("usr/bin"))
+        .context("writing the fake tools' wrappers")?;
     Ok(())
-}
-
-fn write_file(path: &Path, text: &str) -> anyhow::Result<()> {
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("creating {}", parent.display()))?;
-    }
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 /// One row per slice, in GPU order, with the MIG mode of its GPU (from `mig_modes`, keyed

@@ -1007,122 +1007,21 @@ impl Product {
         }
     }
 
+    /// Key of the product in the mock NVML library's tables (`h100-80gb`, ...).
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::A100_40GB => cleave_testkit::gpu::A100_40GB,
+            Self::A100_80GB => cleave_testkit::gpu::A100_80GB,
+            Self::H100 => cleave_testkit::gpu::H100,
+            Self::H200 => cleave_testkit::gpu::H200,
+        }
+    }
+
     /// The GPU-instance profile table (ids, slices, instances, memory, SMs, engines,
-    /// placements) from MIG profile tables, docs/hardware-sources.md; 8 memory slices.
+    /// placements; 8 memory slices): the mock NVML library's, from MIG profile tables,
+    /// docs/hardware-sources.md.
     pub fn profiles(self) -> Vec<MigProfile> {
-        // (id, name, g, inst, MiB, SM, [CE, DEC, ENC, JPG, OFA], starts, size)
-        type Row = (
-            u32,
-            &'static str,
-            u32,
-            u32,
-            u64,
-            u32,
-            [u32; 5],
-            &'static [u32],
-            u32,
-        );
-        const ONE: &[u32] = &[0, 1, 2, 3, 4, 5, 6];
-        const PAIRS: &[u32] = &[0, 2, 4, 6];
-        let rows: [Row; 7] = match self {
-            Self::A100_40GB => [
-                (19, "1g.5gb", 1, 7, 4864, 14, [1, 0, 0, 0, 0], ONE, 1),
-                (20, "1g.5gb+me", 1, 1, 4864, 14, [1, 1, 0, 1, 1], ONE, 1),
-                (15, "1g.10gb", 1, 4, 9856, 14, [1, 1, 0, 0, 0], PAIRS, 2),
-                (
-                    14,
-                    "2g.10gb",
-                    2,
-                    3,
-                    9984,
-                    28,
-                    [2, 1, 0, 0, 0],
-                    &[0, 2, 4],
-                    2,
-                ),
-                (9, "3g.20gb", 3, 2, 20096, 42, [3, 2, 0, 0, 0], &[0, 4], 4),
-                (5, "4g.20gb", 4, 1, 20096, 56, [4, 2, 0, 0, 0], &[0], 4),
-                (0, "7g.40gb", 7, 1, 40448, 98, [7, 5, 0, 1, 1], &[0], 8),
-            ],
-            Self::A100_80GB => [
-                (19, "1g.10gb", 1, 7, 9728, 14, [1, 0, 0, 0, 0], ONE, 1),
-                (20, "1g.10gb+me", 1, 1, 9728, 14, [1, 1, 0, 1, 1], ONE, 1),
-                (15, "1g.20gb", 1, 4, 19968, 14, [1, 1, 0, 0, 0], PAIRS, 2),
-                (
-                    14,
-                    "2g.20gb",
-                    2,
-                    3,
-                    19968,
-                    28,
-                    [2, 1, 0, 0, 0],
-                    &[0, 2, 4],
-                    2,
-                ),
-                (9, "3g.40gb", 3, 2, 40448, 42, [3, 2, 0, 0, 0], &[0, 4], 4),
-                (5, "4g.40gb", 4, 1, 40448, 56, [4, 2, 0, 0, 0], &[0], 4),
-                (0, "7g.80gb", 7, 1, 81152, 98, [7, 5, 0, 1, 1], &[0], 8),
-            ],
-            Self::H100 => [
-                (19, "1g.10gb", 1, 7, 9984, 16, [1, 1, 0, 1, 0], ONE, 1),
-                (20, "1g.10gb+me", 1, 1, 9984, 16, [1, 1, 0, 1, 1], ONE, 1),
-                (15, "1g.20gb", 1, 4, 20096, 26, [1, 1, 0, 1, 0], PAIRS, 2),
-                (
-                    14,
-                    "2g.20gb",
-                    2,
-                    3,
-                    20096,
-                    32,
-                    [2, 2, 0, 2, 0],
-                    &[0, 2, 4],
-                    2,
-                ),
-                (9, "3g.40gb", 3, 2, 40448, 60, [3, 3, 0, 3, 0], &[0, 4], 4),
-                (5, "4g.40gb", 4, 1, 40448, 64, [4, 4, 0, 4, 0], &[0], 4),
-                (0, "7g.80gb", 7, 1, 81152, 132, [8, 7, 0, 7, 1], &[0], 8),
-            ],
-            Self::H200 => [
-                (19, "1g.18gb", 1, 7, 16384, 16, [1, 1, 0, 1, 0], ONE, 1),
-                (20, "1g.18gb+me", 1, 1, 16384, 16, [1, 1, 0, 1, 1], ONE, 1),
-                (15, "1g.35gb", 1, 4, 33024, 26, [1, 1, 0, 1, 0], PAIRS, 2),
-                (
-                    14,
-                    "2g.35gb",
-                    2,
-                    3,
-                    33024,
-                    32,
-                    [2, 2, 0, 2, 0],
-                    &[0, 2, 4],
-                    2,
-                ),
-                (9, "3g.71gb", 3, 2, 71168, 60, [3, 3, 0, 3, 0], &[0, 4], 4),
-                (5, "4g.71gb", 4, 1, 71168, 64, [4, 4, 0, 4, 0], &[0], 4),
-                (0, "7g.141gb", 7, 1, 143104, 132, [8, 7, 0, 7, 1], &[0], 8),
-            ],
-        };
-        rows.iter()
-            .map(
-                |&(id, name, g, inst, mib, sm, e, starts, size)| MigProfile {
-                    id,
-                    name: name.to_owned(),
-                    slice_count: g,
-                    instance_count: inst,
-                    memory_mib: mib,
-                    multiprocessors: sm,
-                    copy_engines: e[0],
-                    decoders: e[1],
-                    encoders: e[2],
-                    jpeg_engines: e[3],
-                    ofa_engines: e[4],
-                    placements: starts
-                        .iter()
-                        .map(|&start| Placement { start, size })
-                        .collect(),
-                },
-            )
-            .collect()
+        cleave_testkit::gpu::mig_profiles(self.key())
     }
 }
 

@@ -7,39 +7,26 @@
 
 use std::collections::BTreeSet;
 
-use cleave_driver::model::{GpuInfo, MigState, NodeInventory};
+use cleave_driver::model::{GpuInfo, NodeInventory};
 use cleave_driver::pool::{PoolOptions, build_pool};
 use cleave_packing::constraints::{devices, place};
+use cleave_testkit::gpu::{h100, inventory};
 use k8s_openapi::serde::Deserialize as _;
 
 /// GPUs 0-3 on NUMA node 0, 4-6 on node 1, 7 unknown.
 fn node() -> NodeInventory {
-    NodeInventory {
-        driver_version: "580.105.08".into(),
-        driver_semver: "580.105.8".into(),
-        cuda_driver_semver: "13.0.0".into(),
-        gpus: (0..8u32)
+    inventory(
+        (0..8u32)
             .map(|minor| GpuInfo {
-                index: minor,
-                minor,
-                uuid: format!("GPU-00000000-0000-0000-0000-00000000000{minor}"),
-                product_name: "NVIDIA H100 80GB HBM3".into(),
-                brand: "Nvidia".into(),
-                architecture: "Hopper".into(),
-                cuda_compute_capability: (9, 0),
-                memory_bytes: 80 << 30,
-                multiprocessors: Some(132),
-                pci_bus_id: format!("0000:{:02x}:00.0", 0x10 + minor),
-                pcie_root: None,
                 numa_node: match minor {
                     0..4 => Some(0),
                     4..7 => Some(1),
                     _ => None,
                 },
-                mig: MigState::NotCapable,
+                ..h100(minor)
             })
             .collect(),
-    }
+    )
 }
 
 /// The example's requests (the `type` each class selects) and the constrained attribute.

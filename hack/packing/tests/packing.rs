@@ -9,37 +9,17 @@ use std::collections::BTreeMap;
 
 use cleave_api::names::attr;
 use cleave_api::pool::PoolDevices;
-use cleave_driver::model::{GpuInfo, MigState, NodeInventory};
+use cleave_driver::model::NodeInventory;
 use cleave_driver::pool::{PlacementOrder, PoolOptions, build_pool};
 use cleave_packing::{FirstFit, GpuShape, NodeWalk, Product, Rng};
+use cleave_testkit::gpu::{Mig, gpu, inventory};
 
 fn node(product: Product, gpus: u32) -> NodeInventory {
-    NodeInventory {
-        driver_version: "580.105.08".into(),
-        driver_semver: "580.105.8".into(),
-        cuda_driver_semver: "13.0.0".into(),
-        gpus: (0..gpus)
-            .map(|minor| GpuInfo {
-                index: minor,
-                minor,
-                uuid: format!("GPU-00000000-0000-0000-0000-00000000000{minor}"),
-                product_name: product.name().into(),
-                brand: "Nvidia".into(),
-                architecture: "Hopper".into(),
-                cuda_compute_capability: (9, 0),
-                memory_bytes: 80 << 30,
-                multiprocessors: Some(132),
-                pci_bus_id: format!("0000:{:02x}:00.0", 0x10 + minor),
-                pcie_root: None,
-                numa_node: None,
-                mig: MigState::Enabled {
-                    profiles: product.profiles(),
-                    instances: vec![],
-                    memory_slices: 8,
-                },
-            })
+    inventory(
+        (0..gpus)
+            .map(|minor| gpu(product.key(), minor, Mig::On(Vec::new())))
             .collect(),
-    }
+    )
 }
 
 /// The scheduler as the packing module models it, over published objects: counters

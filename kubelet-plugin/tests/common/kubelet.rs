@@ -363,3 +363,122 @@ fn container_name(pod: &Pod) -> String {
         .map(|c| c.name.clone())
         .unwrap_or_default()
 }
+
+/// Namespace of the plugin's DaemonSet, where its MPS daemon pods go.
+pub const NAMESPACE: &str = "cleave-system";
+
+/// A node whose MPS daemons run in pods of the fake kubelet (`--mps-launcher=pod`): the
+/// plugin's files, the fake tools under the driver root (wrappers running this test
+/// binary) with their records, and the kubelet's root.
+pub struct PodWorld {
+    pub dirs: super::node::NodeDirs,
+    pub fakes: cleave_testkit::fake_tools::FakeFiles,
+}
+
+impl PodWorld {
+    pub fn new() -> Self {
+        let dirs = super::node::NodeDirs::new();
+        cleave_testkit::fake_tools::install_wrappers(&dirs.driver_root().join("usr/bin")).unwrap();
+        std::fs::create_dir_all(dirs.path().join("pod-logs")).unwrap();
+        let fakes = cleave_testkit::fake_tools::FakeFiles::in_dir(dirs.path());
+        Self { dirs, fakes }
+    }
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.dirs.path().join("kubelet")
+    }
+    /// What the fake MPS control recorded so far.
+    pub fn record(&self) -> Vec<String> {
+        self.fakes.mps_lines()
+    }
+    /// The fakes' knobs, for the plugin and for every container.
+    pub fn tool_env(&self) -> Vec<(String, String)> {
+        self.fakes
+            .env()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect()
+    }
+    /// The plugin launching MPS daemons as pods, with the fakes' knobs and `extra`.
+    pub fn pod_plugin_options(
+        &self,
+        extra: &[(&'static str, String)],
+    ) -> super::node::PluginOptions {
+        let mut env: Vec<(&'static str, String)> = extra.to_vec();
+        env.extend([
+            ("MPS_LAUNCHER", "pod".into()),
+            ("MPS_DAEMON_IMAGE", "cleave:test".into()),
+            ("POD_NAMESPACE", NAMESPACE.into()),
+            (
+                "KUBELET_ROOT_DIR",
+                self.kubelet_root().display().to_string(),
+            ),
+        ]);
+        env.extend(self.fakes.env());
+        super::node::PluginOptions {
+            env,
+            ..super::node::PluginOptions::default()
+        }
+    }
+    /// The fake kubelet of this node, passing the fakes' knobs to every container.
+    pub fn start_kubelet(
+        &self,
+        standin: &cleave_apiserver_standin::StandIn,
+        mut options: KubeletOptions,
+    ) -> FakeKubelet {
+        options.env.extend(self.tool_env());
+        FakeKubelet::start(
+            standin.config(),
+            super::node::NODE,
+            &self.kubelet_root(),
+            Path::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
+            &self.dirs.path().join("pod-logs"),
+            options,
+        )
+    }
+    /// The stored daemon pod `cleave-mps-<key>`.
+    pub fn pod(&self, standin: &cleave_apiserver_standin::StandIn, key: &str) -> Option<Pod> {
+        standin.get_as("pods", NAMESPACE, &format!("cleave-mps-{key}"))
+    }
+    /// The CDI spec of claim `uid` (not a device metadata spec).
+    pub fn cdi_spec(&self, uid: &str) -> serde_json::Value {
+        let name = self
+            .dirs
+            .cdi_files()
+            .into_iter()
+            // Not a device metadata spec (`<driver>_metadata_<uid>_<request>.json`).
+            .find(|f| f.contains(uid) && !f.contains("_metadata_"))
+            .unwrap_or_else(|| panic!("no CDI spec for {uid}: {:?}", self.dirs.cdi_files()));
+        let text = std::fs::read_to_string(self.dirs.cdi_root().join(name)).unwrap();
+        serde_json::from_str(&text)
+            .or_else(|_| serde_yaml::from_str(&text))
+            .unwrap()
+    }
+    /// Context for failed assertions: the plugin's log, the pods' logs, the MPS record.
+    pub fn logs(&self) -> String {
+        let mut out = format!("plugin log:\n{}\n", self.dirs.log());
+        if let Ok(rd) = std::fs::read_dir(self.dirs.path().join("pod-logs")) {
+            for e in rd.flatten() {
+                out.push_str(&format!(
+                    "--- {}:\n{}\n",
+                    e.file_name().to_string_lossy(),
+                    std::fs::read_to_string(e.path()).unwrap_or_default()
+                ));
+            }
+        }
+        out.push_str(&format!("fake MPS record:\n{}\n", self.record().join("\n")));
+        out
+    }
+}
+
+/// Waits (at most 20 s) until `done` holds; the failure shows the world's logs.
+pub async fn eventually(what: &str, world: &PodWorld, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "timed out waiting until {what}\n{}",
+            world.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

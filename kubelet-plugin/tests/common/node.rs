@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use cleave_apiserver_standin::{StandIn, StandInOptions, fixtures};
+use cleave_apiserver_standin::{StandIn, fixtures};
 use cleave_kubelet_plugin::proto::dra::v1;
 use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
 
@@ -57,24 +57,24 @@ impl NodeDirs {
     /// (device nodes, libraries and soname links, tools, `proc/devices`); idempotent, and
     /// fakes a test put into `usr/bin` stay.
     pub fn lay_out_driver_root(&self, profile: &str) {
-        Self::fixture(profile)
-            .lay_out(&self.driver_root())
-            .expect("laying out the test driver root");
+        cleave_testkit::driver_root::lay_out_profile(&self.driver_root(), profile, None);
     }
 
     /// [`Self::lay_out_driver_root`] with the mock library as the root's NVML.
     pub fn lay_out_driver_root_with_nvml(&self, profile: &str) {
-        mock_nvml::driver_root::DriverRootFixture {
-            nvml: Some(mock_lib()),
-            ..Self::fixture(profile)
-        }
-        .lay_out(&self.driver_root())
-        .expect("laying out the test driver root");
+        cleave_testkit::driver_root::lay_out_profile(
+            &self.driver_root(),
+            profile,
+            Some(mock_lib()),
+        );
     }
 
-    fn fixture(profile: &str) -> mock_nvml::driver_root::DriverRootFixture {
-        mock_nvml::driver_root::DriverRootFixture::for_profile(profile)
-            .unwrap_or_else(|| mock_nvml::driver_root::DriverRootFixture::with_minors(0..8))
+    /// Installs the fake NVIDIA tools under the driver root (wrappers running this test
+    /// binary) and returns their knobs (record files in this node's directory), for the
+    /// plugin's environment.
+    pub fn install_fake_tools(&self) -> Vec<(&'static str, String)> {
+        cleave_testkit::fake_tools::install_wrappers(&self.driver_root().join("usr/bin")).unwrap();
+        cleave_testkit::fake_tools::FakeFiles::in_dir(self.path()).env()
     }
     pub fn mock_state(&self) -> PathBuf {
         self.path().join("mock-nvml-state.json")
@@ -115,20 +115,10 @@ fn log_file(dirs: &NodeDirs) -> std::fs::File {
 
 /// The stand-in with a Node object, and a kubeconfig file pointing at it.
 pub async fn start_standin(dirs: &NodeDirs) -> StandIn {
-    cleave_kubelet_plugin::install_crypto_provider();
-    let standin = StandIn::start(StandInOptions::default()).await.unwrap();
-    standin.put(&fixtures::node(NODE)).unwrap();
-    let kubeconfig = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: standin\n  cluster:\n    server: {}\nusers:\n- name: test\n  user: {{}}\ncontexts:\n- name: standin\n  context:\n    cluster: standin\n    user: test\ncurrent-context: standin\n",
-        standin.url()
-    );
-    std::fs::write(dirs.kubeconfig(), kubeconfig).unwrap();
-    standin
+    cleave_testkit::standin::start_with_node(NODE, &dirs.kubeconfig()).await
 }
 
-pub fn mock_lib() -> PathBuf {
-    mock_nvml::locate::cdylib_path().expect("mock NVML library not built")
-}
+pub use cleave_testkit::mock_lib;
 
 /// How to start the plugin binary.
 pub struct PluginOptions {
