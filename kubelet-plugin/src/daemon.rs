@@ -294,7 +294,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             }
             _ = mps_refresh.tick() => {
                 if let Some(m) = &metrics {
-                    m.observability.refresh_mps_daemons(&plugin.driver.config().state_dir);
+                    m.observability.refresh_from_checkpoint(&plugin.driver);
                 }
             }
             Some(()) = async {

@@ -70,8 +70,8 @@ impl KubeClaimHandler {
         self
     }
 
-    /// Refreshes `mps_daemons_running` of `metrics` from the checkpoint after every
-    /// prepare and unprepare batch that reached the driver.
+    /// Updates `mps_daemons_running` of `metrics` from the driver's prepared claims after
+    /// every prepare and unprepare batch that reached the driver.
     pub fn with_metrics(mut self, metrics: Option<ObservabilityMetrics>) -> Self {
         self.metrics = metrics;
         self
@@ -79,7 +79,7 @@ impl KubeClaimHandler {
 
     fn refresh_metrics(&self) {
         if let Some(m) = &self.metrics {
-            m.refresh_mps_daemons(&self.driver.config().state_dir);
+            m.set_prepared(&self.driver.prepared_summary());
         }
     }
 

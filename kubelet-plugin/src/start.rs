@@ -366,8 +366,7 @@ async fn start_on(
     if let Some(m) = &metrics {
         publisher_config.observer = Some(m.observability.api_observer());
         m.observability.set_published(&pool);
-        m.observability
-            .refresh_mps_daemons(&driver.config().state_dir);
+        m.observability.set_prepared(&driver.prepared_summary());
     }
     let health = crate::health::start_for_plugin(
         &args.health,
