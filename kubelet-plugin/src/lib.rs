@@ -15,8 +15,9 @@
 //! define. [`mps_pod`] launches claims' MPS daemons in pods, [`mps_daemon`] is the program
 //! inside such a pod. [`usage`] samples the prepared claims' usage for the metrics, idle
 //! claims and the `usage` command. The rest are small tools: [`inspect`], [`coexistence`] (other GPU
-//! managers on the node), [`cdi_hook`] (installing the hook binary), [`mock`] (loading the
-//! mock NVML library for `--mock`), [`telemetry`] (logging).
+//! managers on the node), [`cdi_hook`] (installing the hook binary), `mock` (loading the
+//! mock NVML library for `--mock`; the development build's `mock` feature only),
+//! [`telemetry`] (logging).
 
 pub mod args;
 pub mod cdi_hook;
@@ -32,6 +33,7 @@ pub mod kube_handler;
 pub mod kubelet;
 pub mod lifecycle;
 pub mod metrics;
+#[cfg(feature = "mock")]
 pub mod mock;
 pub mod mps_daemon;
 pub mod mps_pod;
