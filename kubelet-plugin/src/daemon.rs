@@ -27,7 +27,7 @@ use crate::args::RunArgs;
 use crate::events::{EventReporter, Severity};
 use crate::kubelet::registration::RegistrationState;
 use crate::metrics::{HealthState, Heartbeat, Metrics};
-use crate::serialize::Serializer;
+use crate::node_lock::NodeLock;
 use crate::start::{Blocker, RunningPlugin, StartContext, kube_client, start_when_possible};
 
 /// How often `mps_daemons_running` is re-read from the checkpoint besides after every DRA
@@ -273,7 +273,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
                     mps_check_task = Some(spawn_sharing_check(
                         Arc::clone(&plugin.driver),
-                        plugin.serializer.clone(),
+                        plugin.node_lock.clone(),
                         mps_events.clone(),
                         Arc::clone(&last_bare),
                         pool_tx.clone(),
@@ -413,7 +413,7 @@ async fn recheck_driver_root(
 /// `pool_tx` when the GPU instances without compute instance changed.
 fn spawn_sharing_check(
     driver: Arc<NodeDriver>,
-    serializer: Serializer,
+    node_lock: NodeLock,
     events: EventReporter,
     last_bare: Arc<Mutex<BTreeMap<String, Vec<BareGpuInstance>>>>,
     pool_tx: tokio::sync::mpsc::UnboundedSender<PoolDevices>,
@@ -421,7 +421,7 @@ fn spawn_sharing_check(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let check = Arc::clone(&driver);
-        match serializer
+        match node_lock
             .run(move || check.reconcile_sharing().map_err(|e| e.to_string()))
             .await
         {
@@ -435,7 +435,7 @@ fn spawn_sharing_check(
         }
         if pool_options.dynamic_mig {
             let check = Arc::clone(&driver);
-            let Ok(bare) = serializer.run(move || check.bare_gpu_instances()).await else {
+            let Ok(bare) = node_lock.run(move || check.bare_gpu_instances()).await else {
                 return;
             };
             let changed = {

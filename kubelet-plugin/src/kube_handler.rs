@@ -2,7 +2,7 @@
 //! to the node driver (`cleave_driver::prepare::NodeDriver`).
 //!
 //! Claim GETs run concurrently and outside the node lock (as the Go helper does); the
-//! driver calls of a batch then run on one blocking thread under the [`Serializer`], so
+//! driver calls of a batch then run on one blocking thread under the [`NodeLock`], so
 //! two plugin instances on a node (rolling update) never prepare at the same time.
 
 use std::collections::BTreeMap;
@@ -21,14 +21,14 @@ use crate::handler::{
 };
 use crate::health::DeviceHealth;
 use crate::metrics::observability::ObservabilityMetrics;
-use crate::serialize::Serializer;
+use crate::node_lock::NodeLock;
 
 /// Prepares claims by reading them from the API server and calling the node driver.
 #[derive(Clone)]
 pub struct KubeClaimHandler {
     client: kube::Client,
     driver: Arc<NodeDriver>,
-    serializer: Serializer,
+    node_lock: NodeLock,
     /// Device health: claims of unhealthy devices are refused (see [`Self::with_health`]).
     health: Option<(Arc<DeviceHealth>, String)>,
     /// Warning Events on claims whose prepare failed for a reason the user can act on.
@@ -43,19 +43,19 @@ impl std::fmt::Debug for KubeClaimHandler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KubeClaimHandler")
             .field("driver", &self.driver)
-            .field("serializer", &self.serializer)
+            .field("node_lock", &self.node_lock)
             .finish_non_exhaustive()
     }
 }
 
 impl KubeClaimHandler {
     /// A handler reading claims with `client`, preparing with `driver`, serialised by
-    /// `serializer` (shared with every other user of the driver in this process).
-    pub fn new(client: kube::Client, driver: Arc<NodeDriver>, serializer: Serializer) -> Self {
+    /// `node_lock` (shared with every other user of the driver in this process).
+    pub fn new(client: kube::Client, driver: Arc<NodeDriver>, node_lock: NodeLock) -> Self {
         Self {
             client,
             driver,
-            serializer,
+            node_lock,
             health: None,
             events: None,
             metrics: None,
@@ -238,7 +238,7 @@ impl ClaimHandler for KubeClaimHandler {
         let parent = tracing::Span::current();
         let want_status = self.status.is_some();
         let batch = self
-            .serializer
+            .node_lock
             .run(move || {
                 work.into_iter()
                     .map(|(claim, object)| {
@@ -321,7 +321,7 @@ impl ClaimHandler for KubeClaimHandler {
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
         let parent = tracing::Span::current();
         let batch = self
-            .serializer
+            .node_lock
             .run(move || {
                 claims
                     .into_iter()
@@ -369,7 +369,7 @@ impl ClaimHandler for KubeClaimHandler {
 pub async fn release_orphaned_claims(
     client: &kube::Client,
     driver: &Arc<NodeDriver>,
-    serializer: &Serializer,
+    node_lock: &NodeLock,
 ) -> Vec<String> {
     let mut orphans = Vec::new();
     for record in driver.prepared_claims() {
@@ -388,7 +388,7 @@ pub async fn release_orphaned_claims(
     for record in orphans {
         let d = Arc::clone(driver);
         let uid = record.uid.clone();
-        match serializer
+        match node_lock
             .run(move || d.unprepare(&uid).map_err(|e| e.to_string()))
             .await
         {

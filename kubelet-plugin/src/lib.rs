@@ -9,7 +9,7 @@
 //! [`kubelet`] is the gRPC shell the kubelet talks to (protos, the DRA service generic over
 //! [`handler::ClaimHandler`], registration, the health service, the unix-socket server);
 //! [`kube_handler`] is the real handler (claims from the API server, the driver's prepare,
-//! [`serialize`]'s node lock, [`events`]). [`health`] keeps device health (the pure mapping
+//! [`node_lock`], [`events`]). [`health`] keeps device health (the pure mapping
 //! is the driver's `device_health`); [`metrics`] owns the whole Prometheus registry and the
 //! HTTP endpoints, and the gRPC and health code report into it through observer traits they
 //! define. [`mps_pod`] launches claims' MPS daemons in pods, [`mps_daemon`] is the program
@@ -37,7 +37,7 @@ pub mod metrics;
 pub mod mock;
 pub mod mps_daemon;
 pub mod mps_pod;
-pub mod serialize;
+pub mod node_lock;
 pub mod start;
 pub mod telemetry;
 pub mod usage;

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use cleave_controller::backoff::{Backoff, BackoffConfig};
 use cleave_controller::{PublisherConfig, SlicePublisher};
 use cleave_driver::backend::GpuBackend;
 use cleave_driver::checkpoint::CheckpointError;
@@ -50,7 +51,7 @@ use crate::kube_handler::{KubeClaimHandler, release_orphaned_claims};
 use crate::kubelet::server::{PluginConfig, PluginServer};
 use crate::lifecycle::{reset_command, short_reason};
 use crate::metrics::Metrics;
-use crate::serialize::Serializer;
+use crate::node_lock::NodeLock;
 
 /// The socket and state layout the kubelet flags describe.
 pub fn plugin_config(args: &KubeletArgs) -> PluginConfig {
@@ -209,7 +210,7 @@ pub struct RunningPlugin {
     /// The node driver.
     pub driver: Arc<NodeDriver>,
     /// The node lock shared by every prepare and unprepare.
-    pub serializer: Serializer,
+    pub node_lock: NodeLock,
     /// Publishes the pool as ResourceSlices.
     pub publisher: SlicePublisher,
     /// The DRA and registration servers.
@@ -293,7 +294,7 @@ async fn start_on(
     crate::kubelet::server::check_sockets_free(&plugin)
         .await
         .context("checking the plugin sockets")?;
-    let serializer = Serializer::new(plugin.lock_file());
+    let node_lock = NodeLock::new(plugin.lock_file());
 
     let mut config = driver_config(args, &plugin);
     config.cdi_hook = install_cdi_hook(args, &config.state_dir)?;
@@ -308,7 +309,7 @@ async fn start_on(
             share_on_demand_mig: args.driver.share_on_demand_mig,
             ..PoolOptions::default()
         });
-        serializer
+        node_lock
             .run(move || {
                 let driver = NodeDriver::start_with_sharing(config, backend, sharing)
                     .map_err(anyhow::Error::from)
@@ -333,7 +334,7 @@ async fn start_on(
     };
     let driver = Arc::new(driver);
 
-    let released = release_orphaned_claims(&client, &driver, &serializer).await;
+    let released = release_orphaned_claims(&client, &driver, &node_lock).await;
     if !released.is_empty() {
         info!(
             claims = released.len(),
@@ -419,7 +420,7 @@ async fn start_on(
         )
     });
     let handler = Arc::new(
-        KubeClaimHandler::new(client, Arc::clone(&driver), serializer.clone())
+        KubeClaimHandler::new(client, Arc::clone(&driver), node_lock.clone())
             .with_status(status_writer)
             .with_health(health.clone(), &plugin.driver_name)
             .with_events(events)
@@ -432,7 +433,7 @@ async fn start_on(
     Ok(RunningPlugin {
         backend,
         driver,
-        serializer,
+        node_lock,
         publisher,
         server,
         driver_wait,
@@ -462,7 +463,7 @@ fn start_usage(
         return None;
     };
     let usage_metrics = metrics.map_or_else(
-        || Arc::new(crate::metrics::usage::UsageMetrics::default()),
+        || Arc::new(crate::usage::metrics::UsageMetrics::default()),
         |m| Arc::clone(&m.usage),
     );
     let idle = args.usage.idle_events.then(|| {
@@ -583,38 +584,6 @@ pub const REASON_CHECKPOINT_UNREADABLE: &str = "CheckpointUnreadable";
 /// Event reason: NVML cannot be loaded, sees no GPU, or the driver root holds no driver.
 pub const REASON_DRIVER_NOT_READY: &str = "NVIDIADriverNotReady";
 
-/// A bounded exponential backoff: `initial`, doubled per failure, at most `max`.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    initial: Duration,
-    max: Duration,
-    next: Duration,
-}
-
-impl Backoff {
-    /// Starts at `initial`; never waits longer than `max`.
-    pub fn new(initial: Duration, max: Duration) -> Self {
-        let initial = initial.min(max);
-        Self {
-            initial,
-            max,
-            next: initial,
-        }
-    }
-
-    /// The wait before the next attempt (and doubles the one after).
-    pub fn next_delay(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        d
-    }
-
-    /// Back to `initial` (after a success).
-    pub fn reset(&mut self) {
-        self.next = self.initial;
-    }
-}
-
 /// Why start-up did not finish; the variant decides the retry policy
 /// ([`start_when_possible`]).
 #[derive(Debug, thiserror::Error)]
@@ -720,10 +689,12 @@ pub async fn start_when_possible(
     args: &RunArgs,
     ctx: &StartContext,
 ) -> Result<RunningPlugin, StartError> {
-    let mut backoff = Backoff::new(
-        Duration::from_millis(args.lifecycle.retry_initial_ms),
-        Duration::from_millis(args.lifecycle.retry_max_ms),
-    );
+    let max = Duration::from_millis(args.lifecycle.retry_max_ms);
+    let mut backoff = Backoff::new(BackoffConfig {
+        initial: Duration::from_millis(args.lifecycle.retry_initial_ms).min(max),
+        max,
+        conflict_retries: 0,
+    });
     let lm = ctx.metrics.as_ref().map(|m| &m.lifecycle);
     let mut backend: Option<Arc<dyn GpuBackend>> = None;
     let mut last_checkpoint_reason: Option<String> = None;
@@ -885,15 +856,6 @@ mod tests {
             sharing.binaries.mps_control,
             Path::new("/driver-root/usr/bin/nvidia-cuda-mps-control")
         );
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_the_bound_and_resets() {
-        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
-        let got: Vec<u64> = (0..7).map(|_| b.next_delay().as_secs()).collect();
-        assert_eq!(got, [1, 2, 4, 8, 16, 30, 30]);
-        b.reset();
-        assert_eq!(b.next_delay(), Duration::from_secs(1));
     }
 
     #[test]

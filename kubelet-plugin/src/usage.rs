@@ -5,7 +5,7 @@
 //! it takes the prepared claims' devices from the driver
 //! ([`cleave_driver::prepare::NodeDriver::claim_devices`]), samples them through the
 //! backend's usage source (the driver's NVML handle), feeds the idle tracker and writes the
-//! result into [`crate::metrics::usage::UsageMetrics`]. A scrape encodes that last round and
+//! result into [`crate::usage::metrics::UsageMetrics`]. A scrape encodes that last round and
 //! never calls NVML. A claim that turns idle is sent once per idle period to the Event
 //! task, which posts a Warning `ClaimIdle` on its ResourceClaim (`--idle-events`).
 //!
@@ -27,11 +27,13 @@ use cleave_driver::usage::{
 };
 use tracing::{debug, info, warn};
 
-use crate::metrics::usage::UsageMetrics;
+use crate::usage::metrics::UsageMetrics;
 
 pub mod command;
+pub mod metrics;
 pub mod recommend;
 pub mod recommend_command;
+pub mod rightsize_metrics;
 
 /// Event reason: a claim stayed below the idle threshold for the idle window.
 pub const REASON_CLAIM_IDLE: &str = "ClaimIdle";
@@ -199,7 +201,7 @@ pub struct MonitorConfig {
     /// Where claims that turned oversized are sent (`--rightsize-events`).
     pub oversized: Option<tokio::sync::mpsc::UnboundedSender<recommend::OversizedNotice>>,
     /// Where recommendations are exported (`None`: not exported).
-    pub rightsize_metrics: Option<Arc<crate::metrics::rightsize::RightsizeMetrics>>,
+    pub rightsize_metrics: Option<Arc<crate::usage::rightsize_metrics::RightsizeMetrics>>,
     /// Scheduling of the sampling thread.
     pub priority: SamplingPriority,
 }

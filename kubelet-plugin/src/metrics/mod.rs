@@ -36,8 +36,7 @@ use crate::kubelet::dra::DraObserver;
 use crate::kubelet::registration::RegistrationState;
 
 pub mod observability;
-pub mod rightsize;
-pub mod usage;
+use crate::usage::{metrics as usage, rightsize_metrics as rightsize};
 
 /// `/healthz` fails when the heartbeat is older than this.
 pub const HEARTBEAT_STALE: Duration = Duration::from_secs(30);
