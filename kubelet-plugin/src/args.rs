@@ -408,8 +408,8 @@ impl UsageArgs {
     pub fn rightsize_config(
         &self,
         modes: cleave_driver::rightsize::NodeModes,
-    ) -> crate::usage::recommend::RightsizeConfig {
-        crate::usage::recommend::RightsizeConfig {
+    ) -> crate::node::usage::recommend::RightsizeConfig {
+        crate::node::usage::recommend::RightsizeConfig {
             window: cleave_driver::rightsize::WindowConfig {
                 window_seconds: self.rightsize_window.as_secs(),
                 idle_threshold_percent: self.idle_threshold,

@@ -92,7 +92,7 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
                 print!("{}", m.run(args.recommend)?);
                 return Ok(ExitCode::SUCCESS);
             }
-            print!("{}", crate::usage::command::run(args)?);
+            print!("{}", crate::node::usage::command::run(args)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Checkpoint(CheckpointCommand::Reset(args)) => checkpoint_reset(args),
@@ -102,15 +102,15 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
 
 fn checkpoint_reset(args: &CheckpointResetArgs) -> anyhow::Result<ExitCode> {
     let state_dir = args.plugins_dir.join(&args.driver_name);
-    let options = crate::lifecycle::ResetOptions {
+    let options = crate::node::lifecycle::ResetOptions {
         force: args.force,
         remove_cdi_specs_in: args.remove_cdi_specs.then(|| args.cdi_root.clone()),
     };
-    match crate::lifecycle::reset_checkpoint(&state_dir, &options)? {
-        crate::lifecycle::ResetOutcome::Missing => {
+    match crate::node::lifecycle::reset_checkpoint(&state_dir, &options)? {
+        crate::node::lifecycle::ResetOutcome::Missing => {
             println!("no checkpoint in {}: nothing to reset", state_dir.display());
         }
-        crate::lifecycle::ResetOutcome::MovedAside {
+        crate::node::lifecycle::ResetOutcome::MovedAside {
             moved_to,
             held,
             abandoned,

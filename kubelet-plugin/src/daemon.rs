@@ -3,7 +3,7 @@
 //! `run` first serves `/healthz`, `/readyz` and `/metrics`, then starts through
 //! [`crate::start::start_when_possible`] (retrying while the NVIDIA driver is missing or
 //! the checkpoint is unreadable), then checks for other GPU managers on the node
-//! ([`crate::coexistence`]), then reacts to what happens until SIGTERM/SIGINT: each event
+//! ([`crate::k8s::coexistence`]), then reacts to what happens until SIGTERM/SIGINT: each event
 //! source of the loop has a handler below.
 //!
 //! Shutdown stops the servers (removing this instance's sockets) and the publisher; the
@@ -24,10 +24,10 @@ use cleave_driver::prepare::NodeDriver;
 use tracing::{info, warn};
 
 use crate::args::RunArgs;
-use crate::events::{EventReporter, Severity};
+use crate::k8s::events::{EventReporter, Severity};
 use crate::kubelet::registration::RegistrationState;
 use crate::metrics::{HealthState, Heartbeat, Metrics};
-use crate::node_lock::NodeLock;
+use crate::node::node_lock::NodeLock;
 use crate::start::{Blocker, RunningPlugin, StartContext, kube_client, start_when_possible};
 
 /// How often `mps_daemons_running` is re-read from the checkpoint besides after every DRA
@@ -89,7 +89,7 @@ async fn report_counter_support(
             "{} devices withheld: the API server drops shared counters (enable the {PARTITIONABLE_DEVICES_GATE} feature gate)",
             status.withdrawn_devices
         )));
-        let node = crate::events::node_reference(client, node_name).await;
+        let node = crate::k8s::events::node_reference(client, node_name).await;
         events
             .publish(
                 &node,
@@ -129,7 +129,7 @@ async fn report_mps_restarts(
         events
             .publish(
                 &regarding,
-                crate::events::Severity::Warning,
+                crate::k8s::events::Severity::Warning,
                 "MPSDaemonRestarted",
                 "Reconcile",
                 "the claim's MPS control daemon had stopped and was started again with the \
@@ -205,7 +205,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
         r = start_when_possible(&args, &ctx) => r?,
     };
-    let coexistence = tokio::spawn(crate::coexistence::check_and_report(
+    let coexistence = tokio::spawn(crate::k8s::coexistence::check_and_report(
         client,
         args.node_name.clone(),
         args.kubelet.driver_name.clone(),

@@ -11,7 +11,7 @@ use cleave_apiserver_standin::{StandIn, StandInOptions};
 use cleave_controller::PublisherStatus;
 use cleave_driver::health::{HealthEvent, HealthEventKind};
 use cleave_driver::model::{GpuInfo, MigState, NodeInventory};
-use cleave_kubelet_plugin::health::{DeviceHealth, HealthArgs, TAINT_XID};
+use cleave_kubelet_plugin::node::health::{DeviceHealth, HealthArgs, TAINT_XID};
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceSlice};
 use serde_json::json;
 

@@ -17,7 +17,7 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cleave_kubelet_plugin::usage::command::{Sample, parse_exposition};
+use cleave_kubelet_plugin::node::usage::command::{Sample, parse_exposition};
 use common::node::*;
 use common::*;
 

@@ -20,9 +20,9 @@ use cleave_driver::usage::{
 };
 
 use crate::metrics::Metrics;
-use crate::usage::UsageRounds;
-use crate::usage::recommend::{RightsizeConfig, Rightsizer};
-use crate::usage::recommend_command::{rows_of, table};
+use crate::node::usage::UsageRounds;
+use crate::node::usage::recommend::{RightsizeConfig, Rightsizer};
+use crate::node::usage::recommend_command::{rows_of, table};
 
 /// The mock node's YAML: the profile's product, half its GPUs in MIG mode.
 pub(crate) fn mixed_node(profile: &str) -> anyhow::Result<String> {

@@ -20,8 +20,8 @@ use cleave_driver::usage::{
 
 use super::set_env;
 use crate::metrics::Metrics;
-use crate::usage::UsageRounds;
-use crate::usage::command::{parse_exposition, render};
+use crate::node::usage::UsageRounds;
+use crate::node::usage::command::{parse_exposition, render};
 
 /// The mock try's scratch files; the mock's environment must be set (by
 /// [`UsageTry::prepare_env`]) while the process is single-threaded.

@@ -14,14 +14,14 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use tracing::{debug, info, info_span, warn};
 
-use crate::claim_status::ClaimStatusWriter;
-use crate::events::{EventReporter, Severity};
-use crate::handler::{
+use crate::k8s::claim_status::ClaimStatusWriter;
+use crate::k8s::events::{EventReporter, Severity};
+use crate::kubelet::handler::{
     ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedShare, UnprepareResult,
 };
-use crate::health::DeviceHealth;
 use crate::metrics::observability::ObservabilityMetrics;
-use crate::node_lock::NodeLock;
+use crate::node::health::DeviceHealth;
+use crate::node::node_lock::NodeLock;
 
 /// Prepares claims by reading them from the API server and calling the node driver.
 #[derive(Clone)]
@@ -121,7 +121,7 @@ impl KubeClaimHandler {
 
     fn report(&self, object: &ResourceClaim, note: String) {
         if let Some(events) = self.events.clone() {
-            let regarding = crate::events::object_reference(object);
+            let regarding = crate::k8s::events::object_reference(object);
             tokio::spawn(async move {
                 events
                     .publish(

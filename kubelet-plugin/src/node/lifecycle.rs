@@ -26,7 +26,7 @@ pub use cleave_driver::prepare::short_reason;
 pub const INSTANCE_LOCK_FILE: &str = "instances.lock";
 
 /// The node lock every prepare and unprepare batch holds: `<state dir>/serialize.lock`
-/// (see [`crate::node_lock`]).
+/// (see [`crate::node::node_lock`]).
 pub const NODE_LOCK_FILE: &str = "serialize.lock";
 
 /// Takes the shared instance lock in `state_dir` (see [`INSTANCE_LOCK_FILE`]); the lock

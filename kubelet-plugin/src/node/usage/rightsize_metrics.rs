@@ -15,7 +15,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::metrics::ClaimDeviceLabels;
-use crate::usage::recommend::RightsizeOutcome;
+use crate::node::usage::recommend::RightsizeOutcome;
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
