@@ -265,14 +265,19 @@ pub fn render(scrapes: &[Vec<Sample>], now: SystemTime) -> String {
             idle_since,
         ]);
     }
-    let mut widths = [0usize; 6];
-    for row in &table {
+    columns(&table)
+}
+
+/// `rows` as left-aligned columns two spaces apart, one line each.
+pub(crate) fn columns<const N: usize>(rows: &[[String; N]]) -> String {
+    let mut widths = [0usize; N];
+    for row in rows {
         for (w, c) in widths.iter_mut().zip(row) {
             *w = (*w).max(c.chars().count());
         }
     }
     let mut out = String::new();
-    for row in &table {
+    for row in rows {
         let mut line = String::new();
         for (i, (w, c)) in widths.iter().zip(row).enumerate() {
             if i + 1 == row.len() {

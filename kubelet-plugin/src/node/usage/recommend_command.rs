@@ -57,25 +57,7 @@ pub fn table(rows: &[Row], savings: &[(String, u64, u64)]) -> String {
             r.why.clone(),
         ]);
     }
-    let mut widths = [0usize; 6];
-    for row in &cells {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.chars().count());
-        }
-    }
-    let mut out = String::new();
-    for row in &cells {
-        let mut line = String::new();
-        for (i, (w, c)) in widths.iter().zip(row).enumerate() {
-            if i + 1 == row.len() {
-                line.push_str(c);
-            } else {
-                let _ = write!(line, "{c:<w$}  ");
-            }
-        }
-        out.push_str(line.trim_end());
-        out.push('\n');
-    }
+    let mut out = super::command::columns(&cells);
     for (pool, held, needed) in savings {
         let _ = writeln!(
             out,
