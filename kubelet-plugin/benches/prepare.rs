@@ -886,7 +886,7 @@ struct Fixed {
     gpus: Vec<(String, u64, Option<u32>)>,
 }
 
-impl cleave_kubelet_plugin::usage::ClaimDevices for Fixed {
+impl cleave_kubelet_plugin::node::usage::ClaimDevices for Fixed {
     fn claim_devices(&self) -> Vec<cleave_driver::usage::ClaimDevice> {
         self.devices.clone()
     }
@@ -1054,7 +1054,7 @@ fn usage_child(iterations: usize) {
         // One round and one scrape, measured alone.
         let metrics = std::sync::Arc::new(cleave_kubelet_plugin::metrics::Metrics::new());
         let source = plugin.backend.usage_source().unwrap();
-        let mut rounds = cleave_kubelet_plugin::usage::UsageRounds::new(
+        let mut rounds = cleave_kubelet_plugin::node::usage::UsageRounds::new(
             source,
             cleave_driver::usage::IdlePolicy::default(),
         );
@@ -1080,7 +1080,7 @@ fn usage_child(iterations: usize) {
         // Usage windows on: thread CPU time per round with and without them, and the
         // memory of the 56 windows after a scripted day (144 rounds 10 minutes apart).
         let inventory = plugin.driver.inventory();
-        let rightsize = cleave_kubelet_plugin::usage::recommend::RightsizeConfig {
+        let rightsize = cleave_kubelet_plugin::node::usage::recommend::RightsizeConfig {
             window: cleave_driver::rightsize::WindowConfig::default(),
             policy: cleave_driver::rightsize::RightsizePolicy::default(),
             modes: cleave_driver::rightsize::NodeModes {
@@ -1089,13 +1089,13 @@ fn usage_child(iterations: usize) {
             },
         };
         let cpu_per_round = |windows: bool| {
-            let mut rounds = cleave_kubelet_plugin::usage::UsageRounds::new(
+            let mut rounds = cleave_kubelet_plugin::node::usage::UsageRounds::new(
                 plugin.backend.usage_source().unwrap(),
                 cleave_driver::usage::IdlePolicy::default(),
             );
             if windows {
                 rounds = rounds.with_rightsizer(
-                    cleave_kubelet_plugin::usage::recommend::Rightsizer::in_memory(rightsize),
+                    cleave_kubelet_plugin::node::usage::recommend::Rightsizer::in_memory(rightsize),
                 );
             }
             let day_ago = std::time::SystemTime::now() - Duration::from_secs(144 * 600);
@@ -1126,8 +1126,8 @@ fn usage_child(iterations: usize) {
         // (earlier releases) and as SCHED_IDLE with usage windows (this release), then
         // sampling off again, all in this run.
         let sampled = |priority, windows: bool| {
-            cleave_kubelet_plugin::usage::UsageMonitor::start(
-                cleave_kubelet_plugin::usage::MonitorConfig {
+            cleave_kubelet_plugin::node::usage::UsageMonitor::start(
+                cleave_kubelet_plugin::node::usage::MonitorConfig {
                     interval: Duration::from_millis(100),
                     policy: cleave_driver::usage::IdlePolicy::default(),
                     pool: USAGE_NODE.into(),
@@ -1157,12 +1157,12 @@ fn usage_child(iterations: usize) {
             for _ in 0..BLOCK {
                 off.push(cycle(&mut dra).await);
             }
-            let monitor = sampled(cleave_kubelet_plugin::usage::SamplingPriority::Nice, false);
+            let monitor = sampled(cleave_kubelet_plugin::node::usage::SamplingPriority::Nice, false);
             for _ in 0..BLOCK {
                 nice.push(cycle(&mut dra).await);
             }
             monitor.stop();
-            let monitor = sampled(cleave_kubelet_plugin::usage::SamplingPriority::Idle, true);
+            let monitor = sampled(cleave_kubelet_plugin::node::usage::SamplingPriority::Idle, true);
             for _ in 0..BLOCK {
                 on.push(cycle(&mut dra).await);
             }

@@ -208,11 +208,13 @@ pub struct NvmlArgs {
     #[arg(long, env = "NVML_LIB")]
     pub nvml_lib: Option<PathBuf>,
     /// Node profile for the mock NVML library (given with --nvml-lib, or installed in the
-    /// driver root as its libnvidia-ml.so.1); real NVML ignores it.
+    /// driver root as its libnvidia-ml.so.1); real NVML ignores it. Development build only.
+    #[cfg(feature = "mock")]
     #[arg(long, env = "MOCK_NVML_PROFILE")]
     pub mock_profile: Option<String>,
     /// Use the mock NVML library found next to this executable, with this node profile
-    /// (e.g. h100-80gb-x8).
+    /// (e.g. h100-80gb-x8). Development build only.
+    #[cfg(feature = "mock")]
     #[arg(long, conflicts_with_all = ["nvml_lib", "mock_profile"])]
     pub mock: Option<String>,
     /// The host's sysfs as mounted here: each GPU's PCIe root and NUMA node
@@ -406,8 +408,8 @@ impl UsageArgs {
     pub fn rightsize_config(
         &self,
         modes: cleave_driver::rightsize::NodeModes,
-    ) -> crate::usage::recommend::RightsizeConfig {
-        crate::usage::recommend::RightsizeConfig {
+    ) -> crate::node::usage::recommend::RightsizeConfig {
+        crate::node::usage::recommend::RightsizeConfig {
             window: cleave_driver::rightsize::WindowConfig {
                 window_seconds: self.rightsize_window.as_secs(),
                 idle_threshold_percent: self.idle_threshold,
@@ -430,7 +432,8 @@ pub struct UsageCommandArgs {
     pub metrics_addr: String,
     /// Instead of asking a running plugin: prepare a few claims over the mock NVML
     /// library with this node profile (e.g. `h100-80gb-x8`) and scripted usage, take two
-    /// sampling rounds and print them.
+    /// sampling rounds and print them. Development build only.
+    #[cfg(feature = "mock")]
     #[arg(long)]
     pub mock: Option<String>,
     /// Scrapes of the running plugin to take (the table's window spans them).

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::args::{
-    CheckpointResetArgs, InspectArgs, LogArgs, MpsDaemonArgs, NvmlArgs, RunArgs, UsageCommandArgs,
+    CheckpointResetArgs, InspectArgs, LogArgs, MpsDaemonArgs, RunArgs, UsageCommandArgs,
 };
 
 /// cleave's kubelet plugin: a DRA driver for NVIDIA GPUs.
@@ -32,7 +32,7 @@ pub enum Command {
     /// Print the GPUs and the devices this node would publish.
     Inspect(InspectArgs),
     /// Print, per prepared claim device, what it was given and what it uses (from the
-    /// running plugin's metrics endpoint, or `--mock PROFILE` for a try).
+    /// running plugin's metrics endpoint; a development build takes `--mock PROFILE` for a try).
     Usage(UsageCommandArgs),
     /// Checkpoint maintenance (recovery from an unreadable checkpoint).
     #[command(subcommand)]
@@ -53,27 +53,6 @@ pub enum CheckpointCommand {
     Reset(CheckpointResetArgs),
 }
 
-/// Resolves `--mock` to a library path and applies the mock profile to the environment.
-/// Call before any thread starts.
-pub fn resolve_mock(nvml: &mut NvmlArgs) -> anyhow::Result<()> {
-    if let Some(profile) = nvml.mock.take() {
-        let exe = std::env::current_exe()?;
-        let lib = crate::mock::find_library(&exe).ok_or_else(|| {
-            anyhow::anyhow!(
-                "--mock: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
-                crate::mock::MOCK_LIBRARY,
-                exe.display()
-            )
-        })?;
-        nvml.nvml_lib = Some(lib);
-        nvml.mock_profile = Some(profile);
-    }
-    if let Some(profile) = &nvml.mock_profile {
-        crate::mock::set_env("MOCK_NVML_PROFILE", profile);
-    }
-    Ok(())
-}
-
 /// Entry point of the binary: parse, set up logging, run the subcommand.
 pub fn main() -> ExitCode {
     let mut cli = Cli::parse();
@@ -89,20 +68,8 @@ pub fn main() -> ExitCode {
 
 fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     // Environment changes must happen while the process is single-threaded.
-    let mut usage_mock = None;
-    match &mut cli.command {
-        Command::Run(a) => resolve_mock(&mut a.nvml)?,
-        Command::Inspect(a) => resolve_mock(&mut a.nvml)?,
-        Command::Usage(a) => {
-            if let Some(profile) = &a.mock {
-                usage_mock = Some(crate::usage::command::MockTry::prepare_env_with(
-                    profile,
-                    a.recommend,
-                )?);
-            }
-        }
-        Command::Checkpoint(_) | Command::MpsDaemon(_) => {}
-    }
+    #[cfg(feature = "mock")]
+    let usage_mock = crate::mock::prepare(&mut cli.command)?;
     // `usage` prints a table: only warnings go to the log unless asked for more.
     let default_level = match cli.command {
         Command::Usage(_) => "warn",
@@ -120,7 +87,12 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
         Command::Run(args) => runtime.block_on(crate::daemon::run(args.clone())),
         Command::Inspect(args) => crate::inspect::run(args),
         Command::Usage(args) => {
-            print!("{}", crate::usage::command::run(args, usage_mock.as_ref())?);
+            #[cfg(feature = "mock")]
+            if let Some(m) = &usage_mock {
+                print!("{}", m.run(args.recommend)?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            print!("{}", crate::node::usage::command::run(args)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Checkpoint(CheckpointCommand::Reset(args)) => checkpoint_reset(args),
@@ -130,15 +102,15 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
 
 fn checkpoint_reset(args: &CheckpointResetArgs) -> anyhow::Result<ExitCode> {
     let state_dir = args.plugins_dir.join(&args.driver_name);
-    let options = crate::lifecycle::ResetOptions {
+    let options = crate::node::lifecycle::ResetOptions {
         force: args.force,
         remove_cdi_specs_in: args.remove_cdi_specs.then(|| args.cdi_root.clone()),
     };
-    match crate::lifecycle::reset_checkpoint(&state_dir, &options)? {
-        crate::lifecycle::ResetOutcome::Missing => {
+    match crate::node::lifecycle::reset_checkpoint(&state_dir, &options)? {
+        crate::node::lifecycle::ResetOutcome::Missing => {
             println!("no checkpoint in {}: nothing to reset", state_dir.display());
         }
-        crate::lifecycle::ResetOutcome::MovedAside {
+        crate::node::lifecycle::ResetOutcome::MovedAside {
             moved_to,
             held,
             abandoned,
@@ -297,6 +269,7 @@ mod tests {
         assert!(Cli::try_parse_from(["x", "usage", "--scrapes", "0"]).is_err());
     }
 
+    #[cfg(feature = "mock")]
     #[test]
     fn mock_conflicts_with_nvml_lib() {
         let r = Cli::try_parse_from(["x", "inspect", "--mock", "a", "--nvml-lib", "/x.so"]);

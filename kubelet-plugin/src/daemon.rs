@@ -3,7 +3,7 @@
 //! `run` first serves `/healthz`, `/readyz` and `/metrics`, then starts through
 //! [`crate::start::start_when_possible`] (retrying while the NVIDIA driver is missing or
 //! the checkpoint is unreadable), then checks for other GPU managers on the node
-//! ([`crate::coexistence`]), then reacts to what happens until SIGTERM/SIGINT: each event
+//! ([`crate::k8s::coexistence`]), then reacts to what happens until SIGTERM/SIGINT: each event
 //! source of the loop has a handler below.
 //!
 //! Shutdown stops the servers (removing this instance's sockets) and the publisher; the
@@ -24,10 +24,10 @@ use cleave_driver::prepare::NodeDriver;
 use tracing::{info, warn};
 
 use crate::args::RunArgs;
-use crate::events::{EventReporter, Severity};
+use crate::k8s::events::{EventReporter, Severity};
 use crate::kubelet::registration::RegistrationState;
 use crate::metrics::{HealthState, Heartbeat, Metrics};
-use crate::serialize::Serializer;
+use crate::node::node_lock::NodeLock;
 use crate::start::{Blocker, RunningPlugin, StartContext, kube_client, start_when_possible};
 
 /// How often `mps_daemons_running` is re-read from the checkpoint besides after every DRA
@@ -89,7 +89,7 @@ async fn report_counter_support(
             "{} devices withheld: the API server drops shared counters (enable the {PARTITIONABLE_DEVICES_GATE} feature gate)",
             status.withdrawn_devices
         )));
-        let node = crate::events::node_reference(client, node_name).await;
+        let node = crate::k8s::events::node_reference(client, node_name).await;
         events
             .publish(
                 &node,
@@ -129,7 +129,7 @@ async fn report_mps_restarts(
         events
             .publish(
                 &regarding,
-                crate::events::Severity::Warning,
+                crate::k8s::events::Severity::Warning,
                 "MPSDaemonRestarted",
                 "Reconcile",
                 "the claim's MPS control daemon had stopped and was started again with the \
@@ -205,7 +205,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
         r = start_when_possible(&args, &ctx) => r?,
     };
-    let coexistence = tokio::spawn(crate::coexistence::check_and_report(
+    let coexistence = tokio::spawn(crate::k8s::coexistence::check_and_report(
         client,
         args.node_name.clone(),
         args.kubelet.driver_name.clone(),
@@ -273,7 +273,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
                     mps_check_task = Some(spawn_sharing_check(
                         Arc::clone(&plugin.driver),
-                        plugin.serializer.clone(),
+                        plugin.node_lock.clone(),
                         mps_events.clone(),
                         Arc::clone(&last_bare),
                         pool_tx.clone(),
@@ -294,7 +294,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             }
             _ = mps_refresh.tick() => {
                 if let Some(m) = &metrics {
-                    m.observability.refresh_mps_daemons(&plugin.driver.config().state_dir);
+                    m.observability.refresh_from_checkpoint(&plugin.driver);
                 }
             }
             Some(()) = async {
@@ -413,7 +413,7 @@ async fn recheck_driver_root(
 /// `pool_tx` when the GPU instances without compute instance changed.
 fn spawn_sharing_check(
     driver: Arc<NodeDriver>,
-    serializer: Serializer,
+    node_lock: NodeLock,
     events: EventReporter,
     last_bare: Arc<Mutex<BTreeMap<String, Vec<BareGpuInstance>>>>,
     pool_tx: tokio::sync::mpsc::UnboundedSender<PoolDevices>,
@@ -421,7 +421,7 @@ fn spawn_sharing_check(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let check = Arc::clone(&driver);
-        match serializer
+        match node_lock
             .run(move || check.reconcile_sharing().map_err(|e| e.to_string()))
             .await
         {
@@ -435,7 +435,7 @@ fn spawn_sharing_check(
         }
         if pool_options.dynamic_mig {
             let check = Arc::clone(&driver);
-            let Ok(bare) = serializer.run(move || check.bare_gpu_instances()).await else {
+            let Ok(bare) = node_lock.run(move || check.bare_gpu_instances()).await else {
                 return;
             };
             let changed = {

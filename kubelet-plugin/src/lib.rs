@@ -1,46 +1,42 @@
 //! cleave-kubelet-plugin: the node daemon, the product only (the demo and the test rig
 //! live in `hack/`).
 //!
-//! What each module owns, from the entry point down: [`cli`] parses the command line into
+//! What each module owns, by role. The entry point: [`cli`] parses the command line into
 //! the plain flag data of [`args`] and runs a subcommand; [`daemon`] is `run`'s loop
-//! (signals, readiness, republishing, periodic checks); [`start`] brings the node up in
-//! order (NVML, driver, publisher, servers) and decides, through its typed `StartError`,
-//! what start-up waits for; [`lifecycle`] holds the node-local locks and `checkpoint reset`.
-//! [`kubelet`] is the gRPC shell the kubelet talks to (protos, the DRA service generic over
-//! [`handler::ClaimHandler`], registration, the health service, the unix-socket server);
-//! [`kube_handler`] is the real handler (claims from the API server, the driver's prepare,
-//! [`serialize`]'s node lock, [`events`]). [`health`] keeps device health (the pure mapping
-//! is the driver's `device_health`); [`metrics`] owns the whole Prometheus registry and the
-//! HTTP endpoints, and the gRPC and health code report into it through observer traits they
-//! define. [`mps_pod`] launches claims' MPS daemons in pods, [`mps_daemon`] is the program
-//! inside such a pod. [`usage`] samples the prepared claims' usage for the metrics, idle
-//! claims and the `usage` command. The rest are small tools: [`inspect`], [`coexistence`] (other GPU
-//! managers on the node), [`cdi_hook`] (installing the hook binary), [`mock`] (loading the
-//! mock NVML library for `--mock`), [`telemetry`] (logging).
+//! (signals, readiness, republishing, periodic checks, each a named handler); [`start`]
+//! brings the node up in order (NVML, driver, publisher, servers) and decides, through its
+//! typed `StartError`, what start-up waits for.
+//!
+//! - [`kubelet`]: the gRPC shell the kubelet talks to (protos, the DRA service generic over
+//!   [`kubelet::handler::ClaimHandler`], registration, the health service, the unix-socket
+//!   server).
+//! - [`k8s`]: the API server side: [`k8s::kube_handler`] is the real claim handler (claims
+//!   from the API server, the driver's prepare under the node lock), Events, claim status,
+//!   MPS daemon pods, other GPU managers on the node.
+//! - [`node`]: node-local state: the node lock, the instance lock and `checkpoint reset`
+//!   ([`node::lifecycle`]), device health (the pure mapping is the driver's
+//!   `device_health`), usage sampling and the `usage` command, the CDI hook binary.
+//! - [`metrics`] owns the whole Prometheus registry and the HTTP endpoints; the gRPC and
+//!   health code report into it through observer traits they define.
+//! - Small tools: [`inspect`], [`mps_daemon`] (the program inside an MPS daemon pod),
+//!   [`telemetry`] (logging), and `mock` (loading the mock NVML library for `--mock`; the
+//!   development build's `mock` feature only).
 
 pub mod args;
-pub mod cdi_hook;
-pub mod claim_status;
 pub mod cli;
-pub mod coexistence;
 pub mod daemon;
-pub mod events;
-pub mod handler;
-pub mod health;
 pub mod inspect;
-pub mod kube_handler;
+pub mod k8s;
 pub mod kubelet;
-pub mod lifecycle;
 pub mod metrics;
+#[cfg(feature = "mock")]
 pub mod mock;
 pub mod mps_daemon;
-pub mod mps_pod;
-pub mod serialize;
+pub mod node;
 pub mod start;
 pub mod telemetry;
-pub mod usage;
 
-pub use handler::{ClaimError, ClaimHandler, ClaimRef, PreparedDevice, PreparedShare};
+pub use kubelet::handler::{ClaimError, ClaimHandler, ClaimRef, PreparedDevice, PreparedShare};
 pub use kubelet::proto;
 pub use kubelet::registration::RegistrationState;
 pub use kubelet::server::{PluginConfig, PluginServer, ServerError, connect_unix};

@@ -15,7 +15,7 @@
 //!   `cleave_kubelet_plugin_checkpoint_healthy` to 0, counts
 //!   `cleave_kubelet_plugin_checkpoint_errors_total`, posts a Warning Event
 //!   `CheckpointUnreadable` on the Node naming the one recovery command
-//!   (`cleave-kubelet-plugin checkpoint reset`, see [`crate::lifecycle::reset_checkpoint`]),
+//!   (`cleave-kubelet-plugin checkpoint reset`, see [`crate::node::lifecycle::reset_checkpoint`]),
 //!   and reads the file again on every retry, so an operator's fix is picked up without a
 //!   restart;
 //! - [`StartError::Other`]: anything else ends start-up.
@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use cleave_controller::backoff::{Backoff, BackoffConfig};
 use cleave_controller::{PublisherConfig, SlicePublisher};
 use cleave_driver::backend::GpuBackend;
 use cleave_driver::checkpoint::CheckpointError;
@@ -45,12 +46,12 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::args::{KubeletArgs, MpsLauncherKind, RunArgs};
-use crate::events::{EventReporter, Severity};
-use crate::kube_handler::{KubeClaimHandler, release_orphaned_claims};
+use crate::k8s::events::{EventReporter, Severity};
+use crate::k8s::kube_handler::{KubeClaimHandler, release_orphaned_claims};
 use crate::kubelet::server::{PluginConfig, PluginServer};
-use crate::lifecycle::{reset_command, short_reason};
 use crate::metrics::Metrics;
-use crate::serialize::Serializer;
+use crate::node::lifecycle::{reset_command, short_reason};
+use crate::node::node_lock::NodeLock;
 
 /// The socket and state layout the kubelet flags describe.
 pub fn plugin_config(args: &KubeletArgs) -> PluginConfig {
@@ -111,11 +112,11 @@ fn install_cdi_hook(args: &RunArgs, state_dir: &Path) -> anyhow::Result<Option<P
         Some(s) => s.clone(),
         None => {
             let exe = std::env::current_exe().context("finding this executable")?;
-            crate::cdi_hook::default_source(&exe)
+            crate::node::cdi_hook::default_source(&exe)
                 .with_context(|| format!("{} has no directory", exe.display()))?
         }
     };
-    crate::cdi_hook::install(&source, state_dir).map(Some)
+    crate::node::cdi_hook::install(&source, state_dir).map(Some)
 }
 
 /// The sharing (MPS, time-slicing) settings `run` derives from its flags: tools under
@@ -152,7 +153,7 @@ pub async fn sharing_manager(
         .mps_daemon_image
         .clone()
         .context("--mps-launcher=pod needs --mps-daemon-image")?;
-    let parent = crate::mps_pod::resolve_parent(
+    let parent = crate::k8s::mps_pod::resolve_parent(
         client,
         &namespace,
         mps.pod_name.as_deref(),
@@ -161,8 +162,8 @@ pub async fn sharing_manager(
     .await
     .context("finding the owner of MPS daemon pods")?;
     info!(namespace = %namespace, image = %image, owner = %format!("{}/{}", parent.owner.kind, parent.owner.name), "MPS daemons run in pods");
-    let launcher = crate::mps_pod::PodLauncher::new(
-        crate::mps_pod::PodLauncherConfig {
+    let launcher = crate::k8s::mps_pod::PodLauncher::new(
+        crate::k8s::mps_pod::PodLauncherConfig {
             namespace,
             node_name: args.node_name.clone(),
             image,
@@ -209,7 +210,7 @@ pub struct RunningPlugin {
     /// The node driver.
     pub driver: Arc<NodeDriver>,
     /// The node lock shared by every prepare and unprepare.
-    pub serializer: Serializer,
+    pub node_lock: NodeLock,
     /// Publishes the pool as ResourceSlices.
     pub publisher: SlicePublisher,
     /// The DRA and registration servers.
@@ -220,13 +221,13 @@ pub struct RunningPlugin {
     /// The pool to publish once the driver's files are there.
     pub pending_pool: Option<cleave_api::pool::PoolDevices>,
     /// The shared instance lock, held until the plugin is dropped (see
-    /// [`crate::lifecycle::INSTANCE_LOCK_FILE`]).
+    /// [`crate::node::lifecycle::INSTANCE_LOCK_FILE`]).
     pub instance_lock: std::fs::File,
     /// GPU instances without compute instance when the pool was built (their placements
     /// are published as taken; the periodic check republishes when they change).
     pub bare_gpu_instances: BTreeMap<String, Vec<BareGpuInstance>>,
     /// The per-claim usage sampling thread (`None` with `--usage-interval=0`).
-    pub usage: Option<crate::usage::UsageMonitor>,
+    pub usage: Option<crate::node::usage::UsageMonitor>,
 }
 
 impl std::fmt::Debug for RunningPlugin {
@@ -293,7 +294,7 @@ async fn start_on(
     crate::kubelet::server::check_sockets_free(&plugin)
         .await
         .context("checking the plugin sockets")?;
-    let serializer = Serializer::new(plugin.lock_file());
+    let node_lock = NodeLock::new(plugin.lock_file());
 
     let mut config = driver_config(args, &plugin);
     config.cdi_hook = install_cdi_hook(args, &config.state_dir)?;
@@ -308,7 +309,7 @@ async fn start_on(
             share_on_demand_mig: args.driver.share_on_demand_mig,
             ..PoolOptions::default()
         });
-        serializer
+        node_lock
             .run(move || {
                 let driver = NodeDriver::start_with_sharing(config, backend, sharing)
                     .map_err(anyhow::Error::from)
@@ -319,21 +320,22 @@ async fn start_on(
                 }
                 // Under the node lock, once the checkpoint has been read: from now on
                 // `checkpoint reset` sees a running plugin and refuses.
-                let lock = crate::lifecycle::hold_instance_lock(&state_dir).with_context(|| {
-                    format!(
-                        "taking the instance lock {}",
-                        state_dir
-                            .join(crate::lifecycle::INSTANCE_LOCK_FILE)
-                            .display()
-                    )
-                })?;
+                let lock =
+                    crate::node::lifecycle::hold_instance_lock(&state_dir).with_context(|| {
+                        format!(
+                            "taking the instance lock {}",
+                            state_dir
+                                .join(crate::node::lifecycle::INSTANCE_LOCK_FILE)
+                                .display()
+                        )
+                    })?;
                 Ok::<_, anyhow::Error>((driver, lock))
             })
             .await??
     };
     let driver = Arc::new(driver);
 
-    let released = release_orphaned_claims(&client, &driver, &serializer).await;
+    let released = release_orphaned_claims(&client, &driver, &node_lock).await;
     if !released.is_empty() {
         info!(
             claims = released.len(),
@@ -366,10 +368,9 @@ async fn start_on(
     if let Some(m) = &metrics {
         publisher_config.observer = Some(m.observability.api_observer());
         m.observability.set_published(&pool);
-        m.observability
-            .refresh_mps_daemons(&driver.config().state_dir);
+        m.observability.set_prepared(&driver.prepared_summary());
     }
-    let health = crate::health::start_for_plugin(
+    let health = crate::node::health::start_for_plugin(
         &args.health,
         backend.as_ref(),
         &args.node_name,
@@ -378,7 +379,7 @@ async fn start_on(
         &driver,
         metrics
             .clone()
-            .map(|m| m as Arc<dyn crate::health::HealthObserver>),
+            .map(|m| m as Arc<dyn crate::node::health::HealthObserver>),
     );
     let publisher = SlicePublisher::start(client.clone(), publisher_config);
     // NVML sees GPUs but the driver root holds no driver: offer nothing (every claim would
@@ -395,7 +396,7 @@ async fn start_on(
         }
     };
 
-    let events = crate::events::EventReporter::new(client.clone(), args.node_name.clone());
+    let events = crate::k8s::events::EventReporter::new(client.clone(), args.node_name.clone());
     report_silent_gpus(
         &client,
         &events,
@@ -407,20 +408,20 @@ async fn start_on(
     .await;
     let usage = start_usage(args, backend.as_ref(), &driver, metrics.as_ref(), &events);
     let status_writer = args.claim_info.claim_device_status.then(|| {
-        crate::claim_status::ClaimStatusWriter::start(
+        crate::k8s::claim_status::ClaimStatusWriter::start(
             client.clone(),
-            crate::claim_status::WriterConfig {
+            crate::k8s::claim_status::WriterConfig {
                 driver_name: plugin.driver_name.clone(),
                 pool_name: args.node_name.clone(),
             },
             health.clone(),
             metrics
                 .clone()
-                .map(|m| m as Arc<dyn crate::claim_status::StatusObserver>),
+                .map(|m| m as Arc<dyn crate::k8s::claim_status::StatusObserver>),
         )
     });
     let handler = Arc::new(
-        KubeClaimHandler::new(client, Arc::clone(&driver), serializer.clone())
+        KubeClaimHandler::new(client, Arc::clone(&driver), node_lock.clone())
             .with_status(status_writer)
             .with_health(health.clone(), &plugin.driver_name)
             .with_events(events)
@@ -433,7 +434,7 @@ async fn start_on(
     Ok(RunningPlugin {
         backend,
         driver,
-        serializer,
+        node_lock,
         publisher,
         server,
         driver_wait,
@@ -453,7 +454,7 @@ fn start_usage(
     driver: &Arc<NodeDriver>,
     metrics: Option<&Arc<Metrics>>,
     events: &EventReporter,
-) -> Option<crate::usage::UsageMonitor> {
+) -> Option<crate::node::usage::UsageMonitor> {
     if args.usage.usage_interval.is_zero() {
         info!("per-claim usage sampling off (--usage-interval=0)");
         return None;
@@ -463,17 +464,17 @@ fn start_usage(
         return None;
     };
     let usage_metrics = metrics.map_or_else(
-        || Arc::new(crate::metrics::usage::UsageMetrics::default()),
+        || Arc::new(crate::node::usage::metrics::UsageMetrics::default()),
         |m| Arc::clone(&m.usage),
     );
     let idle = args.usage.idle_events.then(|| {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        crate::usage::spawn_idle_events(events.clone(), rx);
+        crate::node::usage::spawn_idle_events(events.clone(), rx);
         tx
     });
-    let inputs: Arc<dyn crate::usage::ClaimDevices> = Arc::clone(driver) as _;
-    match crate::usage::UsageMonitor::start(
-        crate::usage::MonitorConfig {
+    let inputs: Arc<dyn crate::node::usage::ClaimDevices> = Arc::clone(driver) as _;
+    match crate::node::usage::UsageMonitor::start(
+        crate::node::usage::MonitorConfig {
             interval: args.usage.usage_interval,
             policy: args.usage.idle_policy(),
             pool: args.node_name.clone(),
@@ -492,11 +493,11 @@ fn start_usage(
             ),
             oversized: args.usage.rightsize_events.then(|| {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                crate::usage::recommend::spawn_oversized_events(events.clone(), rx);
+                crate::node::usage::recommend::spawn_oversized_events(events.clone(), rx);
                 tx
             }),
             rightsize_metrics: metrics.map(|m| Arc::clone(&m.rightsize)),
-            priority: crate::usage::SamplingPriority::Idle,
+            priority: crate::node::usage::SamplingPriority::Idle,
         },
         source,
         inputs,
@@ -559,7 +560,7 @@ async fn report_silent_gpus(
             gpus.join(", ")
         );
         warn!(gpus = %gpus.join(", "), "{note}");
-        let node = crate::events::node_reference(client, node_name).await;
+        let node = crate::k8s::events::node_reference(client, node_name).await;
         events
             .publish(&node, Severity::Warning, event_reason, "Publish", &note)
             .await;
@@ -583,38 +584,6 @@ impl RunningPlugin {
 pub const REASON_CHECKPOINT_UNREADABLE: &str = "CheckpointUnreadable";
 /// Event reason: NVML cannot be loaded, sees no GPU, or the driver root holds no driver.
 pub const REASON_DRIVER_NOT_READY: &str = "NVIDIADriverNotReady";
-
-/// A bounded exponential backoff: `initial`, doubled per failure, at most `max`.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    initial: Duration,
-    max: Duration,
-    next: Duration,
-}
-
-impl Backoff {
-    /// Starts at `initial`; never waits longer than `max`.
-    pub fn new(initial: Duration, max: Duration) -> Self {
-        let initial = initial.min(max);
-        Self {
-            initial,
-            max,
-            next: initial,
-        }
-    }
-
-    /// The wait before the next attempt (and doubles the one after).
-    pub fn next_delay(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        d
-    }
-
-    /// Back to `initial` (after a success).
-    pub fn reset(&mut self) {
-        self.next = self.initial;
-    }
-}
 
 /// Why start-up did not finish; the variant decides the retry policy
 /// ([`start_when_possible`]).
@@ -721,10 +690,12 @@ pub async fn start_when_possible(
     args: &RunArgs,
     ctx: &StartContext,
 ) -> Result<RunningPlugin, StartError> {
-    let mut backoff = Backoff::new(
-        Duration::from_millis(args.lifecycle.retry_initial_ms),
-        Duration::from_millis(args.lifecycle.retry_max_ms),
-    );
+    let max = Duration::from_millis(args.lifecycle.retry_max_ms);
+    let mut backoff = Backoff::new(BackoffConfig {
+        initial: Duration::from_millis(args.lifecycle.retry_initial_ms).min(max),
+        max,
+        conflict_retries: 0,
+    });
     let lm = ctx.metrics.as_ref().map(|m| &m.lifecycle);
     let mut backend: Option<Arc<dyn GpuBackend>> = None;
     let mut last_checkpoint_reason: Option<String> = None;
@@ -791,7 +762,8 @@ pub async fn start_when_possible(
                 let delay = backoff.next_delay();
                 warn!(error = %error, recovery = %command, retry_in_ms = delay.as_millis() as u64, "checkpoint unreadable; not registering, not serving prepares, retrying");
                 if last_checkpoint_reason.as_deref() != Some(reason.as_str()) {
-                    let node = crate::events::node_reference(&ctx.client, &args.node_name).await;
+                    let node =
+                        crate::k8s::events::node_reference(&ctx.client, &args.node_name).await;
                     let note = format!(
                         "checkpoint {reason}. Recovery, after making sure no pod on this node uses a claim of this driver: {command} (the plugin stays not ready and picks the fix up on its next retry)"
                     );
@@ -825,7 +797,7 @@ pub(crate) async fn driver_not_ready_event(
     if last.as_deref() == Some(reason) {
         return;
     }
-    let node = crate::events::node_reference(&ctx.client, &args.node_name).await;
+    let node = crate::k8s::events::node_reference(&ctx.client, &args.node_name).await;
     let note = format!(
         "{reason} (the plugin stays not ready and publishes no device until this is fixed; it looks again with backoff)"
     );
@@ -886,15 +858,6 @@ mod tests {
             sharing.binaries.mps_control,
             Path::new("/driver-root/usr/bin/nvidia-cuda-mps-control")
         );
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_the_bound_and_resets() {
-        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
-        let got: Vec<u64> = (0..7).map(|_| b.next_delay().as_secs()).collect();
-        assert_eq!(got, [1, 2, 4, 8, 16, 30, 30]);
-        b.reset();
-        assert_eq!(b.next_delay(), Duration::from_secs(1));
     }
 
     #[test]

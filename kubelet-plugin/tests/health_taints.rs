@@ -10,7 +10,7 @@ use cleave_api::pool::{DeviceGroup, PoolDevices};
 use cleave_apiserver_standin::{StandIn, StandInOptions};
 use cleave_controller::PublisherStatus;
 use cleave_driver::health::{HealthEvent, HealthEventKind};
-use cleave_kubelet_plugin::health::{DeviceHealth, HealthArgs, TAINT_XID};
+use cleave_kubelet_plugin::node::health::{DeviceHealth, HealthArgs, TAINT_XID};
 use cleave_testkit::gpu::{gpu_uuid, h100, inventory};
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceSlice};
 use serde_json::json;

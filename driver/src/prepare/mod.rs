@@ -35,6 +35,7 @@
 mod execute;
 mod plan;
 mod recover;
+mod reset;
 pub mod sharing;
 mod status;
 mod summary;
@@ -55,6 +56,7 @@ use crate::checkpoint::{
 use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootError};
 use crate::model::NodeInventory;
 
+pub use reset::{ResetError, ResetOptions, ResetOutcome, reset_checkpoint, short_reason};
 pub use sharing::{
     GpuFacts, NoopSharing, ShareDevice, ShareHolder, SharingClaim, SharingDevice, SharingEdits,
     SharingError, SharingHandler, TimeSliceNeed, share_holders, shared_daemon_key,

@@ -131,6 +131,12 @@ impl NodeDriver {
     pub fn checkpoint_summary(&self) -> Result<CheckpointSummary, CheckpointError> {
         self.checkpoint.load().map(|d| summarize(&d))
     }
+
+    /// What this driver's state records now, kept in memory (no file read): what the
+    /// shell needs after a prepare or unprepare batch. Waits for a batch in flight.
+    pub fn prepared_summary(&self) -> CheckpointSummary {
+        summarize(&self.lock().data)
+    }
 }
 
 impl NodeDriver {

@@ -41,7 +41,12 @@ pub fn cdylib_path() -> Option<PathBuf> {
     {
         return Some(p);
     }
-    let exe = std::env::current_exe().ok()?;
+    cdylib_near(&std::env::current_exe().ok()?)
+}
+
+/// The newest built mock library next to `exe` or in a `deps/` directory at most two
+/// levels above it (the cargo target layout).
+pub fn cdylib_near(exe: &Path) -> Option<PathBuf> {
     let mut found = Vec::new();
     for dir in exe.ancestors().skip(1).take(3) {
         found.extend(candidates(dir));

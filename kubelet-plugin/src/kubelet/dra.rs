@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, debug, info_span, warn};
 
 use super::proto::dra::{v1, v1beta1};
-use crate::handler::{ClaimError, ClaimHandler, ClaimRef, PreparedShare};
+use crate::kubelet::handler::{ClaimError, ClaimHandler, ClaimRef, PreparedShare};
 
 /// Advertised token for the v1 DRA service.
 pub const DRA_PLUGIN_V1: &str = "v1.DRAPlugin";

@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tonic::{Request, Response, Status};
 
 use super::proto::health::{v1 as hv1, v1alpha1 as hv1alpha1};
-use crate::health::{DeviceHealth, DeviceStatus};
+use crate::node::health::{DeviceHealth, DeviceStatus};
 
 /// Advertised token of the v1alpha1 health service (kubelet 1.34+).
 pub const HEALTH_V1ALPHA1: &str = "v1alpha1.DRAResourceHealth";

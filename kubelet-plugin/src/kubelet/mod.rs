@@ -1,10 +1,11 @@
 //! The kubelet-facing shell: generated protos, the DRA node service (generic over
-//! [`crate::handler::ClaimHandler`]), plugin registration, the device health service, and
+//! [`crate::kubelet::handler::ClaimHandler`]), plugin registration, the device health service, and
 //! serving them on the kubelet's unix sockets. Nothing here knows the driver; what it
 //! reports goes to observer traits ([`dra::DraObserver`]) that the metrics registry
 //! implements.
 
 pub mod dra;
+pub mod handler;
 pub mod health;
 pub mod proto;
 pub mod registration;

@@ -29,8 +29,8 @@ use tracing::{debug, info, warn};
 use super::dra::{DraObserver, DraService};
 use super::health::{HEALTH_V1, HEALTH_V1ALPHA1, HealthService};
 use super::registration::{RegistrationService, RegistrationState};
-use crate::handler::ClaimHandler;
-use crate::health::DeviceHealth;
+use crate::kubelet::handler::ClaimHandler;
+use crate::node::health::DeviceHealth;
 
 /// How long shutdown waits for in-flight calls before it aborts a server.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);

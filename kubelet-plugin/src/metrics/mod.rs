@@ -31,13 +31,12 @@ use std::time::Instant;
 
 use cleave_driver::health::HealthEvent;
 
-use crate::health::HealthObserver;
 use crate::kubelet::dra::DraObserver;
 use crate::kubelet::registration::RegistrationState;
+use crate::node::health::HealthObserver;
 
 pub mod observability;
-pub mod rightsize;
-pub mod usage;
+use crate::node::usage::{metrics as usage, rightsize_metrics as rightsize};
 
 /// `/healthz` fails when the heartbeat is older than this.
 pub const HEARTBEAT_STALE: Duration = Duration::from_secs(30);
@@ -82,8 +81,8 @@ pub struct Metrics {
     pub usage: Arc<usage::UsageMetrics>,
     /// Usage windows and recommendations (see [`rightsize`]).
     pub rightsize: Arc<rightsize::RightsizeMetrics>,
-    /// Claim `status.devices` writes by result (see `crate::claim_status`).
-    pub claim_status: crate::claim_status::StatusWriteMetrics,
+    /// Claim `status.devices` writes by result (see `crate::k8s::claim_status`).
+    pub claim_status: crate::k8s::claim_status::StatusWriteMetrics,
 }
 
 impl Default for Metrics {
@@ -132,7 +131,7 @@ impl Metrics {
         let lifecycle = LifecycleMetrics::register(&mut registry);
         let usage = Arc::new(usage::UsageMetrics::register(&mut registry));
         let rightsize = Arc::new(rightsize::RightsizeMetrics::register(&mut registry));
-        let claim_status = crate::claim_status::StatusWriteMetrics::register(&mut registry);
+        let claim_status = crate::k8s::claim_status::StatusWriteMetrics::register(&mut registry);
         Self {
             registry,
             claims,

@@ -3,13 +3,12 @@
 //! devices by type, MIG instances created and destroyed, and MPS daemons of prepared claims.
 //! Registered into the plugin's registry by [`super::Metrics::new`].
 
-use std::path::Path;
 use std::time::Duration;
 
 use cleave_api::names::DeviceName;
 use cleave_api::pool::PoolDevices;
 use cleave_controller::ApiObserver;
-use cleave_driver::prepare::CheckpointReader;
+use cleave_driver::prepare::CheckpointSummary;
 use cleave_driver::timing::step;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -180,17 +179,20 @@ impl ObservabilityMetrics {
             .set(i64::try_from(daemons).unwrap_or(i64::MAX));
     }
 
-    /// Sets `mps_daemons_running` from the checkpoint in `state_dir`, as the driver's
-    /// [`CheckpointReader`] summarises it (the driver writes the file atomically, so reading
-    /// it needs no lock). On a read error the gauge keeps its value; the error is logged at
-    /// debug level (start-up and the driver report checkpoint errors themselves).
-    pub fn refresh_mps_daemons(&self, state_dir: &Path) {
-        match CheckpointReader::in_dir(state_dir).summary() {
-            Ok(summary) => {
-                self.set_mps_daemons(summary.mps_daemons());
-                self.admin_access_devices
-                    .set(i64::try_from(summary.admin_access_devices()).unwrap_or(i64::MAX));
-            }
+    /// Sets `mps_daemons_running` and `admin_access_devices` from the driver's summary
+    /// of its prepared claims.
+    pub fn set_prepared(&self, summary: &CheckpointSummary) {
+        self.set_mps_daemons(summary.mps_daemons());
+        self.admin_access_devices
+            .set(i64::try_from(summary.admin_access_devices()).unwrap_or(i64::MAX));
+    }
+
+    /// Sets the gauges from the checkpoint file as the driver reads it (catching changes
+    /// by another instance); on a read error they keep their values and the error is
+    /// logged at debug level (start-up and the driver report checkpoint errors themselves).
+    pub fn refresh_from_checkpoint(&self, driver: &cleave_driver::prepare::NodeDriver) {
+        match driver.checkpoint_summary() {
+            Ok(summary) => self.set_prepared(&summary),
             Err(e) => tracing::debug!(error = %e, "reading the checkpoint for mps_daemons_running"),
         }
     }
@@ -320,13 +322,14 @@ mod tests {
     }
 
     #[test]
-    fn refresh_reads_the_checkpoint_and_keeps_the_value_on_errors() {
+    fn prepared_summary_sets_the_gauges() {
         let (registry, m) = registered();
         let dir = tempfile::tempdir().unwrap();
         let store = CheckpointStore::in_dir(dir.path());
+        let reader = cleave_driver::prepare::CheckpointReader::in_dir(dir.path());
         // No checkpoint yet: an empty one.
         m.set_mps_daemons(5);
-        m.refresh_mps_daemons(dir.path());
+        m.set_prepared(&reader.summary().unwrap());
         assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 0"));
 
         store
@@ -336,7 +339,7 @@ mod tests {
                 claim("c", ClaimState::Prepared, None),
             ]))
             .unwrap();
-        m.refresh_mps_daemons(dir.path());
+        m.set_prepared(&reader.summary().unwrap());
         assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 2"));
 
         store
@@ -346,12 +349,7 @@ mod tests {
                 Some(mps_state("a")),
             )]))
             .unwrap();
-        m.refresh_mps_daemons(dir.path());
-        assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 1"));
-
-        // A damaged checkpoint: the last value stays.
-        std::fs::write(store.path(), b"not a checkpoint").unwrap();
-        m.refresh_mps_daemons(dir.path());
+        m.set_prepared(&reader.summary().unwrap());
         assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 1"));
     }
 }

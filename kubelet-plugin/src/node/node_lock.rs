@@ -1,4 +1,5 @@
-//! Serialisation of prepare and unprepare batches across threads and processes.
+//! The node lock: prepare and unprepare batches run one at a time across threads and
+//! processes.
 //!
 //! During a rolling update two plugin instances run on one node and share the driver's
 //! checkpoint, CDI files and GPUs. Every batch therefore runs under an in-process mutex
@@ -11,7 +12,7 @@ use std::sync::Arc;
 
 /// Why a serialised batch could not run.
 #[derive(Debug, thiserror::Error)]
-pub enum SerializeError {
+pub enum NodeLockError {
     /// The lock file could not be opened or created.
     #[error("opening lock file {path}: {source}")]
     Open {
@@ -33,15 +34,16 @@ pub enum SerializeError {
     Join(String),
 }
 
-/// Runs blocking closures one at a time per node: in-process mutex plus file lock.
+/// The node lock: runs blocking closures one at a time per node (an in-process mutex
+/// plus an exclusive file lock).
 #[derive(Debug, Clone)]
-pub struct Serializer {
+pub struct NodeLock {
     path: Arc<PathBuf>,
     mutex: Arc<tokio::sync::Mutex<()>>,
 }
 
-impl Serializer {
-    /// A serializer using the lock file at `path` (created on first use, mode 0600).
+impl NodeLock {
+    /// A node_lock using the lock file at `path` (created on first use, mode 0600).
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self {
             path: Arc::new(path.into()),
@@ -56,7 +58,7 @@ impl Serializer {
 
     /// Runs `f` on a blocking thread while holding both locks and returns its result.
     /// If the caller is cancelled, `f` still runs to completion under the locks.
-    pub async fn run<T, F>(&self, f: F) -> Result<T, SerializeError>
+    pub async fn run<T, F>(&self, f: F) -> Result<T, NodeLockError>
     where
         T: Send + 'static,
         F: FnOnce() -> T + Send + 'static,
@@ -81,11 +83,11 @@ impl Serializer {
         }
         tokio::task::spawn_blocking(work)
             .await
-            .map_err(|e| SerializeError::Join(e.to_string()))?
+            .map_err(|e| NodeLockError::Join(e.to_string()))?
     }
 }
 
-fn lock_file(path: &Path) -> Result<File, SerializeError> {
+fn lock_file(path: &Path) -> Result<File, NodeLockError> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -93,11 +95,11 @@ fn lock_file(path: &Path) -> Result<File, SerializeError> {
         .truncate(false)
         .mode(0o600)
         .open(path)
-        .map_err(|source| SerializeError::Open {
+        .map_err(|source| NodeLockError::Open {
             path: path.to_owned(),
             source,
         })?;
-    file.lock().map_err(|source| SerializeError::Lock {
+    file.lock().map_err(|source| NodeLockError::Lock {
         path: path.to_owned(),
         source,
     })?;
@@ -115,8 +117,8 @@ mod tests {
     async fn two_serializers_on_one_file_exclude_each_other() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("serialize.lock");
-        let a = Serializer::new(&path);
-        let b = Serializer::new(&path);
+        let a = NodeLock::new(&path);
+        let b = NodeLock::new(&path);
         let inside = Arc::new(AtomicUsize::new(0));
         let max_seen = Arc::new(AtomicUsize::new(0));
         let mut tasks = Vec::new();
@@ -154,7 +156,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("serialize.lock");
         let foreign = lock_file(&path).unwrap();
-        let s = Serializer::new(&path);
+        let s = NodeLock::new(&path);
         let mut run = Box::pin(s.run(|| 7));
         assert!(
             tokio::time::timeout(Duration::from_millis(100), &mut run)
@@ -172,7 +174,7 @@ mod tests {
 
     #[tokio::test]
     async fn unopenable_lock_file_is_an_error() {
-        let s = Serializer::new("/nonexistent-dir/serialize.lock");
+        let s = NodeLock::new("/nonexistent-dir/serialize.lock");
         let err = s.run(|| ()).await.unwrap_err();
         assert!(
             err.to_string().contains("/nonexistent-dir/serialize.lock"),

@@ -1,31 +1,16 @@
 //! `cleave-kubelet-plugin usage`: a table per claim device of what it was given and what it
 //! uses, read from a running plugin's `/metrics` (`--metrics-addr`, scraped `--scrapes`
-//! times `--every` apart), or from two sampling rounds over the mock NVML library
-//! (`--mock PROFILE`).
-//!
-//! The mock try does not run the driver's prepare (that needs a driver root holding the
-//! NVIDIA driver's files): it creates MIG devices on the mock as an administrator would,
-//! describes the claims prepare would record on them (two notebooks, a training job, an
-//! MPS claim), scripts their usage in the mock's control file, and renders the rounds
-//! through the plugin's own metrics registry, so both ways print from the same exposition.
+//! times `--every` apart). The development build's `--mock PROFILE` try renders its
+//! rounds through the same exposition (`crate::mock`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{Read as _, Write as _};
-use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
-use cleave_driver::backend::GpuBackend as _;
-use cleave_driver::model::Placement;
-use cleave_driver::usage::{
-    Allocation, ClaimDevice, ClaimRef, Holding, IdlePolicy, MigRef, SharingStrategy,
-};
 
 use crate::args::UsageCommandArgs;
-use crate::metrics::Metrics;
-
-use super::UsageRounds;
 
 /// One sample of the text exposition: name, labels, value.
 pub type Sample = (String, BTreeMap<String, String>, f64);
@@ -119,8 +104,13 @@ pub fn scrape(addr: &str) -> anyhow::Result<String> {
         .next()
         .unwrap_or(addr);
     let mut s = std::net::TcpStream::connect(hostport).with_context(|| {
+        let try_mock = if cfg!(feature = "mock") {
+            ", or try --mock h100-80gb-x8"
+        } else {
+            ""
+        };
         format!(
-            "connecting to the plugin's metrics endpoint {hostport} (is the plugin running with --metrics-addr? pass its address with --metrics-addr, or try --mock h100-80gb-x8)"
+            "connecting to the plugin's metrics endpoint {hostport} (is the plugin running with --metrics-addr? pass its address with --metrics-addr{try_mock})"
         )
     })?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
@@ -275,14 +265,19 @@ pub fn render(scrapes: &[Vec<Sample>], now: SystemTime) -> String {
             idle_since,
         ]);
     }
-    let mut widths = [0usize; 6];
-    for row in &table {
+    columns(&table)
+}
+
+/// `rows` as left-aligned columns two spaces apart, one line each.
+pub(crate) fn columns<const N: usize>(rows: &[[String; N]]) -> String {
+    let mut widths = [0usize; N];
+    for row in rows {
         for (w, c) in widths.iter_mut().zip(row) {
             *w = (*w).max(c.chars().count());
         }
     }
     let mut out = String::new();
-    for row in &table {
+    for row in rows {
         let mut line = String::new();
         for (i, (w, c)) in widths.iter().zip(row).enumerate() {
             if i + 1 == row.len() {
@@ -319,193 +314,12 @@ pub fn run_live(args: &UsageCommandArgs) -> anyhow::Result<String> {
     Ok(render(&scrapes, SystemTime::now()))
 }
 
-/// The mock try's scratch files; the mock's environment must be set (by
-/// [`MockTry::prepare_env`]) while the process is single-threaded.
-#[derive(Debug)]
-pub struct MockTry {
-    dir: tempfile::TempDir,
-    library: PathBuf,
-}
-
-impl MockTry {
-    /// Finds the mock library next to this executable and points the mock at scratch
-    /// state with `profile` in MIG mode. Call before any thread starts.
-    pub fn prepare_env(profile: &str) -> anyhow::Result<Self> {
-        Self::prepare_env_with(profile, false)
-    }
-
-    /// [`MockTry::prepare_env`]; for `--recommend`, half the profile's GPUs in MIG mode
-    /// and the others whole (see [`super::recommend_command::mixed_node`]).
-    pub fn prepare_env_with(profile: &str, recommend: bool) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe()?;
-        let library = crate::mock::find_library(&exe).ok_or_else(|| {
-            anyhow::anyhow!(
-                "usage --mock: no {} next to {} (build it with `cargo build -p cleave-mock-nvml`)",
-                crate::mock::MOCK_LIBRARY,
-                exe.display()
-            )
-        })?;
-        let dir = tempfile::tempdir().context("creating a scratch directory for the mock")?;
-        let path = |name: &str| dir.path().join(name).display().to_string();
-        std::fs::write(dir.path().join("control"), "")?;
-        crate::mock::set_env("MOCK_NVML_PROFILE", profile);
-        crate::mock::set_env("MOCK_NVML_MIG", "on");
-        if recommend {
-            let node = dir.path().join("node.yaml");
-            std::fs::write(&node, super::recommend_command::mixed_node(profile)?)?;
-            crate::mock::set_env("MOCK_NVML_CONFIG", &node.display().to_string());
-            // Each GPU's own MIG mode from the file.
-            crate::mock::set_env("MOCK_NVML_MIG", "");
-        }
-        crate::mock::set_env("MOCK_NVML_STATE", &path("state.json"));
-        crate::mock::set_env("MOCK_NVML_CONTROL", &path("control"));
-        Ok(Self { dir, library })
-    }
-
-    fn control(&self) -> PathBuf {
-        self.dir.path().join("control")
-    }
-
-    /// Creates the MIG devices, scripts usage, takes two rounds `interval` apart and
-    /// renders them.
-    pub fn run(&self, interval: Duration) -> anyhow::Result<String> {
-        let backend = cleave_driver::nvml::NvmlBackend::open(Some(&self.library))
-            .context("loading the mock NVML library")?;
-        let inventory = backend.inventory().context("reading the mock's GPUs")?;
-        anyhow::ensure!(
-            inventory.gpus.len() >= 2,
-            "usage --mock needs a profile with at least two MIG-capable GPUs (e.g. h100-80gb-x8)"
-        );
-        let source = backend
-            .usage_source()
-            .context("the mock backend has no usage source")?;
-        let (devices, script) = mock_claims(&backend, &inventory)?;
-        std::fs::write(self.control(), script)
-            .with_context(|| format!("writing {}", self.control().display()))?;
-        let metrics = Metrics::new();
-        let gpus: Vec<(String, u64, Option<u32>)> = inventory
-            .gpus
-            .iter()
-            .map(|g| (g.uuid.clone(), g.memory_bytes, g.multiprocessors))
-            .collect();
-        // Idle at once below 5 %: two rounds cannot show a longer window.
-        let policy = IdlePolicy {
-            threshold_percent: 5.0,
-            window: Duration::ZERO,
-        };
-        let mut rounds = UsageRounds::new(source, policy);
-        let mut scrapes = Vec::new();
-        let start = Instant::now();
-        for n in 0..2u32 {
-            let now = start + interval * n;
-            if n > 0 {
-                std::thread::sleep(now.saturating_duration_since(Instant::now()));
-            }
-            let r = rounds.round(&devices, now);
-            metrics
-                .usage
-                .apply_round("mock-node", &r, &gpus, now, SystemTime::now());
-            scrapes.push(parse_exposition(&metrics.encode())?);
-        }
-        Ok(render(&scrapes, SystemTime::now()))
-    }
-}
-
-/// The mock try's claims on MIG devices created for them, and the control-file lines that
-/// script their usage.
-fn mock_claims(
-    backend: &cleave_driver::nvml::NvmlBackend,
-    inventory: &cleave_driver::model::NodeInventory,
-) -> anyhow::Result<(Vec<ClaimDevice>, String)> {
-    use cleave_driver::model::MigState;
-    let mut devices = Vec::new();
-    let mut script = String::new();
-    // (namespace, claim, GPU index, kind, scripted lines per (gpu, gi))
-    let plan: [(&str, &str, usize, Holding); 4] = [
-        ("team-a", "notebook-1", 0, Holding::Mig),
-        ("team-a", "notebook-2", 0, Holding::Mig),
-        ("team-b", "training", 1, Holding::Mig),
-        ("team-b", "inference-mps", 1, Holding::Mps),
-    ];
-    let mut next_start: BTreeMap<usize, u32> = BTreeMap::new();
-    for (n, (ns, name, g, kind)) in plan.into_iter().enumerate() {
-        let gpu = &inventory.gpus[g];
-        let MigState::Enabled { profiles, .. } = &gpu.mig else {
-            anyhow::bail!("usage --mock: GPU {} is not in MIG mode", gpu.uuid);
-        };
-        let profile = profiles
-            .iter()
-            .min_by_key(|p| p.slice_count)
-            .context("usage --mock: the GPU lists no MIG profile")?;
-        let start = next_start.entry(g).or_insert(0);
-        let mig = backend
-            .create_mig(
-                &gpu.uuid,
-                profile.id,
-                Placement {
-                    start: *start,
-                    size: profile.slice_count,
-                },
-            )
-            .with_context(|| format!("creating a {} instance on the mock", profile.name))?;
-        *start += profile.slice_count;
-        let pid = 4000 + n as u32;
-        let (mib, act) = [(6144, 62.5), (300, 0.5), (9000, 91.0), (2048, 0.0)][n];
-        match kind {
-            Holding::Mps => {
-                let _ = writeln!(script, "process {g} {} 0 {pid} {mib} 40", mig.gi_id);
-            }
-            _ => {
-                let _ = writeln!(script, "memory {g} {} 0 {mib}", mig.gi_id);
-                let _ = writeln!(script, "gpm {g} {} {act} {}", mig.gi_id, act / 2.0);
-            }
-        }
-        devices.push(ClaimDevice {
-            claim: ClaimRef {
-                uid: format!("uid-{name}"),
-                namespace: ns.into(),
-                name: name.into(),
-            },
-            device: format!(
-                "gpu-{g}-mig-{}-{}",
-                profile.name.replace('.', ""),
-                mig.placement.start
-            ),
-            kind,
-            sharing: if kind == Holding::Mps {
-                Some(SharingStrategy::Mps)
-            } else {
-                None
-            },
-            share_id: None,
-            gpu_uuid: gpu.uuid.clone(),
-            mig: Some(MigRef {
-                uuid: mig.uuid.clone(),
-                gi: mig.gi_id,
-                ci: mig.ci_id,
-            }),
-            allocated: Allocation {
-                memory_bytes: profile.memory_mib << 20,
-                sms: Some(profile.multiprocessors),
-                mig_profile: Some(profile.name.clone()),
-            },
-            pids: if kind == Holding::Mps {
-                vec![pid]
-            } else {
-                Vec::new()
-            },
-        });
-    }
-    Ok((devices, script))
-}
-
-/// `usage`: the table from the running plugin or the mock try.
-pub fn run(args: &UsageCommandArgs, mock: Option<&MockTry>) -> anyhow::Result<String> {
-    match (mock, args.recommend) {
-        (Some(m), true) => super::recommend_command::run_mock(&m.library, &m.control()),
-        (Some(m), false) => m.run(Duration::from_millis(200)),
-        (None, true) => super::recommend_command::run_live(&args.metrics_addr),
-        (None, false) => run_live(args),
+/// `usage`: the table from the running plugin.
+pub fn run(args: &UsageCommandArgs) -> anyhow::Result<String> {
+    if args.recommend {
+        super::recommend_command::run_live(&args.metrics_addr)
+    } else {
+        run_live(args)
     }
 }
 

@@ -40,8 +40,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::handler::ClaimRef;
-use crate::health::DeviceHealth;
+use crate::kubelet::handler::ClaimRef;
+use crate::node::health::DeviceHealth;
 use cleave_driver::health::HealthEventKind;
 
 /// Condition type: the device is set up as the class and claim config ask.

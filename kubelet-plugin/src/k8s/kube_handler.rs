@@ -2,7 +2,7 @@
 //! to the node driver (`cleave_driver::prepare::NodeDriver`).
 //!
 //! Claim GETs run concurrently and outside the node lock (as the Go helper does); the
-//! driver calls of a batch then run on one blocking thread under the [`Serializer`], so
+//! driver calls of a batch then run on one blocking thread under the [`NodeLock`], so
 //! two plugin instances on a node (rolling update) never prepare at the same time.
 
 use std::collections::BTreeMap;
@@ -14,21 +14,21 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use tracing::{debug, info, info_span, warn};
 
-use crate::claim_status::ClaimStatusWriter;
-use crate::events::{EventReporter, Severity};
-use crate::handler::{
+use crate::k8s::claim_status::ClaimStatusWriter;
+use crate::k8s::events::{EventReporter, Severity};
+use crate::kubelet::handler::{
     ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedShare, UnprepareResult,
 };
-use crate::health::DeviceHealth;
 use crate::metrics::observability::ObservabilityMetrics;
-use crate::serialize::Serializer;
+use crate::node::health::DeviceHealth;
+use crate::node::node_lock::NodeLock;
 
 /// Prepares claims by reading them from the API server and calling the node driver.
 #[derive(Clone)]
 pub struct KubeClaimHandler {
     client: kube::Client,
     driver: Arc<NodeDriver>,
-    serializer: Serializer,
+    node_lock: NodeLock,
     /// Device health: claims of unhealthy devices are refused (see [`Self::with_health`]).
     health: Option<(Arc<DeviceHealth>, String)>,
     /// Warning Events on claims whose prepare failed for a reason the user can act on.
@@ -43,19 +43,19 @@ impl std::fmt::Debug for KubeClaimHandler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KubeClaimHandler")
             .field("driver", &self.driver)
-            .field("serializer", &self.serializer)
+            .field("node_lock", &self.node_lock)
             .finish_non_exhaustive()
     }
 }
 
 impl KubeClaimHandler {
     /// A handler reading claims with `client`, preparing with `driver`, serialised by
-    /// `serializer` (shared with every other user of the driver in this process).
-    pub fn new(client: kube::Client, driver: Arc<NodeDriver>, serializer: Serializer) -> Self {
+    /// `node_lock` (shared with every other user of the driver in this process).
+    pub fn new(client: kube::Client, driver: Arc<NodeDriver>, node_lock: NodeLock) -> Self {
         Self {
             client,
             driver,
-            serializer,
+            node_lock,
             health: None,
             events: None,
             metrics: None,
@@ -70,8 +70,8 @@ impl KubeClaimHandler {
         self
     }
 
-    /// Refreshes `mps_daemons_running` of `metrics` from the checkpoint after every
-    /// prepare and unprepare batch that reached the driver.
+    /// Updates `mps_daemons_running` of `metrics` from the driver's prepared claims after
+    /// every prepare and unprepare batch that reached the driver.
     pub fn with_metrics(mut self, metrics: Option<ObservabilityMetrics>) -> Self {
         self.metrics = metrics;
         self
@@ -79,7 +79,7 @@ impl KubeClaimHandler {
 
     fn refresh_metrics(&self) {
         if let Some(m) = &self.metrics {
-            m.refresh_mps_daemons(&self.driver.config().state_dir);
+            m.set_prepared(&self.driver.prepared_summary());
         }
     }
 
@@ -121,7 +121,7 @@ impl KubeClaimHandler {
 
     fn report(&self, object: &ResourceClaim, note: String) {
         if let Some(events) = self.events.clone() {
-            let regarding = crate::events::object_reference(object);
+            let regarding = crate::k8s::events::object_reference(object);
             tokio::spawn(async move {
                 events
                     .publish(
@@ -238,7 +238,7 @@ impl ClaimHandler for KubeClaimHandler {
         let parent = tracing::Span::current();
         let want_status = self.status.is_some();
         let batch = self
-            .serializer
+            .node_lock
             .run(move || {
                 work.into_iter()
                     .map(|(claim, object)| {
@@ -321,7 +321,7 @@ impl ClaimHandler for KubeClaimHandler {
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
         let parent = tracing::Span::current();
         let batch = self
-            .serializer
+            .node_lock
             .run(move || {
                 claims
                     .into_iter()
@@ -369,7 +369,7 @@ impl ClaimHandler for KubeClaimHandler {
 pub async fn release_orphaned_claims(
     client: &kube::Client,
     driver: &Arc<NodeDriver>,
-    serializer: &Serializer,
+    node_lock: &NodeLock,
 ) -> Vec<String> {
     let mut orphans = Vec::new();
     for record in driver.prepared_claims() {
@@ -388,7 +388,7 @@ pub async fn release_orphaned_claims(
     for record in orphans {
         let d = Arc::clone(driver);
         let uid = record.uid.clone();
-        match serializer
+        match node_lock
             .run(move || d.unprepare(&uid).map_err(|e| e.to_string()))
             .await
         {

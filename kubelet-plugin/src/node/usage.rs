@@ -5,7 +5,7 @@
 //! it takes the prepared claims' devices from the driver
 //! ([`cleave_driver::prepare::NodeDriver::claim_devices`]), samples them through the
 //! backend's usage source (the driver's NVML handle), feeds the idle tracker and writes the
-//! result into [`crate::metrics::usage::UsageMetrics`]. A scrape encodes that last round and
+//! result into [`crate::node::usage::metrics::UsageMetrics`]. A scrape encodes that last round and
 //! never calls NVML. A claim that turns idle is sent once per idle period to the Event
 //! task, which posts a Warning `ClaimIdle` on its ResourceClaim (`--idle-events`).
 //!
@@ -26,11 +26,13 @@ use cleave_driver::usage::{
 };
 use tracing::{debug, info, warn};
 
-use crate::metrics::usage::UsageMetrics;
+use crate::node::usage::metrics::UsageMetrics;
 
 pub mod command;
+pub mod metrics;
 pub mod recommend;
 pub mod recommend_command;
+pub mod rightsize_metrics;
 
 /// Event reason: a claim stayed below the idle threshold for the idle window.
 pub const REASON_CLAIM_IDLE: &str = "ClaimIdle";
@@ -198,7 +200,7 @@ pub struct MonitorConfig {
     /// Where claims that turned oversized are sent (`--rightsize-events`).
     pub oversized: Option<tokio::sync::mpsc::UnboundedSender<recommend::OversizedNotice>>,
     /// Where recommendations are exported (`None`: not exported).
-    pub rightsize_metrics: Option<Arc<crate::metrics::rightsize::RightsizeMetrics>>,
+    pub rightsize_metrics: Option<Arc<crate::node::usage::rightsize_metrics::RightsizeMetrics>>,
     /// Scheduling of the sampling thread.
     pub priority: SamplingPriority,
 }
@@ -451,7 +453,7 @@ pub fn claim_reference(claim: &ClaimRef) -> k8s_openapi::api::core::v1::ObjectRe
 
 /// Posts a Warning `ClaimIdle` Event for every notice until the monitor stops.
 pub fn spawn_idle_events(
-    events: crate::events::EventReporter,
+    events: crate::k8s::events::EventReporter,
     mut notices: tokio::sync::mpsc::UnboundedReceiver<IdleNotice>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -459,7 +461,7 @@ pub fn spawn_idle_events(
             events
                 .publish(
                     &claim_reference(&n.claim),
-                    crate::events::Severity::Warning,
+                    crate::k8s::events::Severity::Warning,
                     REASON_CLAIM_IDLE,
                     "Monitor",
                     &n.note,

@@ -16,7 +16,7 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::ListParams;
 use tracing::{info, warn};
 
-use crate::events::{EventReporter, Severity, node_reference};
+use crate::k8s::events::{EventReporter, Severity, node_reference};
 
 /// Event reason: the Node advertises NVIDIA device-plugin resources.
 pub const REASON_DEVICE_PLUGIN: &str = "GPUsSharedWithDevicePlugin";

@@ -4,11 +4,11 @@
 //! ([`reset_checkpoint`]; the plugin never resets it by itself, since pods may still use
 //! its claims).
 
-use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::path::Path;
 
 use anyhow::Context as _;
-use cleave_driver::checkpoint::{CHECKPOINT_FILE, CheckpointError, decode};
+use cleave_driver::checkpoint::CHECKPOINT_FILE;
+use cleave_driver::prepare::ResetError;
 
 /// The recovery command, as printed in logs and Events.
 pub fn reset_command(plugins_dir: &Path, driver_name: &str) -> String {
@@ -18,23 +18,7 @@ pub fn reset_command(plugins_dir: &Path, driver_name: &str) -> String {
     )
 }
 
-/// The path and what is wrong, without the long recovery text of the error's message.
-pub fn short_reason(e: &CheckpointError) -> String {
-    match e {
-        CheckpointError::Corrupt { path, reason } => {
-            format!("{} is corrupt: {reason}", path.display())
-        }
-        CheckpointError::UnsupportedVersion { path, version } => format!(
-            "{} has layout version {version}, this release reads up to {}",
-            path.display(),
-            cleave_driver::checkpoint::FORMAT_VERSION
-        ),
-        CheckpointError::Read { path, source } => {
-            format!("{} cannot be read: {source}", path.display())
-        }
-        other => other.to_string(),
-    }
-}
+pub use cleave_driver::prepare::short_reason;
 
 /// The lock every running plugin instance holds (shared) from the moment it has loaded
 /// the checkpoint until it exits, so that `checkpoint reset` can tell a running plugin
@@ -42,7 +26,7 @@ pub fn short_reason(e: &CheckpointError) -> String {
 pub const INSTANCE_LOCK_FILE: &str = "instances.lock";
 
 /// The node lock every prepare and unprepare batch holds: `<state dir>/serialize.lock`
-/// (see [`crate::serialize`]).
+/// (see [`crate::node::node_lock`]).
 pub const NODE_LOCK_FILE: &str = "serialize.lock";
 
 /// Takes the shared instance lock in `state_dir` (see [`INSTANCE_LOCK_FILE`]); the lock
@@ -76,39 +60,11 @@ fn try_lock_exclusive(path: &Path) -> anyhow::Result<Option<std::fs::File>> {
     }
 }
 
-/// How `checkpoint reset` may proceed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ResetOptions {
-    /// Reset even a checkpoint that reads and verifies (abandoning its claims), or one
-    /// written by a newer release.
-    pub force: bool,
-    /// Also delete the CDI spec files of the abandoned claims from this CDI root.
-    pub remove_cdi_specs_in: Option<PathBuf>,
-}
-
-/// What [`reset_checkpoint`] did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ResetOutcome {
-    /// No checkpoint file: nothing to do.
-    Missing,
-    /// The file was moved to `moved_to`.
-    MovedAside {
-        /// The new name, `checkpoint.json.corrupt-<unix seconds>`.
-        moved_to: PathBuf,
-        /// What the file held when it could be decoded (claims), else why it could not.
-        held: String,
-        /// The claims the plugin forgets (`namespace/name uid`), when the file decoded.
-        abandoned: Vec<String>,
-        /// What those claims leave on the node that nothing cleans up any more: MIG
-        /// instances cleave created for them, MPS state, CDI specs not removed.
-        left_behind: Vec<String>,
-        /// CDI spec files removed (with [`ResetOptions::remove_cdi_specs_in`]).
-        removed_specs: Vec<PathBuf>,
-    },
-}
+pub use cleave_driver::prepare::{ResetOptions, ResetOutcome};
 
 /// `checkpoint reset`: moves `<state_dir>/checkpoint.json` aside to
-/// `checkpoint.json.corrupt-<unix seconds>` so the plugin starts with no prepared claims.
+/// `checkpoint.json.corrupt-<unix seconds>` so the plugin starts with no prepared claims
+/// (the driver's [`cleave_driver::prepare::reset_checkpoint`]).
 ///
 /// Refuses (an error, the file untouched) while a plugin instance runs on the node (it
 /// holds the instance lock or the node lock), and, unless [`ResetOptions::force`], when
@@ -143,128 +99,25 @@ pub fn reset_checkpoint(state_dir: &Path, options: &ResetOptions) -> anyhow::Res
             path.display()
         );
     };
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-    let decoded = decode(&path, &bytes);
-    let (held, abandoned, mut left_behind, uids) = match &decoded {
-        Ok(data) => describe(data),
-        Err(e) => (
-            format!("unreadable: {}", short_reason(e)),
-            vec![],
-            vec![],
-            vec![],
-        ),
-    };
-    match &decoded {
-        Ok(data) if !options.force => anyhow::bail!(
-            "{} reads and verifies ({held}): it is not corrupt, and the plugin uses it as is; nothing was changed. \
-             Moving it aside abandons its {} claim(s): pods that use them keep their GPUs while the plugin no longer knows, \
+    match cleave_driver::prepare::reset_checkpoint(state_dir, options) {
+        Ok(outcome) => Ok(outcome),
+        Err(e @ ResetError::NotCorrupt { claims, .. }) => anyhow::bail!(
+            "{e}, and the plugin uses it as is; nothing was changed. \
+             Moving it aside abandons its {claims} claim(s): pods that use them keep their GPUs while the plugin no longer knows, \
              and the scheduler may hand those devices out again. To do it anyway, once no pod on this node uses these claims, \
-             add --force (and --remove-cdi-specs to delete their CDI spec files)",
-            path.display(),
-            data.claims.len()
+             add --force (and --remove-cdi-specs to delete their CDI spec files)"
         ),
-        Err(CheckpointError::UnsupportedVersion { version, .. }) if !options.force => {
-            anyhow::bail!(
-                "{} was written by a newer release (layout version {version}; this release reads up to {}): it is not corrupt; \
-             nothing was changed. Run the release that wrote it; to discard it anyway add --force",
-                path.display(),
-                cleave_driver::checkpoint::FORMAT_VERSION
-            )
-        }
-        _ => {}
+        Err(e @ ResetError::NewerRelease { .. }) => anyhow::bail!(
+            "{e}: it is not corrupt; nothing was changed. Run the release that wrote it; to discard it anyway add --force"
+        ),
+        Err(e) => Err(e.into()),
     }
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let mut moved_to = state_dir.join(format!("{CHECKPOINT_FILE}.corrupt-{secs}"));
-    let mut n = 1;
-    while moved_to.exists() {
-        moved_to = state_dir.join(format!("{CHECKPOINT_FILE}.corrupt-{secs}-{n}"));
-        n += 1;
-    }
-    std::fs::rename(&path, &moved_to)
-        .with_context(|| format!("moving {} to {}", path.display(), moved_to.display()))?;
-    if let Ok(dir) = std::fs::File::open(state_dir) {
-        let _ = dir.sync_all();
-    }
-    let mut removed_specs = Vec::new();
-    for uid in &uids {
-        // A UID that cannot name a file never had a spec written.
-        if cleave_driver::cdi::validate_claim_uid(uid).is_err() {
-            continue;
-        }
-        let file = cleave_driver::cdi::spec_file_name(uid);
-        match &options.remove_cdi_specs_in {
-            Some(root) => {
-                let spec = root.join(&file);
-                match std::fs::remove_file(&spec) {
-                    Ok(()) => removed_specs.push(spec),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => left_behind.push(format!(
-                        "CDI spec {} (could not remove it: {e})",
-                        spec.display()
-                    )),
-                }
-            }
-            None => left_behind.push(format!(
-                "CDI spec {file} (kept; pods of the claim may still be starting with it)"
-            )),
-        }
-    }
-    Ok(ResetOutcome::MovedAside {
-        moved_to,
-        held,
-        abandoned,
-        left_behind,
-        removed_specs,
-    })
-}
-
-/// A summary of `data`, the claims it names, what they leave behind, and their UIDs.
-fn describe(
-    data: &cleave_driver::checkpoint::CheckpointData,
-) -> (String, Vec<String>, Vec<String>, Vec<String>) {
-    let mut held = format!("{} claim(s), boot ID {:?}", data.claims.len(), data.boot_id);
-    let mut abandoned = Vec::new();
-    let mut left = Vec::new();
-    for c in data.claims.values() {
-        let devices: Vec<&str> = c.devices.iter().map(|d| d.name.as_str()).collect();
-        held.push_str(&format!(
-            "\n  claim {}/{} uid {} state {:?} devices {}",
-            c.namespace,
-            c.name,
-            c.uid,
-            c.state,
-            devices.join(",")
-        ));
-        abandoned.push(format!("{}/{} uid {}", c.namespace, c.name, c.uid));
-        for d in &c.devices {
-            if let Some(m) = d.mig.as_ref().filter(|m| m.created_by_cleave) {
-                left.push(format!(
-                    "MIG instance {} {} at placement {} on GPU {} (GI {}, CI {}): destroy it with nvidia-smi once unused",
-                    m.uuid.as_deref().unwrap_or("(no UUID recorded)"),
-                    m.profile_name,
-                    m.placement.start,
-                    d.gpu_uuid,
-                    m.gi_id.map_or("?".to_owned(), |v| v.to_string()),
-                    m.ci_id.map_or("?".to_owned(), |v| v.to_string()),
-                ));
-            }
-        }
-        if c.sharing.is_some() {
-            left.push(format!(
-                "sharing state (MPS daemon) of claim {}/{}",
-                c.namespace, c.name
-            ));
-        }
-    }
-    let uids = data.claims.values().map(|c| c.uid.clone()).collect();
-    (held, abandoned, left, uids)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cleave_driver::checkpoint::CheckpointError;
 
     fn plain() -> ResetOptions {
         ResetOptions::default()

@@ -179,7 +179,7 @@ impl Rightsizer {
 
 /// Posts a Normal `ClaimOversized` Event for every notice until the monitor stops.
 pub fn spawn_oversized_events(
-    events: crate::events::EventReporter,
+    events: crate::k8s::events::EventReporter,
     mut notices: tokio::sync::mpsc::UnboundedReceiver<OversizedNotice>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -187,7 +187,7 @@ pub fn spawn_oversized_events(
             events
                 .publish(
                     &super::claim_reference(&n.claim),
-                    crate::events::Severity::Normal,
+                    crate::k8s::events::Severity::Normal,
                     REASON_CLAIM_OVERSIZED,
                     "Recommend",
                     &n.note,

@@ -14,8 +14,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::usage::ClaimDeviceLabels;
-use crate::usage::recommend::RightsizeOutcome;
+use super::metrics::ClaimDeviceLabels;
+use crate::node::usage::recommend::RightsizeOutcome;
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
@@ -161,7 +161,7 @@ impl RightsizeMetrics {
     pub fn apply(&self, pool: &str, outcome: &RightsizeOutcome) {
         let mut next = Written::default();
         for e in &outcome.entries {
-            let labels = super::usage::ClaimDeviceLabels::of(pool, &e.device);
+            let labels = super::metrics::ClaimDeviceLabels::of(pool, &e.device);
             let st = &e.stats;
             let rec = &e.recommendation;
             let shape = rec.advice.shape();

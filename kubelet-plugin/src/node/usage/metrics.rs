@@ -1,7 +1,7 @@
 //! Per-claim usage series (`cleave_kubelet_plugin_claim_*`, `gpu_*`,
 //! `usage_sample_duration_seconds`; exactly `cleave_driver::usage::USAGE_METRIC_NAMES`).
 //!
-//! The usage monitor ([`crate::usage`]) writes them after each sampling round with
+//! The usage monitor ([`crate::node::usage`]) writes them after each sampling round with
 //! [`UsageMetrics::apply_round`]; a scrape only encodes what the last round left, so it never
 //! calls NVML. Series of claims no longer in the round (unprepared) are removed, so the
 //! number of series follows the prepared claims.
@@ -206,7 +206,7 @@ impl UsageMetrics {
     pub fn apply_round(
         &self,
         pool: &str,
-        round: &crate::usage::RoundOutcome,
+        round: &crate::node::usage::RoundOutcome,
         gpus: &[(String, u64, Option<u32>)],
         now: std::time::Instant,
         wall: SystemTime,

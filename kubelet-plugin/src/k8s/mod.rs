@@ -1,0 +1,9 @@
+//! Talking to the Kubernetes API server: the claim handler the DRA service calls (claims
+//! read from the API server, the driver's prepare under the node lock), Events, claims'
+//! `status.devices`, the MPS daemon pods, and the other GPU managers seen on the node.
+
+pub mod claim_status;
+pub mod coexistence;
+pub mod events;
+pub mod kube_handler;
+pub mod mps_pod;

@@ -1,0 +1,274 @@
+//! `cleave-kubelet-plugin usage --recommend`: per claim device what it holds, what it used
+//! over the window, the recommended shape and why, and the node's GPUs held against the
+//! GPUs the recommendations would need. From a running plugin's `/metrics` (the reason is
+//! rebuilt from the window series and the recommendation's labels); the development
+//! build's `--mock PROFILE` try renders its scripted day with the same table
+//! (`crate::mock`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use cleave_driver::rightsize::Advice;
+use cleave_driver::rightsize::advice::gib;
+use cleave_driver::usage::ClaimDevice;
+
+use super::command::Sample;
+use super::recommend::RightsizeOutcome;
+
+const P: &str = "cleave_kubelet_plugin_";
+
+/// One row of the table.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Row {
+    /// `namespace/claim`.
+    pub claim: String,
+    /// Device name.
+    pub device: String,
+    /// What it holds.
+    pub holds: String,
+    /// What it used over the window.
+    pub used: String,
+    /// The recommendation.
+    pub recommends: String,
+    /// Why.
+    pub why: String,
+}
+
+/// The table and the node's figure.
+pub fn table(rows: &[Row], savings: &[(String, u64, u64)]) -> String {
+    if rows.is_empty() {
+        return "no prepared claims are sampled (none prepared, or --usage-interval=0)\n".into();
+    }
+    let mut cells = vec![[
+        "NAMESPACE/CLAIM".to_owned(),
+        "DEVICE".to_owned(),
+        "HOLDS".to_owned(),
+        "USED OVER WINDOW".to_owned(),
+        "RECOMMENDS".to_owned(),
+        "WHY".to_owned(),
+    ]];
+    for r in rows {
+        cells.push([
+            r.claim.clone(),
+            r.device.clone(),
+            r.holds.clone(),
+            r.used.clone(),
+            r.recommends.clone(),
+            r.why.clone(),
+        ]);
+    }
+    let mut out = super::command::columns(&cells);
+    for (pool, held, needed) in savings {
+        let _ = writeln!(
+            out,
+            "\nnode {pool}: the claims hold {held} GPU(s); their recommended shapes would need {needed} (packed first fit): {} freed",
+            held.saturating_sub(*needed)
+        );
+    }
+    out
+}
+
+fn holds(d: &ClaimDevice) -> String {
+    let mut s = gib(d.allocated.memory_bytes);
+    if let Some(p) = &d.allocated.mig_profile {
+        let _ = write!(s, ", {p}");
+    }
+    if let Some(sms) = d.allocated.sms {
+        let _ = write!(s, ", {sms} SMs");
+    }
+    if let Some(sharing) = d.sharing {
+        let _ = write!(s, ", {}", sharing.label());
+    }
+    s
+}
+
+fn recommends(advice: &Advice, served: bool) -> String {
+    let mut s = match advice {
+        Advice::Pending => "pending".to_owned(),
+        Advice::Release => "idle: release".into(),
+        Advice::NotAttributable => "not attributable".into(),
+        Advice::Shape(cleave_driver::rightsize::Shape::Mig { profile, .. }) => profile.clone(),
+        Advice::Shape(cleave_driver::rightsize::Shape::Share { memory_bytes, sms }) => {
+            format!("share {} MiB, {sms} SMs", memory_bytes >> 20)
+        }
+        Advice::Shape(cleave_driver::rightsize::Shape::WholeGpu { .. }) => "whole GPU".into(),
+    };
+    if !served {
+        s.push_str(" (not served here)");
+    }
+    s
+}
+
+/// Rows from an in-process round.
+pub fn rows_of(outcome: &RightsizeOutcome) -> Vec<Row> {
+    let mut rows: Vec<Row> = outcome
+        .entries
+        .iter()
+        .map(|e| {
+            let st = &e.stats;
+            let used = match (st.peak_memory, st.p95_activity, st.mean_activity) {
+                (Some(peak), Some(p95), Some(mean)) => format!(
+                    "peak {} (p95 {}), SM p95 {p95:.0}% mean {mean:.1}%",
+                    gib(peak),
+                    gib(st.p95_memory.unwrap_or(peak))
+                ),
+                (Some(peak), _, _) => format!("peak {}, SM n/a", gib(peak)),
+                _ => "not attributable".into(),
+            };
+            Row {
+                claim: format!("{}/{}", e.device.claim.namespace, e.device.claim.name),
+                device: e.device.device.clone(),
+                holds: holds(&e.device),
+                used,
+                recommends: recommends(&e.recommendation.advice, e.recommendation.served),
+                why: e.recommendation.reason.clone(),
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| (&a.claim, &a.device).cmp(&(&b.claim, &b.device)));
+    rows
+}
+
+/// Rows and node figures from one scrape of a running plugin.
+pub fn rows_of_scrape(samples: &[Sample]) -> (Vec<Row>, Vec<(String, u64, u64)>) {
+    type Key = (String, String, String);
+    #[derive(Default)]
+    struct Acc {
+        memory: Option<f64>,
+        sms: Option<f64>,
+        profile: String,
+        sharing: String,
+        kind: String,
+        peak: Option<f64>,
+        p95_memory: Option<f64>,
+        p95: Option<(String, f64)>,
+        mean: Option<f64>,
+        idle: Option<f64>,
+        samples: Option<f64>,
+        rec: Option<BTreeMap<String, String>>,
+        rec_memory: Option<f64>,
+        rec_sms: Option<f64>,
+    }
+    let mut acc: BTreeMap<Key, Acc> = BTreeMap::new();
+    let mut nodes: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for (name, l, v) in samples {
+        let Some(short) = name.strip_prefix(P) else {
+            continue;
+        };
+        let get = |k: &str| l.get(k).cloned().unwrap_or_default();
+        match short {
+            "node_gpus_held" => nodes.entry(get("pool")).or_default().0 = *v as u64,
+            "node_gpus_recommended" => nodes.entry(get("pool")).or_default().1 = *v as u64,
+            _ if short.starts_with("claim_") => {
+                let a = acc
+                    .entry((get("namespace"), get("claim"), get("device")))
+                    .or_default();
+                match short {
+                    "claim_allocated_memory_bytes" => a.memory = Some(*v),
+                    "claim_allocated_sms" => a.sms = Some(*v),
+                    "claim_allocated_info" => {
+                        a.profile = get("mig_profile");
+                        a.sharing = get("sharing");
+                        a.kind = get("kind");
+                    }
+                    "claim_window_peak_memory_bytes" => a.peak = Some(*v),
+                    "claim_window_p95_memory_bytes" => a.p95_memory = Some(*v),
+                    "claim_window_p95_activity_percent" => a.p95 = Some((get("source"), *v)),
+                    "claim_window_mean_activity_percent" => a.mean = Some(*v),
+                    "claim_window_idle_ratio" => a.idle = Some(*v),
+                    "claim_window_samples" => a.samples = Some(*v),
+                    "claim_recommendation_info" => a.rec = Some(l.clone()),
+                    "claim_recommended_memory_bytes" => a.rec_memory = Some(*v),
+                    "claim_recommended_multiprocessors" => a.rec_sms = Some(*v),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    let g = |b: f64| gib(b as u64);
+    let rows = acc
+        .into_iter()
+        .filter(|(_, a)| a.rec.is_some())
+        .map(|((ns, claim, device), a)| {
+            let mut holds = a.memory.map_or("?".into(), g);
+            if !a.profile.is_empty() {
+                let _ = write!(holds, ", {}", a.profile);
+            }
+            if let Some(s) = a.sms {
+                let _ = write!(holds, ", {s} SMs");
+            }
+            if !a.sharing.is_empty() && a.sharing != "exclusive" {
+                let _ = write!(holds, ", {}", a.sharing);
+            }
+            let used = match (a.peak, &a.p95, a.mean) {
+                (Some(peak), Some((_, p95)), Some(mean)) => format!(
+                    "peak {} (p95 {}), SM p95 {p95:.0}% mean {mean:.1}%",
+                    g(peak),
+                    g(a.p95_memory.unwrap_or(peak))
+                ),
+                (Some(peak), _, _) => format!("peak {}, SM n/a", g(peak)),
+                _ => "not attributable".into(),
+            };
+            let rec = a.rec.unwrap_or_default();
+            let r = |k: &str| rec.get(k).cloned().unwrap_or_default();
+            let served = r("served") != "false";
+            let mut recommends = match r("recommendation").as_str() {
+                "mig" => r("profile"),
+                "share" => format!(
+                    "share {} MiB, {} SMs",
+                    (a.rec_memory.unwrap_or(0.0) as u64) >> 20,
+                    a.rec_sms.unwrap_or(0.0)
+                ),
+                "gpu" => "whole GPU".into(),
+                "release" => "idle: release".into(),
+                "not_attributable" => "not attributable".into(),
+                other => other.to_owned(),
+            };
+            if !served {
+                recommends.push_str(" (not served here)");
+            }
+            let figures = format!(
+                "peak {} of {}, SM p95 {} ({}), idle {} of {} samples",
+                a.peak.map_or("n/a".into(), g),
+                a.memory.map_or("?".into(), g),
+                a.p95.as_ref().map_or("n/a".into(), |(_, p)| format!("{p:.0}%")),
+                a.p95.as_ref().map_or("no source".into(), |(s, _)| s.clone()),
+                a.idle
+                    .map_or("n/a".into(), |i| format!("{:.0}%", i * 100.0)),
+                a.samples.unwrap_or(0.0)
+            );
+            let why = match (r("recommendation").as_str(), r("change").as_str()) {
+                ("pending", _) => "pending: less than half the window seen".into(),
+                ("not_attributable", _) => match a.kind.as_str() {
+                    "mps" => "not attributable: the claim's MPS daemon runs in a pod; its processes are unknown on the host".into(),
+                    "share" => "not attributable: NVML does not tell which share of the device a process belongs to".into(),
+                    _ => "not attributable: NVML gives no figure that belongs to this claim alone".into(),
+                },
+                ("release", _) => format!("idle: release: {figures}"),
+                ("gpu", "same") => format!("whole GPU needed: {figures}"),
+                (_, "smaller") => format!("oversized: {figures}"),
+                (_, "larger") => format!("too tight: {figures}"),
+                _ => format!("fits: {figures}"),
+            };
+            Row {
+                claim: format!("{ns}/{claim}"),
+                device,
+                holds,
+                used,
+                recommends,
+                why,
+            }
+        })
+        .collect();
+    let nodes = nodes.into_iter().map(|(p, (h, n))| (p, h, n)).collect();
+    (rows, nodes)
+}
+
+/// `usage --recommend` against the running plugin.
+pub fn run_live(addr: &str) -> anyhow::Result<String> {
+    let text = super::command::scrape(addr)?;
+    let samples = super::command::parse_exposition(&text)?;
+    let (rows, nodes) = rows_of_scrape(&samples);
+    Ok(table(&rows, &nodes))
+}
