@@ -242,6 +242,9 @@ fn name_buf<const N: usize>(s: &str) -> [c_char; N] {
     out
 }
 
+/// Runs one entry point; a panic becomes `NVML_ERROR_UNKNOWN`, as a C library would not
+/// unwind into its caller (in a `panic = "abort"` build, the workspace's release profile,
+/// it ends the process instead).
 fn entry(f: impl FnOnce() -> R<()>) -> nvmlReturn_t {
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => rc::SUCCESS,
