@@ -195,7 +195,7 @@ fn nvml_failure_at_each_destroy_step_keeps_the_record_for_retry() {
     assert_clean(&dir, &nvml, &call);
 }
 
-/// The reproduction: creating the compute instance fails and so does the
+/// A teardown NVML refuses, then allows: creating the compute instance fails and so does the
 /// rollback's GPU-instance destroy, leaving a bare GPU instance at the allocated 3g
 /// placement. The claim fails and stays recorded (`PrepareStarted`); a restart while
 /// destroying still fails keeps it; once NVML works again, the next prepare of that

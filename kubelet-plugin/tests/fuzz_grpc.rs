@@ -1,4 +1,4 @@
-//! Property-based fuzzing of the DRA gRPC request handling (issue 10): arbitrary v1 and
+//! Property-based fuzzing of the DRA gRPC request handling: arbitrary v1 and
 //! v1beta1 prepare/unprepare batches (empty, huge, unicode, NUL, path-like strings,
 //! duplicate UIDs, up to 50 claims) and raw garbage bodies, sent over the unix socket to
 //! the in-process server with a recording fake handler and to the real plugin binary

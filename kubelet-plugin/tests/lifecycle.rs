@@ -1,4 +1,4 @@
-//! Lifecycle end to end (issue 11), on the real binary: a late NVIDIA driver, an unreadable
+//! Lifecycle end to end, on the real binary: a late NVIDIA driver, an unreadable
 //! checkpoint and its one-command recovery, checkpoints of the previous and the next
 //! release, and other managers of the node's GPUs.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
