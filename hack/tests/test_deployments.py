@@ -92,7 +92,7 @@ RBAC = {
 }
 # The namespaced Role of the MPS pod launcher (release namespace only): (apiGroup, resource) -> verbs.
 MPS_POD_RBAC = {("", "pods"): {"get", "list", "create", "delete"}}
-MPS_POD_SRC = ROOT / "kubelet-plugin" / "src" / "mps_pod.rs"
+MPS_POD_SRC = ROOT / "kubelet-plugin" / "src" / "k8s" / "mps_pod.rs"
 MPS_DOC = ROOT / "docs" / "mps.md"
 GRAFANA_DASHBOARD = ROOT / "deployments" / "grafana" / "cleave-dashboard.json"
 # The usage metrics the plugin exports: `USAGE_METRIC_NAMES` in the driver (the plugin
@@ -859,7 +859,7 @@ def rust_mps_pod_rbac_rules() -> dict[tuple[str, str], set[str]]:
     if not MPS_POD_SRC.exists():
         raise Skip(f"{MPS_POD_SRC.relative_to(ROOT)} not written yet")
     text = MPS_POD_SRC.read_text()
-    m = re.search(r"pub const MPS_POD_RBAC_RULES: [^=]*=\s*&\[(.*?)\];", text, re.S)
+    m = re.search(r"pub(?:\(crate\))? const MPS_POD_RBAC_RULES: [^=]*=\s*&\[(.*?)\];", text, re.S)
     if not m:
         raise Skip(f"{MPS_POD_SRC.relative_to(ROOT)} has no MPS_POD_RBAC_RULES yet")
     rules: dict[tuple[str, str], set[str]] = {}

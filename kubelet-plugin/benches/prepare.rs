@@ -206,7 +206,7 @@ async fn bench(iterations: usize, dir: &Path, lib: std::path::PathBuf) {
     mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
         .lay_out(&args.driver.driver_root)
         .unwrap();
-    let plugin = cleave_kubelet_plugin::start::start(&args, standin.client())
+    let plugin = cleave_kubelet_plugin::start(&args, standin.client())
         .await
         .unwrap();
     let channel = cleave_kubelet_plugin::connect_unix(plugin.server.dra_socket())
@@ -550,7 +550,7 @@ async fn mig_phase(
     args.kubelet.kubelet_plugins_directory_path = root.join("plugins");
     args.driver.cdi_root = root.join("cdi");
     args.driver.dynamic_mig = true;
-    let plugin = cleave_kubelet_plugin::start::start(&args, standin.client())
+    let plugin = cleave_kubelet_plugin::start(&args, standin.client())
         .await
         .unwrap();
     let mut dra = v1::dra_plugin_client::DraPluginClient::new(
@@ -886,7 +886,7 @@ struct Fixed {
     gpus: Vec<(String, u64, Option<u32>)>,
 }
 
-impl cleave_kubelet_plugin::node::usage::ClaimDevices for Fixed {
+impl cleave_kubelet_plugin::usage::ClaimDevices for Fixed {
     fn claim_devices(&self) -> Vec<cleave_driver::usage::ClaimDevice> {
         self.devices.clone()
     }
@@ -996,7 +996,7 @@ fn usage_child(iterations: usize) {
         mock_nvml::driver_root::DriverRootFixture::with_minors(0..9)
             .lay_out(&args.driver.driver_root)
             .unwrap();
-        let plugin = cleave_kubelet_plugin::start::start(&args, standin.client())
+        let plugin = cleave_kubelet_plugin::start(&args, standin.client())
             .await
             .unwrap();
         let mut dra = v1::dra_plugin_client::DraPluginClient::new(
@@ -1052,9 +1052,9 @@ fn usage_child(iterations: usize) {
             cycle(&mut dra).await;
         }
         // One round and one scrape, measured alone.
-        let metrics = std::sync::Arc::new(cleave_kubelet_plugin::metrics::Metrics::new());
+        let metrics = std::sync::Arc::new(cleave_kubelet_plugin::Metrics::new());
         let source = plugin.backend.usage_source().unwrap();
-        let mut rounds = cleave_kubelet_plugin::node::usage::UsageRounds::new(
+        let mut rounds = cleave_kubelet_plugin::usage::UsageRounds::new(
             source,
             cleave_driver::usage::IdlePolicy::default(),
         );
@@ -1080,7 +1080,7 @@ fn usage_child(iterations: usize) {
         // Usage windows on: thread CPU time per round with and without them, and the
         // memory of the 56 windows after a scripted day (144 rounds 10 minutes apart).
         let inventory = plugin.driver.inventory();
-        let rightsize = cleave_kubelet_plugin::node::usage::recommend::RightsizeConfig {
+        let rightsize = cleave_kubelet_plugin::usage::RightsizeConfig {
             window: cleave_driver::rightsize::WindowConfig::default(),
             policy: cleave_driver::rightsize::RightsizePolicy::default(),
             modes: cleave_driver::rightsize::NodeModes {
@@ -1089,13 +1089,13 @@ fn usage_child(iterations: usize) {
             },
         };
         let cpu_per_round = |windows: bool| {
-            let mut rounds = cleave_kubelet_plugin::node::usage::UsageRounds::new(
+            let mut rounds = cleave_kubelet_plugin::usage::UsageRounds::new(
                 plugin.backend.usage_source().unwrap(),
                 cleave_driver::usage::IdlePolicy::default(),
             );
             if windows {
                 rounds = rounds.with_rightsizer(
-                    cleave_kubelet_plugin::node::usage::recommend::Rightsizer::in_memory(rightsize),
+                    cleave_kubelet_plugin::usage::Rightsizer::in_memory(rightsize),
                 );
             }
             let day_ago = std::time::SystemTime::now() - Duration::from_secs(144 * 600);
@@ -1126,8 +1126,8 @@ fn usage_child(iterations: usize) {
         // (earlier releases) and as SCHED_IDLE with usage windows (this release), then
         // sampling off again, all in this run.
         let sampled = |priority, windows: bool| {
-            cleave_kubelet_plugin::node::usage::UsageMonitor::start(
-                cleave_kubelet_plugin::node::usage::MonitorConfig {
+            cleave_kubelet_plugin::usage::UsageMonitor::start(
+                cleave_kubelet_plugin::usage::MonitorConfig {
                     interval: Duration::from_millis(100),
                     policy: cleave_driver::usage::IdlePolicy::default(),
                     pool: USAGE_NODE.into(),
@@ -1159,12 +1159,12 @@ fn usage_child(iterations: usize) {
             for _ in 0..BLOCK {
                 off.push(cycle(&mut dra).await);
             }
-            let monitor = sampled(cleave_kubelet_plugin::node::usage::SamplingPriority::Nice, false);
+            let monitor = sampled(cleave_kubelet_plugin::usage::SamplingPriority::Nice, false);
             for _ in 0..BLOCK {
                 nice.push(cycle(&mut dra).await);
             }
             monitor.stop();
-            let monitor = sampled(cleave_kubelet_plugin::node::usage::SamplingPriority::Idle, true);
+            let monitor = sampled(cleave_kubelet_plugin::usage::SamplingPriority::Idle, true);
             for _ in 0..BLOCK {
                 on.push(cycle(&mut dra).await);
             }
@@ -1274,7 +1274,7 @@ async fn status_phase(
         mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
             .lay_out(&args.driver.driver_root)
             .unwrap();
-        let plugin = cleave_kubelet_plugin::start::start(&args, standin.client())
+        let plugin = cleave_kubelet_plugin::start(&args, standin.client())
             .await
             .unwrap();
         let channel = cleave_kubelet_plugin::connect_unix(plugin.server.dra_socket())

@@ -13,7 +13,7 @@ use crate::args::{
 /// cleave's kubelet plugin: a DRA driver for NVIDIA GPUs.
 #[derive(Debug, Parser)]
 #[command(name = "cleave-kubelet-plugin", version, about, long_about = None)]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Logging flags, accepted before or after the subcommand.
     #[command(flatten)]
     pub log: LogArgs,
@@ -26,7 +26,7 @@ pub struct Cli {
 // Parsed once per process; boxing the large variant would buy nothing.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Run the node daemon: publish devices, register with the kubelet, serve DRA.
     Run(RunArgs),
     /// Print the GPUs and the devices this node would publish.
@@ -44,7 +44,7 @@ pub enum Command {
 
 /// `checkpoint` subcommands.
 #[derive(Debug, Subcommand)]
-pub enum CheckpointCommand {
+pub(crate) enum CheckpointCommand {
     /// Move an unreadable checkpoint aside (`checkpoint.json.corrupt-<unix seconds>`); the
     /// plugin then starts with no prepared claims. Refuses while a plugin instance runs on
     /// the node, and refuses a checkpoint that reads and verifies unless `--force` (which

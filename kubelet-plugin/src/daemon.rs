@@ -32,18 +32,18 @@ use crate::start::{Blocker, RunningPlugin, StartContext, kube_client, start_when
 
 /// How often `mps_daemons_running` is re-read from the checkpoint besides after every DRA
 /// call (another plugin instance of a rolling update may have changed it).
-pub const MPS_GAUGE_REFRESH: std::time::Duration = std::time::Duration::from_secs(60);
+pub(crate) const MPS_GAUGE_REFRESH: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// SIGTERM and SIGINT listeners, installed once so no signal is missed.
 #[derive(Debug)]
-pub struct ShutdownSignals {
+pub(crate) struct ShutdownSignals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
 }
 
 impl ShutdownSignals {
     /// Installs the handlers (from now on these signals no longer kill the process).
-    pub fn install() -> anyhow::Result<Self> {
+    pub(crate) fn install() -> anyhow::Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
         Ok(Self {
             term: signal(SignalKind::terminate()).context("installing SIGTERM handler")?,
@@ -52,7 +52,7 @@ impl ShutdownSignals {
     }
 
     /// Waits for the next SIGTERM or SIGINT and names it.
-    pub async fn recv(&mut self) -> &'static str {
+    pub(crate) async fn recv(&mut self) -> &'static str {
         tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
@@ -61,7 +61,7 @@ impl ShutdownSignals {
 }
 
 /// Event reason: devices are withheld because the API server drops shared counters.
-pub const REASON_COUNTERS_DROPPED: &str = "PartitionableDevicesDisabled";
+pub(crate) const REASON_COUNTERS_DROPPED: &str = "PartitionableDevicesDisabled";
 
 /// Says on the Node (a Warning Event), in `/readyz` and in the log that devices are
 /// withheld because the API server drops counters, or that the full pool is back.
@@ -140,7 +140,7 @@ async fn report_mps_restarts(
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
-pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut signals = ShutdownSignals::install()?;
     let client = kube_client(args.kubeconfig.as_deref()).await?;
 

@@ -11,7 +11,7 @@ use cleave_driver::pool::{PoolOptions, build_pool, silent_gpus};
 use crate::args::InspectArgs;
 
 /// Discovers the GPUs and prints a table (or ResourceSlice YAML with `--yaml`) on stdout.
-pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let backend =
         NvmlBackend::open_in_driver_root(&args.driver_root, args.nvml.nvml_lib.as_deref())
             .context("loading NVML")?
@@ -43,7 +43,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// This host's name, the pool name a plugin on it would use.
-pub fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_owned())
         .ok()
@@ -52,7 +52,7 @@ pub fn hostname() -> String {
 }
 
 /// Writes to stdout; a closed pipe (`inspect | head`) is not an error.
-pub fn write_stdout(text: &str) -> std::io::Result<()> {
+pub(crate) fn write_stdout(text: &str) -> std::io::Result<()> {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {

@@ -1,45 +1,80 @@
 //! cleave-kubelet-plugin: the node daemon, the product only (the demo and the test rig
 //! live in `hack/`).
 //!
-//! What each module owns, by role. The entry point: [`cli`] parses the command line into
-//! the plain flag data of [`args`] and runs a subcommand; [`daemon`] is `run`'s loop
-//! (signals, readiness, republishing, periodic checks, each a named handler); [`start`]
+//! What each module owns, by role. The entry point: `cli` parses the command line into
+//! the plain flag data of `args` and runs a subcommand; `daemon` is `run`'s loop
+//! (signals, readiness, republishing, periodic checks, each a named handler); `start`
 //! brings the node up in order (NVML, driver, publisher, servers) and decides, through its
 //! typed `StartError`, what start-up waits for.
 //!
-//! - [`kubelet`]: the gRPC shell the kubelet talks to (protos, the DRA service generic over
-//!   [`kubelet::handler::ClaimHandler`], registration, the health service, the unix-socket
+//! - `kubelet`: the gRPC shell the kubelet talks to (protos, the DRA service generic over
+//!   `kubelet::handler::ClaimHandler`, registration, the health service, the unix-socket
 //!   server).
-//! - [`k8s`]: the API server side: [`k8s::kube_handler`] is the real claim handler (claims
+//! - `k8s`: the API server side: `k8s::kube_handler` is the real claim handler (claims
 //!   from the API server, the driver's prepare under the node lock), Events, claim status,
 //!   MPS daemon pods, other GPU managers on the node.
-//! - [`node`]: node-local state: the node lock, the instance lock and `checkpoint reset`
-//!   ([`node::lifecycle`]), device health (the pure mapping is the driver's
+//! - `node`: node-local state: the node lock, the instance lock and `checkpoint reset`
+//!   (`node::lifecycle`), device health (the pure mapping is the driver's
 //!   `device_health`), usage sampling and the `usage` command, the CDI hook binary.
-//! - [`metrics`] owns the whole Prometheus registry and the HTTP endpoints; the gRPC and
+//! - `metrics` owns the whole Prometheus registry and the HTTP endpoints; the gRPC and
 //!   health code report into it through observer traits they define.
-//! - Small tools: [`inspect`], [`mps_daemon`] (the program inside an MPS daemon pod),
-//!   [`telemetry`] (logging), and `mock` (loading the mock NVML library for `--mock`; the
+//! - Small tools: `inspect`, `mps_daemon` (the program inside an MPS daemon pod),
+//!   `telemetry` (logging), and `mock` (loading the mock NVML library for `--mock`; the
 //!   development build's `mock` feature only).
 
+#![warn(unreachable_pub)]
+
 pub mod args;
-pub mod cli;
-pub mod daemon;
-pub mod inspect;
-pub mod k8s;
-pub mod kubelet;
-pub mod metrics;
+mod cli;
+mod daemon;
+mod inspect;
+mod k8s;
+mod kubelet;
+mod metrics;
 #[cfg(feature = "mock")]
 pub mod mock;
-pub mod mps_daemon;
-pub mod node;
-pub mod start;
-pub mod telemetry;
+mod mps_daemon;
+mod node;
+mod start;
+mod telemetry;
 
-pub use kubelet::handler::{ClaimError, ClaimHandler, ClaimRef, PreparedDevice, PreparedShare};
+// The public surface: what the binaries, the tests, the prepare bench and the demo use;
+// everything else is crate-private.
+
+/// The daemon binary's entry point: parses the command line and runs the subcommand.
+pub use cli::main;
+/// The claim handler the DRA service is generic over, and its request and result types.
+pub use kubelet::handler::{
+    ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedDevice, PreparedShare,
+    UnprepareResult,
+};
+/// The gRPC service names of the two device health API versions.
+pub use kubelet::health::{HEALTH_V1, HEALTH_V1ALPHA1};
+/// The kubelet plugin's generated gRPC types (DRA, registration, health).
 pub use kubelet::proto;
+/// Whether the kubelet has registered the plugin.
 pub use kubelet::registration::RegistrationState;
-pub use kubelet::server::{PluginConfig, PluginServer, ServerError, connect_unix};
+/// The unix-socket gRPC server, its configuration and errors, and a client connector.
+pub use kubelet::server::{
+    PluginConfig, PluginServer, ServerError, check_sockets_free, connect_unix,
+};
+/// The Prometheus registry of the whole daemon.
+pub use metrics::Metrics;
+/// Device health: the shared per-device health state the health service streams.
+pub use node::health::DeviceHealth;
+/// Brings the node up (NVML, driver, publisher, servers); the handle to the running plugin.
+pub use start::{RunningPlugin, start};
+/// Sets up logging; the log format flag's values.
+pub use telemetry::{LogFormat, init as init_telemetry};
+
+/// Usage sampling and rightsizing: the monitor, its configuration, and the exposition parser.
+pub mod usage {
+    pub use crate::node::usage::command::{Sample, parse_exposition};
+    pub use crate::node::usage::recommend::{RightsizeConfig, Rightsizer};
+    pub use crate::node::usage::{
+        ClaimDevices, MonitorConfig, SamplingPriority, UsageMonitor, UsageRounds,
+    };
+}
 
 /// Selects rustls' ring crypto provider for the whole process.
 ///

@@ -1,5 +1,5 @@
-//! cleave's kubelet plugin binary; see [`cleave_kubelet_plugin::cli`].
+//! cleave's kubelet plugin binary; see [`cleave_kubelet_plugin::main`].
 
 fn main() -> std::process::ExitCode {
-    cleave_kubelet_plugin::cli::main()
+    cleave_kubelet_plugin::main()
 }

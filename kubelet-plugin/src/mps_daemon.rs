@@ -15,7 +15,7 @@ use crate::args::MpsDaemonArgs;
 
 /// The `mps-daemon` subcommand: supervises the claim's control daemon until SIGTERM (then
 /// `quit`) or until the daemon exits by itself; exits 0 in both cases.
-pub async fn run(args: MpsDaemonArgs) -> anyhow::Result<ExitCode> {
+pub(crate) async fn run(args: MpsDaemonArgs) -> anyhow::Result<ExitCode> {
     let var = |name: &str| {
         std::env::var(name).with_context(|| format!("{name} is not set (the pod sets it)"))
     };

@@ -54,7 +54,7 @@ use crate::node::lifecycle::{reset_command, short_reason};
 use crate::node::node_lock::NodeLock;
 
 /// The socket and state layout the kubelet flags describe.
-pub fn plugin_config(args: &KubeletArgs) -> PluginConfig {
+pub(crate) fn plugin_config(args: &KubeletArgs) -> PluginConfig {
     PluginConfig::new(
         args.driver_name.clone(),
         args.kubelet_registrar_directory_path.clone(),
@@ -64,11 +64,11 @@ pub fn plugin_config(args: &KubeletArgs) -> PluginConfig {
 }
 
 /// The kernel's boot ID; the driver forgets prepared claims of an earlier boot.
-pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+pub(crate) const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 /// Builds a Kubernetes client from a kubeconfig file, or the in-cluster / default
 /// configuration when none is given.
-pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+pub(crate) async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
     let config = match kubeconfig {
         Some(path) => {
             let file = kube::config::Kubeconfig::read_from(path)
@@ -85,7 +85,7 @@ pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Clie
 }
 
 /// The driver settings `run` derives from its flags.
-pub fn driver_config(args: &RunArgs, plugin: &PluginConfig) -> DriverConfig {
+pub(crate) fn driver_config(args: &RunArgs, plugin: &PluginConfig) -> DriverConfig {
     DriverConfig {
         driver_name: plugin.driver_name.clone(),
         pool_name: args.node_name.clone(),
@@ -121,7 +121,7 @@ fn install_cdi_hook(args: &RunArgs, state_dir: &Path) -> anyhow::Result<Option<P
 
 /// The sharing (MPS, time-slicing) settings `run` derives from its flags: tools under
 /// the driver root unless given explicitly, state in the driver's state directory.
-pub fn sharing_config(args: &RunArgs, driver: &DriverConfig) -> SharingConfig {
+pub(crate) fn sharing_config(args: &RunArgs, driver: &DriverConfig) -> SharingConfig {
     let binaries = SharingBinaries::under_driver_root(&args.driver.driver_root).with_overrides(
         args.driver.mps_control_bin.clone(),
         args.driver.nvidia_smi_bin.clone(),
@@ -135,7 +135,7 @@ pub fn sharing_config(args: &RunArgs, driver: &DriverConfig) -> SharingConfig {
 
 /// The sharing manager `run` uses: daemons as host processes, or (`--mps-launcher=pod`) in
 /// pods of their own created through `client`.
-pub async fn sharing_manager(
+pub(crate) async fn sharing_manager(
     args: &RunArgs,
     driver: &DriverConfig,
     client: &kube::Client,
@@ -247,7 +247,7 @@ pub async fn start(args: &RunArgs, client: kube::Client) -> anyhow::Result<Runni
 }
 
 /// [`start`], recording DRA calls in `metrics`.
-pub async fn start_with_metrics(
+pub(crate) async fn start_with_metrics(
     args: &RunArgs,
     client: kube::Client,
     metrics: Option<Arc<Metrics>>,
@@ -268,7 +268,7 @@ pub async fn start_with_metrics(
 
 /// [`start_with_metrics`] on an already loaded backend (see [`start_when_possible`],
 /// which retries while NVML or the checkpoint is not usable).
-pub async fn start_with_backend(
+pub(crate) async fn start_with_backend(
     args: &RunArgs,
     client: kube::Client,
     metrics: Option<Arc<Metrics>>,
@@ -513,9 +513,9 @@ fn start_usage(
 }
 
 /// Event reason: MIG-enabled GPUs without instances publish nothing (on-demand MIG off).
-pub const REASON_MIG_WITHOUT_INSTANCES: &str = "MIGEnabledWithoutInstances";
+pub(crate) const REASON_MIG_WITHOUT_INSTANCES: &str = "MIGEnabledWithoutInstances";
 /// Event reason: MIG-enabled GPUs whose MIG profiles NVML does not answer.
-pub const REASON_MIG_PROFILES_UNREADABLE: &str = "MIGProfilesUnreadable";
+pub(crate) const REASON_MIG_PROFILES_UNREADABLE: &str = "MIGProfilesUnreadable";
 
 /// Warns, in the log and with a Warning Event on the Node, about GPUs that publish no
 /// device at all, naming them and what to do; an empty pool must never be silent.
@@ -581,14 +581,14 @@ impl RunningPlugin {
 }
 
 /// Event reason: the checkpoint cannot be read.
-pub const REASON_CHECKPOINT_UNREADABLE: &str = "CheckpointUnreadable";
+pub(crate) const REASON_CHECKPOINT_UNREADABLE: &str = "CheckpointUnreadable";
 /// Event reason: NVML cannot be loaded, sees no GPU, or the driver root holds no driver.
-pub const REASON_DRIVER_NOT_READY: &str = "NVIDIADriverNotReady";
+pub(crate) const REASON_DRIVER_NOT_READY: &str = "NVIDIADriverNotReady";
 
 /// Why start-up did not finish; the variant decides the retry policy
 /// ([`start_when_possible`]).
 #[derive(Debug, thiserror::Error)]
-pub enum StartError {
+pub(crate) enum StartError {
     /// NVML cannot be loaded or initialised, or sees no GPU: retried with backoff.
     #[error("NVIDIA driver not ready: {0:#}")]
     DriverNotReady(anyhow::Error),
@@ -608,7 +608,7 @@ pub enum StartError {
 impl StartError {
     /// A checkpoint error anywhere in `e`'s chain is [`Self::CheckpointUnreadable`];
     /// anything else [`Self::Other`].
-    pub fn classify(e: anyhow::Error) -> Self {
+    pub(crate) fn classify(e: anyhow::Error) -> Self {
         match checkpoint_error(&e) {
             Some(ce) => Self::CheckpointUnreadable {
                 reason: short_reason(ce),
@@ -619,16 +619,17 @@ impl StartError {
     }
 
     /// Whether [`start_when_possible`] waits and tries again after this error.
-    pub fn is_retried(&self) -> bool {
+    #[cfg(test)]
+    fn is_retried(&self) -> bool {
         !matches!(self, Self::Other(_))
     }
 }
 
 /// Why the plugin is not ready yet (None: nothing blocks start-up); `/readyz` shows it.
-pub type Blocker = watch::Sender<Option<String>>;
+pub(crate) type Blocker = watch::Sender<Option<String>>;
 
 /// The checkpoint error inside a start failure, if that is what failed.
-pub fn checkpoint_error(e: &anyhow::Error) -> Option<&CheckpointError> {
+pub(crate) fn checkpoint_error(e: &anyhow::Error) -> Option<&CheckpointError> {
     e.chain().find_map(|c| {
         c.downcast_ref::<CheckpointError>().or_else(|| {
             c.downcast_ref::<PrepareError>().and_then(|p| match p {
@@ -642,7 +643,7 @@ pub fn checkpoint_error(e: &anyhow::Error) -> Option<&CheckpointError> {
 /// Loads NVML for the driver under `driver_root` (the root's libraries first, then the
 /// system's, or `nvml_lib` when given) and checks it sees GPUs; the error says why the
 /// driver is not usable yet, naming every library path tried.
-pub async fn open_backend(
+pub(crate) async fn open_backend(
     driver_root: PathBuf,
     nvml_lib: Option<PathBuf>,
     allow_no_gpus: bool,
@@ -665,7 +666,7 @@ pub async fn open_backend(
 
 /// What [`start_when_possible`] reports to.
 #[derive(Clone)]
-pub struct StartContext {
+pub(crate) struct StartContext {
     /// The kube client (Events, claims, slices).
     pub client: kube::Client,
     /// Metrics, when served.
@@ -685,8 +686,8 @@ impl std::fmt::Debug for StartContext {
 }
 
 /// Starts the plugin, retrying with backoff while the NVIDIA driver is missing or the
-/// checkpoint unreadable ([`StartError::is_retried`]); other start errors are returned.
-pub async fn start_when_possible(
+/// checkpoint unreadable; other start errors are returned.
+pub(crate) async fn start_when_possible(
     args: &RunArgs,
     ctx: &StartContext,
 ) -> Result<RunningPlugin, StartError> {

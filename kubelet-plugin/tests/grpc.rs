@@ -332,7 +332,7 @@ async fn a_live_socket_is_never_taken_over() {
         "{msg}"
     );
     // The early check says the same without binding anything.
-    let early = cleave_kubelet_plugin::kubelet::server::check_sockets_free(&config(dir.path()))
+    let early = cleave_kubelet_plugin::check_sockets_free(&config(dir.path()))
         .await
         .unwrap_err();
     assert!(

@@ -8,9 +8,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use cleave_kubelet_plugin::kubelet::health::{HEALTH_V1, HEALTH_V1ALPHA1};
 use cleave_kubelet_plugin::proto::health::{v1 as hv1, v1alpha1 as hv1alpha1};
 use cleave_kubelet_plugin::proto::registration::{InfoRequest, RegistrationStatus};
+use cleave_kubelet_plugin::{HEALTH_V1, HEALTH_V1ALPHA1};
 use common::node::*;
 use common::*;
 use serde_json::Value;

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use clap::Parser as _;
 use cleave_api::pool::{DeviceGroup, PoolDevices};
+use cleave_kubelet_plugin::DeviceHealth;
 use cleave_kubelet_plugin::PluginServer;
-use cleave_kubelet_plugin::node::health::{DeviceHealth, HealthArgs};
+use cleave_kubelet_plugin::args::HealthArgs;
 use cleave_kubelet_plugin::proto::health::{v1 as hv1, v1alpha1 as hv1alpha1};
 use common::*;
 use k8s_openapi::api::resource::v1::Device;

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cleave_kubelet_plugin::node::usage::command::{Sample, parse_exposition};
+use cleave_kubelet_plugin::usage::{Sample, parse_exposition};
 use cleave_testkit::runner::block_on;
 use common::node::*;
 use common::*;

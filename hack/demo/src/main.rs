@@ -62,7 +62,7 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
         cleave_testkit::set_env(key, &value);
     }
     // The demo's output is the tour; its logs only say what went wrong.
-    cleave_kubelet_plugin::telemetry::init(
+    cleave_kubelet_plugin::init_telemetry(
         cli.log.log_format,
         Some(cli.log.log_level.as_deref().unwrap_or("warn")),
     )

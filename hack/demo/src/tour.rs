@@ -301,7 +301,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         run_args.driver.driver_root.display()
     );
     let t = Instant::now();
-    let plugin = cleave_kubelet_plugin::start::start(&run_args, standin.client()).await?;
+    let plugin = cleave_kubelet_plugin::start(&run_args, standin.client()).await?;
     let reg_socket = plugin.server.registration_socket().to_owned();
     let dra_socket = plugin.server.dra_socket().to_owned();
     println!("  registration socket  {}", reg_socket.display());

@@ -45,18 +45,18 @@ use crate::node::health::DeviceHealth;
 use cleave_driver::health::HealthEventKind;
 
 /// Condition type: the device is set up as the class and claim config ask.
-pub const CONDITION_READY: &str = "Ready";
+pub(crate) const CONDITION_READY: &str = "Ready";
 /// Condition type: no Xid, ECC error or loss marks the device (or its parent GPU).
-pub const CONDITION_HEALTHY: &str = "Healthy";
+pub(crate) const CONDITION_HEALTHY: &str = "Healthy";
 /// First wait before retrying a failed write.
-pub const INITIAL_BACKOFF: Duration = Duration::from_millis(200);
+pub(crate) const INITIAL_BACKOFF: Duration = Duration::from_millis(200);
 /// Longest wait between retries.
-pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Tries of one write before it is given up (logged and counted).
-pub const MAX_ATTEMPTS: u32 = 10;
+pub(crate) const MAX_ATTEMPTS: u32 = 10;
 
 /// Where the writer reports what its writes did (the metrics registry implements it).
-pub trait StatusObserver: Send + Sync + std::fmt::Debug {
+pub(crate) trait StatusObserver: Send + Sync + std::fmt::Debug {
     /// One finished write: `result` is `ok`, `unchanged`, `gone`, `retry` or `failed`.
     fn status_write(&self, result: &'static str);
 }
@@ -72,7 +72,7 @@ pub struct StatusWriteMetrics {
 
 /// Labels of `claim_status_writes_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-pub struct StatusWriteLabels {
+pub(crate) struct StatusWriteLabels {
     /// `ok`, `unchanged`, `gone`, `retry` or `failed`.
     pub result: &'static str,
 }
@@ -108,7 +108,7 @@ impl StatusObserver for crate::metrics::Metrics {
 
 /// Why one status write did not go through.
 #[derive(Debug, thiserror::Error)]
-pub enum StatusWriteError {
+pub(crate) enum StatusWriteError {
     /// Reading or writing the claim failed.
     #[error("{operation} claim {namespace}/{name}: {source}")]
     Api {
@@ -121,16 +121,6 @@ pub enum StatusWriteError {
         /// The API error.
         source: kube::Error,
     },
-    /// Encoding the data failed (a bug).
-    #[error("encoding the status data of claim {namespace}/{name}: {source}")]
-    Encode {
-        /// Claim namespace.
-        namespace: String,
-        /// Claim name.
-        name: String,
-        /// The serde error.
-        source: serde_json::Error,
-    },
 }
 
 impl StatusWriteError {
@@ -141,7 +131,7 @@ impl StatusWriteError {
 
 /// What a write found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WriteOutcome {
+pub(crate) enum WriteOutcome {
     /// The status was replaced.
     Written,
     /// The stored entries were already what was wanted.
@@ -157,13 +147,13 @@ enum Job {
 
 /// Writes this node's `status.devices` entries in the background; cheap to clone.
 #[derive(Clone, Debug)]
-pub struct ClaimStatusWriter {
+pub(crate) struct ClaimStatusWriter {
     tx: mpsc::UnboundedSender<Job>,
 }
 
 /// Identity of the writer: whose entries are whose.
 #[derive(Debug, Clone)]
-pub struct WriterConfig {
+pub(crate) struct WriterConfig {
     /// The driver name entries are written under.
     pub driver_name: String,
     /// This node's pool.
@@ -173,7 +163,7 @@ pub struct WriterConfig {
 impl ClaimStatusWriter {
     /// Starts the writer task on the current runtime; it ends when every clone of the
     /// writer is dropped (pending writes are abandoned then).
-    pub fn start(
+    pub(crate) fn start(
         client: kube::Client,
         config: WriterConfig,
         health: Option<Arc<DeviceHealth>>,
@@ -194,12 +184,12 @@ impl ClaimStatusWriter {
 
     /// Writes the entries of a claim that was prepared (or whose state changed); returns at
     /// once.
-    pub fn prepared(&self, report: ClaimStatusReport) {
+    pub(crate) fn prepared(&self, report: ClaimStatusReport) {
         let _ = self.tx.send(Job::Set(report));
     }
 
     /// Removes the entries of a claim that was unprepared; returns at once.
-    pub fn unprepared(&self, claim: ClaimRef) {
+    pub(crate) fn unprepared(&self, claim: ClaimRef) {
         let _ = self.tx.send(Job::Clear(claim));
     }
 }
@@ -358,7 +348,7 @@ impl Worker {
 
 /// The wait after `attempts` failed tries: [`INITIAL_BACKOFF`] doubled per try, at most
 /// [`MAX_BACKOFF`].
-pub fn backoff(attempts: u32) -> Duration {
+pub(crate) fn backoff(attempts: u32) -> Duration {
     let factor = 2u32.saturating_pow(attempts.saturating_sub(1).min(16));
     INITIAL_BACKOFF.saturating_mul(factor).min(MAX_BACKOFF)
 }
@@ -379,7 +369,7 @@ fn entries_without_times(list: &[AllocatedDeviceStatus]) -> Vec<AllocatedDeviceS
 }
 
 /// The API entries of a report, with `Ready` from the report and `Healthy` from `health`.
-pub fn entries(
+pub(crate) fn entries(
     config: &WriterConfig,
     report: &ClaimStatusReport,
     health: Option<&DeviceHealth>,
@@ -482,7 +472,7 @@ fn condition(type_: &str, ok: bool, reason: &str, message: &str, now: &Time) -> 
 /// removes them), keeping every other entry and the transition time of conditions that did
 /// not change. Entries for devices that are not (or no longer) in the claim's allocation
 /// are not sent: the API server would refuse the whole write.
-pub async fn write(
+pub(crate) async fn write(
     client: &kube::Client,
     config: &WriterConfig,
     claim: &ClaimRef,

@@ -19,13 +19,13 @@ use tracing::{info, warn};
 use crate::k8s::events::{EventReporter, Severity, node_reference};
 
 /// Event reason: the Node advertises NVIDIA device-plugin resources.
-pub const REASON_DEVICE_PLUGIN: &str = "GPUsSharedWithDevicePlugin";
+pub(crate) const REASON_DEVICE_PLUGIN: &str = "GPUsSharedWithDevicePlugin";
 /// Event reason: another DRA driver publishes devices with our GPU UUIDs.
-pub const REASON_OTHER_DRIVER: &str = "GPUsSharedWithOtherDriver";
+pub(crate) const REASON_OTHER_DRIVER: &str = "GPUsSharedWithOtherDriver";
 
 /// One other manager of this node's GPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Finding {
+pub(crate) enum Finding {
     /// Extended resources of the NVIDIA device plugin on the Node (name=quantity).
     DevicePlugin(Vec<String>),
     /// Another DRA driver publishes these of our GPU UUIDs.
@@ -39,7 +39,7 @@ pub enum Finding {
 
 impl Finding {
     /// The Event reason.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self {
             Self::DevicePlugin(_) => REASON_DEVICE_PLUGIN,
             Self::OtherDriver { .. } => REASON_OTHER_DRIVER,
@@ -47,7 +47,7 @@ impl Finding {
     }
 
     /// The human-readable warning.
-    pub fn message(&self, our_driver: &str) -> String {
+    pub(crate) fn message(&self, our_driver: &str) -> String {
         match self {
             Self::DevicePlugin(resources) => format!(
                 "the Node advertises NVIDIA device plugin resources ({}) while {our_driver} manages this node's GPUs; a GPU given out by both is used twice. Run the device plugin only on other GPUs (NVIDIA_VISIBLE_DEVICES) or other nodes (node labels), or not at all",
@@ -62,7 +62,7 @@ impl Finding {
 }
 
 /// NVIDIA device-plugin resources in a Node's capacity or allocatable (non-zero).
-pub fn device_plugin_resources(node: &Node) -> Vec<String> {
+pub(crate) fn device_plugin_resources(node: &Node) -> Vec<String> {
     let mut found = BTreeSet::new();
     let Some(status) = &node.status else {
         return Vec::new();
@@ -84,7 +84,11 @@ pub fn device_plugin_resources(node: &Node) -> Vec<String> {
 }
 
 /// Other drivers' slices (on this node) that carry one of `uuids` in a `uuid` attribute.
-pub fn other_drivers(slices: &[ResourceSlice], our_driver: &str, uuids: &[String]) -> Vec<Finding> {
+pub(crate) fn other_drivers(
+    slices: &[ResourceSlice],
+    our_driver: &str,
+    uuids: &[String],
+) -> Vec<Finding> {
     let ours: BTreeSet<&str> = uuids.iter().map(String::as_str).collect();
     let mut by_driver: std::collections::BTreeMap<String, BTreeSet<String>> = Default::default();
     for s in slices {
@@ -118,7 +122,7 @@ pub fn other_drivers(slices: &[ResourceSlice], our_driver: &str, uuids: &[String
 }
 
 /// Reads the Node and this node's ResourceSlices and returns what shares our GPUs.
-pub async fn check(
+pub(crate) async fn check(
     client: &kube::Client,
     node_name: &str,
     our_driver: &str,
@@ -145,7 +149,7 @@ pub async fn check(
 }
 
 /// [`check`], then logs each finding and posts it as a Warning Event on the Node.
-pub async fn check_and_report(
+pub(crate) async fn check_and_report(
     client: kube::Client,
     node_name: String,
     our_driver: String,

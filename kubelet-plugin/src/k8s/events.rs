@@ -12,14 +12,14 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::{debug, warn};
 
 /// The `reportingController` of cleave's node Events.
-pub const REPORTING_CONTROLLER: &str = "gpu.cleave.dev/kubelet-plugin";
+pub(crate) const REPORTING_CONTROLLER: &str = "gpu.cleave.dev/kubelet-plugin";
 
 /// Events longer than this are cut (the API server rejects notes above 1 kB).
-pub const MAX_NOTE_BYTES: usize = 1024;
+pub(crate) const MAX_NOTE_BYTES: usize = 1024;
 
 /// Publishes Events about any object; cheap to clone.
 #[derive(Clone)]
-pub struct EventReporter {
+pub(crate) struct EventReporter {
     recorder: std::sync::Arc<Recorder>,
 }
 
@@ -31,7 +31,7 @@ impl std::fmt::Debug for EventReporter {
 
 /// Whether an Event reports trouble.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Severity {
+pub(crate) enum Severity {
     /// Informational.
     Normal,
     /// Something needs attention.
@@ -41,7 +41,7 @@ pub enum Severity {
 impl EventReporter {
     /// A reporter whose Events name `instance` (e.g. the node name or pod name) as the
     /// reporting instance.
-    pub fn new(client: kube::Client, instance: impl Into<String>) -> Self {
+    pub(crate) fn new(client: kube::Client, instance: impl Into<String>) -> Self {
         let reporter = Reporter {
             controller: REPORTING_CONTROLLER.to_owned(),
             instance: Some(instance.into()),
@@ -54,7 +54,7 @@ impl EventReporter {
     /// Publishes one Event about `regarding`; `reason` is PascalCase, `action` a short
     /// PascalCase verb (e.g. `Start`, `Prepare`), `note` the human-readable message (cut to
     /// [`MAX_NOTE_BYTES`]). Failures are logged, never returned.
-    pub async fn publish(
+    pub(crate) async fn publish(
         &self,
         regarding: &ObjectReference,
         severity: Severity,
@@ -87,7 +87,7 @@ impl EventReporter {
 
 /// A reference to the Node `name` (with its UID when the Node can be read, so
 /// `kubectl describe node` lists the Event).
-pub async fn node_reference(client: &kube::Client, name: &str) -> ObjectReference {
+pub(crate) async fn node_reference(client: &kube::Client, name: &str) -> ObjectReference {
     let nodes: kube::Api<Node> = kube::Api::all(client.clone());
     match nodes.get(name).await {
         Ok(node) => node.object_ref(&()),
@@ -104,7 +104,7 @@ pub async fn node_reference(client: &kube::Client, name: &str) -> ObjectReferenc
 }
 
 /// A reference to any object already read (e.g. a `ResourceClaim`).
-pub fn object_reference<K: kube::Resource<DynamicType = ()>>(obj: &K) -> ObjectReference {
+pub(crate) fn object_reference<K: kube::Resource<DynamicType = ()>>(obj: &K) -> ObjectReference {
     obj.object_ref(&())
 }
 

@@ -25,7 +25,7 @@ use crate::node::node_lock::NodeLock;
 
 /// Prepares claims by reading them from the API server and calling the node driver.
 #[derive(Clone)]
-pub struct KubeClaimHandler {
+pub(crate) struct KubeClaimHandler {
     client: kube::Client,
     driver: Arc<NodeDriver>,
     node_lock: NodeLock,
@@ -51,7 +51,7 @@ impl std::fmt::Debug for KubeClaimHandler {
 impl KubeClaimHandler {
     /// A handler reading claims with `client`, preparing with `driver`, serialised by
     /// `node_lock` (shared with every other user of the driver in this process).
-    pub fn new(client: kube::Client, driver: Arc<NodeDriver>, node_lock: NodeLock) -> Self {
+    pub(crate) fn new(client: kube::Client, driver: Arc<NodeDriver>, node_lock: NodeLock) -> Self {
         Self {
             client,
             driver,
@@ -65,14 +65,14 @@ impl KubeClaimHandler {
 
     /// Writes each prepared claim's `status.devices` entries through `writer` (after the
     /// kubelet's answer, never before) and removes them at unprepare.
-    pub fn with_status(mut self, writer: Option<ClaimStatusWriter>) -> Self {
+    pub(crate) fn with_status(mut self, writer: Option<ClaimStatusWriter>) -> Self {
         self.status = writer;
         self
     }
 
     /// Updates `mps_daemons_running` of `metrics` from the driver's prepared claims after
     /// every prepare and unprepare batch that reached the driver.
-    pub fn with_metrics(mut self, metrics: Option<ObservabilityMetrics>) -> Self {
+    pub(crate) fn with_metrics(mut self, metrics: Option<ObservabilityMetrics>) -> Self {
         self.metrics = metrics;
         self
     }
@@ -85,14 +85,18 @@ impl KubeClaimHandler {
 
     /// Refuses to prepare a claim (not prepared before) that has a device of `driver_name`
     /// that `health` reports unhealthy.
-    pub fn with_health(mut self, health: Option<Arc<DeviceHealth>>, driver_name: &str) -> Self {
+    pub(crate) fn with_health(
+        mut self,
+        health: Option<Arc<DeviceHealth>>,
+        driver_name: &str,
+    ) -> Self {
         self.health = health.map(|h| (h, driver_name.to_owned()));
         self
     }
 
     /// Publishes a Warning Event `PrepareFailed` on the claim when a prepare fails for a
     /// reason its owner can act on (invalid config, unknown or unhealthy device).
-    pub fn with_events(mut self, events: EventReporter) -> Self {
+    pub(crate) fn with_events(mut self, events: EventReporter) -> Self {
         self.events = Some(events);
         self
     }
@@ -134,11 +138,6 @@ impl KubeClaimHandler {
                     .await;
             });
         }
-    }
-
-    /// The node driver.
-    pub fn driver(&self) -> &Arc<NodeDriver> {
-        &self.driver
     }
 
     /// Reads the claim and checks that it is the object the kubelet means (same UID) and
@@ -366,7 +365,7 @@ impl ClaimHandler for KubeClaimHandler {
 /// Unprepares checkpointed claims that the API server no longer has (deleted, or
 /// recreated with another UID) while the plugin was down. Claims whose GET fails for
 /// another reason are kept. Returns the UIDs unprepared.
-pub async fn release_orphaned_claims(
+pub(crate) async fn release_orphaned_claims(
     client: &kube::Client,
     driver: &Arc<NodeDriver>,
     node_lock: &NodeLock,

@@ -2,8 +2,8 @@
 //! read from the API server, the driver's prepare under the node lock), Events, claims'
 //! `status.devices`, the MPS daemon pods, and the other GPU managers seen on the node.
 
-pub mod claim_status;
-pub mod coexistence;
-pub mod events;
-pub mod kube_handler;
-pub mod mps_pod;
+pub(crate) mod claim_status;
+pub(crate) mod coexistence;
+pub(crate) mod events;
+pub(crate) mod kube_handler;
+pub(crate) mod mps_pod;

@@ -33,33 +33,35 @@ use tokio::runtime::Handle;
 
 /// API calls of the pod launcher, in the plugin's namespace (a Role in the chart):
 /// `(apiGroup, resource, verbs)`. `get` also reads the plugin's own pod for its owner.
-pub const MPS_POD_RBAC_RULES: &[(&str, &str, &[&str])] =
+/// Read by `hack/tests/test_deployments.py`, which checks the chart's Role against it.
+#[allow(dead_code)]
+pub(crate) const MPS_POD_RBAC_RULES: &[(&str, &str, &[&str])] =
     &[("", "pods", &["get", "list", "create", "delete"])];
 
 /// `app.kubernetes.io/name` of every daemon pod.
-pub const APP_NAME: &str = "cleave-mps";
+pub(crate) const APP_NAME: &str = "cleave-mps";
 /// Label naming the claim a daemon pod serves.
-pub const CLAIM_LABEL: &str = "gpu.cleave.dev/claim-uid";
+pub(crate) const CLAIM_LABEL: &str = "gpu.cleave.dev/claim-uid";
 /// Annotation listing the devices a daemon pod serves (for people).
-pub const DEVICES_ANNOTATION: &str = "gpu.cleave.dev/devices";
+pub(crate) const DEVICES_ANNOTATION: &str = "gpu.cleave.dev/devices";
 /// Name of the daemon's container.
-pub const CONTAINER_NAME: &str = "mps-control-daemon";
+pub(crate) const CONTAINER_NAME: &str = "mps-control-daemon";
 /// Where the daemon's log directory is in its pod.
-pub const POD_LOG_DIR: &str = "/var/log/nvidia-mps";
+pub(crate) const POD_LOG_DIR: &str = "/var/log/nvidia-mps";
 /// Where the driver root is in the daemon pod.
-pub const POD_DRIVER_ROOT: &str = "/driver-root";
+pub(crate) const POD_DRIVER_ROOT: &str = "/driver-root";
 /// Scratch directory (an emptyDir) of the daemon pod; the library links go below it.
-pub const POD_SCRATCH_DIR: &str = "/run/cleave-mps";
+pub(crate) const POD_SCRATCH_DIR: &str = "/run/cleave-mps";
 /// Volume name of the daemon's `/dev/shm`.
-pub const SHM_VOLUME: &str = "shm";
+pub(crate) const SHM_VOLUME: &str = "shm";
 
 /// Name of the daemon pod of a claim.
-pub fn pod_name(claim_uid: &str) -> String {
+pub(crate) fn pod_name(claim_uid: &str) -> String {
     format!("cleave-mps-{claim_uid}")
 }
 
 /// Host path of a pod's memory emptyDir volume `volume` under the kubelet root.
-pub fn empty_dir_host_path(kubelet_root: &Path, pod_uid: &str, volume: &str) -> PathBuf {
+pub(crate) fn empty_dir_host_path(kubelet_root: &Path, pod_uid: &str, volume: &str) -> PathBuf {
     kubelet_root
         .join("pods")
         .join(pod_uid)
@@ -69,7 +71,7 @@ pub fn empty_dir_host_path(kubelet_root: &Path, pod_uid: &str, volume: &str) -> 
 
 /// What daemon pods look like and where they go.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PodLauncherConfig {
+pub(crate) struct PodLauncherConfig {
     /// Namespace of the daemon pods (the plugin's).
     pub namespace: String,
     /// This node.
@@ -158,7 +160,7 @@ fn env(name: &str, value: impl Into<String>) -> EnvVar {
 }
 
 /// The daemon pod of `spec`.
-pub fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
+pub(crate) fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
     let labels = [
         ("app.kubernetes.io/name", APP_NAME),
         ("app.kubernetes.io/managed-by", "cleave-kubelet-plugin"),
@@ -327,7 +329,7 @@ fn pod_state(pod: &Pod) -> PodState {
 /// Runs each claim's MPS control daemon in a pod of its own (see the module docs). The
 /// [`DaemonLauncher`] calls block on `runtime`, so they must come from a blocking thread
 /// (the driver runs them under the node lock in `spawn_blocking`).
-pub struct PodLauncher {
+pub(crate) struct PodLauncher {
     config: PodLauncherConfig,
     pods: Api<Pod>,
     runtime: Handle,
@@ -348,7 +350,7 @@ impl std::fmt::Debug for PodLauncher {
 impl PodLauncher {
     /// A launcher creating pods through `client`; `control` runs the control tool here to
     /// talk to the daemons over their pipe directories.
-    pub fn new(
+    pub(crate) fn new(
         config: PodLauncherConfig,
         client: kube::Client,
         runtime: Handle,
@@ -670,7 +672,7 @@ impl DaemonLauncher for PodLauncher {
 
 /// Who owns the daemon pods and which pull secrets they use, from the plugin's own pod.
 #[derive(Debug, Clone, PartialEq)]
-pub struct DaemonPodParent {
+pub(crate) struct DaemonPodParent {
     /// The controller of the plugin's pod (its DaemonSet), else the Node.
     pub owner: OwnerReference,
     /// The plugin pod's image pull secrets.
@@ -680,7 +682,7 @@ pub struct DaemonPodParent {
 /// Finds the owner of the daemon pods: the controller of the plugin's own pod (its
 /// DaemonSet) when `pod_name` is given and has one, else the Node; and the plugin pod's
 /// image pull secrets.
-pub async fn resolve_parent(
+pub(crate) async fn resolve_parent(
     client: &kube::Client,
     namespace: &str,
     pod_name: Option<&str>,

@@ -16,9 +16,9 @@ use super::proto::dra::{v1, v1beta1};
 use crate::kubelet::handler::{ClaimError, ClaimHandler, ClaimRef, PreparedShare};
 
 /// Advertised token for the v1 DRA service.
-pub const DRA_PLUGIN_V1: &str = "v1.DRAPlugin";
+pub(crate) const DRA_PLUGIN_V1: &str = "v1.DRAPlugin";
 /// Advertised token for the v1beta1 DRA service.
-pub const DRA_PLUGIN_V1BETA1: &str = "v1beta1.DRAPlugin";
+pub(crate) const DRA_PLUGIN_V1BETA1: &str = "v1beta1.DRAPlugin";
 
 /// Where the DRA service reports each finished batch.
 pub trait DraObserver: Send + Sync + std::fmt::Debug {
@@ -35,7 +35,7 @@ pub trait DraObserver: Send + Sync + std::fmt::Debug {
 
 /// The DRA node service, generic over the driver logic. Cheap to clone.
 #[derive(Debug)]
-pub struct DraService<H> {
+pub(crate) struct DraService<H> {
     handler: Arc<H>,
     requests: Arc<AtomicU64>,
     observer: Option<Arc<dyn DraObserver>>,
@@ -53,7 +53,7 @@ impl<H> Clone for DraService<H> {
 
 impl<H: ClaimHandler> DraService<H> {
     /// A service calling `handler` for every batch.
-    pub fn new(handler: Arc<H>) -> Self {
+    pub(crate) fn new(handler: Arc<H>) -> Self {
         Self {
             handler,
             requests: Arc::new(AtomicU64::new(0)),
@@ -62,23 +62,25 @@ impl<H: ClaimHandler> DraService<H> {
     }
 
     /// Reports every batch to `observer`.
-    pub fn with_observer(mut self, observer: Option<Arc<dyn DraObserver>>) -> Self {
+    pub(crate) fn with_observer(mut self, observer: Option<Arc<dyn DraObserver>>) -> Self {
         self.observer = observer;
         self
     }
 
     /// The tonic service for `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`.
-    pub fn v1_svc(&self) -> v1::dra_plugin_server::DraPluginServer<Self> {
+    pub(crate) fn v1_svc(&self) -> v1::dra_plugin_server::DraPluginServer<Self> {
         v1::dra_plugin_server::DraPluginServer::new(self.clone())
     }
 
     /// The tonic service for `k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin`.
-    pub fn v1beta1_svc(&self) -> v1beta1::dra_plugin_server::DraPluginServer<DraServiceV1beta1<H>> {
+    pub(crate) fn v1beta1_svc(
+        &self,
+    ) -> v1beta1::dra_plugin_server::DraPluginServer<DraServiceV1beta1<H>> {
         v1beta1::dra_plugin_server::DraPluginServer::new(DraServiceV1beta1(self.clone()))
     }
 
     /// Prepares a batch and answers with one entry per requested UID.
-    pub async fn prepare(&self, claims: Vec<v1::Claim>) -> v1::NodePrepareResourcesResponse {
+    pub(crate) async fn prepare(&self, claims: Vec<v1::Claim>) -> v1::NodePrepareResourcesResponse {
         let id = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
         let span = info_span!("prepare", request = id, claims = claims.len());
         let started = std::time::Instant::now();
@@ -129,7 +131,10 @@ impl<H: ClaimHandler> DraService<H> {
     }
 
     /// Unprepares a batch and answers with one entry per requested UID.
-    pub async fn unprepare(&self, claims: Vec<v1::Claim>) -> v1::NodeUnprepareResourcesResponse {
+    pub(crate) async fn unprepare(
+        &self,
+        claims: Vec<v1::Claim>,
+    ) -> v1::NodeUnprepareResourcesResponse {
         let id = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
         let span = info_span!("unprepare", request = id, claims = claims.len());
         let started = std::time::Instant::now();
@@ -250,7 +255,7 @@ impl<H: ClaimHandler> v1::dra_plugin_server::DraPlugin for DraService<H> {
 
 /// The v1beta1 DRA service: converts to v1, runs the same handler, converts back.
 #[derive(Debug)]
-pub struct DraServiceV1beta1<H>(DraService<H>);
+pub(crate) struct DraServiceV1beta1<H>(DraService<H>);
 
 impl<H> Clone for DraServiceV1beta1<H> {
     fn clone(&self) -> Self {

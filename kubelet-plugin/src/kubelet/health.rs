@@ -7,14 +7,15 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tonic::{Request, Response, Status};
 
 use super::proto::health::{v1 as hv1, v1alpha1 as hv1alpha1};
-use crate::node::health::{DeviceHealth, DeviceStatus};
+use crate::node::health::DeviceHealth;
+use cleave_driver::device_health::DeviceStatus;
 
 /// Advertised token of the v1alpha1 health service (kubelet 1.34+).
 pub const HEALTH_V1ALPHA1: &str = "v1alpha1.DRAResourceHealth";
 /// Advertised token of the v1 health service (kubelet 1.37+).
 pub const HEALTH_V1: &str = "v1.DRAResourceHealth";
 /// `health_check_timeout_seconds` sent with every device (well above the resend interval).
-pub const HEALTH_TIMEOUT_SECONDS: i64 = 30;
+pub(crate) const HEALTH_TIMEOUT_SECONDS: i64 = 30;
 
 fn now_unix() -> i64 {
     SystemTime::now()
@@ -68,21 +69,21 @@ macro_rules! health_version {
 
 /// The `DRAResourceHealth` gRPC service (both versions) over a [`DeviceHealth`].
 #[derive(Debug, Clone)]
-pub struct HealthService(pub Arc<DeviceHealth>);
+pub(crate) struct HealthService(pub Arc<DeviceHealth>);
 
 health_version!(hv1alpha1, to_v1alpha1);
 health_version!(hv1, to_v1);
 
 impl HealthService {
     /// The v1alpha1 tonic service.
-    pub fn v1alpha1_svc(
+    pub(crate) fn v1alpha1_svc(
         &self,
     ) -> hv1alpha1::dra_resource_health_server::DraResourceHealthServer<Self> {
         hv1alpha1::dra_resource_health_server::DraResourceHealthServer::new(self.clone())
     }
 
     /// The v1 tonic service.
-    pub fn v1_svc(&self) -> hv1::dra_resource_health_server::DraResourceHealthServer<Self> {
+    pub(crate) fn v1_svc(&self) -> hv1::dra_resource_health_server::DraResourceHealthServer<Self> {
         hv1::dra_resource_health_server::DraResourceHealthServer::new(self.clone())
     }
 }

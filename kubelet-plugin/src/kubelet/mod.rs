@@ -4,9 +4,9 @@
 //! reports goes to observer traits ([`dra::DraObserver`]) that the metrics registry
 //! implements.
 
-pub mod dra;
-pub mod handler;
-pub mod health;
+pub(crate) mod dra;
+pub(crate) mod handler;
+pub(crate) mod health;
 pub mod proto;
-pub mod registration;
-pub mod server;
+pub(crate) mod registration;
+pub(crate) mod server;

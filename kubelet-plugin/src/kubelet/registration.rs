@@ -14,7 +14,7 @@ use super::proto::registration::{
 };
 
 /// Plugin type the kubelet's DRA handler registers (`PluginInfo.type`).
-pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
+pub(crate) const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 
 /// What the kubelet last said about our registration.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -30,14 +30,14 @@ pub enum RegistrationState {
 
 /// The plugin registration service: identity for the kubelet, and its verdict.
 #[derive(Debug, Clone)]
-pub struct RegistrationService {
+pub(crate) struct RegistrationService {
     info: PluginInfo,
     state: Arc<watch::Sender<RegistrationState>>,
 }
 
 impl RegistrationService {
     /// A DRA plugin named `driver_name` whose DRA socket is `endpoint` (absolute path).
-    pub fn new(driver_name: &str, endpoint: &std::path::Path) -> Self {
+    pub(crate) fn new(driver_name: &str, endpoint: &std::path::Path) -> Self {
         let info = PluginInfo {
             r#type: DRA_PLUGIN_TYPE.to_owned(),
             name: driver_name.to_owned(),
@@ -51,23 +51,18 @@ impl RegistrationService {
     }
 
     /// Advertises one more service version (after those already listed).
-    pub fn with_supported_version(mut self, version: &str) -> Self {
+    pub(crate) fn with_supported_version(mut self, version: &str) -> Self {
         self.info.supported_versions.push(version.to_owned());
         self
     }
 
-    /// What `GetInfo` answers.
-    pub fn info(&self) -> &PluginInfo {
-        &self.info
-    }
-
     /// Follows the kubelet's registration verdicts.
-    pub fn state(&self) -> watch::Receiver<RegistrationState> {
+    pub(crate) fn state(&self) -> watch::Receiver<RegistrationState> {
         self.state.subscribe()
     }
 
     /// The tonic service.
-    pub fn svc(&self) -> RegistrationServer<Self> {
+    pub(crate) fn svc(&self) -> RegistrationServer<Self> {
         RegistrationServer::new(self.clone())
     }
 }

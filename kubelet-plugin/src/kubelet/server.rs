@@ -267,7 +267,7 @@ impl Drop for ServedSocket {
 
 /// What sits at a socket path before this instance binds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SocketProbe {
+pub(crate) enum SocketProbe {
     /// Nothing: the path is free.
     Free,
     /// A socket file with no listener (a previous instance died without removing it).
@@ -291,7 +291,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// `ECONNREFUSED`, on a missing path with `ENOENT` (unix(7)); the listener's credentials
 /// come from `SO_PEERCRED`, "those that were in effect at the time of the call to
 /// listen(2)" (unix(7)).
-pub async fn probe_socket(path: &Path) -> Result<SocketProbe, ServerError> {
+pub(crate) async fn probe_socket(path: &Path) -> Result<SocketProbe, ServerError> {
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {}
         Ok(_) => {

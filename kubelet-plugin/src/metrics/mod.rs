@@ -35,15 +35,15 @@ use crate::kubelet::dra::DraObserver;
 use crate::kubelet::registration::RegistrationState;
 use crate::node::health::HealthObserver;
 
-pub mod observability;
+pub(crate) mod observability;
 use crate::node::usage::{metrics as usage, rightsize_metrics as rightsize};
 
 /// `/healthz` fails when the heartbeat is older than this.
-pub const HEARTBEAT_STALE: Duration = Duration::from_secs(30);
+pub(crate) const HEARTBEAT_STALE: Duration = Duration::from_secs(30);
 
 /// Labels of per-claim results.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClaimLabels {
+pub(crate) struct ClaimLabels {
     /// `prepare` or `unprepare`.
     pub operation: &'static str,
     /// `ok` or `error`.
@@ -52,7 +52,7 @@ pub struct ClaimLabels {
 
 /// Labels of gRPC batch durations.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OperationLabels {
+pub(crate) struct OperationLabels {
     /// `prepare` or `unprepare`.
     pub operation: &'static str,
 }
@@ -198,7 +198,7 @@ impl Metrics {
 
 /// What the health endpoints look at.
 #[derive(Debug, Clone)]
-pub struct HealthState {
+pub(crate) struct HealthState {
     /// The metrics to serve.
     pub metrics: Arc<Metrics>,
     /// The kubelet's registration verdicts.
@@ -272,7 +272,7 @@ fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
 }
 
 /// Serves the endpoints on `listener` until the task is aborted.
-pub async fn serve(listener: tokio::net::TcpListener, state: HealthState) {
+pub(crate) async fn serve(listener: tokio::net::TcpListener, state: HealthState) {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -299,7 +299,7 @@ pub async fn serve(listener: tokio::net::TcpListener, state: HealthState) {
 }
 
 /// Binds `addr` and serves the endpoints in a background task.
-pub async fn start(
+pub(crate) async fn start(
     addr: SocketAddr,
     state: HealthState,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
@@ -338,7 +338,7 @@ pub struct HealthMetrics {
 
 /// Labels of `health_events_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct HealthEventLabels {
+pub(crate) struct HealthEventLabels {
     /// `xid`, `ecc-dbe`, `gpu-lost` or `recovered`.
     pub kind: &'static str,
     /// The Xid number; empty for other kinds.
@@ -419,7 +419,7 @@ impl LifecycleMetrics {
 
 /// Liveness: the time of the last beat of the runtime's heartbeat task.
 #[derive(Debug)]
-pub struct Heartbeat {
+pub(crate) struct Heartbeat {
     origin: Instant,
     last_ms: AtomicU64,
 }
@@ -435,20 +435,20 @@ impl Default for Heartbeat {
 
 impl Heartbeat {
     /// Records a beat now.
-    pub fn beat(&self) {
+    pub(crate) fn beat(&self) {
         let ms = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.last_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Time since the last beat.
-    pub fn age(&self) -> Duration {
+    pub(crate) fn age(&self) -> Duration {
         let now = self.origin.elapsed();
         now.saturating_sub(Duration::from_millis(self.last_ms.load(Ordering::Relaxed)))
     }
 
     /// Beats every second on the current runtime until the task is aborted; a runtime whose
     /// workers are all blocked stops beating, and `/healthz` then fails.
-    pub fn spawn(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+    pub(crate) fn spawn(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let me = Arc::clone(self);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));

@@ -19,7 +19,7 @@ use prometheus_client::registry::Registry;
 
 /// Labels of `operation_duration_seconds`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OperationResultLabels {
+pub(crate) struct OperationResultLabels {
     /// `prepare` or `unprepare`.
     pub operation: &'static str,
     /// `ok` when every claim of the call succeeded, else `error`.
@@ -28,7 +28,7 @@ pub struct OperationResultLabels {
 
 /// Labels of `api_requests_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ApiLabels {
+pub(crate) struct ApiLabels {
     /// `get`, `list`, `watch`, `create`, `update`, `delete`, ...
     pub verb: &'static str,
     /// `ok`, `conflict`, `not_found` or `error`.
@@ -37,7 +37,7 @@ pub struct ApiLabels {
 
 /// Labels of `devices_published`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DeviceType {
+pub(crate) struct DeviceType {
     /// `gpu` or `mig`.
     pub r#type: &'static str,
 }
@@ -62,7 +62,7 @@ pub struct ObservabilityMetrics {
 
 /// Labels of `prepare_refusals`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RefusalLabels {
+pub(crate) struct RefusalLabels {
     /// `over_commit` (the allocation exceeds its device: an old or buggy scheduler, or a
     /// mode changed under prepared claims) or `other`.
     pub reason: &'static str,
@@ -70,7 +70,7 @@ pub struct RefusalLabels {
 
 /// Labels of `driver_step_duration_seconds`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StepLabels {
+pub(crate) struct StepLabels {
     /// `mig_create`, `mig_destroy`, `cdi_write`, `checkpoint_write` or `sharing_apply`
     /// ([`cleave_driver::timing::step`]).
     pub step: &'static str,

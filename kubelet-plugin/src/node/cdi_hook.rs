@@ -15,7 +15,7 @@ use tracing::info;
 
 /// The hook binary shipped beside `exe` (the running plugin), or one directory up when
 /// `exe` is a cargo test or bench binary in `target/<profile>/deps`.
-pub fn default_source(exe: &Path) -> Option<PathBuf> {
+pub(crate) fn default_source(exe: &Path) -> Option<PathBuf> {
     let dir = exe.parent()?;
     let beside = dir.join(CDI_HOOK_NAME);
     if !beside.exists()
@@ -30,7 +30,7 @@ pub fn default_source(exe: &Path) -> Option<PathBuf> {
 
 /// Copies the hook `source` to `<state_dir>/bin/cleave-cdi-hook` (mode 0755) unless an
 /// identical copy is there, and returns the installed path (also its host path).
-pub fn install(source: &Path, state_dir: &Path) -> anyhow::Result<PathBuf> {
+pub(crate) fn install(source: &Path, state_dir: &Path) -> anyhow::Result<PathBuf> {
     let bytes = std::fs::read(source).with_context(|| {
         format!(
             "reading the CDI hook {}: it ships beside the plugin binary (the image's /usr/bin/{CDI_HOOK_NAME}; `cargo build -p cleave-kubelet-plugin` builds both); name it with --cdi-hook-source, or pass --disable-cdi-hooks to write CDI specs without hooks (containers then depend on their image's loader cache)",

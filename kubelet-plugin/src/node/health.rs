@@ -19,16 +19,14 @@ use std::time::{Duration, Instant};
 
 use cleave_api::pool::PoolDevices;
 use cleave_driver::device_health::DeviceConditions;
-pub use cleave_driver::device_health::{
-    Condition, DeviceStatus, TAINT_UNHEALTHY, TAINT_XID, affected_devices,
-};
+use cleave_driver::device_health::{Condition, DeviceStatus};
 use cleave_driver::health::{HealthEvent, HealthEventKind, HealthWatcher, WatchOptions};
 use cleave_driver::model::NodeInventory;
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
 use tracing::{info, warn};
 
-pub use crate::args::{HealthArgs, TaintMode};
+pub(crate) use crate::args::{HealthArgs, TaintMode};
 
 /// Where health reports what it sees (the metrics registry implements it).
 pub trait HealthObserver: Send + Sync + std::fmt::Debug {
@@ -39,13 +37,13 @@ pub trait HealthObserver: Send + Sync + std::fmt::Debug {
 }
 
 /// How often the complete device list is re-sent on the health stream.
-pub const DEFAULT_RESEND_INTERVAL: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_RESEND_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Health state for `run`: all devices of `pool` healthy, the watcher over the event
 /// source of `backend` (the same NVML handle the driver uses) feeding it. `None` with
 /// `--disable-health-checks`. A watcher that cannot start (a backend without event source)
 /// is logged; the stream then reports every device healthy.
-pub fn start_for_plugin(
+pub(crate) fn start_for_plugin(
     args: &HealthArgs,
     backend: &dyn cleave_driver::backend::GpuBackend,
     pool_name: &str,
@@ -415,6 +413,7 @@ impl DeviceHealth {
 mod tests {
     use super::*;
     use clap::Parser as _;
+    use cleave_driver::device_health::TAINT_XID;
     use cleave_driver::model::{GpuInfo, MigInstance, MigState, Placement};
 
     #[derive(clap::Parser)]

@@ -11,27 +11,27 @@ use cleave_driver::checkpoint::CHECKPOINT_FILE;
 use cleave_driver::prepare::ResetError;
 
 /// The recovery command, as printed in logs and Events.
-pub fn reset_command(plugins_dir: &Path, driver_name: &str) -> String {
+pub(crate) fn reset_command(plugins_dir: &Path, driver_name: &str) -> String {
     format!(
         "cleave-kubelet-plugin checkpoint reset --plugins-dir {} --driver-name {driver_name}",
         plugins_dir.display()
     )
 }
 
-pub use cleave_driver::prepare::short_reason;
+pub(crate) use cleave_driver::prepare::short_reason;
 
 /// The lock every running plugin instance holds (shared) from the moment it has loaded
 /// the checkpoint until it exits, so that `checkpoint reset` can tell a running plugin
 /// from one that waits for a readable checkpoint: `<state dir>/instances.lock`.
-pub const INSTANCE_LOCK_FILE: &str = "instances.lock";
+pub(crate) const INSTANCE_LOCK_FILE: &str = "instances.lock";
 
 /// The node lock every prepare and unprepare batch holds: `<state dir>/serialize.lock`
 /// (see [`crate::node::node_lock`]).
-pub const NODE_LOCK_FILE: &str = "serialize.lock";
+pub(crate) const NODE_LOCK_FILE: &str = "serialize.lock";
 
 /// Takes the shared instance lock in `state_dir` (see [`INSTANCE_LOCK_FILE`]); the lock
 /// lasts as long as the returned file is open. Instances of a rolling update share it.
-pub fn hold_instance_lock(state_dir: &Path) -> std::io::Result<std::fs::File> {
+pub(crate) fn hold_instance_lock(state_dir: &Path) -> std::io::Result<std::fs::File> {
     let file = open_lock(&state_dir.join(INSTANCE_LOCK_FILE))?;
     file.lock_shared()?;
     Ok(file)
@@ -60,7 +60,7 @@ fn try_lock_exclusive(path: &Path) -> anyhow::Result<Option<std::fs::File>> {
     }
 }
 
-pub use cleave_driver::prepare::{ResetOptions, ResetOutcome};
+pub(crate) use cleave_driver::prepare::{ResetOptions, ResetOutcome};
 
 /// `checkpoint reset`: moves `<state_dir>/checkpoint.json` aside to
 /// `checkpoint.json.corrupt-<unix seconds>` so the plugin starts with no prepared claims
@@ -71,7 +71,10 @@ pub use cleave_driver::prepare::{ResetOptions, ResetOutcome};
 /// the file reads and verifies (it is not corrupt: resetting it only abandons its claims)
 /// or was written by a newer release. A forced reset lists the claims it abandons and
 /// what they leave behind, and removes their CDI spec files only when asked.
-pub fn reset_checkpoint(state_dir: &Path, options: &ResetOptions) -> anyhow::Result<ResetOutcome> {
+pub(crate) fn reset_checkpoint(
+    state_dir: &Path,
+    options: &ResetOptions,
+) -> anyhow::Result<ResetOutcome> {
     let path = state_dir.join(CHECKPOINT_FILE);
     if let Err(e) = std::fs::symlink_metadata(&path) {
         if e.kind() == std::io::ErrorKind::NotFound {

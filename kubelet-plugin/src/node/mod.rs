@@ -2,8 +2,8 @@
 //! `checkpoint reset`, device health, per-claim usage sampling and its commands, and the
 //! CDI hook binary installed on the host.
 
-pub mod cdi_hook;
-pub mod health;
-pub mod lifecycle;
-pub mod node_lock;
-pub mod usage;
+pub(crate) mod cdi_hook;
+pub(crate) mod health;
+pub(crate) mod lifecycle;
+pub(crate) mod node_lock;
+pub(crate) mod usage;

@@ -28,14 +28,14 @@ use tracing::{debug, info, warn};
 
 use crate::node::usage::metrics::UsageMetrics;
 
-pub mod command;
-pub mod metrics;
-pub mod recommend;
-pub mod recommend_command;
-pub mod rightsize_metrics;
+pub(crate) mod command;
+pub(crate) mod metrics;
+pub(crate) mod recommend;
+pub(crate) mod recommend_command;
+pub(crate) mod rightsize_metrics;
 
 /// Event reason: a claim stayed below the idle threshold for the idle window.
-pub const REASON_CLAIM_IDLE: &str = "ClaimIdle";
+pub(crate) const REASON_CLAIM_IDLE: &str = "ClaimIdle";
 
 /// What the monitor samples: the prepared claims' devices and the node's GPUs.
 pub trait ClaimDevices: Send + Sync {
@@ -338,7 +338,7 @@ impl Drop for UsageMonitor {
 
 /// Nice value of the sampling thread where `SCHED_IDLE` is refused: prepare and the gRPC
 /// threads win the CPU over it.
-pub const SAMPLING_NICE: i32 = 10;
+pub(crate) const SAMPLING_NICE: i32 = 10;
 
 /// Puts the calling thread in the `SCHED_IDLE` scheduling policy, so it runs only when no
 /// other thread of the node wants the CPU and gives it up at once when one wakes
@@ -374,16 +374,9 @@ fn lower_own_nice() {
     }
 }
 
-/// The scheduling policy of the calling thread (for tests and the bench).
-#[allow(unsafe_code)]
-pub fn own_scheduling_policy() -> i32 {
-    // SAFETY: takes a plain integer (0: the calling thread).
-    unsafe { libc::sched_getscheduler(0) }
-}
-
 /// Adds to every MPS claim device's PIDs (its control daemon) the daemon's descendants
 /// (the MPS server and anything it started), read from `/proc`.
-pub fn with_mps_servers(mut devices: Vec<ClaimDevice>) -> Vec<ClaimDevice> {
+pub(crate) fn with_mps_servers(mut devices: Vec<ClaimDevice>) -> Vec<ClaimDevice> {
     if !devices
         .iter()
         .any(|d| d.kind == Holding::Mps && !d.pids.is_empty())
@@ -398,7 +391,7 @@ pub fn with_mps_servers(mut devices: Vec<ClaimDevice>) -> Vec<ClaimDevice> {
 }
 
 /// Parent PID -> child PIDs of every process under `proc_root`.
-pub fn process_children(proc_root: &std::path::Path) -> BTreeMap<u32, Vec<u32>> {
+pub(crate) fn process_children(proc_root: &std::path::Path) -> BTreeMap<u32, Vec<u32>> {
     let mut out: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
     let Ok(entries) = std::fs::read_dir(proc_root) else {
         return out;
@@ -440,7 +433,7 @@ fn descendants(children: &BTreeMap<u32, Vec<u32>>, roots: &[u32]) -> Vec<u32> {
 }
 
 /// The ResourceClaim an idle notice is about, as an Event's `regarding`.
-pub fn claim_reference(claim: &ClaimRef) -> k8s_openapi::api::core::v1::ObjectReference {
+pub(crate) fn claim_reference(claim: &ClaimRef) -> k8s_openapi::api::core::v1::ObjectReference {
     k8s_openapi::api::core::v1::ObjectReference {
         api_version: Some("resource.k8s.io/v1".into()),
         kind: Some("ResourceClaim".into()),
@@ -452,7 +445,7 @@ pub fn claim_reference(claim: &ClaimRef) -> k8s_openapi::api::core::v1::ObjectRe
 }
 
 /// Posts a Warning `ClaimIdle` Event for every notice until the monitor stops.
-pub fn spawn_idle_events(
+pub(crate) fn spawn_idle_events(
     events: crate::k8s::events::EventReporter,
     mut notices: tokio::sync::mpsc::UnboundedReceiver<IdleNotice>,
 ) -> tokio::task::JoinHandle<()> {

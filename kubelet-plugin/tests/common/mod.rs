@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use cleave_kubelet_plugin::kubelet::handler::{PrepareResult, UnprepareResult};
 use cleave_kubelet_plugin::proto::dra::{v1, v1beta1};
 use cleave_kubelet_plugin::proto::registration::registration_client::RegistrationClient;
 use cleave_kubelet_plugin::{
     ClaimError, ClaimHandler, ClaimRef, PluginConfig, PreparedDevice, PreparedShare, connect_unix,
 };
+use cleave_kubelet_plugin::{PrepareResult, UnprepareResult};
 use tonic::transport::Channel;
 
 /// Bound for every wait in these tests.

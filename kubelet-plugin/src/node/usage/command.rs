@@ -97,7 +97,7 @@ fn parse_labels(s: &str) -> Option<(BTreeMap<String, String>, usize)> {
 }
 
 /// Fetches `/metrics` from `addr` (`host:port` or `http://host:port[/...]`).
-pub fn scrape(addr: &str) -> anyhow::Result<String> {
+pub(crate) fn scrape(addr: &str) -> anyhow::Result<String> {
     let hostport = addr
         .trim_start_matches("http://")
         .split('/')
@@ -149,7 +149,7 @@ struct Row {
 }
 
 /// The table for `scrapes` (oldest first) at wall time `now`.
-pub fn render(scrapes: &[Vec<Sample>], now: SystemTime) -> String {
+pub(crate) fn render(scrapes: &[Vec<Sample>], now: SystemTime) -> String {
     const P: &str = "cleave_kubelet_plugin_";
     let mut rows: BTreeMap<(String, String, String), Row> = BTreeMap::new();
     let mut idle: BTreeMap<(String, String), (bool, Option<f64>)> = BTreeMap::new();
@@ -302,7 +302,7 @@ fn ago(secs: f64) -> String {
 }
 
 /// Runs `usage` against the running plugin.
-pub fn run_live(args: &UsageCommandArgs) -> anyhow::Result<String> {
+pub(crate) fn run_live(args: &UsageCommandArgs) -> anyhow::Result<String> {
     let mut scrapes = Vec::new();
     for n in 0..args.scrapes {
         if n > 0 {
@@ -315,7 +315,7 @@ pub fn run_live(args: &UsageCommandArgs) -> anyhow::Result<String> {
 }
 
 /// `usage`: the table from the running plugin.
-pub fn run(args: &UsageCommandArgs) -> anyhow::Result<String> {
+pub(crate) fn run(args: &UsageCommandArgs) -> anyhow::Result<String> {
     if args.recommend {
         super::recommend_command::run_live(&args.metrics_addr)
     } else {

@@ -23,7 +23,7 @@ type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// Labels of every `claim_*` series of one claim device.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClaimDeviceLabels {
+pub(crate) struct ClaimDeviceLabels {
     /// Claim namespace.
     pub namespace: String,
     /// Claim name.
@@ -44,7 +44,7 @@ pub struct ClaimDeviceLabels {
 
 impl ClaimDeviceLabels {
     /// The labels of claim device `d` in `pool`.
-    pub fn of(pool: &str, d: &cleave_driver::usage::ClaimDevice) -> Self {
+    pub(crate) fn of(pool: &str, d: &cleave_driver::usage::ClaimDevice) -> Self {
         Self {
             namespace: d.claim.namespace.clone(),
             claim: d.claim.name.clone(),
@@ -60,7 +60,7 @@ impl ClaimDeviceLabels {
 
 /// [`ClaimDeviceLabels`] and what was given as labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct AllocatedInfoLabels {
+pub(crate) struct AllocatedInfoLabels {
     /// The claim device.
     #[prometheus(flatten)]
     pub device: ClaimDeviceLabels,
@@ -70,7 +70,7 @@ pub struct AllocatedInfoLabels {
 
 /// [`ClaimDeviceLabels`] and where the activity figure comes from.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ActivityLabels {
+pub(crate) struct ActivityLabels {
     /// The claim device.
     #[prometheus(flatten)]
     pub device: ClaimDeviceLabels,
@@ -80,7 +80,7 @@ pub struct ActivityLabels {
 
 /// Labels of the per-claim idle series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct IdleLabels {
+pub(crate) struct IdleLabels {
     /// Claim namespace.
     pub namespace: String,
     /// Claim name.
@@ -89,7 +89,7 @@ pub struct IdleLabels {
 
 /// Labels of the per-GPU series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct GpuLabels {
+pub(crate) struct GpuLabels {
     /// GPU UUID.
     pub gpu: String,
 }

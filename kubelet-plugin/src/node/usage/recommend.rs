@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use cleave_driver::model::NodeInventory;
 use cleave_driver::rightsize::{
@@ -17,7 +17,7 @@ use cleave_driver::usage::{ClaimDevice, ClaimRef, DeviceSample};
 use tracing::warn;
 
 /// Event reason: a claim's recommendation is smaller than what it holds, or release.
-pub const REASON_CLAIM_OVERSIZED: &str = "ClaimOversized";
+pub(crate) const REASON_CLAIM_OVERSIZED: &str = "ClaimOversized";
 
 /// How right-sizing runs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -178,7 +178,7 @@ impl Rightsizer {
 }
 
 /// Posts a Normal `ClaimOversized` Event for every notice until the monitor stops.
-pub fn spawn_oversized_events(
+pub(crate) fn spawn_oversized_events(
     events: crate::k8s::events::EventReporter,
     mut notices: tokio::sync::mpsc::UnboundedReceiver<OversizedNotice>,
 ) -> tokio::task::JoinHandle<()> {
@@ -197,14 +197,12 @@ pub fn spawn_oversized_events(
     })
 }
 
-/// Default of `--rightsize-window`.
-pub const DEFAULT_WINDOW: Duration = Duration::from_secs(24 * 3600);
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use cleave_driver::model::{GpuInfo, MigState};
     use cleave_driver::usage::{Activity, ActivitySource, Allocation, Holding, MemorySource};
+    use std::time::Duration;
 
     fn inventory() -> NodeInventory {
         NodeInventory {

@@ -8,18 +8,21 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+#[cfg(feature = "mock")]
 use cleave_driver::rightsize::Advice;
 use cleave_driver::rightsize::advice::gib;
+#[cfg(feature = "mock")]
 use cleave_driver::usage::ClaimDevice;
 
 use super::command::Sample;
+#[cfg(feature = "mock")]
 use super::recommend::RightsizeOutcome;
 
 const P: &str = "cleave_kubelet_plugin_";
 
 /// One row of the table.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Row {
+pub(crate) struct Row {
     /// `namespace/claim`.
     pub claim: String,
     /// Device name.
@@ -35,7 +38,7 @@ pub struct Row {
 }
 
 /// The table and the node's figure.
-pub fn table(rows: &[Row], savings: &[(String, u64, u64)]) -> String {
+pub(crate) fn table(rows: &[Row], savings: &[(String, u64, u64)]) -> String {
     if rows.is_empty() {
         return "no prepared claims are sampled (none prepared, or --usage-interval=0)\n".into();
     }
@@ -68,6 +71,7 @@ pub fn table(rows: &[Row], savings: &[(String, u64, u64)]) -> String {
     out
 }
 
+#[cfg(feature = "mock")]
 fn holds(d: &ClaimDevice) -> String {
     let mut s = gib(d.allocated.memory_bytes);
     if let Some(p) = &d.allocated.mig_profile {
@@ -82,6 +86,7 @@ fn holds(d: &ClaimDevice) -> String {
     s
 }
 
+#[cfg(feature = "mock")]
 fn recommends(advice: &Advice, served: bool) -> String {
     let mut s = match advice {
         Advice::Pending => "pending".to_owned(),
@@ -99,8 +104,9 @@ fn recommends(advice: &Advice, served: bool) -> String {
     s
 }
 
-/// Rows from an in-process round.
-pub fn rows_of(outcome: &RightsizeOutcome) -> Vec<Row> {
+/// Rows from an in-process round (`usage --recommend --mock`).
+#[cfg(feature = "mock")]
+pub(crate) fn rows_of(outcome: &RightsizeOutcome) -> Vec<Row> {
     let mut rows: Vec<Row> = outcome
         .entries
         .iter()
@@ -130,7 +136,7 @@ pub fn rows_of(outcome: &RightsizeOutcome) -> Vec<Row> {
 }
 
 /// Rows and node figures from one scrape of a running plugin.
-pub fn rows_of_scrape(samples: &[Sample]) -> (Vec<Row>, Vec<(String, u64, u64)>) {
+pub(crate) fn rows_of_scrape(samples: &[Sample]) -> (Vec<Row>, Vec<(String, u64, u64)>) {
     type Key = (String, String, String);
     #[derive(Default)]
     struct Acc {
@@ -266,7 +272,7 @@ pub fn rows_of_scrape(samples: &[Sample]) -> (Vec<Row>, Vec<(String, u64, u64)>)
 }
 
 /// `usage --recommend` against the running plugin.
-pub fn run_live(addr: &str) -> anyhow::Result<String> {
+pub(crate) fn run_live(addr: &str) -> anyhow::Result<String> {
     let text = super::command::scrape(addr)?;
     let samples = super::command::parse_exposition(&text)?;
     let (rows, nodes) = rows_of_scrape(&samples);

@@ -21,7 +21,7 @@ type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// [`ClaimDeviceLabels`] and the recommendation as labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RecommendationLabels {
+pub(crate) struct RecommendationLabels {
     /// The claim device.
     #[prometheus(flatten)]
     pub device: ClaimDeviceLabels,
@@ -37,7 +37,7 @@ pub struct RecommendationLabels {
 
 /// [`ClaimDeviceLabels`] and the activity source.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct WindowActivityLabels {
+pub(crate) struct WindowActivityLabels {
     /// The claim device.
     #[prometheus(flatten)]
     pub device: ClaimDeviceLabels,
@@ -47,7 +47,7 @@ pub struct WindowActivityLabels {
 
 /// Labels of the per-node series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct NodeLabels {
+pub(crate) struct NodeLabels {
     /// Pool (the node name).
     pub pool: String,
 }
