@@ -221,11 +221,6 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut registration = plugin.server.registration_state();
     registration_tx.send_replace(registration.borrow().clone());
     let mut published = plugin.publisher.status();
-    let mut last_error: Option<String> = None;
-    let mut was_published = false;
-    let mut counters_reported = false;
-    let counter_client = taint_client.clone();
-    let counter_events = EventReporter::new(counter_client.clone(), args.node_name.clone());
     let mut health_changes = plugin.server.health().map(|h| h.subscribe());
     let mut mps_refresh = tokio::time::interval(MPS_GAUGE_REFRESH);
     mps_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -237,10 +232,8 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         check_every.max(std::time::Duration::from_secs(1)),
     );
     mps_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut mps_check_task: Option<tokio::task::JoinHandle<()>> = None;
     // While the driver root holds no driver: not ready with the reason, and looked at again
     // on the start-up retry schedule's longest wait.
-    let mut plugin = plugin;
     if let Some(reason) = plugin.driver_wait.clone() {
         let reason = format!("NVIDIA driver not ready: {reason}");
         crate::start::driver_not_ready_event(&args, &ctx, &reason, &mut None).await;
@@ -263,108 +256,207 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         share_on_demand_mig: args.driver.share_on_demand_mig,
         ..PoolOptions::default()
     };
-    let signal = loop {
+    let counter_events = EventReporter::new(taint_client.clone(), args.node_name.clone());
+    let mut background = vec![heartbeat_task.abort_handle(), coexistence.abort_handle()];
+    background.extend(http.as_ref().map(|t| t.abort_handle()));
+    let mut daemon = Daemon {
+        args: &args,
+        blocker: &ctx.blocker,
+        plugin,
+        metrics,
+        taint_client,
+        counter_events,
+        registration_tx,
+        ready_tx,
+        degraded_tx,
+        last_error: None,
+        was_published: false,
+        counters_reported: false,
+        mps_events,
+        last_bare,
+        pool_tx,
+        pool_options,
+        mps_check_task: None,
+        background,
+    };
+    // Each event and its handler.
+    loop {
         tokio::select! {
-            s = signals.recv() => break s,
-            _ = driver_check.tick(), if plugin.driver_wait.is_some() => {
-                recheck_driver_root(&mut plugin, metrics.as_deref(), &ctx.blocker).await;
+            s = signals.recv() => return daemon.on_shutdown_signal(s).await,
+            _ = driver_check.tick(), if daemon.plugin.driver_wait.is_some() => {
+                daemon.on_driver_check_tick().await;
             }
-            _ = mps_check.tick(), if !check_every.is_zero() => {
-                if mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
-                    mps_check_task = Some(spawn_sharing_check(
-                        Arc::clone(&plugin.driver),
-                        plugin.node_lock.clone(),
-                        mps_events.clone(),
-                        Arc::clone(&last_bare),
-                        pool_tx.clone(),
-                        pool_options.clone(),
-                    ));
-                }
-            }
-            Some(pool) = pool_rx.recv() => {
-                // Health applies its taints to the new pool and triggers the publish.
-                match plugin.server.health() {
-                    Some(h) => h.set_base_pool(pool),
-                    // Nothing is published while the driver root holds no driver.
-                    None if plugin.driver_wait.is_some() => plugin.pending_pool = Some(pool),
-                    None => {
-                        publish(&plugin, metrics.as_deref(), pool);
-                    }
-                }
-            }
-            _ = mps_refresh.tick() => {
-                if let Some(m) = &metrics {
-                    m.observability.refresh_from_checkpoint(&plugin.driver);
-                }
-            }
+            _ = mps_check.tick(), if !check_every.is_zero() => daemon.on_mps_check_tick(),
+            Some(pool) = pool_rx.recv() => daemon.on_pool_rebuilt(pool),
+            _ = mps_refresh.tick() => daemon.on_mps_refresh_tick(),
             Some(()) = async {
                 match health_changes.as_mut() {
                     Some(rx) => rx.changed().await.ok(),
                     None => std::future::pending().await,
                 }
-            } => {
-                // A device became unhealthy or healthy again: taint or drop it (nothing is
-                // published while the driver root holds no driver).
-                if let Some(h) = plugin.server.health().filter(|_| plugin.driver_wait.is_none()) {
-                    let version = publish(&plugin, metrics.as_deref(), h.pool_to_publish());
-                    if h.needs_taint_check() {
-                        tokio::spawn(Arc::clone(h).verify_taints(
-                            taint_client.clone(),
-                            args.kubelet.driver_name.clone(),
-                            version,
-                            plugin.publisher.status(),
-                        ));
-                    }
-                }
-            }
+            } => daemon.on_health_change(),
             Ok(()) = registration.changed() => {
-                let state = registration.borrow_and_update().clone();
-                info!(state = ?state, "registration state changed");
-                if let Some(m) = &metrics {
-                    m.set_registered(state == RegistrationState::Registered);
-                }
-                registration_tx.send_replace(state);
+                daemon.on_registration_change(registration.borrow_and_update().clone());
             }
             Ok(()) = published.changed() => {
-                let s = published.borrow_and_update().clone();
-                if s.last_error != last_error {
-                    if let Some(e) = &s.last_error {
-                        warn!(error = %e, "publishing ResourceSlices failed; retrying");
-                    }
-                    last_error = s.last_error.clone();
-                }
-                if s.published {
-                    ready_tx.send_replace(true);
-                    if let Some(m) = &metrics {
-                        m.set_slices_published(s.slices);
-                        m.set_devices_withheld(s.withdrawn_devices);
-                    }
-                    let withheld = s.counters == CounterSupport::Dropped;
-                    if withheld != counters_reported {
-                        counters_reported = withheld;
-                        report_counter_support(&counter_client, &counter_events, &args.node_name, &degraded_tx, &s).await;
-                    }
-                }
-                if s.published && !was_published {
-                    info!(slices = s.slices, generation = s.generation, writes = s.writes, "ResourceSlices published");
-                }
-                was_published = s.published;
+                daemon.on_publish_status(published.borrow_and_update().clone()).await;
             }
         }
-    };
-    info!(signal, "shutting down");
-    if let Some(task) = mps_check_task {
-        // Let a check that runs finish: it may be starting a daemon.
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(30), task).await;
     }
-    heartbeat_task.abort();
-    coexistence.abort();
-    if let Some(task) = http {
-        task.abort();
+}
+
+/// What `run`'s event loop keeps between events; each event has a handler method.
+struct Daemon<'a> {
+    args: &'a RunArgs,
+    /// Why the plugin is not ready (the driver root without driver).
+    blocker: &'a Blocker,
+    plugin: RunningPlugin,
+    metrics: Option<Arc<Metrics>>,
+    /// The client the taint checks and the counter Events use.
+    taint_client: kube::Client,
+    counter_events: EventReporter,
+    registration_tx: tokio::sync::watch::Sender<RegistrationState>,
+    ready_tx: tokio::sync::watch::Sender<bool>,
+    degraded_tx: tokio::sync::watch::Sender<Option<String>>,
+    /// The last publish error logged (each new one is logged once).
+    last_error: Option<String>,
+    was_published: bool,
+    /// Whether the dropped-counters warning is the one reported.
+    counters_reported: bool,
+    mps_events: EventReporter,
+    last_bare: Arc<Mutex<BTreeMap<String, Vec<BareGpuInstance>>>>,
+    pool_tx: tokio::sync::mpsc::UnboundedSender<PoolDevices>,
+    pool_options: PoolOptions,
+    /// The periodic sharing check in progress, if any.
+    mps_check_task: Option<tokio::task::JoinHandle<()>>,
+    /// Tasks aborted at shutdown (heartbeat, coexistence check, HTTP server), in order.
+    background: Vec<tokio::task::AbortHandle>,
+}
+
+impl Daemon<'_> {
+    /// SIGTERM or SIGINT: lets a running sharing check finish, stops the background tasks
+    /// and shuts the plugin down.
+    async fn on_shutdown_signal(self, signal: &'static str) -> anyhow::Result<ExitCode> {
+        info!(signal, "shutting down");
+        if let Some(task) = self.mps_check_task {
+            // Let a check that runs finish: it may be starting a daemon.
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(30), task).await;
+        }
+        for task in &self.background {
+            task.abort();
+        }
+        self.plugin.shutdown().await?;
+        info!("stopped");
+        Ok(ExitCode::SUCCESS)
     }
-    plugin.shutdown().await?;
-    info!("stopped");
-    Ok(ExitCode::SUCCESS)
+
+    /// While the driver root holds no driver: looks at it again.
+    async fn on_driver_check_tick(&mut self) {
+        recheck_driver_root(&mut self.plugin, self.metrics.as_deref(), self.blocker).await;
+    }
+
+    /// Starts the periodic sharing check unless the previous one still runs.
+    fn on_mps_check_tick(&mut self) {
+        if self.mps_check_task.as_ref().is_none_or(|t| t.is_finished()) {
+            self.mps_check_task = Some(spawn_sharing_check(
+                Arc::clone(&self.plugin.driver),
+                self.plugin.node_lock.clone(),
+                self.mps_events.clone(),
+                Arc::clone(&self.last_bare),
+                self.pool_tx.clone(),
+                self.pool_options.clone(),
+            ));
+        }
+    }
+
+    /// The sharing check rebuilt the pool: hands it to health, holds it, or publishes it.
+    fn on_pool_rebuilt(&mut self, pool: PoolDevices) {
+        // Health applies its taints to the new pool and triggers the publish.
+        match self.plugin.server.health() {
+            Some(h) => h.set_base_pool(pool),
+            // Nothing is published while the driver root holds no driver.
+            None if self.plugin.driver_wait.is_some() => self.plugin.pending_pool = Some(pool),
+            None => {
+                publish(&self.plugin, self.metrics.as_deref(), pool);
+            }
+        }
+    }
+
+    /// Refreshes the MPS gauges from the checkpoint.
+    fn on_mps_refresh_tick(&self) {
+        if let Some(m) = &self.metrics {
+            m.observability.refresh_from_checkpoint(&self.plugin.driver);
+        }
+    }
+
+    /// A device became unhealthy or healthy again: taint or drop it (nothing is published
+    /// while the driver root holds no driver).
+    fn on_health_change(&self) {
+        let plugin = &self.plugin;
+        if let Some(h) = plugin
+            .server
+            .health()
+            .filter(|_| plugin.driver_wait.is_none())
+        {
+            let version = publish(plugin, self.metrics.as_deref(), h.pool_to_publish());
+            if h.needs_taint_check() {
+                tokio::spawn(Arc::clone(h).verify_taints(
+                    self.taint_client.clone(),
+                    self.args.kubelet.driver_name.clone(),
+                    version,
+                    plugin.publisher.status(),
+                ));
+            }
+        }
+    }
+
+    /// The kubelet's registration verdict changed: logs it and passes it to `/readyz`.
+    fn on_registration_change(&self, state: RegistrationState) {
+        info!(state = ?state, "registration state changed");
+        if let Some(m) = &self.metrics {
+            m.set_registered(state == RegistrationState::Registered);
+        }
+        self.registration_tx.send_replace(state);
+    }
+
+    /// The publisher's status changed: logs errors once, marks ready, updates the gauges
+    /// and reports dropped counters.
+    async fn on_publish_status(&mut self, s: cleave_controller::PublisherStatus) {
+        if s.last_error != self.last_error {
+            if let Some(e) = &s.last_error {
+                warn!(error = %e, "publishing ResourceSlices failed; retrying");
+            }
+            self.last_error = s.last_error.clone();
+        }
+        if s.published {
+            self.ready_tx.send_replace(true);
+            if let Some(m) = &self.metrics {
+                m.set_slices_published(s.slices);
+                m.set_devices_withheld(s.withdrawn_devices);
+            }
+            let withheld = s.counters == CounterSupport::Dropped;
+            if withheld != self.counters_reported {
+                self.counters_reported = withheld;
+                report_counter_support(
+                    &self.taint_client,
+                    &self.counter_events,
+                    &self.args.node_name,
+                    &self.degraded_tx,
+                    &s,
+                )
+                .await;
+            }
+        }
+        if s.published && !self.was_published {
+            info!(
+                slices = s.slices,
+                generation = s.generation,
+                writes = s.writes,
+                "ResourceSlices published"
+            );
+        }
+        self.was_published = s.published;
+    }
 }
 
 /// Publishes `pool` and records it as the published pool.
