@@ -18,7 +18,10 @@
 //!   (`cleave-kubelet-plugin checkpoint reset`, see [`crate::node::lifecycle::reset_checkpoint`]),
 //!   and reads the file again on every retry, so an operator's fix is picked up without a
 //!   restart;
-//! - [`StartError::Other`]: anything else ends start-up.
+//! - the other variants ([`StartError::Sockets`] taken by another instance,
+//!   [`StartError::Driver`], [`StartError::Servers`], [`StartError::Other`]) end start-up.
+//!
+//! Each step returns its variant where it fails, so the caller matches variants.
 //!
 //! Meanwhile nothing is registered with the kubelet (no prepare can arrive), no slice is
 //! published (an empty pool would tell the scheduler the node has no GPUs), `/readyz`
@@ -35,7 +38,6 @@ use anyhow::Context as _;
 use cleave_controller::backoff::{Backoff, BackoffConfig};
 use cleave_controller::{PublisherConfig, SlicePublisher};
 use cleave_driver::backend::GpuBackend;
-use cleave_driver::checkpoint::CheckpointError;
 use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::BareGpuInstance;
 use cleave_driver::nvml::NvmlBackend;
@@ -48,7 +50,7 @@ use tracing::{info, warn};
 use crate::args::{KubeletArgs, MpsLauncherKind, RunArgs};
 use crate::k8s::events::{EventReporter, Severity};
 use crate::k8s::kube_handler::{KubeClaimHandler, release_orphaned_claims};
-use crate::kubelet::server::{PluginConfig, PluginServer};
+use crate::kubelet::server::{PluginConfig, PluginServer, ServerError};
 use crate::metrics::Metrics;
 use crate::node::lifecycle::{reset_command, short_reason};
 use crate::node::node_lock::NodeLock;
@@ -274,17 +276,6 @@ pub(crate) async fn start_with_backend(
     metrics: Option<Arc<Metrics>>,
     backend: Arc<dyn GpuBackend>,
 ) -> Result<RunningPlugin, StartError> {
-    start_on(args, client, metrics, backend)
-        .await
-        .map_err(StartError::classify)
-}
-
-async fn start_on(
-    args: &RunArgs,
-    client: kube::Client,
-    metrics: Option<Arc<Metrics>>,
-    backend: Arc<dyn GpuBackend>,
-) -> anyhow::Result<RunningPlugin> {
     let plugin = plugin_config(&args.kubelet);
     plugin
         .prepare_dirs()
@@ -293,7 +284,7 @@ async fn start_on(
     // socket names stops here, naming the one that runs.
     crate::kubelet::server::check_sockets_free(&plugin)
         .await
-        .context("checking the plugin sockets")?;
+        .map_err(StartError::Sockets)?;
     let node_lock = NodeLock::new(plugin.lock_file());
 
     let mut config = driver_config(args, &plugin);
@@ -312,8 +303,7 @@ async fn start_on(
         node_lock
             .run(move || {
                 let driver = NodeDriver::start_with_sharing(config, backend, sharing)
-                    .map_err(anyhow::Error::from)
-                    .context("starting the node driver")?;
+                    .map_err(StartError::from_driver)?;
                 if let Some(pool) = metadata_pool {
                     driver.enable_device_metadata(pool);
                     info!("device metadata files on (--device-metadata)");
@@ -329,9 +319,10 @@ async fn start_on(
                                 .display()
                         )
                     })?;
-                Ok::<_, anyhow::Error>((driver, lock))
+                Ok::<_, StartError>((driver, lock))
             })
-            .await??
+            .await
+            .map_err(anyhow::Error::from)??
     };
     let driver = Arc::new(driver);
 
@@ -430,7 +421,7 @@ async fn start_on(
     let observer = metrics.map(|m| m as Arc<dyn crate::kubelet::dra::DraObserver>);
     let server = PluginServer::start_with_health(&plugin, handler, observer, health)
         .await
-        .context("starting the plugin servers")?;
+        .map_err(StartError::Servers)?;
     Ok(RunningPlugin {
         backend,
         driver,
@@ -600,45 +591,45 @@ pub(crate) enum StartError {
         /// The whole checkpoint error, with its recovery text.
         error: String,
     },
-    /// Anything else: start-up fails.
+    /// The plugin's sockets are served by another instance, or cannot be checked.
+    #[error("checking the plugin sockets")]
+    Sockets(#[source] ServerError),
+    /// The node driver failed to start for another reason than its checkpoint.
+    #[error("starting the node driver")]
+    Driver(#[source] Box<PrepareError>),
+    /// The DRA and registration servers failed to start.
+    #[error("starting the plugin servers")]
+    Servers(#[source] ServerError),
+    /// Anything else (directories, CDI hook, MPS launcher, instance lock): start-up fails.
     #[error(transparent)]
     Other(#[from] anyhow::Error),
 }
 
 impl StartError {
-    /// A checkpoint error anywhere in `e`'s chain is [`Self::CheckpointUnreadable`];
-    /// anything else [`Self::Other`].
-    pub(crate) fn classify(e: anyhow::Error) -> Self {
-        match checkpoint_error(&e) {
-            Some(ce) => Self::CheckpointUnreadable {
-                reason: short_reason(ce),
+    /// The node driver's start error: a checkpoint error is [`Self::CheckpointUnreadable`]
+    /// (retried), anything else [`Self::Driver`].
+    pub(crate) fn from_driver(e: PrepareError) -> Self {
+        match e {
+            PrepareError::Checkpoint(ce) => Self::CheckpointUnreadable {
+                reason: short_reason(&ce),
                 error: ce.to_string(),
             },
-            None => Self::Other(e),
+            e => Self::Driver(Box::new(e)),
         }
     }
 
     /// Whether [`start_when_possible`] waits and tries again after this error.
     #[cfg(test)]
     fn is_retried(&self) -> bool {
-        !matches!(self, Self::Other(_))
+        matches!(
+            self,
+            Self::DriverNotReady(_) | Self::CheckpointUnreadable { .. }
+        )
     }
 }
 
 /// Why the plugin is not ready yet (None: nothing blocks start-up); `/readyz` shows it.
 pub(crate) type Blocker = watch::Sender<Option<String>>;
-
-/// The checkpoint error inside a start failure, if that is what failed.
-pub(crate) fn checkpoint_error(e: &anyhow::Error) -> Option<&CheckpointError> {
-    e.chain().find_map(|c| {
-        c.downcast_ref::<CheckpointError>().or_else(|| {
-            c.downcast_ref::<PrepareError>().and_then(|p| match p {
-                PrepareError::Checkpoint(ce) => Some(ce),
-                _ => None,
-            })
-        })
-    })
-}
 
 /// Loads NVML for the driver under `driver_root` (the root's libraries first, then the
 /// system's, or `nvml_lib` when given) and checks it sees GPUs; the error says why the
@@ -818,6 +809,7 @@ pub(crate) async fn driver_not_ready_event(
 mod tests {
     use super::*;
     use clap::Parser as _;
+    use cleave_driver::checkpoint::CheckpointError;
 
     #[derive(clap::Parser)]
     struct T {
@@ -862,30 +854,18 @@ mod tests {
     }
 
     #[test]
-    fn checkpoint_errors_are_found_through_context() {
-        let ce = CheckpointError::Corrupt {
-            path: "/x/checkpoint.json".into(),
-            reason: "bad".into(),
-        };
-        let e = anyhow::Error::from(PrepareError::from(ce)).context("starting the node driver");
-        assert!(checkpoint_error(&e).is_some());
-        assert!(checkpoint_error(&anyhow::anyhow!("other")).is_none());
-    }
-    #[test]
     fn start_errors_say_whether_they_are_retried() {
         let ce = CheckpointError::Corrupt {
             path: "/x/checkpoint.json".into(),
             reason: "bad".into(),
         };
-        let e = StartError::classify(
-            anyhow::Error::from(PrepareError::from(ce)).context("starting the node driver"),
-        );
+        let e = StartError::from_driver(PrepareError::from(ce));
         assert!(
             matches!(&e, StartError::CheckpointUnreadable { reason, .. } if reason == "/x/checkpoint.json is corrupt: bad"),
             "{e:?}"
         );
         assert!(e.is_retried());
         assert!(StartError::DriverNotReady(anyhow::anyhow!("no NVML")).is_retried());
-        assert!(!StartError::classify(anyhow::anyhow!("other")).is_retried());
+        assert!(!StartError::Other(anyhow::anyhow!("other")).is_retried());
     }
 }
