@@ -92,7 +92,7 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
                 print!("{}", m.run(args.recommend)?);
                 return Ok(ExitCode::SUCCESS);
             }
-            print!("{}", crate::node::usage::command::run(args)?);
+            print!("{}", crate::node::usage::run_command(args)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Checkpoint(CheckpointCommand::Reset(args)) => checkpoint_reset(args),

@@ -61,51 +61,6 @@ pub(crate) trait StatusObserver: Send + Sync + std::fmt::Debug {
     fn status_write(&self, result: &'static str);
 }
 
-/// `claim_status_writes_total{result}`: finished status writes by result.
-#[derive(Debug, Clone, Default)]
-pub struct StatusWriteMetrics {
-    writes: prometheus_client::metrics::family::Family<
-        StatusWriteLabels,
-        prometheus_client::metrics::counter::Counter,
-    >,
-}
-
-/// Labels of `claim_status_writes_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-pub(crate) struct StatusWriteLabels {
-    /// `ok`, `unchanged`, `gone`, `retry` or `failed`.
-    pub result: &'static str,
-}
-
-impl StatusWriteMetrics {
-    /// Creates the family and registers it.
-    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "claim_status_writes",
-            "Writes of claims' status.devices entries by result (retry: a failed try that is retried; failed: given up, the claim stays prepared)",
-            m.writes.clone(),
-        );
-        m
-    }
-
-    /// Count of writes with `result`.
-    pub fn count(&self, result: &'static str) -> u64 {
-        self.writes
-            .get_or_create(&StatusWriteLabels { result })
-            .get()
-    }
-}
-
-impl StatusObserver for crate::metrics::Metrics {
-    fn status_write(&self, result: &'static str) {
-        self.claim_status
-            .writes
-            .get_or_create(&StatusWriteLabels { result })
-            .inc();
-    }
-}
-
 /// Why one status write did not go through.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum StatusWriteError {

@@ -82,7 +82,7 @@ pub struct Metrics {
     /// Usage windows and recommendations (see [`rightsize`]).
     pub rightsize: Arc<rightsize::RightsizeMetrics>,
     /// Claim `status.devices` writes by result (see `crate::k8s::claim_status`).
-    pub claim_status: crate::k8s::claim_status::StatusWriteMetrics,
+    pub claim_status: StatusWriteMetrics,
 }
 
 impl Default for Metrics {
@@ -131,7 +131,7 @@ impl Metrics {
         let lifecycle = LifecycleMetrics::register(&mut registry);
         let usage = Arc::new(usage::UsageMetrics::register(&mut registry));
         let rightsize = Arc::new(rightsize::RightsizeMetrics::register(&mut registry));
-        let claim_status = crate::k8s::claim_status::StatusWriteMetrics::register(&mut registry);
+        let claim_status = StatusWriteMetrics::register(&mut registry);
         Self {
             registry,
             claims,
@@ -326,6 +326,51 @@ impl HealthObserver for Metrics {
     }
     fn unhealthy_devices(&self, count: usize) {
         self.health.set_unhealthy(count);
+    }
+}
+
+/// `claim_status_writes_total{result}`: finished status writes by result.
+#[derive(Debug, Clone, Default)]
+pub struct StatusWriteMetrics {
+    writes: prometheus_client::metrics::family::Family<
+        StatusWriteLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+}
+
+/// Labels of `claim_status_writes_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub(crate) struct StatusWriteLabels {
+    /// `ok`, `unchanged`, `gone`, `retry` or `failed`.
+    pub result: &'static str,
+}
+
+impl StatusWriteMetrics {
+    /// Creates the family and registers it.
+    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "claim_status_writes",
+            "Writes of claims' status.devices entries by result (retry: a failed try that is retried; failed: given up, the claim stays prepared)",
+            m.writes.clone(),
+        );
+        m
+    }
+
+    /// Count of writes with `result`.
+    pub fn count(&self, result: &'static str) -> u64 {
+        self.writes
+            .get_or_create(&StatusWriteLabels { result })
+            .get()
+    }
+}
+
+impl crate::k8s::claim_status::StatusObserver for Metrics {
+    fn status_write(&self, result: &'static str) {
+        self.claim_status
+            .writes
+            .get_or_create(&StatusWriteLabels { result })
+            .inc();
     }
 }
 

@@ -464,6 +464,15 @@ pub(crate) fn spawn_idle_events(
     })
 }
 
+/// `usage`: the table from the running plugin, or with `--recommend` the rightsizing one.
+pub(crate) fn run_command(args: &crate::args::UsageCommandArgs) -> anyhow::Result<String> {
+    if args.recommend {
+        recommend_command::run_live(&args.metrics_addr)
+    } else {
+        command::run_live(args)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

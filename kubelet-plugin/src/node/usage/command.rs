@@ -314,15 +314,6 @@ pub(crate) fn run_live(args: &UsageCommandArgs) -> anyhow::Result<String> {
     Ok(render(&scrapes, SystemTime::now()))
 }
 
-/// `usage`: the table from the running plugin.
-pub(crate) fn run(args: &UsageCommandArgs) -> anyhow::Result<String> {
-    if args.recommend {
-        super::recommend_command::run_live(&args.metrics_addr)
-    } else {
-        run_live(args)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
