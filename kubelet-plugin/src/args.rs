@@ -84,7 +84,7 @@ impl Default for MpsArgs {
 
 /// Arguments of `mps-daemon` (set by the pod the plugin creates, not by hand).
 #[derive(Debug, Clone, Args)]
-pub struct MpsDaemonArgs {
+pub(crate) struct MpsDaemonArgs {
     /// The NVIDIA driver root as mounted in this container.
     #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/driver-root")]
     pub driver_root: PathBuf,
@@ -108,7 +108,7 @@ pub struct MpsDaemonArgs {
 
 /// Arguments of `checkpoint reset`.
 #[derive(Debug, Clone, Args)]
-pub struct CheckpointResetArgs {
+pub(crate) struct CheckpointResetArgs {
     /// Kubelet plugins directory (the checkpoint is `<this>/<driver name>/checkpoint.json`).
     #[arg(
         long = "plugins-dir",
@@ -425,7 +425,7 @@ impl UsageArgs {
 
 /// Arguments of `usage`.
 #[derive(Debug, Clone, Args)]
-pub struct UsageCommandArgs {
+pub(crate) struct UsageCommandArgs {
     /// The running plugin's metrics endpoint (its `--metrics-addr`), `host:port` or an
     /// `http://` URL.
     #[arg(long, env = "METRICS_ADDR", default_value = "127.0.0.1:9400")]
@@ -450,7 +450,7 @@ pub struct UsageCommandArgs {
 }
 
 /// Parses `500ms`, `10s`, `5m`, `1h` or a bare number of seconds.
-pub fn parse_duration(value: &str) -> Result<std::time::Duration, String> {
+pub(crate) fn parse_duration(value: &str) -> Result<std::time::Duration, String> {
     let v = value.trim();
     let (number, unit) = match v.find(|c: char| !c.is_ascii_digit() && c != '.') {
         Some(i) => v.split_at(i),
@@ -548,7 +548,7 @@ pub struct RunArgs {
 
 /// Arguments of `inspect`.
 #[derive(Debug, Clone, Args)]
-pub struct InspectArgs {
+pub(crate) struct InspectArgs {
     /// NVML library.
     #[command(flatten)]
     pub nvml: NvmlArgs,

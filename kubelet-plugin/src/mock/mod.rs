@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use crate::args::NvmlArgs;
 use crate::cli::Command;
 
-pub use mock_nvml::locate::CDYLIB_NAME as MOCK_LIBRARY;
+use mock_nvml::locate::CDYLIB_NAME as MOCK_LIBRARY;
 pub(crate) use usage_try::UsageTry;
 
 /// Finds the mock library: `$MOCK_NVML_LIB` if it names a file, else the newest
