@@ -279,48 +279,8 @@ pub(crate) fn claim_devices(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::ClaimRecord;
-    use crate::sharing::{DaemonSpec, MpsRecord, TimeSliceSetting};
-
-    fn mps_state(uid: &str) -> serde_json::Value {
-        let record = MpsRecord {
-            spec: DaemonSpec {
-                claim_uid: uid.to_owned(),
-                pipe_dir: "/state/mps/pipe".into(),
-                log_dir: "/state/mps/log".into(),
-                visible_devices: vec!["GPU-0".into()],
-                multi_user: false,
-            },
-            host_pipe_dir: "/state/mps/pipe".into(),
-            active_thread_percentage: 50,
-            pinned_limits: Vec::new(),
-            exclusive_gpus: Vec::new(),
-            daemon: None,
-        };
-        serde_json::to_value(SharingState {
-            mps: Some(record),
-            time_slicing: Vec::new(),
-        })
-        .unwrap()
-    }
-
-    fn claim(uid: &str, state: ClaimState, sharing: Option<serde_json::Value>) -> ClaimRecord {
-        ClaimRecord {
-            uid: uid.to_owned(),
-            namespace: "ns".into(),
-            name: uid.to_owned(),
-            state,
-            devices: Vec::new(),
-            sharing,
-        }
-    }
-
-    fn data(claims: Vec<ClaimRecord>) -> CheckpointData {
-        CheckpointData {
-            boot_id: "boot".into(),
-            claims: claims.into_iter().map(|c| (c.uid.clone(), c)).collect(),
-        }
-    }
+    use crate::prepare::testing::{checkpoint_claim, checkpoint_data, mps_sharing_state};
+    use crate::sharing::TimeSliceSetting;
 
     #[test]
     fn claim_devices_of_prepared_claims_with_hardware_allocation_and_daemon_pid() {
@@ -344,7 +304,7 @@ mod tests {
             cdi_device_ids: vec![],
             share: None,
         };
-        let mut mig = claim("m", ClaimState::Prepared, None);
+        let mut mig = checkpoint_claim("m", ClaimState::Prepared, None);
         mig.devices = vec![device(
             "gpu-0-mig-3g20gb-4",
             0,
@@ -359,7 +319,7 @@ mod tests {
                 creating_in_boot: None,
             }),
         )];
-        let mut state: SharingState = serde_json::from_value(mps_state("p")).unwrap();
+        let mut state: SharingState = serde_json::from_value(mps_sharing_state("p")).unwrap();
         if let Some(m) = state.mps.as_mut() {
             m.daemon = Some(crate::sharing::DaemonHandle::process(
                 4242,
@@ -367,18 +327,18 @@ mod tests {
                 "boot".into(),
             ));
         }
-        let mut mps = claim(
+        let mut mps = checkpoint_claim(
             "p",
             ClaimState::Prepared,
             Some(serde_json::to_value(state).unwrap()),
         );
         mps.devices = vec![device("gpu-1", 1, None)];
         // Being prepared, or waiting for recreation: not sampled.
-        let mut started = claim("s", ClaimState::PrepareStarted, None);
+        let mut started = checkpoint_claim("s", ClaimState::PrepareStarted, None);
         started.devices = vec![device("gpu-1", 1, None)];
         let inv = inventory(vec![mig_gpu(0), plain_gpu(1)]);
         let got = claim_devices(
-            &data(vec![mig, mps, started]),
+            &checkpoint_data(vec![mig, mps, started]),
             &inv,
             cleave_api::pool::ConsumableCapacity::Off,
         );
@@ -408,7 +368,7 @@ mod tests {
         // Capacity shares: given what they consumed; a share that consumed the whole device
         // (a claim that asked for no capacity) counts as the device alone.
         let share = |uid: &str, memory: u64, sms: u32| {
-            let mut c = claim(uid, ClaimState::Prepared, None);
+            let mut c = checkpoint_claim(uid, ClaimState::Prepared, None);
             let mut d = device("gpu-1", 1, None);
             d.share = Some(crate::checkpoint::ShareRecord {
                 share_id: format!("share-{uid}"),
@@ -420,7 +380,7 @@ mod tests {
             c
         };
         let got = claim_devices(
-            &data(vec![share("a", 10 << 30, 29), share("b", 24 << 30, 58)]),
+            &checkpoint_data(vec![share("a", 10 << 30, 29), share("b", 24 << 30, 58)]),
             &inv,
             cleave_api::pool::ConsumableCapacity::Mps,
         );
@@ -443,21 +403,25 @@ mod tests {
 
     #[test]
     fn mps_daemons_counts_prepared_claims_with_an_mps_record() {
-        let d = data(vec![
-            claim("a", ClaimState::Prepared, Some(mps_state("a"))),
-            claim("b", ClaimState::Prepared, Some(mps_state("b"))),
+        let d = checkpoint_data(vec![
+            checkpoint_claim("a", ClaimState::Prepared, Some(mps_sharing_state("a"))),
+            checkpoint_claim("b", ClaimState::Prepared, Some(mps_sharing_state("b"))),
             // Time-slicing only / no sharing: no daemon.
-            claim(
+            checkpoint_claim(
                 "c",
                 ClaimState::Prepared,
                 Some(serde_json::to_value(SharingState::default()).unwrap()),
             ),
-            claim("d", ClaimState::Prepared, None),
+            checkpoint_claim("d", ClaimState::Prepared, None),
             // Not prepared (rolled back at start) or waiting for recreation: not running.
-            claim("e", ClaimState::PrepareStarted, Some(mps_state("e"))),
-            claim("f", ClaimState::NeedsRecreate, Some(mps_state("f"))),
+            checkpoint_claim(
+                "e",
+                ClaimState::PrepareStarted,
+                Some(mps_sharing_state("e")),
+            ),
+            checkpoint_claim("f", ClaimState::NeedsRecreate, Some(mps_sharing_state("f"))),
             // Unreadable sharing state: not counted.
-            claim(
+            checkpoint_claim(
                 "g",
                 ClaimState::Prepared,
                 Some(serde_json::json!({"mps": 7})),
@@ -469,7 +433,7 @@ mod tests {
 
     #[test]
     fn summary_names_claims_states_devices_and_sharing() {
-        let mut ts = claim(
+        let mut ts = checkpoint_claim(
             "t",
             ClaimState::NeedsRecreate,
             Some(
@@ -498,10 +462,10 @@ mod tests {
                 share: None,
             })
             .to_vec();
-        let s = summarize(&data(vec![
-            claim("m", ClaimState::Prepared, Some(mps_state("m"))),
+        let s = summarize(&checkpoint_data(vec![
+            checkpoint_claim("m", ClaimState::Prepared, Some(mps_sharing_state("m"))),
             ts,
-            claim("n", ClaimState::PrepareStarted, None),
+            checkpoint_claim("n", ClaimState::PrepareStarted, None),
         ]));
         let got: Vec<_> = s
             .claims
@@ -535,10 +499,10 @@ mod tests {
         assert_eq!(reader.summary().unwrap(), CheckpointSummary::default());
         let store = CheckpointStore::in_dir(dir.path());
         store
-            .store(&data(vec![claim(
+            .store(&checkpoint_data(vec![checkpoint_claim(
                 "a",
                 ClaimState::Prepared,
-                Some(mps_state("a")),
+                Some(mps_sharing_state("a")),
             )]))
             .unwrap();
         assert_eq!(reader.summary().unwrap().mps_daemons(), 1);

@@ -836,3 +836,53 @@ impl crate::backend::UsageSource for FakeUsage {
         }))
     }
 }
+
+/// The sharing state a checkpoint records for a claim with its own MPS daemon (50 % of the
+/// threads on `GPU-0`, pipes under `/state/mps`), as JSON.
+pub fn mps_sharing_state(uid: &str) -> serde_json::Value {
+    let record = crate::sharing::MpsRecord {
+        spec: crate::sharing::DaemonSpec {
+            claim_uid: uid.to_owned(),
+            pipe_dir: "/state/mps/pipe".into(),
+            log_dir: "/state/mps/log".into(),
+            visible_devices: vec!["GPU-0".into()],
+            multi_user: false,
+        },
+        host_pipe_dir: "/state/mps/pipe".into(),
+        active_thread_percentage: 50,
+        pinned_limits: Vec::new(),
+        exclusive_gpus: Vec::new(),
+        daemon: None,
+    };
+    serde_json::to_value(crate::sharing::SharingState {
+        mps: Some(record),
+        time_slicing: Vec::new(),
+    })
+    .unwrap()
+}
+
+/// A checkpoint record of claim `uid` (namespace `ns`, named after its UID) without devices.
+pub fn checkpoint_claim(
+    uid: &str,
+    state: crate::checkpoint::ClaimState,
+    sharing: Option<serde_json::Value>,
+) -> crate::checkpoint::ClaimRecord {
+    crate::checkpoint::ClaimRecord {
+        uid: uid.to_owned(),
+        namespace: "ns".into(),
+        name: uid.to_owned(),
+        state,
+        devices: Vec::new(),
+        sharing,
+    }
+}
+
+/// Checkpoint contents holding `claims` (boot ID `boot`).
+pub fn checkpoint_data(
+    claims: Vec<crate::checkpoint::ClaimRecord>,
+) -> crate::checkpoint::CheckpointData {
+    crate::checkpoint::CheckpointData {
+        boot_id: "boot".into(),
+        claims: claims.into_iter().map(|c| (c.uid.clone(), c)).collect(),
+    }
+}

@@ -235,8 +235,8 @@ impl ObservabilityMetrics {
 
 #[cfg(test)]
 mod tests {
-    use cleave_driver::checkpoint::{CheckpointData, CheckpointStore, ClaimRecord, ClaimState};
-    use cleave_driver::sharing::{DaemonSpec, MpsRecord, SharingState};
+    use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
+    use cleave_driver::prepare::testing::{checkpoint_claim, checkpoint_data, mps_sharing_state};
 
     use super::*;
 
@@ -250,46 +250,6 @@ mod tests {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, registry).unwrap();
         out
-    }
-
-    fn mps_state(uid: &str) -> serde_json::Value {
-        let record = MpsRecord {
-            spec: DaemonSpec {
-                claim_uid: uid.to_owned(),
-                pipe_dir: "/state/mps/pipe".into(),
-                log_dir: "/state/mps/log".into(),
-                visible_devices: vec!["GPU-0".into()],
-                multi_user: false,
-            },
-            host_pipe_dir: "/state/mps/pipe".into(),
-            active_thread_percentage: 50,
-            pinned_limits: Vec::new(),
-            exclusive_gpus: Vec::new(),
-            daemon: None,
-        };
-        serde_json::to_value(SharingState {
-            mps: Some(record),
-            time_slicing: Vec::new(),
-        })
-        .unwrap()
-    }
-
-    fn claim(uid: &str, state: ClaimState, sharing: Option<serde_json::Value>) -> ClaimRecord {
-        ClaimRecord {
-            uid: uid.to_owned(),
-            namespace: "ns".into(),
-            name: uid.to_owned(),
-            state,
-            devices: Vec::new(),
-            sharing,
-        }
-    }
-
-    fn data(claims: Vec<ClaimRecord>) -> CheckpointData {
-        CheckpointData {
-            boot_id: "boot".into(),
-            claims: claims.into_iter().map(|c| (c.uid.clone(), c)).collect(),
-        }
     }
 
     #[test]
@@ -333,20 +293,20 @@ mod tests {
         assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 0"));
 
         store
-            .store(&data(vec![
-                claim("a", ClaimState::Prepared, Some(mps_state("a"))),
-                claim("b", ClaimState::Prepared, Some(mps_state("b"))),
-                claim("c", ClaimState::Prepared, None),
+            .store(&checkpoint_data(vec![
+                checkpoint_claim("a", ClaimState::Prepared, Some(mps_sharing_state("a"))),
+                checkpoint_claim("b", ClaimState::Prepared, Some(mps_sharing_state("b"))),
+                checkpoint_claim("c", ClaimState::Prepared, None),
             ]))
             .unwrap();
         m.set_prepared(&reader.summary().unwrap());
         assert!(encode(&registry).contains("cleave_kubelet_plugin_mps_daemons_running 2"));
 
         store
-            .store(&data(vec![claim(
+            .store(&checkpoint_data(vec![checkpoint_claim(
                 "a",
                 ClaimState::Prepared,
-                Some(mps_state("a")),
+                Some(mps_sharing_state("a")),
             )]))
             .unwrap();
         m.set_prepared(&reader.summary().unwrap());
