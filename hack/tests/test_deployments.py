@@ -855,7 +855,7 @@ def role_rules(role: dict) -> dict[tuple[str, str], set[str]]:
 
 
 def rust_mps_pod_rbac_rules() -> dict[tuple[str, str], set[str]]:
-    """MPS_POD_RBAC_RULES, read from kubelet-plugin/src/mps_pod.rs (same tuple format as RBAC_RULES)."""
+    """MPS_POD_RBAC_RULES, read from kubelet-plugin/src/k8s/mps_pod.rs (same tuple format as RBAC_RULES)."""
     if not MPS_POD_SRC.exists():
         raise Skip(f"{MPS_POD_SRC.relative_to(ROOT)} not written yet")
     text = MPS_POD_SRC.read_text()
@@ -993,7 +993,7 @@ def mps_values_schema_accepts_defaults_rejects_bad_values() -> None:
 @check
 def mps_doc_names_what_the_chart_and_code_use() -> None:
     """docs/mps.md documents every mps.* value and the launcher flag values; the daemon pod name
-    and labels it names are the ones kubelet-plugin/src/mps_pod.rs uses (once that exists)."""
+    and labels it names are the ones kubelet-plugin/src/k8s/mps_pod.rs uses (once that exists)."""
     if not MPS_DOC.exists():
         raise Skip("docs/mps.md not written yet")
     doc = MPS_DOC.read_text()
@@ -1014,13 +1014,13 @@ def mps_doc_names_what_the_chart_and_code_use() -> None:
     doc_labels = set(re.findall(rf"`({re.escape(DRIVER)}/[a-z-]+)=", doc)) | {"app.kubernetes.io/name"}
     assert f"{DRIVER}/claim-uid" in doc_labels, doc_labels
     # And the other way: every label the code declares (`*_LABEL` consts) is documented.
-    code_labels = set(re.findall(r'pub const \w+_LABEL: &str = "([^"]+)"', src))
-    assert code_labels, "no *_LABEL const found in kubelet-plugin/src/mps_pod.rs"
+    code_labels = set(re.findall(r'pub(?:\(crate\))? const \w+_LABEL: &str = "([^"]+)"', src))
+    assert code_labels, "no *_LABEL const found in kubelet-plugin/src/k8s/mps_pod.rs"
     undocumented = sorted(label for label in code_labels if f"`{label}=" not in doc)
-    assert not undocumented, f"kubelet-plugin/src/mps_pod.rs labels daemon pods with {undocumented}, docs/mps.md does not say"
+    assert not undocumented, f"kubelet-plugin/src/k8s/mps_pod.rs labels daemon pods with {undocumented}, docs/mps.md does not say"
     for needle in sorted(doc_labels) + ['"cleave-mps"', "cleave-mps-{", "mps-daemon", "/tmp/nvidia-mps"]:
         where = src if needle != "/tmp/nvidia-mps" else src + (ROOT / "driver" / "src" / "sharing" / "mps.rs").read_text()
-        assert needle in where, f"docs/mps.md names {needle!r}, kubelet-plugin/src/mps_pod.rs does not"
+        assert needle in where, f"docs/mps.md names {needle!r}, kubelet-plugin/src/k8s/mps_pod.rs does not"
 
 
 @check
@@ -1212,7 +1212,7 @@ def cli_long_flags() -> set[str]:
     out: set[str] = set()
     for path in (ROOT / "kubelet-plugin" / "src").rglob("*.rs"):
         text = path.read_text()
-        for m in re.finditer(r"#\[arg\(([^\]]*)\)\]\s*(?:(?:#\[[^\]]*\]|///[^\n]*)\s*)*pub\s+(\w+)\s*:", text):
+        for m in re.finditer(r"#\[arg\(([^\]]*)\)\]\s*(?:(?:#\[[^\]]*\]|///[^\n]*)\s*)*pub(?:\(crate\))?\s+(\w+)\s*:", text):
             attrs, field = m.groups()
             if not re.search(r"\blong\b", attrs):
                 continue
@@ -1534,9 +1534,9 @@ def args_rs_structs() -> dict[str, list[tuple[str, str | None, str | None]]]:
     struct or None) of each field."""
     text = ARGS_RS.read_text()
     out: dict[str, list[tuple[str, str | None, str | None]]] = {}
-    for m in re.finditer(r"pub struct (\w+) \{(.*?)\n\}", text, re.S):
+    for m in re.finditer(r"pub(?:\(crate\))? struct (\w+) \{(.*?)\n\}", text, re.S):
         fields = []
-        for f in re.finditer(r"#\[(arg|command)\(([^\]]*)\)\]\s*(?:///[^\n]*\s*)*pub\s+(\w+)\s*:\s*(\w+)", m.group(2)):
+        for f in re.finditer(r"#\[(arg|command)\(([^\]]*)\)\]\s*(?:///[^\n]*\s*)*pub(?:\(crate\))?\s+(\w+)\s*:\s*(\w+)", m.group(2)):
             kind, attrs, name, ty = f.groups()
             if kind == "command" and "flatten" in attrs:
                 fields.append(("", None, ty))
@@ -1781,7 +1781,7 @@ def metrics_reach_prometheus() -> None:
 
 def mps_daemon_pod(node: str = "node-a", image: str = "ghcr.io/cleave-dev/cleave:0.1.0",
                    state_dir: str = "/var/lib/kubelet/plugins/gpu.cleave.dev", driver_root: str = "/") -> dict:
-    """A daemon pod as kubelet-plugin/src/mps_pod.rs `daemon_pod` builds it (after the API
+    """A daemon pod as kubelet-plugin/src/k8s/mps_pod.rs `daemon_pod` builds it (after the API
     server's defaulting of serviceAccountName)."""
     uid = "7f1c2a9e-0000-4000-8000-000000000001"
     return {
@@ -1942,7 +1942,7 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
                    '"app.kubernetes.io/managed-by", "cleave-kubelet-plugin"', '"--driver-root=',
                    '"--lib-dir=', '"--mps-control-bin=', '"--multi-user"', "automount_service_account_token: Some(false)",
                    'host_path_volume("driver-root", &config.host_driver_root'):
-        assert needle in src, f"kubelet-plugin/src/mps_pod.rs lacks {needle!r}: update the policy and this check"
+        assert needle in src, f"kubelet-plugin/src/k8s/mps_pod.rs lacks {needle!r}: update the policy and this check"
     for name in re.findall(r'env\("([A-Z_]+)"', src):
         assert name.startswith(("CUDA_", "CLEAVE_")), f"mps_pod.rs sets env {name}, which the policy denies"
     for name, _ in re.findall(r'host_path_volume\("([^"]+)",\s*&config\.(host_path\(|host_driver_root)', src):
@@ -1961,7 +1961,7 @@ _VALUE_PATH = re.compile(r"^([a-z][A-Za-z0-9]*(?:\.(?:[A-Za-z][A-Za-z0-9]*|\{[A-
 # Flags in docs that are not cleave's (other tools' options named alone in backticks).
 FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--platform", "--root-dir",
                  "--config", "--privileged", "--cgroups", "--device", "--gpu-reset", "--help",
-                 "--bench", "--query-gpu", "--set-timeslice"}
+                 "--bench", "--query-gpu", "--set-timeslice", "--features"}
 # Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).
 # Names docs use that start like a chart value but are not one: opaque config fields and
 # fields of the claim status data (docs/attributes.md).

@@ -66,10 +66,27 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Applies the mock flags of `command` to the environment (before any thread starts);
+/// for `usage --mock`, the try to run instead of asking a plugin.
+#[cfg(feature = "mock")]
+fn prepare_mock(command: &mut Command) -> anyhow::Result<Option<crate::mock::UsageTry>> {
+    match command {
+        Command::Run(a) => crate::mock::resolve_nvml(&mut a.nvml)?,
+        Command::Inspect(a) => crate::mock::resolve_nvml(&mut a.nvml)?,
+        Command::Usage(a) => {
+            if let Some(profile) = &a.mock {
+                return crate::mock::UsageTry::prepare_env(profile, a.recommend).map(Some);
+            }
+        }
+        Command::Checkpoint(_) | Command::MpsDaemon(_) => {}
+    }
+    Ok(None)
+}
+
 fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
     // Environment changes must happen while the process is single-threaded.
     #[cfg(feature = "mock")]
-    let usage_mock = crate::mock::prepare(&mut cli.command)?;
+    let usage_mock = prepare_mock(&mut cli.command)?;
     // `usage` prints a table: only warnings go to the log unless asked for more.
     let default_level = match cli.command {
         Command::Usage(_) => "warn",

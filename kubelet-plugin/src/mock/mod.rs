@@ -13,7 +13,6 @@ mod usage_try;
 use std::path::{Path, PathBuf};
 
 use crate::args::NvmlArgs;
-use crate::cli::Command;
 
 use mock_nvml::locate::CDYLIB_NAME as MOCK_LIBRARY;
 pub(crate) use usage_try::UsageTry;
@@ -60,20 +59,4 @@ pub(crate) fn resolve_nvml(nvml: &mut NvmlArgs) -> anyhow::Result<()> {
         set_env("MOCK_NVML_PROFILE", profile);
     }
     Ok(())
-}
-
-/// Applies the mock flags of `command` to the environment (before any thread starts);
-/// for `usage --mock`, the try to run instead of asking a plugin.
-pub(crate) fn prepare(command: &mut Command) -> anyhow::Result<Option<UsageTry>> {
-    match command {
-        Command::Run(a) => resolve_nvml(&mut a.nvml)?,
-        Command::Inspect(a) => resolve_nvml(&mut a.nvml)?,
-        Command::Usage(a) => {
-            if let Some(profile) = &a.mock {
-                return UsageTry::prepare_env(profile, a.recommend).map(Some);
-            }
-        }
-        Command::Checkpoint(_) | Command::MpsDaemon(_) => {}
-    }
-    Ok(None)
 }

@@ -21,9 +21,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use cleave_driver::backend::UsageSource;
 use cleave_driver::prepare::NodeDriver;
-use cleave_driver::usage::{
-    ClaimDevice, ClaimRef, DeviceSample, Holding, IdlePolicy, IdleState, IdleTracker, UsageSampler,
-};
+use cleave_driver::usage::{ClaimDevice, ClaimRef, Holding, IdlePolicy, IdleTracker, UsageSampler};
 use tracing::{debug, info, warn};
 
 use crate::node::usage::metrics::UsageMetrics;
@@ -33,6 +31,9 @@ pub(crate) mod metrics;
 pub(crate) mod recommend;
 pub(crate) mod recommend_command;
 pub(crate) mod rightsize_metrics;
+pub(crate) mod round;
+
+pub(crate) use round::{IdleNotice, RoundOutcome};
 
 /// Event reason: a claim stayed below the idle threshold for the idle window.
 pub(crate) const REASON_CLAIM_IDLE: &str = "ClaimIdle";
@@ -64,30 +65,6 @@ impl ClaimDevices for NodeDriver {
     fn inventory(&self) -> Option<cleave_driver::model::NodeInventory> {
         Some(NodeDriver::inventory(self))
     }
-}
-
-/// A claim that turned idle: the subject and text of its `ClaimIdle` Event.
-#[derive(Debug, Clone, PartialEq)]
-pub struct IdleNotice {
-    /// The claim.
-    pub claim: ClaimRef,
-    /// The Event's note (threshold, window and figures).
-    pub note: String,
-}
-
-/// The outcome of one round.
-#[derive(Debug, Clone)]
-pub struct RoundOutcome {
-    /// One sample per claim device.
-    pub samples: Vec<DeviceSample>,
-    /// The idle view of every claim in the round.
-    pub idle: Vec<IdleState>,
-    /// Claims that turned idle in this round (each once per idle period).
-    pub newly_idle: Vec<IdleNotice>,
-    /// How long the sampling took.
-    pub took: Duration,
-    /// Windows and recommendations, when right-sizing runs and an inventory was given.
-    pub rightsize: Option<recommend::RightsizeOutcome>,
 }
 
 /// Sampler, idle tracker and the once-per-idle-period bookkeeping, without a thread (the
@@ -569,13 +546,15 @@ mod tests {
         let src = Arc::new(Util::default());
         *src.0.lock().unwrap() = 30;
         let mut r = UsageRounds::new(src, IdlePolicy::default());
-        let m = crate::metrics::Metrics::new();
+        let mut registry =
+            prometheus_client::registry::Registry::with_prefix("cleave_kubelet_plugin");
+        let usage = metrics::UsageMetrics::register(&mut registry);
         let now = Instant::now();
         let gpus = [("GPU-0".to_owned(), 80u64 << 30, Some(132))];
         let round = r.round(&[whole("a"), whole("b")], now);
-        m.usage
-            .apply_round("n1", &round, &gpus, now, SystemTime::now());
-        let text = m.encode();
+        usage.apply_round("n1", &round, &gpus, now, SystemTime::now());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         for line in [
             r#"cleave_kubelet_plugin_claim_compute_activity_percent{namespace="ns",claim="c-a",device="gpu-0",gpu="GPU-0",kind="gpu",sharing="exclusive",pool="n1",share="",source="gpu_utilization"} 30.0"#,
             r#"cleave_kubelet_plugin_claim_used_memory_bytes{namespace="ns",claim="c-b",device="gpu-0",gpu="GPU-0",kind="gpu",sharing="exclusive",pool="n1",share=""} 1073741824"#,
@@ -587,9 +566,9 @@ mod tests {
         }
         // Claim b unprepared: all its series go, claim a's stay.
         let round = r.round(&[whole("a")], now);
-        m.usage
-            .apply_round("n1", &round, &gpus, now, SystemTime::now());
-        let text = m.encode();
+        usage.apply_round("n1", &round, &gpus, now, SystemTime::now());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         assert!(!text.contains("c-b"), "{text}");
         assert!(text.contains(r#"claim="c-a""#), "{text}");
         // Every exported usage name is one of USAGE_METRIC_NAMES, and every one is exported.

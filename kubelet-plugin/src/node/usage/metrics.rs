@@ -206,7 +206,7 @@ impl UsageMetrics {
     pub fn apply_round(
         &self,
         pool: &str,
-        round: &crate::node::usage::RoundOutcome,
+        round: &super::round::RoundOutcome,
         gpus: &[(String, u64, Option<u32>)],
         now: std::time::Instant,
         wall: SystemTime,
