@@ -46,19 +46,8 @@ fn main() {
     config.extra_env = vec![("FAKE_MPS_IDLE_EXIT_SECS".into(), "60".into())];
     let manager = SharingManager::new(config);
     let gpu = GpuInfo {
-        index: 0,
-        minor: 0,
         uuid: GPU.into(),
-        product_name: "NVIDIA H100 80GB HBM3".into(),
-        brand: "Tesla".into(),
-        architecture: "Hopper".into(),
-        cuda_compute_capability: (9, 0),
-        memory_bytes: 80 << 30,
-        multiprocessors: Some(132),
-        pci_bus_id: "0000:01:00.0".into(),
-        pcie_root: None,
-        numa_node: None,
-        mig: MigState::NotCapable,
+        ..cleave_driver::prepare::testing::h100_gpu(0, MigState::NotCapable)
     };
     let mut sharing: Sharing = serde_json::from_value(serde_json::json!({
         "strategy": "MPS",

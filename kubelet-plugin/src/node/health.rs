@@ -428,20 +428,10 @@ mod tests {
         T::try_parse_from(v).unwrap().h
     }
 
+    /// The driver's test GPU with this test's UUIDs, MIG-enabled when given instances.
     fn gpu(minor: u32, instances: Vec<MigInstance>) -> GpuInfo {
         GpuInfo {
-            index: minor,
-            minor,
             uuid: format!("GPU-{minor}"),
-            product_name: "p".into(),
-            brand: "b".into(),
-            architecture: "a".into(),
-            cuda_compute_capability: (9, 0),
-            memory_bytes: 1,
-            multiprocessors: None,
-            pci_bus_id: String::new(),
-            pcie_root: None,
-            numa_node: None,
             mig: if instances.is_empty() {
                 MigState::NotCapable
             } else {
@@ -451,6 +441,7 @@ mod tests {
                     memory_slices: 8,
                 }
             },
+            ..cleave_driver::prepare::testing::plain_gpu(minor)
         }
     }
 

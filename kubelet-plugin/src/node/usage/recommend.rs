@@ -204,27 +204,13 @@ mod tests {
     use cleave_driver::usage::{Activity, ActivitySource, Allocation, Holding, MemorySource};
     use std::time::Duration;
 
+    /// One H100 (the mock library's table) with MIG off, as `GPU-0`.
     fn inventory() -> NodeInventory {
-        NodeInventory {
-            driver_version: "570.148.08".into(),
-            driver_semver: "570.148.8".into(),
-            cuda_driver_semver: "12.8.0".into(),
-            gpus: vec![GpuInfo {
-                index: 0,
-                minor: 0,
-                uuid: "GPU-0".into(),
-                product_name: "NVIDIA H100 80GB HBM3".into(),
-                brand: "Nvidia".into(),
-                architecture: "Hopper".into(),
-                cuda_compute_capability: (9, 0),
-                memory_bytes: 80 << 30,
-                multiprocessors: Some(132),
-                pci_bus_id: "0000:53:00.0".into(),
-                pcie_root: None,
-                numa_node: None,
-                mig: MigState::NotCapable,
-            }],
-        }
+        let gpu = GpuInfo {
+            uuid: "GPU-0".into(),
+            ..cleave_driver::prepare::testing::h100_gpu(0, MigState::NotCapable)
+        };
+        cleave_driver::prepare::testing::inventory(vec![gpu])
     }
 
     fn device(uid: &str) -> ClaimDevice {
