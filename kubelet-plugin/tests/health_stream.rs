@@ -51,6 +51,10 @@ async fn stream_resends_complete_list_and_ends_on_shutdown() {
     .await
     .unwrap();
 
+    // The stream's own clock starts when the server takes the call, so the three messages
+    // below (start and two resends) are timed from before the call: from after it, a slow
+    // call would eat into the 200 ms.
+    let started = Instant::now();
     let mut a = hv1alpha1::dra_resource_health_client::DraResourceHealthClient::new(
         channel(server.dra_socket()).await,
     )
@@ -67,7 +71,6 @@ async fn stream_resends_complete_list_and_ends_on_shutdown() {
     .into_inner();
 
     // Three messages in a row on v1alpha1 without any change: start + resends.
-    let started = Instant::now();
     for _ in 0..3 {
         let m = tokio::time::timeout(TIMEOUT, a.message())
             .await
