@@ -265,7 +265,8 @@ pub fn affected_devices(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{GpuInfo, MigInstance, Placement};
+    use crate::model::{GpuInfo, MigInstance};
+    use crate::prepare::testing::{mig_instance as inst, xid_event as ev};
 
     /// An H100 `GPU-<minor>`, with MIG on when it has instances.
     fn gpu(minor: u32, instances: Vec<MigInstance>) -> GpuInfo {
@@ -281,28 +282,6 @@ mod tests {
         GpuInfo {
             uuid: format!("GPU-{minor}"),
             ..crate::prepare::testing::h100_gpu(minor, mig)
-        }
-    }
-
-    fn inst(gi: u32, ci: u32, profile: &str, start: u32) -> MigInstance {
-        MigInstance {
-            uuid: format!("MIG-{gi}-{ci}"),
-            profile_id: 19,
-            profile_name: profile.into(),
-            gi_id: gi,
-            ci_id: ci,
-            placement: Placement { start, size: 1 },
-        }
-    }
-
-    fn ev(uuid: &str, gi: Option<u32>, ci: Option<u32>, xid: u64, fatal: bool) -> HealthEvent {
-        HealthEvent {
-            gpu_uuid: uuid.into(),
-            gi,
-            ci,
-            kind: HealthEventKind::Xid,
-            xid: Some(xid),
-            fatal,
         }
     }
 

@@ -886,3 +886,34 @@ pub fn checkpoint_data(
         claims: claims.into_iter().map(|c| (c.uid.clone(), c)).collect(),
     }
 }
+
+/// A 1-slice MIG instance (profile ID 19) of GPU instance `gi` / compute instance `ci` at
+/// slice `start`, named `MIG-<gi>-<ci>`.
+pub fn mig_instance(gi: u32, ci: u32, profile: &str, start: u32) -> MigInstance {
+    MigInstance {
+        uuid: format!("MIG-{gi}-{ci}"),
+        profile_id: 19,
+        profile_name: profile.into(),
+        gi_id: gi,
+        ci_id: ci,
+        placement: Placement { start, size: 1 },
+    }
+}
+
+/// An Xid health event of `uuid` (of GPU instance `gi` / compute instance `ci` when given).
+pub fn xid_event(
+    uuid: &str,
+    gi: Option<u32>,
+    ci: Option<u32>,
+    xid: u64,
+    fatal: bool,
+) -> crate::health::HealthEvent {
+    crate::health::HealthEvent {
+        gpu_uuid: uuid.into(),
+        gi,
+        ci,
+        kind: crate::health::HealthEventKind::Xid,
+        xid: Some(xid),
+        fatal,
+    }
+}

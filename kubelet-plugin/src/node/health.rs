@@ -414,7 +414,8 @@ mod tests {
     use super::*;
     use clap::Parser as _;
     use cleave_driver::device_health::TAINT_XID;
-    use cleave_driver::model::{GpuInfo, MigInstance, MigState, Placement};
+    use cleave_driver::model::{GpuInfo, MigInstance, MigState};
+    use cleave_driver::prepare::testing::{mig_instance as inst, xid_event as ev};
 
     #[derive(clap::Parser)]
     struct T {
@@ -442,28 +443,6 @@ mod tests {
                 }
             },
             ..cleave_driver::prepare::testing::plain_gpu(minor)
-        }
-    }
-
-    fn inst(gi: u32, ci: u32, profile: &str, start: u32) -> MigInstance {
-        MigInstance {
-            uuid: format!("MIG-{gi}-{ci}"),
-            profile_id: 19,
-            profile_name: profile.into(),
-            gi_id: gi,
-            ci_id: ci,
-            placement: Placement { start, size: 1 },
-        }
-    }
-
-    fn ev(uuid: &str, gi: Option<u32>, ci: Option<u32>, xid: u64, fatal: bool) -> HealthEvent {
-        HealthEvent {
-            gpu_uuid: uuid.into(),
-            gi,
-            ci,
-            kind: HealthEventKind::Xid,
-            xid: Some(xid),
-            fatal,
         }
     }
 
