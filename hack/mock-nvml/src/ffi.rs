@@ -278,7 +278,7 @@ impl Dev {
 struct Call {
     name: &'static str,
     rt: Arc<Runtime>,
-    hooks: Hooks,
+    hooks: Arc<Hooks>,
 }
 
 impl Call {
@@ -328,7 +328,7 @@ impl Call {
         Ok(())
     }
 
-    fn state(&self) -> R<State> {
+    fn state(&self) -> R<Arc<State>> {
         self.rt.store.read().map_err(|e| {
             eprintln!("mock-nvml: {e}");
             rc::UNKNOWN
@@ -1986,7 +1986,7 @@ fn event_wait(
             let c = Call::begin(name)?;
             let mut xids = c.hooks.xids.clone();
             if let Some(p) = &c.rt.events {
-                xids.extend(hooks::read(p, true).xids);
+                xids.extend(hooks::read(p, true).xids.iter().cloned());
             }
             {
                 let mut sets = lock(&EVENT_SETS);
@@ -2073,7 +2073,8 @@ const NO_ID: u32 = 0xFFFF_FFFF;
 
 /// True if MIG mode is on for GPU `gpu`.
 fn mig_enabled(c: &Call, gpu: u32) -> R<bool> {
-    Ok(gpu_state(&c.state()?, gpu)?.mig_enabled)
+    let st = c.state()?;
+    Ok(gpu_state(&st, gpu)?.mig_enabled)
 }
 
 /// GPM needs Hopper or newer (nvml.h "For Hopper or newer fully supported devices").

@@ -23,7 +23,9 @@
 //!
 //! The events file `MOCK_NVML_EVENTS` holds `xid ...` lines (the `xid` word optional).
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 /// One injected failure.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -367,12 +369,29 @@ pub fn parse(text: &str, source: &str, events_only: bool) -> Hooks {
     h
 }
 
-/// Reads and parses a hooks file; a missing or unreadable file means no hooks.
-pub fn read(path: &Path, events_only: bool) -> Hooks {
-    match std::fs::read_to_string(path) {
-        Ok(t) => parse(&t, &path.display().to_string(), events_only),
-        Err(_) => Hooks::default(),
+/// The last text read from each hooks source and what it parsed to.
+type Parsed = HashMap<(PathBuf, bool), (String, Arc<Hooks>)>;
+
+static PARSED: LazyLock<Mutex<Parsed>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Reads and parses a hooks file; a missing or unreadable file means no hooks. The file is
+/// read on every call (a test changes it at any time) but parsed again only when its text
+/// changed: real NVML does not parse anything per call, and a usage round re-parsing its
+/// script on every query cost more CPU than everything else in the round.
+pub fn read(path: &Path, events_only: bool) -> Arc<Hooks> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Arc::default();
+    };
+    let key = (path.to_path_buf(), events_only);
+    let mut parsed = PARSED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((seen, hooks)) = parsed.get(&key)
+        && *seen == text
+    {
+        return Arc::clone(hooks);
     }
+    let hooks = Arc::new(parse(&text, &path.display().to_string(), events_only));
+    parsed.insert(key, (text, Arc::clone(&hooks)));
+    hooks
 }
 
 /// The injected code for a call of `func` about GPU `device`, if any.
@@ -480,5 +499,20 @@ mod tests {
         let e = parse("0 48\nxid 2 79 1 0\n", "ev", true);
         assert_eq!(e.xids.len(), 2);
         assert!(e.fails.is_empty());
+    }
+    /// The control file is read on every call: a new text of the same length is seen at
+    /// once, the same text is not parsed again.
+    #[test]
+    fn reads_see_a_rewritten_file_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control");
+        std::fs::write(&path, "lost 3\n").unwrap();
+        let first = read(&path, false);
+        assert_eq!(first.lost, [3]);
+        assert!(Arc::ptr_eq(&first, &read(&path, false)));
+        std::fs::write(&path, "lost 4\n").unwrap();
+        assert_eq!(read(&path, false).lost, [4]);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(*read(&path, false), Hooks::default());
     }
 }
