@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tracing::warn;
@@ -260,6 +260,8 @@ pub struct UsageRound {
     pub samples: Vec<DeviceSample>,
     /// NVML queries made (each distinct device/GPU is asked once per round).
     pub queries: usize,
+    /// How long the round waited for prepare and unprepare batches ([`SamplingGate`]).
+    pub waited: Duration,
 }
 
 /// Takes sampling rounds over a [`UsageSource`]. Keeps, between rounds, the newest
@@ -268,6 +270,10 @@ pub struct UsageRound {
 pub struct UsageSampler {
     source: Arc<dyn UsageSource>,
     process_seen_us: HashMap<String, u64>,
+    /// Node operations go first (`None`: the round runs straight through).
+    gate: Option<SamplingGate>,
+    /// The most one round waits at the gate.
+    max_wait: Duration,
 }
 
 impl fmt::Debug for UsageSampler {
@@ -277,19 +283,24 @@ impl fmt::Debug for UsageSampler {
 }
 
 /// Answers of one round, each NVML query made at most once.
-#[derive(Default)]
 struct RoundCache {
     memory: HashMap<String, Result<MemoryUse, String>>,
     utilization: HashMap<String, Result<Option<u32>, String>>,
     gpm: HashMap<GpmTarget, Result<GpmReading, String>>,
     processes: HashMap<String, Result<Vec<ProcessMemory>, String>>,
     process_util: HashMap<String, Result<Option<Vec<ProcessUtilization>>, String>>,
+    calls: Calls,
+}
+
+/// The round's NVML queries: how many, and the pacing before each.
+struct Calls {
     queries: usize,
+    pacing: Pacing,
 }
 
 fn cached<K, V>(
     map: &mut HashMap<K, Result<V, String>>,
-    queries: &mut usize,
+    calls: &mut Calls,
     key: &K,
     query: impl FnOnce() -> Result<V, BackendError>,
 ) -> Result<V, String>
@@ -300,10 +311,124 @@ where
     if let Some(v) = map.get(key) {
         return v.clone();
     }
-    *queries += 1;
+    calls.pacing.before_query();
+    calls.queries += 1;
     let v = query().map_err(|e| e.to_string());
     map.insert(key.clone(), v.clone());
     v
+}
+
+/// Lets node operations go first: while a prepare or unprepare batch holds the gate, the
+/// sampler waits before its next NVML query, and between queries it gives its CPU to any
+/// thread that is waiting for it. A sampling round thus never runs beside a batch for
+/// longer than one query: measured with `perf sched` on a 2-core node, threads woken
+/// during a batch were queued behind a running sampler until the next scheduler tick
+/// (4 ms at `HZ=250`) even at `SCHED_IDLE`, the kernel placing them on the sampler's CPU
+/// as if it were idle (`docs/rightsizing.md`, "Cost"). Cheap to clone; clones share one
+/// gate.
+#[derive(Debug, Clone, Default)]
+pub struct SamplingGate {
+    inner: Arc<GateInner>,
+}
+
+#[derive(Debug, Default)]
+struct GateInner {
+    /// Batches holding the gate now.
+    held: Mutex<usize>,
+    /// Signalled when the last hold ends.
+    clear: Condvar,
+}
+
+/// A batch's hold on a [`SamplingGate`]; released when dropped.
+#[derive(Debug)]
+#[must_use = "the gate is released when the hold is dropped"]
+pub struct GateHold {
+    inner: Arc<GateInner>,
+}
+
+impl SamplingGate {
+    /// An open gate.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Holds the gate until the returned value is dropped.
+    pub fn hold(&self) -> GateHold {
+        *self
+            .inner
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) += 1;
+        GateHold {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+
+    /// Whether a batch holds the gate now.
+    pub fn is_held(&self) -> bool {
+        *self
+            .inner
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            > 0
+    }
+
+    /// Waits while the gate is held, at most `budget`; returns how long it waited.
+    pub fn wait_clear(&self, budget: Duration) -> Duration {
+        let started = Instant::now();
+        let held = self
+            .inner
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if *held == 0 || budget.is_zero() {
+            return Duration::ZERO;
+        }
+        let (held, _) = self
+            .inner
+            .clear
+            .wait_timeout_while(held, budget, |n| *n > 0)
+            .unwrap_or_else(PoisonError::into_inner);
+        drop(held);
+        started.elapsed()
+    }
+}
+
+impl Drop for GateHold {
+    fn drop(&mut self) {
+        let mut held = self
+            .inner
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *held = held.saturating_sub(1);
+        if *held == 0 {
+            self.inner.clear.notify_all();
+        }
+    }
+}
+
+/// How a round yields to node operations: the gate, and what is left of the round's
+/// waiting budget.
+struct Pacing {
+    gate: Option<SamplingGate>,
+    budget: Duration,
+    waited: Duration,
+}
+
+impl Pacing {
+    /// Before an NVML query: waits while a batch holds the gate (within the budget), then
+    /// offers the CPU to any thread waiting for it.
+    fn before_query(&mut self) {
+        let Some(gate) = &self.gate else {
+            return;
+        };
+        let w = gate.wait_clear(self.budget);
+        self.budget = self.budget.saturating_sub(w);
+        self.waited += w;
+        std::thread::yield_now();
+    }
 }
 
 impl UsageSampler {
@@ -312,13 +437,37 @@ impl UsageSampler {
         Self {
             source,
             process_seen_us: HashMap::new(),
+            gate: None,
+            max_wait: Duration::ZERO,
         }
+    }
+
+    /// This sampler, waiting before each query while `gate` is held, at most `max_wait`
+    /// per round (a steady stream of batches delays sampling, never stops it).
+    pub fn with_gate(mut self, gate: SamplingGate, max_wait: Duration) -> Self {
+        self.gate = Some(gate);
+        self.max_wait = max_wait;
+        self
     }
 
     /// One sampling round over `devices`. An NVML failure affects only the samples of the
     /// devices it was about (they carry it in [`DeviceSample::errors`]).
     pub fn sample(&mut self, devices: &[ClaimDevice]) -> UsageRound {
-        let mut cache = RoundCache::default();
+        let mut cache = RoundCache {
+            memory: HashMap::new(),
+            utilization: HashMap::new(),
+            gpm: HashMap::new(),
+            processes: HashMap::new(),
+            process_util: HashMap::new(),
+            calls: Calls {
+                queries: 0,
+                pacing: Pacing {
+                    gate: self.gate.clone(),
+                    budget: self.max_wait,
+                    waited: Duration::ZERO,
+                },
+            },
+        };
         let samples = devices
             .iter()
             .map(|d| self.sample_one(d, &mut cache))
@@ -339,7 +488,8 @@ impl UsageSampler {
             .retain(|gpu, _| cache.process_util.contains_key(gpu));
         UsageRound {
             samples,
-            queries: cache.queries,
+            queries: cache.calls.queries,
+            waited: cache.calls.pacing.waited,
         }
     }
 
@@ -347,7 +497,7 @@ impl UsageSampler {
         let src = &self.source;
         let mut errors = Vec::new();
         let device_uuid = d.device_uuid().to_owned();
-        let memory = cached(&mut c.memory, &mut c.queries, &device_uuid, || {
+        let memory = cached(&mut c.memory, &mut c.calls, &device_uuid, || {
             src.memory(&device_uuid)
         });
         let memory_total = memory.as_ref().ok().map(|m| m.total);
@@ -362,7 +512,7 @@ impl UsageSampler {
         } else if d.pids.is_empty() {
             (None, MemorySource::NotAttributable)
         } else {
-            match cached(&mut c.processes, &mut c.queries, &device_uuid, || {
+            match cached(&mut c.processes, &mut c.calls, &device_uuid, || {
                 src.processes(&device_uuid)
             }) {
                 Ok(list) => {
@@ -384,7 +534,7 @@ impl UsageSampler {
             self.process_activity(d, c, &mut errors)
         } else {
             let target = d.gpm_target();
-            match cached(&mut c.gpm, &mut c.queries, &target, || src.gpm(&target)) {
+            match cached(&mut c.gpm, &mut c.calls, &target, || src.gpm(&target)) {
                 Ok(GpmReading::Ready(a)) => {
                     sm_occupancy = a.sm_occupancy;
                     Activity::Measured {
@@ -396,7 +546,7 @@ impl UsageSampler {
                 Ok(GpmReading::Unsupported) if d.mig.is_some() => Activity::Unavailable,
                 Ok(GpmReading::Unsupported) => {
                     let gpu = d.gpu_uuid.clone();
-                    match cached(&mut c.utilization, &mut c.queries, &gpu, || {
+                    match cached(&mut c.utilization, &mut c.calls, &gpu, || {
                         src.gpu_utilization(&gpu)
                     }) {
                         Ok(Some(u)) => Activity::Measured {
@@ -444,7 +594,7 @@ impl UsageSampler {
         let gpu = d.gpu_uuid.clone();
         let since = self.process_seen_us.get(&gpu).copied().unwrap_or(0);
         let src = &self.source;
-        match cached(&mut c.process_util, &mut c.queries, &gpu, || {
+        match cached(&mut c.process_util, &mut c.calls, &gpu, || {
             src.process_utilization(&gpu, since)
         }) {
             Ok(Some(list)) => {
@@ -1011,5 +1161,158 @@ mod tests {
             in_docs, seen,
             "docs/usage-metrics.md metric table vs USAGE_METRIC_NAMES"
         );
+    }
+    /// A source that notes, at every query, whether a batch held the gate.
+    struct Watching {
+        inner: FakeUsage,
+        gate: SamplingGate,
+        held_at_query: std::sync::Mutex<Vec<bool>>,
+    }
+
+    impl Watching {
+        fn note(&self) {
+            self.held_at_query.lock().unwrap().push(self.gate.is_held());
+        }
+    }
+
+    impl UsageSource for Watching {
+        fn memory(&self, uuid: &str) -> Result<MemoryUse, BackendError> {
+            self.note();
+            self.inner.memory(uuid)
+        }
+        fn gpu_utilization(&self, uuid: &str) -> Result<Option<u32>, BackendError> {
+            self.note();
+            self.inner.gpu_utilization(uuid)
+        }
+        fn gpm(&self, target: &GpmTarget) -> Result<GpmReading, BackendError> {
+            self.note();
+            self.inner.gpm(target)
+        }
+        fn gpm_retain(&self, live: &[GpmTarget]) {
+            self.inner.gpm_retain(live);
+        }
+        fn processes(&self, uuid: &str) -> Result<Vec<ProcessMemory>, BackendError> {
+            self.note();
+            self.inner.processes(uuid)
+        }
+        fn process_utilization(
+            &self,
+            uuid: &str,
+            since_us: u64,
+        ) -> Result<Option<Vec<ProcessUtilization>>, BackendError> {
+            self.note();
+            self.inner.process_utilization(uuid, since_us)
+        }
+    }
+
+    fn watched_mig_gpu(gate: &SamplingGate) -> (Arc<Watching>, Vec<ClaimDevice>) {
+        let inner = FakeUsage::default();
+        inner.set(
+            "MIG-a",
+            FakeUsageDevice {
+                used: 1 << 30,
+                total: 10 << 30,
+                ..Default::default()
+            },
+        );
+        inner.set(
+            "MIG-b",
+            FakeUsageDevice {
+                used: 2 << 30,
+                total: 10 << 30,
+                ..Default::default()
+            },
+        );
+        inner.set_gpm("GPU-h", Some(1), 10.0);
+        inner.set_gpm("GPU-h", Some(2), 20.0);
+        let source = Arc::new(Watching {
+            inner,
+            gate: gate.clone(),
+            held_at_query: std::sync::Mutex::new(Vec::new()),
+        });
+        let devices = vec![mig("a", "GPU-h", "MIG-a", 1), mig("b", "GPU-h", "MIG-b", 2)];
+        (source, devices)
+    }
+
+    /// While a batch holds the gate the round makes no NVML query; once it lets go, the
+    /// round goes on and says how long it waited.
+    #[test]
+    fn round_makes_no_query_while_a_batch_holds_the_gate() {
+        let gate = SamplingGate::new();
+        let (source, devices) = watched_mig_gpu(&gate);
+        let mut sampler = UsageSampler::new(Arc::clone(&source) as Arc<dyn UsageSource>)
+            .with_gate(gate.clone(), Duration::from_secs(30));
+        let hold = gate.hold();
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let round = std::thread::spawn(move || {
+            started_tx.send(()).unwrap();
+            sampler.sample(&devices)
+        });
+        started_rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            source.held_at_query.lock().unwrap().is_empty(),
+            "no query while the batch runs"
+        );
+        drop(hold);
+        let r = round.join().unwrap();
+        assert_eq!(r.samples.len(), 2);
+        assert_eq!(r.samples[1].memory_used, Some(2 << 30));
+        let held = source.held_at_query.lock().unwrap().clone();
+        assert_eq!(held.len(), r.queries);
+        assert!(
+            held.iter().all(|h| !h),
+            "every query after the batch: {held:?}"
+        );
+        assert!(
+            r.waited >= Duration::from_millis(40),
+            "waited {:?}",
+            r.waited
+        );
+        assert!(r.waited < Duration::from_secs(30));
+    }
+
+    /// A batch that never ends delays a round by the waiting budget, then the round runs:
+    /// sampling is postponed, never stopped.
+    #[test]
+    fn a_held_gate_delays_a_round_by_its_budget_only() {
+        let gate = SamplingGate::new();
+        let (source, devices) = watched_mig_gpu(&gate);
+        let mut sampler = UsageSampler::new(Arc::clone(&source) as Arc<dyn UsageSource>)
+            .with_gate(gate.clone(), Duration::from_millis(30));
+        let _hold = gate.hold();
+        let r = sampler.sample(&devices);
+        assert_eq!(r.samples.len(), 2);
+        assert_eq!(r.samples[0].memory_used, Some(1 << 30));
+        assert!(
+            r.waited >= Duration::from_millis(30),
+            "waited {:?}",
+            r.waited
+        );
+        assert!(
+            r.waited < Duration::from_secs(10),
+            "one budget per round: {:?}",
+            r.waited
+        );
+        let held = source.held_at_query.lock().unwrap().clone();
+        assert_eq!(held.len(), 4, "memory and GPM of both devices");
+        // Without a gate the same round never waits.
+        let mut plain = UsageSampler::new(Arc::clone(&source) as Arc<dyn UsageSource>);
+        assert_eq!(plain.sample(&devices).waited, Duration::ZERO);
+    }
+
+    /// Holds nest: the gate opens when the last batch lets go.
+    #[test]
+    fn gate_opens_when_the_last_hold_ends() {
+        let gate = SamplingGate::new();
+        assert!(!gate.is_held());
+        assert_eq!(gate.wait_clear(Duration::from_secs(5)), Duration::ZERO);
+        let a = gate.hold();
+        let b = gate.clone().hold();
+        drop(a);
+        assert!(gate.is_held());
+        drop(b);
+        assert!(!gate.is_held());
+        assert_eq!(gate.wait_clear(Duration::from_secs(5)), Duration::ZERO);
     }
 }

@@ -1122,20 +1122,20 @@ fn usage_child(iterations: usize) {
         };
         let (mut cpu_off, _) = cpu_per_round(false);
         let (mut cpu_on, window_bytes) = cpu_per_round(true);
-        // Prepare with the 56 devices sampled every 100 ms in the background: at nice 10
-        // (earlier releases) and as SCHED_IDLE with usage windows (this release), then
-        // sampling off again, all in this run.
-        let sampled = |priority, windows: bool| {
+        // Prepare with the 56 devices sampled every 100 ms in the background: as SCHED_IDLE
+        // with usage windows, without the sampling gate (the previous release) and with it
+        // (this release), then sampling off again, all in this run.
+        let sampled = |gate: bool| {
             cleave_kubelet_plugin::usage::UsageMonitor::start(
                 cleave_kubelet_plugin::usage::MonitorConfig {
                     interval: Duration::from_millis(100),
                     policy: cleave_driver::usage::IdlePolicy::default(),
                     pool: USAGE_NODE.into(),
-                    rightsize: windows.then_some(rightsize),
+                    rightsize: Some(rightsize),
                     rightsize_state: None,
                     oversized: None,
-                    rightsize_metrics: windows.then(|| std::sync::Arc::clone(&metrics.rightsize)),
-                    priority,
+                    rightsize_metrics: Some(std::sync::Arc::clone(&metrics.rightsize)),
+                    gate: gate.then(|| plugin.sampling_gate.clone()),
                 },
                 plugin.backend.usage_source().unwrap(),
                 std::sync::Arc::new(Fixed {
@@ -1147,24 +1147,24 @@ fn usage_child(iterations: usize) {
             )
             .unwrap()
         };
-        // Off, nice 10, SCHED_IDLE + windows and off again alternate in blocks of ten
-        // cycles, so that whatever else the machine does meanwhile falls on all alike; the
-        // two off sets against each other show how far p99 moves with nothing changed.
+        // Off, ungated, gated and off again alternate in blocks of ten cycles, so that
+        // whatever else the machine does meanwhile falls on all alike; the two off sets
+        // against each other show how far p99 moves with nothing changed.
         const BLOCK: usize = 10;
         let mut off = Vec::with_capacity(iterations);
         let mut off_again = Vec::with_capacity(iterations);
-        let mut nice = Vec::with_capacity(iterations);
+        let mut ungated = Vec::with_capacity(iterations);
         let mut on = Vec::with_capacity(iterations);
         while on.len() < iterations {
             for _ in 0..BLOCK {
                 off.push(cycle(&mut dra).await);
             }
-            let monitor = sampled(cleave_kubelet_plugin::usage::SamplingPriority::Nice, false);
+            let monitor = sampled(false);
             for _ in 0..BLOCK {
-                nice.push(cycle(&mut dra).await);
+                ungated.push(cycle(&mut dra).await);
             }
             monitor.stop();
-            let monitor = sampled(cleave_kubelet_plugin::usage::SamplingPriority::Idle, true);
+            let monitor = sampled(true);
             for _ in 0..BLOCK {
                 on.push(cycle(&mut dra).await);
             }
@@ -1181,7 +1181,10 @@ fn usage_child(iterations: usize) {
             percentile(&mut off_again, 0.5),
             percentile(&mut off_again, 0.99),
         );
-        let (n50, n99) = (percentile(&mut nice, 0.5), percentile(&mut nice, 0.99));
+        let (n50, n99) = (
+            percentile(&mut ungated, 0.5),
+            percentile(&mut ungated, 0.99),
+        );
         let (s50, s99) = (percentile(&mut on, 0.5), percentile(&mut on, 0.99));
         println!(
             "usage sampling cost ({} claim devices: 8 H100 x 7 MIG 1g.10gb, mock; whole-GPU prepare on a 9th H100), {iterations} samples each",
@@ -1190,8 +1193,8 @@ fn usage_child(iterations: usize) {
         println!("  {:<52} {:>9} {:>9}", "", "p50 ms", "p99 ms");
         for (what, p50, p99) in [
             ("prepare, sampling off", o50, o99),
-            ("prepare, sampling every 100 ms at nice 10 (before)", n50, n99),
-            ("prepare, sampling every 100 ms SCHED_IDLE + windows", s50, s99),
+            ("prepare, sampling every 100 ms, no gate (before)", n50, n99),
+            ("prepare, sampling every 100 ms, gated (this release)", s50, s99),
             ("prepare, sampling off (second set)", a50, a99),
         ] {
             println!("  {what:<52} {:>9.3} {:>9.3}", ms(p50), ms(p99));
@@ -1203,7 +1206,7 @@ fn usage_child(iterations: usize) {
             percentile(&mut off_all, 0.99).as_secs_f64(),
         );
         println!(
-            "  ratio on/off (alternating blocks of {BLOCK}; off = both off sets): p50 {:.2}x, p99 {:.2}x (target: p99 within 1.1x); nice 10: p99 {:.2}x",
+            "  ratio on/off (alternating blocks of {BLOCK}; off = both off sets): p50 {:.2}x, p99 {:.2}x (target: p99 within 1.1x); without the gate: p99 {:.2}x",
             s50.as_secs_f64() / r50,
             s99.as_secs_f64() / r99,
             n99.as_secs_f64() / r99

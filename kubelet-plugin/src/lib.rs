@@ -71,9 +71,7 @@ pub use telemetry::{LogFormat, init as init_telemetry};
 pub mod usage {
     pub use crate::node::usage::command::{Sample, parse_exposition};
     pub use crate::node::usage::recommend::{RightsizeConfig, Rightsizer};
-    pub use crate::node::usage::{
-        ClaimDevices, MonitorConfig, SamplingPriority, UsageMonitor, UsageRounds,
-    };
+    pub use crate::node::usage::{ClaimDevices, MonitorConfig, UsageMonitor, UsageRounds};
 }
 
 /// Selects rustls' ring crypto provider for the whole process.

@@ -230,6 +230,8 @@ pub struct RunningPlugin {
     pub bare_gpu_instances: BTreeMap<String, Vec<BareGpuInstance>>,
     /// The per-claim usage sampling thread (`None` with `--usage-interval=0`).
     pub usage: Option<crate::node::usage::UsageMonitor>,
+    /// Held by every prepare and unprepare batch; usage sampling waits at it meanwhile.
+    pub sampling_gate: cleave_driver::usage::SamplingGate,
 }
 
 impl std::fmt::Debug for RunningPlugin {
@@ -397,7 +399,15 @@ pub(crate) async fn start_with_backend(
         &driver,
     )
     .await;
-    let usage = start_usage(args, backend.as_ref(), &driver, metrics.as_ref(), &events);
+    let sampling_gate = cleave_driver::usage::SamplingGate::new();
+    let usage = start_usage(
+        args,
+        backend.as_ref(),
+        &driver,
+        metrics.as_ref(),
+        &events,
+        &sampling_gate,
+    );
     let status_writer = args.claim_info.claim_device_status.then(|| {
         crate::k8s::claim_status::ClaimStatusWriter::start(
             client.clone(),
@@ -416,7 +426,8 @@ pub(crate) async fn start_with_backend(
             .with_status(status_writer)
             .with_health(health.clone(), &plugin.driver_name)
             .with_events(events)
-            .with_metrics(metrics.as_ref().map(|m| m.observability.clone())),
+            .with_metrics(metrics.as_ref().map(|m| m.observability.clone()))
+            .with_sampling_gate(sampling_gate.clone()),
     );
     let observer = metrics.map(|m| m as Arc<dyn crate::kubelet::dra::DraObserver>);
     let server = PluginServer::start_with_health(&plugin, handler, observer, health)
@@ -433,6 +444,7 @@ pub(crate) async fn start_with_backend(
         instance_lock,
         bare_gpu_instances,
         usage,
+        sampling_gate,
     })
 }
 
@@ -445,6 +457,7 @@ fn start_usage(
     driver: &Arc<NodeDriver>,
     metrics: Option<&Arc<Metrics>>,
     events: &EventReporter,
+    gate: &cleave_driver::usage::SamplingGate,
 ) -> Option<crate::node::usage::UsageMonitor> {
     if args.usage.usage_interval.is_zero() {
         info!("per-claim usage sampling off (--usage-interval=0)");
@@ -488,7 +501,7 @@ fn start_usage(
                 tx
             }),
             rightsize_metrics: metrics.map(|m| Arc::clone(&m.rightsize)),
-            priority: crate::node::usage::SamplingPriority::Idle,
+            gate: Some(gate.clone()),
         },
         source,
         inputs,

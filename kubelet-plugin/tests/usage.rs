@@ -298,6 +298,112 @@ async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told
     assert!(plugin.terminate().success());
 }
 
+/// The largest wait for prepare and unprepare batches the plugin's debug log shows for a
+/// sampling round, in milliseconds.
+fn longest_round_wait(log: &str) -> Option<u64> {
+    log.lines()
+        .filter(|l| l.contains("usage round"))
+        .filter_map(|l| {
+            let rest = l.split("waited_for_batches_ms=").nth(1)?;
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .max()
+}
+
+/// A sampling round stands aside while a prepare batch runs. With a whole-GPU claim being
+/// sampled every second and the next claim's MIG create scripted to take 3 s, a round that
+/// starts during that batch waits its whole budget (one interval), and the MIG claim
+/// prepares as usual.
+async fn sampling_waits_while_a_prepare_batch_runs() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let config = dirs.path().join("mixed.yaml");
+    std::fs::write(&config, MIXED).unwrap();
+    let control = dirs.path().join("control");
+    std::fs::write(&control, "gpm 1 40 20\nmemory 1 4096\n").unwrap();
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            dynamic_mig: true,
+            env: vec![
+                ("MOCK_NVML_CONFIG", config.display().to_string()),
+                ("MOCK_NVML_MIG", String::new()),
+                ("MOCK_NVML_CONTROL", control.display().to_string()),
+                ("USAGE_INTERVAL", "1s".into()),
+                (
+                    "RUST_LOG",
+                    "info,cleave_kubelet_plugin::node::usage=debug".into(),
+                ),
+            ],
+            ..PluginOptions::default()
+        },
+    );
+    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-1")], &[]);
+    put_claim(
+        &standin,
+        "mig",
+        "uid-mig",
+        &[("mig", "gpu-0-mig-3g40gb-4")],
+        &[],
+    );
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(r.claims["uid-whole"].error, "", "{}", dirs.log());
+    let started = Instant::now();
+    while longest_round_wait(&dirs.log()).is_none() {
+        assert!(
+            started.elapsed() < TIMEOUT,
+            "no sampling round logged:\n{}",
+            dirs.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let before = longest_round_wait(&dirs.log()).unwrap_or(0);
+    assert!(
+        before < 900,
+        "no long batch ran yet, yet a round waited {before} ms:\n{}",
+        dirs.log()
+    );
+    std::fs::write(
+        &control,
+        "gpm 1 40 20\nmemory 1 4096\ndelay nvmlDeviceCreateGpuInstanceWithPlacement 3000\n",
+    )
+    .unwrap();
+    let batch = Instant::now();
+    let r = prepare(&mut dra, vec![claim("mig", "uid-mig")]).await;
+    assert_eq!(r.claims["uid-mig"].error, "", "{}", dirs.log());
+    assert!(
+        batch.elapsed() >= Duration::from_secs(3),
+        "the scripted delay applied"
+    );
+    let started = Instant::now();
+    loop {
+        let waited = longest_round_wait(&dirs.log()).unwrap_or(0);
+        if waited >= 900 {
+            break;
+        }
+        assert!(
+            started.elapsed() < TIMEOUT,
+            "no round waited for the 3 s batch (longest wait {waited} ms):\n{}",
+            dirs.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    std::fs::write(&control, "").unwrap();
+    let u = unprepare(
+        &mut dra,
+        vec![claim("whole", "uid-whole"), claim("mig", "uid-mig")],
+    )
+    .await;
+    for uid in ["uid-whole", "uid-mig"] {
+        assert_eq!(u.claims[uid].error, "", "{uid}: {}", dirs.log());
+    }
+    drop(plugin);
+}
+
 /// `usage --mock` prints a table with every column and the scripted figures.
 fn usage_mock_prints_a_table() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
@@ -707,6 +813,9 @@ fn main() -> std::process::ExitCode {
             "prometheus_scrapes_the_plugin_and_every_dashboard_query_answers",
             || block_on(prometheus_scrapes_the_plugin_and_every_dashboard_query_answers()),
         ),
+        ("sampling_waits_while_a_prepare_batch_runs", || {
+            block_on(sampling_waits_while_a_prepare_batch_runs())
+        }),
         ("usage_mock_prints_a_table", usage_mock_prints_a_table),
         (
             "usage_recommend_mock_prints_a_plausible_table",

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cleave_driver::prepare::{NodeDriver, PrepareError};
+use cleave_driver::usage::SamplingGate;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use tracing::{debug, info, info_span, warn};
@@ -37,6 +38,8 @@ pub(crate) struct KubeClaimHandler {
     metrics: Option<ObservabilityMetrics>,
     /// Writes the claims' `status.devices` in the background (see [`Self::with_status`]).
     status: Option<ClaimStatusWriter>,
+    /// Held for every batch: usage sampling waits meanwhile (see [`Self::with_sampling_gate`]).
+    sampling_gate: Option<SamplingGate>,
 }
 
 impl std::fmt::Debug for KubeClaimHandler {
@@ -60,6 +63,7 @@ impl KubeClaimHandler {
             events: None,
             metrics: None,
             status: None,
+            sampling_gate: None,
         }
     }
 
@@ -67,6 +71,13 @@ impl KubeClaimHandler {
     /// kubelet's answer, never before) and removes them at unprepare.
     pub(crate) fn with_status(mut self, writer: Option<ClaimStatusWriter>) -> Self {
         self.status = writer;
+        self
+    }
+
+    /// Holds `gate` for every prepare and unprepare batch, from the claims' fetch to the
+    /// answer, so that usage sampling stands aside meanwhile.
+    pub(crate) fn with_sampling_gate(mut self, gate: SamplingGate) -> Self {
+        self.sampling_gate = Some(gate);
         self
     }
 
@@ -186,6 +197,7 @@ impl KubeClaimHandler {
 #[tonic::async_trait]
 impl ClaimHandler for KubeClaimHandler {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
+        let _sampling_waits = self.sampling_gate.as_ref().map(SamplingGate::hold);
         let fetched = futures::future::join_all(claims.iter().map(|c| self.fetch(c))).await;
         let mut results = BTreeMap::new();
         let mut work = Vec::new();
@@ -316,6 +328,7 @@ impl ClaimHandler for KubeClaimHandler {
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, UnprepareResult> {
+        let _sampling_waits = self.sampling_gate.as_ref().map(SamplingGate::hold);
         let driver = Arc::clone(&self.driver);
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
         let parent = tracing::Span::current();

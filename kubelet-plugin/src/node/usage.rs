@@ -90,6 +90,17 @@ impl UsageRounds {
         }
     }
 
+    /// These rounds, waiting at `gate` before each NVML query while a batch holds it, at
+    /// most `max_wait` per round.
+    pub fn with_gate(
+        mut self,
+        gate: cleave_driver::usage::SamplingGate,
+        max_wait: Duration,
+    ) -> Self {
+        self.sampler = self.sampler.with_gate(gate, max_wait);
+        self
+    }
+
     /// These rounds, also feeding usage windows and recommendations.
     pub fn with_rightsizer(mut self, rightsizer: recommend::Rightsizer) -> Self {
         self.rightsizer = Some(rightsizer);
@@ -124,12 +135,13 @@ impl UsageRounds {
         inventory: Option<&cleave_driver::model::NodeInventory>,
     ) -> RoundOutcome {
         let started = Instant::now();
-        let samples = if devices.is_empty() {
-            Vec::new()
+        let (samples, waited) = if devices.is_empty() {
+            (Vec::new(), Duration::ZERO)
         } else {
-            self.sampler.sample(devices).samples
+            let r = self.sampler.sample(devices);
+            (r.samples, r.waited)
         };
-        let took = started.elapsed();
+        let took = started.elapsed().saturating_sub(waited);
         let idle = self.tracker.observe(now, &samples);
         let policy = *self.tracker.policy();
         let mut newly_idle = Vec::new();
@@ -156,6 +168,7 @@ impl UsageRounds {
             idle,
             newly_idle,
             took,
+            waited,
             rightsize,
         }
     }
@@ -178,18 +191,10 @@ pub struct MonitorConfig {
     pub oversized: Option<tokio::sync::mpsc::UnboundedSender<recommend::OversizedNotice>>,
     /// Where recommendations are exported (`None`: not exported).
     pub rightsize_metrics: Option<Arc<crate::node::usage::rightsize_metrics::RightsizeMetrics>>,
-    /// Scheduling of the sampling thread.
-    pub priority: SamplingPriority,
-}
-
-/// How the sampling thread is scheduled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum SamplingPriority {
-    /// `SCHED_IDLE` (nice [`SAMPLING_NICE`] where refused): the plugin's.
-    #[default]
-    Idle,
-    /// Nice [`SAMPLING_NICE`] only (earlier releases; the bench compares).
-    Nice,
+    /// Held by prepare and unprepare batches; a round waits at it before it starts and
+    /// before each NVML query, at most one interval each time it starts and one while it
+    /// runs (`None`: rounds run straight through).
+    pub gate: Option<cleave_driver::usage::SamplingGate>,
 }
 
 /// The sampling thread; stopped when dropped.
@@ -214,11 +219,11 @@ impl UsageMonitor {
         let thread = std::thread::Builder::new()
             .name("cleave-usage".into())
             .spawn(move || {
-                match config.priority {
-                    SamplingPriority::Idle => lower_own_priority(),
-                    SamplingPriority::Nice => lower_own_nice(),
-                }
+                lower_own_priority();
                 let mut rounds = UsageRounds::new(source, config.policy);
+                if let Some(gate) = config.gate.clone() {
+                    rounds = rounds.with_gate(gate, config.interval);
+                }
                 let rightsize_metrics = config.rightsize_metrics.clone();
                 if let Some(rc) = config.rightsize {
                     rounds = rounds.with_rightsizer(match &config.rightsize_state {
@@ -235,6 +240,12 @@ impl UsageMonitor {
                 );
                 loop {
                     let now = Instant::now();
+                    // A batch in flight goes first; it also holds the driver whose claim
+                    // list the round reads, so the round waits here rather than on that.
+                    let waited_to_start = config
+                        .gate
+                        .as_ref()
+                        .map_or(Duration::ZERO, |g| g.wait_clear(config.interval));
                     let devices = with_mps_servers(inputs.claim_devices());
                     let wall = SystemTime::now();
                     let inventory = config.rightsize.and_then(|_| inputs.inventory());
@@ -252,6 +263,7 @@ impl UsageMonitor {
                     debug!(
                         devices = devices.len(),
                         took_ms = r.took.as_millis() as u64,
+                        waited_for_batches_ms = (waited_to_start + r.waited).as_millis() as u64,
                         "usage round"
                     );
                     for n in r.newly_idle {
@@ -262,7 +274,7 @@ impl UsageMonitor {
                     }
                     // A round longer than the interval would sample back to back and take
                     // a core from prepare: wait a whole interval then, and say so once.
-                    let took = now.elapsed();
+                    let took = now.elapsed().saturating_sub(waited_to_start + r.waited);
                     let wait = if took >= config.interval {
                         if !warned_slow {
                             warned_slow = true;

@@ -26,8 +26,10 @@ pub struct RoundOutcome {
     pub idle: Vec<IdleState>,
     /// Claims that turned idle in this round (each once per idle period).
     pub newly_idle: Vec<IdleNotice>,
-    /// How long the sampling took.
+    /// How long the sampling took, waits at the gate not counted.
     pub took: Duration,
+    /// How long the round waited for prepare and unprepare batches.
+    pub waited: Duration,
     /// Windows and recommendations, when right-sizing runs and an inventory was given.
     pub rightsize: Option<recommend::RightsizeOutcome>,
 }
