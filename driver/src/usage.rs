@@ -374,6 +374,16 @@ impl SamplingGate {
             > 0
     }
 
+    /// Between two steps of a round: waits while the gate is held (within what is left
+    /// of `budget`, which it lowers), then offers the CPU to any thread waiting for it.
+    /// Returns how long it waited.
+    pub fn pause(&self, budget: &mut Duration) -> Duration {
+        let waited = self.wait_clear(*budget);
+        *budget = budget.saturating_sub(waited);
+        std::thread::yield_now();
+        waited
+    }
+
     /// Waits while the gate is held, at most `budget`; returns how long it waited.
     pub fn wait_clear(&self, budget: Duration) -> Duration {
         let started = Instant::now();
@@ -421,13 +431,9 @@ impl Pacing {
     /// Before an NVML query: waits while a batch holds the gate (within the budget), then
     /// offers the CPU to any thread waiting for it.
     fn before_query(&mut self) {
-        let Some(gate) = &self.gate else {
-            return;
-        };
-        let w = gate.wait_clear(self.budget);
-        self.budget = self.budget.saturating_sub(w);
-        self.waited += w;
-        std::thread::yield_now();
+        if let Some(gate) = &self.gate {
+            self.waited += gate.pause(&mut self.budget);
+        }
     }
 }
 

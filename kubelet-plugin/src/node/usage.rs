@@ -77,6 +77,8 @@ pub struct UsageRounds {
     reported: BTreeSet<String>,
     /// Usage windows and recommendations (`None`: off).
     rightsizer: Option<recommend::Rightsizer>,
+    /// Batches go first (see [`Self::with_gate`]); with the most a round waits.
+    gate: Option<(cleave_driver::usage::SamplingGate, Duration)>,
 }
 
 impl UsageRounds {
@@ -87,6 +89,7 @@ impl UsageRounds {
             tracker: IdleTracker::new(policy),
             reported: BTreeSet::new(),
             rightsizer: None,
+            gate: None,
         }
     }
 
@@ -97,7 +100,8 @@ impl UsageRounds {
         gate: cleave_driver::usage::SamplingGate,
         max_wait: Duration,
     ) -> Self {
-        self.sampler = self.sampler.with_gate(gate, max_wait);
+        self.sampler = self.sampler.with_gate(gate.clone(), max_wait);
+        self.gate = Some((gate, max_wait));
         self
     }
 
@@ -141,7 +145,6 @@ impl UsageRounds {
             let r = self.sampler.sample(devices);
             (r.samples, r.waited)
         };
-        let took = started.elapsed().saturating_sub(waited);
         let idle = self.tracker.observe(now, &samples);
         let policy = *self.tracker.policy();
         let mut newly_idle = Vec::new();
@@ -159,10 +162,20 @@ impl UsageRounds {
             }
         }
         self.reported = still_idle;
+        let mut budget = self.gate.as_ref().map_or(Duration::ZERO, |g| g.1);
+        let mut waited_after = Duration::ZERO;
+        let gate = self.gate.as_ref().map(|g| &g.0);
+        let mut pace = || {
+            if let Some(g) = gate {
+                waited_after += g.pause(&mut budget);
+            }
+        };
         let rightsize = match (&mut self.rightsizer, inventory) {
-            (Some(r), Some(inv)) => Some(r.round(devices, &samples, inv, wall)),
+            (Some(r), Some(inv)) => Some(r.round_paced(devices, &samples, inv, wall, &mut pace)),
             _ => None,
         };
+        let waited = waited + waited_after;
+        let took = started.elapsed().saturating_sub(waited);
         RoundOutcome {
             samples,
             idle,
@@ -191,9 +204,9 @@ pub struct MonitorConfig {
     pub oversized: Option<tokio::sync::mpsc::UnboundedSender<recommend::OversizedNotice>>,
     /// Where recommendations are exported (`None`: not exported).
     pub rightsize_metrics: Option<Arc<crate::node::usage::rightsize_metrics::RightsizeMetrics>>,
-    /// Held by prepare and unprepare batches; a round waits at it before it starts and
-    /// before each NVML query, at most one interval each time it starts and one while it
-    /// runs (`None`: rounds run straight through).
+    /// Held by prepare and unprepare batches; a round waits at it before it starts,
+    /// before each NVML query and between its later steps: at most one interval in its
+    /// sampling and one outside it (`None`: rounds run straight through).
     pub gate: Option<cleave_driver::usage::SamplingGate>,
 }
 
@@ -240,20 +253,29 @@ impl UsageMonitor {
                 );
                 loop {
                     let now = Instant::now();
-                    // A batch in flight goes first; it also holds the driver whose claim
-                    // list the round reads, so the round waits here rather than on that.
-                    let waited_to_start = config
-                        .gate
-                        .as_ref()
-                        .map_or(Duration::ZERO, |g| g.wait_clear(config.interval));
+                    // Batches go first, within one interval across these pauses (and one
+                    // within the round's sampling). A batch in flight also holds the
+                    // driver whose claim list the round reads: the round waits here
+                    // rather than on that.
+                    let mut budget = config.interval;
+                    let mut pause = || {
+                        config
+                            .gate
+                            .as_ref()
+                            .map_or(Duration::ZERO, |g| g.pause(&mut budget))
+                    };
+                    let mut waited = pause();
                     let devices = with_mps_servers(inputs.claim_devices());
                     let wall = SystemTime::now();
                     let inventory = config.rightsize.and_then(|_| inputs.inventory());
                     let r = rounds.round_with(&devices, now, wall, inventory.as_ref());
+                    waited += pause();
                     metrics.apply_round(&config.pool, &r, &inputs.gpus(), now, wall);
                     if let (Some(rs), Some(m)) = (&r.rightsize, &rightsize_metrics) {
+                        waited += pause();
                         m.apply(&config.pool, rs);
                     }
+                    let waited = waited + r.waited;
                     if let (Some(rs), Some(tx)) = (&r.rightsize, &config.oversized) {
                         for n in &rs.newly_oversized {
                             info!(claim = %n.claim, note = %n.note, "claim oversized");
@@ -263,7 +285,7 @@ impl UsageMonitor {
                     debug!(
                         devices = devices.len(),
                         took_ms = r.took.as_millis() as u64,
-                        waited_for_batches_ms = (waited_to_start + r.waited).as_millis() as u64,
+                        waited_for_batches_ms = waited.as_millis() as u64,
                         "usage round"
                     );
                     for n in r.newly_idle {
@@ -274,7 +296,7 @@ impl UsageMonitor {
                     }
                     // A round longer than the interval would sample back to back and take
                     // a core from prepare: wait a whole interval then, and say so once.
-                    let took = now.elapsed().saturating_sub(waited_to_start + r.waited);
+                    let took = now.elapsed().saturating_sub(waited);
                     let wait = if took >= config.interval {
                         if !warned_slow {
                             warned_slow = true;

@@ -113,14 +113,29 @@ impl Rightsizer {
         inventory: &NodeInventory,
         wall: SystemTime,
     ) -> RightsizeOutcome {
+        self.round_paced(devices, samples, inventory, wall, &mut || {})
+    }
+
+    /// [`Self::round`], calling `pace` before writing the windows and before each
+    /// device's recommendation (the monitor lets prepare go first there).
+    pub(crate) fn round_paced(
+        &mut self,
+        devices: &[ClaimDevice],
+        samples: &[DeviceSample],
+        inventory: &NodeInventory,
+        wall: SystemTime,
+        pace: &mut dyn FnMut(),
+    ) -> RightsizeOutcome {
         let now = unix(wall);
         self.store.observe(now, devices, samples);
+        pace();
         if let Err(e) = self.store.persist(now, false) {
             warn!(error = %e, "usage windows not written; kept in memory");
         }
         let entries: Vec<RightsizeEntry> = devices
             .iter()
             .map(|d| {
+                pace();
                 let stats = self.store.stats(&WindowKey::of(d), now);
                 let recommendation =
                     recommend(d, &stats, inventory, self.config.modes, &self.config.policy);
