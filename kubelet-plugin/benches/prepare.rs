@@ -884,6 +884,7 @@ const USAGE_MOCK: &str = "name: bench-usage\ngpus:\n  - product: h100-80gb\n    
 struct Fixed {
     devices: Vec<cleave_driver::usage::ClaimDevice>,
     gpus: Vec<(String, u64, Option<u32>)>,
+    inventory: cleave_driver::model::NodeInventory,
 }
 
 impl cleave_kubelet_plugin::usage::ClaimDevices for Fixed {
@@ -892,6 +893,9 @@ impl cleave_kubelet_plugin::usage::ClaimDevices for Fixed {
     }
     fn gpus(&self) -> Vec<(String, u64, Option<u32>)> {
         self.gpus.clone()
+    }
+    fn inventory(&self) -> Option<cleave_driver::model::NodeInventory> {
+        Some(self.inventory.clone())
     }
 }
 
@@ -1141,6 +1145,7 @@ fn usage_child(iterations: usize) {
                 std::sync::Arc::new(Fixed {
                     devices: devices.clone(),
                     gpus: gpus.clone(),
+                    inventory: inventory.clone(),
                 }),
                 std::sync::Arc::clone(&metrics.usage),
                 None,
