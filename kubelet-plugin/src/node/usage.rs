@@ -9,6 +9,12 @@
 //! never calls NVML. A claim that turns idle is sent once per idle period to the Event
 //! task, which posts a Warning `ClaimIdle` on its ResourceClaim (`--idle-events`).
 //!
+//! Prepare goes first: every prepare and unprepare batch holds the plugin's
+//! [`cleave_driver::usage::SamplingGate`], and a round waits at it before it starts, before
+//! each NVML query and between its later steps, giving up its CPU there too. Running
+//! `SCHED_IDLE` alone did not keep the sampler out of prepare's way (`docs/architecture.md`,
+//! "Cost of sampling").
+//!
 //! MPS claims: the driver records the host PID of the claim's control daemon (process
 //! launcher); the MPS server that runs the claim's kernels is a child of it, so the PIDs
 //! the sampler looks for are the daemon and its descendants, read from `/proc`. A daemon
