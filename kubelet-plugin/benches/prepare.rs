@@ -1253,7 +1253,7 @@ fn usage_child(iterations: usize) {
             ms(percentile(&mut scrape_times, 0.99))
         );
         println!(
-            "  resident memory of the bench process: {rss_before} KiB before sampling, {rss_after} KiB after {} prepare cycles with sampling (+{} KiB)",
+            "  resident memory of the bench process (plugin, sampler, and the in-process stand-in, with its bounded change history of claim versions): {rss_before} KiB before sampling, {rss_after} KiB after {} prepare cycles with sampling (+{} KiB)",
             iterations,
             rss_after.saturating_sub(rss_before)
         );
