@@ -324,8 +324,8 @@ where
 /// longer than one query: measured with `perf sched` on a 2-core node, threads woken
 /// during a batch were queued behind a running sampler until the next scheduler tick
 /// (4 ms at `HZ=250`) even at `SCHED_IDLE`, the kernel placing them on the sampler's CPU
-/// as if it were idle (`docs/rightsizing.md`, "Cost"). Cheap to clone; clones share one
-/// gate.
+/// as if it were idle (`docs/architecture.md`, "Cost of sampling"). Cheap to clone;
+/// clones share one gate.
 #[derive(Debug, Clone, Default)]
 pub struct SamplingGate {
     inner: Arc<GateInner>,
