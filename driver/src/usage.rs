@@ -283,6 +283,7 @@ impl fmt::Debug for UsageSampler {
 }
 
 /// Answers of one round, each NVML query made at most once.
+#[derive(Default)]
 struct RoundCache {
     memory: HashMap<String, Result<MemoryUse, String>>,
     utilization: HashMap<String, Result<Option<u32>, String>>,
@@ -293,6 +294,7 @@ struct RoundCache {
 }
 
 /// The round's NVML queries: how many, and the pacing before each.
+#[derive(Default)]
 struct Calls {
     queries: usize,
     pacing: Pacing,
@@ -421,6 +423,7 @@ impl Drop for GateHold {
 
 /// How a round yields to node operations: the gate, and what is left of the round's
 /// waiting budget.
+#[derive(Default)]
 struct Pacing {
     gate: Option<SamplingGate>,
     budget: Duration,
@@ -460,11 +463,6 @@ impl UsageSampler {
     /// devices it was about (they carry it in [`DeviceSample::errors`]).
     pub fn sample(&mut self, devices: &[ClaimDevice]) -> UsageRound {
         let mut cache = RoundCache {
-            memory: HashMap::new(),
-            utilization: HashMap::new(),
-            gpm: HashMap::new(),
-            processes: HashMap::new(),
-            process_util: HashMap::new(),
             calls: Calls {
                 queries: 0,
                 pacing: Pacing {
@@ -473,6 +471,7 @@ impl UsageSampler {
                     waited: Duration::ZERO,
                 },
             },
+            ..RoundCache::default()
         };
         let samples = devices
             .iter()

@@ -99,8 +99,8 @@ impl UsageRounds {
         }
     }
 
-    /// These rounds, waiting at `gate` before each NVML query while a batch holds it, at
-    /// most `max_wait` per round.
+    /// These rounds, waiting at `gate` while a batch holds it: before each NVML query (at
+    /// most `max_wait` per round) and between the right-sizing steps (as much again).
     pub fn with_gate(
         mut self,
         gate: cleave_driver::usage::SamplingGate,
