@@ -4,6 +4,9 @@
 //!
 //! The binary is also the demo's `nvidia-cuda-mps-control` and `nvidia-smi`: the tool
 //! wrappers in the simulated driver root run it as `cleave-demo __fake <tool> <args>...`.
+//! And it is the demo's CDI hook: the plugin installs a copy of it as `cleave-cdi-hook`
+//! (the hook of the plugin package is not built by `cargo run -p cleave-demo`), and run
+//! under that name it is the real hook (`cleave_cdi_hook::main`).
 
 use std::process::ExitCode;
 
@@ -28,6 +31,9 @@ struct Cli {
 fn main() -> ExitCode {
     // The demo's tool wrappers run this binary as its fake NVIDIA tools (never in --help).
     let args: Vec<String> = std::env::args().collect();
+    if runs_as_cdi_hook(&args) {
+        return cleave_cdi_hook::main();
+    }
     if let Some(code) = cleave_testkit::runner::play_fake_tool(&args) {
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
@@ -40,6 +46,14 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Whether this process was started under the CDI hook's name, as the runtime runs the copy
+/// the plugin installed (`args[0]` of a CDI hook is its program name).
+fn runs_as_cdi_hook(args: &[String]) -> bool {
+    args.first()
+        .and_then(|a0| std::path::Path::new(a0).file_name())
+        .is_some_and(|name| name == cleave_driver::driver_root::CDI_HOOK_NAME)
 }
 
 fn run(cli: &Cli) -> anyhow::Result<ExitCode> {

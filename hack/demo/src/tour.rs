@@ -272,7 +272,11 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
             host_driver_root: None,
             mps_control_bin: None,
             nvidia_smi_bin: None,
-            cdi_hook_source: None,
+            // This binary, which is also the hook (main.rs): a fresh `cargo run -p cleave-demo`
+            // builds no `cleave-cdi-hook` beside it.
+            cdi_hook_source: Some(
+                std::env::current_exe().context("finding the demo binary (the demo's CDI hook)")?,
+            ),
             disable_cdi_hooks: false,
         },
         nvml: NvmlArgs {

@@ -110,3 +110,41 @@ fn fake_tool_argument_is_hidden_from_help() {
     assert!(help.contains("demo"), "{help}");
     assert!(!help.contains("__fake"), "{help}");
 }
+
+/// A fresh `cargo run -p cleave-demo` builds no `cleave-cdi-hook` beside the demo: the demo
+/// alone in a directory, with only the mock library named, still passes every check.
+#[test]
+fn demo_needs_no_hook_binary_beside_it() {
+    let lib = mock_nvml::locate::cdylib_path().expect("mock NVML library not built");
+    let dir = tempfile::tempdir().unwrap();
+    let demo = dir.path().join("cleave-demo");
+    std::fs::copy(env!("CARGO_BIN_EXE_cleave-demo"), &demo).unwrap();
+    assert!(!dir.path().join("cleave-cdi-hook").exists());
+    let out = Command::new(&demo)
+        .env("MOCK_NVML_LIB", lib)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("all checks passed"), "{stdout}");
+}
+
+/// Started under the hook's name, as the runtime runs the copy the plugin installed, the
+/// demo binary is the real hook.
+#[test]
+fn demo_binary_is_the_hook_under_its_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = dir.path().join("cleave-cdi-hook");
+    std::fs::copy(env!("CARGO_BIN_EXE_cleave-demo"), &hook).unwrap();
+    let out = Command::new(&hook).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    assert!(help.contains("OCI createContainer hook"), "{help}");
+    assert!(help.contains("update-ldcache"), "{help}");
+    // A hostile-looking unknown subcommand is ignored by the hook, as NVIDIA's is.
+    let out = Command::new(&hook).arg("no-such-hook").output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported hook"));
+}
