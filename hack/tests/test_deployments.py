@@ -386,7 +386,8 @@ def rendered_objects_validate_strict_1_34() -> None:
     # Three DeviceClasses: shared.gpu.cleave.dev comes only with consumableCapacity (its
     # selector needs DRAConsumableCapacity, see selectors_compile_in_each_versions_cel_environment).
     base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass",
-            "Service", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+            "Service", "ServiceAccount"] + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 2
+    # Two node-scoped policies in every mode: slices and claim status.
     # The pod launcher (default) adds its Role and the node-scoped MPS pods policy.
     pod_launcher = ["Role", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     for label, values, extra in (("default", None, pod_launcher), ("kind", kind_values(), [])):
@@ -1277,10 +1278,15 @@ def admission_policy_keeps_each_plugin_to_its_own_nodes_slices() -> None:
             raise AssertionError(f"CEL {expr!r} failed: {result}")
         return result
 
-    def allowed(username: str, token_node: str | None, op: str, slice_node: str | None) -> bool | None:
-        """None: the policy does not apply; else whether every validation passes."""
+    def allowed(username: str, token_node: str | None, op: str, slice_node: str | None,
+                driver: str = DRIVER, pool: str | None = None) -> bool | None:
+        """None: the policy does not apply; else whether every validation passes. The pool
+        is named after the slice's node unless given."""
         extra = {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}
-        obj = {"spec": {"nodeName": slice_node}} if slice_node else {"spec": {"allNodes": True}}
+        spec_ = {"driver": driver, "pool": {"name": pool or slice_node or "all", "generation": 1,
+                                            "resourceSliceCount": 1}}
+        spec_.update({"nodeName": slice_node} if slice_node else {"allNodes": True})
+        obj = {"spec": spec_}
         act = {"request": {"userInfo": {"username": username, "extra": extra}, "operation": op},
                "object": None if op == "DELETE" else obj, "oldObject": obj if op == "DELETE" else None}
         if not all(run(c["expression"], act) for c in spec["matchConditions"]):
@@ -1299,10 +1305,147 @@ def admission_policy_keeps_each_plugin_to_its_own_nodes_slices() -> None:
     assert allowed(user, "node-a", "CREATE", None) is False, "a slice without a node"
     assert allowed(user, None, "CREATE", "node-a") is False, "a token without a node"
     assert allowed("system:serviceaccount:other:sa", "node-a", "CREATE", "node-b") is None
+    # The driver is pinned: another driver's slices on the own node are refused, for every verb.
+    for op in ("CREATE", "UPDATE", "DELETE"):
+        assert allowed(user, "node-a", op, "node-a", driver="gpu.nvidia.com") is False, f"{op}: another driver"
+    # The pool is the node's: a slice of node-a in pool node-b (which the scheduler would treat
+    # as node-b's devices) is refused; deleting a slice of an older pool name is not.
+    assert allowed(user, "node-a", "CREATE", "node-a", pool="node-b") is False
+    assert allowed(user, "node-a", "UPDATE", "node-a", pool="node-b") is False
+    assert allowed(user, "node-a", "DELETE", "node-a", pool="old-name") is True
+    # The pool the plugin publishes is named after its node (the policy relies on it).
+    assert "pool_name: args.node_name.clone()" in (ROOT / "kubelet-plugin" / "src" / "start.rs").read_text()
+    assert "let pool_name = target.node;" in (ROOT / "controller" / "src" / "diff.rs").read_text()
     # Off, or without the chart's RBAC: no policy.
     for values in ({"nodeScopedSlices": {"enabled": False}}, {"rbac": {"create": False}}):
         assert not [o for o in render(values) if o["kind"].startswith("ValidatingAdmissionPolicy")
                     and o["metadata"]["name"].endswith("node-scoped-slices")]
+
+
+def allocated_claim(node: str = "node-a", entries: list[dict] | None = None) -> dict:
+    """A ResourceClaim as the plugin reads it before its status write: allocated by the
+    scheduler to `node` (node-local devices: one term, one matchFields on metadata.name),
+    one of this driver's devices and one of another driver's, reserved for one pod."""
+    return {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "c", "namespace": "team-a", "uid": "0b7e1c2a-0000-4000-8000-000000000002"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.cleave.dev"}},
+                                          {"name": "nic", "exactly": {"deviceClassName": "nic.example.com"}}]}},
+        "status": {
+            "allocation": {
+                "devices": {"results": [
+                    {"request": "gpu", "driver": DRIVER, "pool": node, "device": "gpu-0"},
+                    {"request": "nic", "driver": "nic.example.com", "pool": node, "device": "eth1"}]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [node]}]}]}},
+            "reservedFor": [{"resource": "pods", "name": "p", "uid": "0b7e1c2a-0000-4000-8000-000000000003"}],
+            "devices": entries if entries is not None else [
+                {"driver": "nic.example.com", "pool": node, "device": "eth1",
+                 "networkData": {"interfaceName": "eth1"}}],
+        },
+    }
+
+
+def our_entry(node: str = "node-a", ready: str = "True") -> dict:
+    """A status.devices entry as claim_status.rs writes it (data and Ready/Healthy)."""
+    cond = [{"type": t, "status": s, "reason": "Prepared", "message": "",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"} for t, s in (("Ready", ready), ("Healthy", "True"))]
+    return {"driver": DRIVER, "pool": node, "device": "gpu-0", "conditions": cond,
+            "data": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "DeviceStatus"}}
+
+
+@check
+def admission_policy_keeps_claim_status_writes_to_own_node_and_entries() -> None:
+    """The node-scoped claim status policy: valid for 1.34 (strict), every expression
+    compiles, and evaluated as the API server does it lets the plugin's token add, change and
+    remove only this driver's status.devices entries of its own pool, on claims allocated to
+    its own node, with allocation and reservedFor unchanged; the writes claim_status.rs sends
+    (prepare, health change, unprepare) pass; other users are not matched."""
+    objs = render(namespace="gpu-drivers")
+    policy = one(objs, "ValidatingAdmissionPolicy", "cleave-node-scoped-claim-status")
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", "cleave-node-scoped-claim-status")
+    for o in (policy, binding):
+        validate_k8s(o, "node-scoped claim status policy")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"] == [{
+        "apiGroups": ["resource.k8s.io"], "apiVersions": ["*"], "operations": ["UPDATE"],
+        "resources": ["resourceclaims/status"]}], spec["matchConstraints"]
+    for v in spec["validations"]:
+        assert v.get("message") or v.get("messageExpression"), f"validation without a message: {v['expression']}"
+        for key in ("expression", "messageExpression"):
+            if key in v:
+                cel_program(v[key])
+    sa = one(objs, "ServiceAccount")["metadata"]["name"]
+    user = f"system:serviceaccount:gpu-drivers:{sa}"
+
+    def review(old: dict, new: dict, token_node: str | None = "node-a", username: str = user):
+        req = {"operation": "UPDATE", "userInfo": {"username": username, "extra":
+               {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}}}
+        return evaluate_policy(spec, req, new, old)
+
+    def edit(claim: dict, fn: Callable[[dict], None]) -> dict:
+        out = json.loads(json.dumps(claim))
+        fn(out)
+        return out
+
+    def denied(label: str, old: dict, new: dict, token_node: str | None = "node-a", needle: str = "") -> None:
+        ok, msgs = review(old, new, token_node)
+        assert ok is False, f"{label}: allowed"
+        assert all(msgs) and (not needle or any(needle in m for m in msgs)), f"{label}: messages {msgs}"
+
+    before = allocated_claim()
+    # What the plugin sends: prepare adds its entry, a health change rewrites it, unprepare removes it.
+    prepared = edit(before, lambda c: c["status"]["devices"].append(our_entry()))
+    unhealthy = edit(prepared, lambda c: c["status"]["devices"][1].update(conditions=[
+        dict(c["status"]["devices"][1]["conditions"][0]), {**c["status"]["devices"][1]["conditions"][1], "status": "False"}]))
+    for label, old, new in (("prepare", before, prepared), ("health change", prepared, unhealthy),
+                            ("unprepare", prepared, before), ("no change", prepared, prepared)):
+        assert review(old, new) == (True, []), (label, review(old, new))
+    # A claim with only this driver's entry: unprepare leaves no devices field at all.
+    only_ours = allocated_claim(entries=[our_entry()])
+    assert review(only_ours, edit(only_ours, lambda c: c["status"].pop("devices"))) == (True, [])
+
+    # The attacks of a token stolen from node-a.
+    denied("a claim on another node", allocated_claim("node-b"),
+           edit(allocated_claim("node-b"), lambda c: c["status"]["devices"].append(our_entry("node-b"))),
+           needle="allocated to node node-b")
+    denied("a token without a node", before, prepared, token_node=None, needle="names no node")
+    denied("an unallocated claim", edit(before, lambda c: c["status"].pop("allocation")),
+           edit(before, lambda c: c["status"].pop("allocation")), needle="without a single-node allocation")
+    two_terms = edit(before, lambda c: c["status"]["allocation"]["nodeSelector"]["nodeSelectorTerms"].append(
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}))
+    denied("an allocation over two nodes", two_terms, edit(two_terms, lambda c: c["status"]["devices"].append(our_entry())))
+    denied("clearing the allocation", before, edit(before, lambda c: c["status"].pop("allocation")),
+           needle="status.allocation")
+    denied("rewriting the allocation", before, edit(before, lambda c: c["status"]["allocation"]["devices"]["results"][0]
+                                                     .update(device="gpu-7")), needle="status.allocation")
+    denied("clearing reservedFor", before, edit(before, lambda c: c["status"].pop("reservedFor")), needle="reservedFor")
+    denied("adding to reservedFor", before, edit(before, lambda c: c["status"]["reservedFor"].append(
+        {"resource": "pods", "name": "evil", "uid": "0b7e1c2a-0000-4000-8000-000000000009"})), needle="reservedFor")
+    denied("another driver's entry changed", before, edit(before, lambda c: c["status"]["devices"][0].update(
+        networkData={"interfaceName": "evil0"})), needle="only the status.devices entries of driver")
+    denied("another driver's entry removed", before, edit(before, lambda c: c["status"].pop("devices")),
+           needle="only the status.devices entries of driver")
+    denied("another driver's entry added", only_ours, edit(only_ours, lambda c: c["status"]["devices"].append(
+        {"driver": "nic.example.com", "pool": "node-a", "device": "eth1"})))
+    denied("an entry of this driver in another pool", before, edit(before, lambda c: c["status"]["devices"].append(
+        our_entry("node-b"))))
+    assert review(before, prepared, username="system:serviceaccount:kube-system:x") == (None, [])
+    # Off, or without the chart's RBAC: no policy.
+    for values in ({"nodeScopedClaimStatus": {"enabled": False}}, {"rbac": {"create": False}}):
+        assert not [o for o in render(values) if o["metadata"]["name"].endswith("node-scoped-claim-status")], values
+    # The policy admits what the code sends: a PUT of the claim it read to /status, its own
+    # entries (driver and pool = node name) changed, allocation and reservedFor as read.
+    src = (ROOT / "kubelet-plugin" / "src" / "k8s" / "claim_status.rs").read_text()
+    for needle in ("api.replace_status(&claim.name", "d.driver == config.driver_name && d.pool == config.pool_name",
+                   "status.devices = (!next.is_empty()).then_some(next);"):
+        assert needle in src, f"claim_status.rs lacks {needle!r}: check the claim status policy and this test"
+    for needle in ("patch_status", "reserved_for =", "allocation ="):
+        assert needle not in src, f"claim_status.rs has {needle!r}: check the claim status policy and this test"
+    assert "pool_name: args.node_name.clone()" in (ROOT / "kubelet-plugin" / "src" / "start.rs").read_text()
 
 
 @check
@@ -1849,8 +1992,10 @@ def evaluate_policy(spec: dict, request: dict, obj: dict | None, old: dict | Non
 def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
     """The node-scoped MPS pods policy: valid for 1.34 (strict), every expression compiles,
     and evaluated it lets the plugin's token create (and delete) only daemon pods of its own
-    node with the chart's image, the mps-daemon command, the plugin's labels and volumes;
-    everything else is denied with a message. Its sample pod follows mps_pod.rs."""
+    node of exactly the shape mps_pod.rs builds (image, command and flags, env with plain
+    values, labels, the five volumes and their mounts); hooks, probes, ports, Secrets in
+    env, resource claims and a writable state directory are denied with a message. Its
+    sample pod follows mps_pod.rs."""
     objs = render(namespace="gpu-drivers")
     policy = one(objs, "ValidatingAdmissionPolicy", "cleave-node-scoped-mps-pods")
     binding = one(objs, "ValidatingAdmissionPolicyBinding", "cleave-node-scoped-mps-pods")
@@ -1897,7 +2042,7 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
     denied("token without a node", good, token_node=None, needle="names no node")
     denied("another image", mps_daemon_pod(image="evil.example.com/root:latest"), needle="runs the image")
     denied("extra hostPath", edit(lambda p: p["spec"]["volumes"].append(
-        {"name": "etc", "hostPath": {"path": "/etc"}})), needle="mounts only")
+        {"name": "etc", "hostPath": {"path": "/etc"}})), needle="exactly the volumes")
     denied("hostPath escaping the state dir", edit(lambda p: p["spec"]["volumes"][0]["hostPath"].update(
         path="/var/lib/kubelet/plugins/gpu.cleave.dev/../../../../etc")))
     denied("driver root elsewhere", edit(lambda p: p["spec"]["volumes"][3]["hostPath"].update(path="/etc")))
@@ -1914,6 +2059,45 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
     denied("host network", edit(lambda p: p["spec"].update(hostNetwork=True)))
     denied("a token mounted", edit(lambda p: p["spec"].update(automountServiceAccountToken=True)))
     denied("another service account", edit(lambda p: p["spec"].update(serviceAccountName="cluster-admin-sa")))
+    # The daemon's own shape and nothing more (hooks, probes, secrets, claims, state dir).
+    ctr = lambda p: p["spec"]["containers"][0]  # noqa: E731
+    denied("a postStart hook", edit(lambda p: ctr(p).update(lifecycle={"postStart": {"exec": {"command": ["/x"]}}})),
+           needle="no lifecycle hooks")
+    denied("an exec liveness probe", edit(lambda p: ctr(p).update(livenessProbe={"exec": {"command": ["/x"]}})),
+           needle="no lifecycle hooks")
+    denied("an exec startup probe", edit(lambda p: ctr(p).update(startupProbe={"exec": {"command": ["/x"]}})))
+    denied("a container port", edit(lambda p: ctr(p).update(ports=[{"containerPort": 22, "hostPort": 22}])))
+    denied("env from a Secret", edit(lambda p: ctr(p)["env"][0].update(
+        value=None, valueFrom={"secretKeyRef": {"name": "x", "key": "k"}})), needle="plain values")
+    denied("envFrom a Secret", edit(lambda p: ctr(p).update(envFrom=[{"secretRef": {"name": "x"}}])),
+           needle="plain values")
+    denied("a CUDA_ variable of its own", edit(lambda p: ctr(p)["env"].append({"name": "CUDA_INJECTION64_PATH",
+                                                                              "value": "/x.so"})))
+    denied("another log directory", edit(lambda p: ctr(p)["env"][2].update(value="/driver-root")))
+    denied("resource claims", edit(lambda p: p["spec"].update(resourceClaims=[
+        {"name": "gpu", "resourceClaimName": "someone-elses"}])), needle="no resource claims")
+    denied("a sysctl", edit(lambda p: p["spec"].update(securityContext={"sysctls": [{"name": "kernel.shm_rmid_forced",
+                                                                                     "value": "0"}]})))
+    denied("a runtime class", edit(lambda p: p["spec"].update(runtimeClassName="unconfined")))
+    denied("the whole state directory, writable", edit(lambda p: p["spec"]["volumes"][1]["hostPath"].update(
+        path="/var/lib/kubelet/plugins/gpu.cleave.dev")), needle="exactly the volumes")
+    denied("the CDI hook's directory", edit(lambda p: p["spec"]["volumes"][1]["hostPath"].update(
+        path="/var/lib/kubelet/plugins/gpu.cleave.dev/bin")))
+    denied("a log dir of another shape", edit(lambda p: p["spec"]["volumes"][1]["hostPath"].update(
+        path="/var/lib/kubelet/plugins/gpu.cleave.dev/mps/../log")))
+    denied("the pipe root itself", edit(lambda p: p["spec"]["volumes"][0]["hostPath"].update(path="/run/cleave")))
+    denied("a hostPath that may be created", edit(lambda p: p["spec"]["volumes"][1]["hostPath"].update(
+        type="DirectoryOrCreate")))
+    denied("a subPath", edit(lambda p: ctr(p)["volumeMounts"][0].update(subPath="..")), needle="without subPath")
+    denied("a mount elsewhere", edit(lambda p: ctr(p)["volumeMounts"][1].update(mountPath="/usr/bin")))
+    denied("a volume missing", edit(lambda p: (p["spec"]["volumes"].pop(4), ctr(p)["volumeMounts"].pop(4))))
+    denied("an annotation of its own", edit(lambda p: p["metadata"]["annotations"].update(
+        {"io.kubernetes.cri-o.Devices": "/dev/mem"})), needle="no annotation but")
+    denied("another container name", edit(lambda p: ctr(p).update(name="x")))
+    denied("a control binary of its choosing", edit(lambda p: ctr(p)["args"].append(
+        "--mps-control-bin=/driver-root/usr/bin/nsenter")))
+    denied("a flag in first place", edit(lambda p: ctr(p)["args"].insert(0, "--multi-user")))
+    denied("a working directory", edit(lambda p: ctr(p).update(workingDir="/driver-root")))
     denied("delete on another node", mps_daemon_pod(node="node-b"), op="DELETE")
     denied("delete a pod that is no daemon", edit(lambda p: p["metadata"]["labels"].pop("app.kubernetes.io/name")),
            op="DELETE")
@@ -1930,6 +2114,13 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
                                                "extra": {"authentication.kubernetes.io/node-name": ["node-a"]}}}
     assert evaluate_policy(spec2, req, pod2, None) == (True, []), evaluate_policy(spec2, req, pod2, None)
     assert evaluate_policy(spec2, req, good, None)[0] is False, "the default-values pod passed the custom policy"
+    # With the mock NVML (kind), the fake control binary of the image is the one allowed.
+    spec3 = one(render({"mockNvml": {"enabled": True}}, namespace="gpu-drivers"), "ValidatingAdmissionPolicy",
+                "cleave-node-scoped-mps-pods")["spec"]
+    fake = json.loads(json.dumps(good))
+    fake["spec"]["containers"][0]["args"].append("--mps-control-bin=/usr/lib/cleave/fakes/nvidia-cuda-mps-control")
+    assert evaluate_policy(spec3, req, fake, None) == (True, []), evaluate_policy(spec3, req, fake, None)
+    assert evaluate_policy(spec, req, fake, None)[0] is False, "the fake control binary passed without mockNvml"
     # Only with the pod launcher and RBAC, and when enabled.
     for v in ({"mps": {"launcher": "process"}}, {"rbac": {"create": False}}, {"nodeScopedMpsPods": {"enabled": False}}):
         assert not [o for o in render(v) if o["metadata"]["name"].endswith("node-scoped-mps-pods")], v
@@ -1943,8 +2134,22 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
                    '"--lib-dir=', '"--mps-control-bin=', '"--multi-user"', "automount_service_account_token: Some(false)",
                    'host_path_volume("driver-root", &config.host_driver_root'):
         assert needle in src, f"kubelet-plugin/src/k8s/mps_pod.rs lacks {needle!r}: update the policy and this check"
-    for name in re.findall(r'env\("([A-Z_]+)"', src):
-        assert name.startswith(("CUDA_", "CLEAVE_")), f"mps_pod.rs sets env {name}, which the policy denies"
+    assert set(re.findall(r'env\("([A-Z_]+)"', src)) == {e["name"] for e in good["spec"]["containers"][0]["env"]}, \
+        "mps_pod.rs sets other env variables than the policy admits"
+    sharing = (ROOT / "driver" / "src" / "sharing" / "mod.rs").read_text()
+    mps_rs = (ROOT / "driver" / "src" / "sharing" / "mps.rs").read_text()
+    for text, needle in ((src, 'CONTAINER_NAME: &str = "mps-control-daemon"'), (src, 'POD_LOG_DIR: &str = "/var/log/nvidia-mps"'),
+                         (src, 'POD_DRIVER_ROOT: &str = "/driver-root"'), (src, 'POD_SCRATCH_DIR: &str = "/run/cleave-mps"'),
+                         (src, 'format!("--lib-dir={POD_SCRATCH_DIR}/lib")'), (src, 'format!("--driver-root={POD_DRIVER_ROOT}")'),
+                         (src, 'mount("driver-root", POD_DRIVER_ROOT, true)'), (src, "DEVICES_ANNOTATION.to_owned(),"),
+                         (sharing, 'pub const SHM_DIR: &str = "/dev/shm";'), (sharing, 'log_dir: dir.join("log")'),
+                         (sharing, "self.config.mps_dir().join(claim_uid)"), (sharing, "pipe_root.join(&digest[..16])"),
+                         (mps_rs, 'DEFAULT_CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps"')):
+        assert needle in text, f"the MPS daemon pod's code lacks {needle!r}: update the policy and this check"
+    for needle in ("lifecycle:", "liveness_probe:", "readiness_probe:", "startup_probe:", "ports:", "env_from:",
+                   "resource_claims:", "working_dir:", "sub_path:"):
+        assert needle not in src, f"mps_pod.rs sets {needle!r}, which the policy denies: update both"
+    assert src.count("annotations: Some(") == 1, "mps_pod.rs sets annotations the policy may deny"
     for name, _ in re.findall(r'host_path_volume\("([^"]+)",\s*&config\.(host_path\(|host_driver_root)', src):
         assert name in {v["name"] for v in good["spec"]["volumes"]}, f"mps_pod.rs mounts hostPath {name}: not in the sample"
     volumes = set(re.findall(r'(?:host_path_volume|empty_dir_volume)\("([^"]+)"', src)) | (
