@@ -1950,7 +1950,8 @@ def operator_values_reach_the_plugin() -> None:
             {"extraEnv": [{"value": "x"}]}, {"extraEnv": [{"name": "A", "valu": "x"}]},
             {"metrics": {"enabled": True, "port": 9400, "podMonitor": {"interval": "30 seconds"}}},
             {"metrics": {"enabled": True, "port": 9400, "service": {"enabled": "yes"}}},
-            {"nodeScopedMpsPods": {"enabled": 1}},
+            {"nodeScopedMpsPods": {"enabled": 1}}, {"nodeScopedClaimStatus": {"enabled": "yes"}},
+            {"nodeScopedClaimStatus": {"enabld": True}},
         ]
         accepted = schema_accepted(chart, bad)
     assert not accepted, f"schema accepted wrong operator values: {accepted}"
