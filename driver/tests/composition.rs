@@ -812,6 +812,8 @@ fn every_shipped_class_and_example_prepares_in_every_node_mode() {
     let mut shapes: Vec<Shape> = classes.iter().flat_map(class_shapes).collect();
     shapes.extend(example_shapes());
     let mut prepared = 0;
+    // Each cell's outcome, checked against the table at the end.
+    let mut outcomes: BTreeMap<String, String> = BTreeMap::new();
     let mut unallocatable: Vec<String> = Vec::new();
     let mut denied: Vec<String> = Vec::new();
     let mut cells = 0;
@@ -830,6 +832,7 @@ fn every_shipped_class_and_example_prepares_in_every_node_mode() {
                 let ctx = format!("[{mode}] {}", shape.label);
                 if let Some(why) = denied_at_admission(shape, capacity) {
                     denied.push(format!("{ctx}: {why}"));
+                    outcomes.insert(ctx, format!("denied: {why}"));
                     continue;
                 }
                 let node = Node::new(mode);
@@ -860,6 +863,7 @@ fn every_shipped_class_and_example_prepares_in_every_node_mode() {
                     Ok(r) => r,
                     Err(why) => {
                         unallocatable.push(format!("{ctx}: {why}"));
+                        outcomes.insert(ctx, format!("unallocatable: {why}"));
                         continue;
                     }
                 };
@@ -886,6 +890,7 @@ fn every_shipped_class_and_example_prepares_in_every_node_mode() {
                     node.driver.unprepare(b).unwrap();
                 }
                 node.assert_nothing_left(&ctx);
+                outcomes.insert(ctx, "prepared".to_owned());
                 prepared += 1;
             }
         }
@@ -902,9 +907,57 @@ fn every_shipped_class_and_example_prepares_in_every_node_mode() {
     for d in &denied {
         println!("  denied {d}");
     }
-    // The model is not vacuous: most cells prepare, and every mode prepares something.
+    assert_eq!(outcomes.len(), cells, "two cells share a name");
+    check_expected(&outcomes);
+}
+
+/// The checked-in table of every cell's outcome (`<cell> => <outcome>`, one a line).
+const EXPECTED: &str = "tests/composition-expected.txt";
+
+/// Compares the cells' outcomes with [`EXPECTED`]: any cell that appeared, disappeared or
+/// changed its outcome fails the test by name. `CLEAVE_UPDATE_EXPECTED=1` rewrites the table
+/// (review its diff: each changed line is a behaviour change).
+fn check_expected(outcomes: &BTreeMap<String, String>) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(EXPECTED);
+    let now: String = outcomes
+        .iter()
+        .map(|(cell, outcome)| format!("{cell} => {outcome}\n"))
+        .collect();
+    if std::env::var_os("CLEAVE_UPDATE_EXPECTED").is_some_and(|v| v == "1") {
+        std::fs::write(&path, &now).unwrap();
+        println!("wrote {}", path.display());
+        return;
+    }
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let want: BTreeMap<&str, &str> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            l.split_once(" => ")
+                .unwrap_or_else(|| panic!("{}: bad line {l:?}", path.display()))
+        })
+        .collect();
+    let mut changed = Vec::new();
+    for (cell, outcome) in outcomes {
+        match want.get(cell.as_str()) {
+            None => changed.push(format!("new cell {cell}: {outcome}")),
+            Some(w) if *w != outcome => {
+                changed.push(format!("{cell}: expected {w}, got {outcome}"));
+            }
+            Some(_) => {}
+        }
+    }
+    for cell in want.keys() {
+        if !outcomes.contains_key(*cell) {
+            changed.push(format!("cell gone: {cell}"));
+        }
+    }
     assert!(
-        prepared * 2 > cells,
-        "only {prepared} of {cells} cells prepared"
+        changed.is_empty(),
+        "{} cell(s) differ from {EXPECTED} (CLEAVE_UPDATE_EXPECTED=1 rewrites it after review):\n  {}",
+        changed.len(),
+        changed.join("\n  ")
     );
+    println!("composition matrix: all {} cells as in {EXPECTED}", outcomes.len());
 }
