@@ -902,7 +902,16 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
 struct Totals {
     kill_points: AtomicUsize,
     invariants: AtomicUsize,
+    /// Invariants checked per scenario.
+    per_scenario: Mutex<BTreeMap<&'static str, usize>>,
     failures: Mutex<Vec<String>>,
+}
+
+impl Totals {
+    fn add_invariants(&self, s: &Scenario, n: usize) {
+        self.invariants.fetch_add(n, Ordering::Relaxed);
+        *self.per_scenario.lock().unwrap().entry(s.name).or_insert(0) += n;
+    }
 }
 
 fn new_world(base: &Path, name: &str) -> World {
@@ -964,10 +973,10 @@ fn discover(base: &Path, s: &Scenario, totals: &Totals) -> Vec<(String, u64)> {
         &prepared_after(s),
         &format!("{} (no crash)", s.name),
     );
-    totals.invariants.fetch_add(n, Ordering::Relaxed);
+    totals.add_invariants(s, n);
     world.run_ok("cleanup", s.name);
     let n = check_invariants(&world, &BTreeSet::new(), &format!("{} cleanup", s.name));
-    totals.invariants.fetch_add(n, Ordering::Relaxed);
+    totals.add_invariants(s, n);
     world.kill_daemons();
     let mut counts: BTreeMap<String, u64> = BTreeMap::new();
     let mut order = Vec::new();
@@ -1028,13 +1037,23 @@ fn run_harness() -> bool {
     let totals = Totals {
         kill_points: AtomicUsize::new(0),
         invariants: AtomicUsize::new(0),
+        per_scenario: Mutex::new(BTreeMap::new()),
         failures: Mutex::new(Vec::new()),
     };
     let mut jobs: Vec<(&'static Scenario, String, u64)> = Vec::new();
     let mut distinct: BTreeSet<String> = BTreeSet::new();
+    // Per scenario: the kill runs and the distinct fault points it reaches.
+    let mut reached: BTreeMap<&'static str, (usize, BTreeSet<String>)> = BTreeMap::new();
     for s in SCENARIOS {
         let points = discover(&base, s, &totals);
         println!("{}: {} kill points", s.name, points.len());
+        reached.insert(
+            s.name,
+            (
+                points.len(),
+                points.iter().map(|(p, _)| p.clone()).collect(),
+            ),
+        );
         for (p, n) in points {
             distinct.insert(p.clone());
             jobs.push((s, p, n));
@@ -1051,7 +1070,7 @@ fn run_harness() -> bool {
                     match std::panic::catch_unwind(|| kill_run(&base, s, &point, n, idx)) {
                         Ok(checked) => {
                             totals.kill_points.fetch_add(1, Ordering::Relaxed);
-                            totals.invariants.fetch_add(checked, Ordering::Relaxed);
+                            totals.add_invariants(s, checked);
                         }
                         Err(e) => {
                             let msg = e
@@ -1099,7 +1118,91 @@ fn run_harness() -> bool {
     if !missing.is_empty() {
         println!("FAILED: recreation points never reached: {missing:?}");
     }
-    failures.is_empty() && missing.is_empty()
+    let per_scenario = totals.per_scenario.into_inner().unwrap();
+    let table_ok = check_expected(&reached, &per_scenario);
+    failures.is_empty() && missing.is_empty() && table_ok
+}
+
+/// The checked-in table of what the harness covers: one line per scenario with its kill
+/// runs, the fault points it reaches and a floor on the invariants it checks.
+const EXPECTED: &str = "tests/crash-expected.txt";
+
+/// Compares the run with [`EXPECTED`]: a scenario added or removed, a fault point no longer
+/// (or newly) reached, a changed number of kill runs, or fewer invariants than the floor
+/// fails by name. `CLEAVE_UPDATE_EXPECTED=1` rewrites the table (review its diff).
+fn check_expected(
+    reached: &BTreeMap<&'static str, (usize, BTreeSet<String>)>,
+    invariants: &BTreeMap<&'static str, usize>,
+) -> bool {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(EXPECTED);
+    let line = |name: &str, kills: usize, points: &BTreeSet<String>, floor: usize| {
+        let points: Vec<&str> = points.iter().map(String::as_str).collect();
+        format!(
+            "{name}: {kills} kill runs; points {}; invariants >= {floor}",
+            points.join(" ")
+        )
+    };
+    if std::env::var_os("CLEAVE_UPDATE_EXPECTED").is_some_and(|v| v == "1") {
+        let text: String = reached
+            .iter()
+            .map(|(name, (kills, points))| {
+                let floor = invariants.get(name).copied().unwrap_or(0);
+                line(name, *kills, points, floor) + "\n"
+            })
+            .collect();
+        std::fs::write(&path, text).unwrap();
+        println!("wrote {}", path.display());
+        return true;
+    }
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let mut want: BTreeMap<&str, (&str, usize)> = BTreeMap::new();
+    for l in text.lines().filter(|l| !l.trim().is_empty()) {
+        let (name, _) = l.split_once(':').unwrap_or_else(|| panic!("bad line {l:?}"));
+        let (shape, floor) = l
+            .rsplit_once("; invariants >= ")
+            .unwrap_or_else(|| panic!("bad line {l:?}"));
+        let floor = floor.parse().unwrap_or_else(|_| panic!("bad floor in {l:?}"));
+        want.insert(name, (shape, floor));
+    }
+    let mut problems = Vec::new();
+    for (name, (kills, points)) in reached {
+        let got = invariants.get(name).copied().unwrap_or(0);
+        let now = line(name, *kills, points, got);
+        let (shape_now, _) = now.rsplit_once("; invariants >= ").unwrap_or((&now, ""));
+        match want.get(name) {
+            None => problems.push(format!("new scenario: {now}")),
+            Some((shape, floor)) => {
+                if *shape != shape_now {
+                    problems.push(format!("{name}: expected {shape}\n    got {shape_now}"));
+                }
+                if got < *floor {
+                    problems.push(format!(
+                        "{name}: {got} invariants checked, fewer than the floor {floor}"
+                    ));
+                }
+            }
+        }
+    }
+    for name in want.keys() {
+        if !reached.contains_key(*name) {
+            problems.push(format!("scenario gone: {name}"));
+        }
+    }
+    for p in &problems {
+        println!("FAILED: {p}");
+    }
+    if problems.is_empty() {
+        println!(
+            "crash harness: {} scenarios, their fault points and invariant floors as in {EXPECTED}",
+            reached.len()
+        );
+    } else {
+        println!(
+            "FAILED: the run differs from {EXPECTED} (CLEAVE_UPDATE_EXPECTED=1 rewrites it after review)"
+        );
+    }
+    problems.is_empty()
 }
 
 fn main() -> std::process::ExitCode {
