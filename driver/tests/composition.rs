@@ -959,5 +959,8 @@ fn check_expected(outcomes: &BTreeMap<String, String>) {
         changed.len(),
         changed.join("\n  ")
     );
-    println!("composition matrix: all {} cells as in {EXPECTED}", outcomes.len());
+    println!(
+        "composition matrix: all {} cells as in {EXPECTED}",
+        outcomes.len()
+    );
 }

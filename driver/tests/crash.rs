@@ -1158,11 +1158,15 @@ fn check_expected(
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let mut want: BTreeMap<&str, (&str, usize)> = BTreeMap::new();
     for l in text.lines().filter(|l| !l.trim().is_empty()) {
-        let (name, _) = l.split_once(':').unwrap_or_else(|| panic!("bad line {l:?}"));
+        let (name, _) = l
+            .split_once(':')
+            .unwrap_or_else(|| panic!("bad line {l:?}"));
         let (shape, floor) = l
             .rsplit_once("; invariants >= ")
             .unwrap_or_else(|| panic!("bad line {l:?}"));
-        let floor = floor.parse().unwrap_or_else(|_| panic!("bad floor in {l:?}"));
+        let floor = floor
+            .parse()
+            .unwrap_or_else(|_| panic!("bad floor in {l:?}"));
         want.insert(name, (shape, floor));
     }
     let mut problems = Vec::new();

@@ -1,6 +1,8 @@
 //! The hook under a real runc, when the machine has one (and root): a rootfs made of the
 //! host's `sh`, `cat`, glibc and static ldconfig, the hooks in `createContainer`, and the
-//! container printing what it sees. Skipped where runc is not installed.
+//! container printing what it sees. Without runc (or root) it is reported as skipped,
+//! never as passed; where it is required (`CLEAVE_REQUIRE_RUNC`, or CI, whose `.ci/run`
+//! installs Debian's runc) a missing runc fails it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -8,6 +10,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const HOOK: &str = env!("CARGO_BIN_EXE_cleave-cdi-hook");
+/// Set (to anything but `0`) where runc must run: a missing runc is then a failure.
+const REQUIRE_ENV: &str = "CLEAVE_REQUIRE_RUNC";
+
+fn main() -> std::process::ExitCode {
+    cleave_testkit::runner::main(&[(
+        "hooks_run_under_runc_and_the_container_sees_the_result",
+        hooks_run_under_runc_and_the_container_sees_the_result,
+    )])
+}
 
 fn runc() -> Option<PathBuf> {
     let out = Command::new("sh")
@@ -26,10 +37,32 @@ fn copy_real(from: &str, to: &Path) -> bool {
     std::fs::copy(real, to).is_ok()
 }
 
-#[test]
 fn hooks_run_under_runc_and_the_container_sees_the_result() {
+    use cleave_testkit::runner::tool_missing;
     let Some(runc) = runc() else {
-        eprintln!("skipped: no runc on this machine");
+        tool_missing(
+            "runc",
+            REQUIRE_ENV,
+            "no runc on PATH (Debian: apt-get install runc)",
+        );
+        return;
+    };
+    // runc needs root for its namespaces.
+    if !is_root() {
+        tool_missing("runc", REQUIRE_ENV, "not root (runc's namespaces need it)");
+        return;
+    }
+    // The host's zlib under its own versioned name (Debian 12: libz.so.1.2.13, 13: 1.3.1).
+    let zlib_host = "/usr/lib/x86_64-linux-gnu/libz.so.1";
+    let Some(zlib_name) = std::fs::canonicalize(zlib_host)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+    else {
+        tool_missing(
+            "runc",
+            REQUIRE_ENV,
+            &format!("this host has no {zlib_host} to build a rootfs from"),
+        );
         return;
     };
     let t = tempfile::tempdir().unwrap();
@@ -48,10 +81,7 @@ fn hooks_run_under_runc_and_the_container_sees_the_result() {
             "/lib/x86_64-linux-gnu/libc.so.6",
             format!("{lib}/libc.so.6"),
         ),
-        (
-            "/usr/lib/x86_64-linux-gnu/libz.so.1",
-            "opt/drv/libz.so.1.2.13".to_owned(),
-        ),
+        (zlib_host, format!("opt/drv/{zlib_name}")),
         (
             "/lib/x86_64-linux-gnu/libm.so.6",
             "usr/local/cuda/compat/libcuda.so.575.57.08".to_owned(),
@@ -59,7 +89,11 @@ fn hooks_run_under_runc_and_the_container_sees_the_result() {
     ];
     for (from, to) in &needed {
         if !copy_real(from, &r.join(to)) {
-            eprintln!("skipped: this host has no {from} to build a rootfs from");
+            tool_missing(
+                "runc",
+                REQUIRE_ENV,
+                &format!("this host has no {from} to build a rootfs from"),
+            );
             return;
         }
     }
@@ -130,6 +164,15 @@ fn hooks_run_under_runc_and_the_container_sees_the_result() {
     );
     assert_eq!(
         std::fs::read_link(r.join("opt/drv/libz.so.1")).unwrap(),
-        PathBuf::from("libz.so.1.2.13")
+        PathBuf::from(zlib_name)
     );
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            == Some("0")
+    })
 }

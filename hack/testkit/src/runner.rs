@@ -52,6 +52,30 @@ pub fn skip(reason: &str) {
     *SKIPPED.lock().unwrap() = Some(reason.to_owned());
 }
 
+/// Whether an outside tool must be there: its `require_env` is set (to anything but `0`), or
+/// the run is CI's (`CI` set to anything but `0`/`false`), where `.ci/run` installs it.
+pub fn tool_required(require_env: &str) -> bool {
+    let set =
+        |name: &str| std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0" && v != "false");
+    set(require_env) || set("CI")
+}
+
+/// For a test whose outside tool (podman, runc, Prometheus, a schema copy) is missing:
+/// fails it where the tool is required ([`tool_required`]), naming the tool and why; else
+/// marks it skipped ([`skip`]: reported `ignored`, never `ok`) with a loud message. The
+/// test returns right after.
+pub fn tool_missing(tool: &str, require_env: &str, why: &str) {
+    assert!(
+        !tool_required(require_env),
+        "{tool} is required here ({require_env} or CI is set) but cannot be used: {why}"
+    );
+    eprintln!(
+        "\n{bar}\nSKIPPED: {tool} cannot be used here: {why}\n(set {require_env}=1 to make this a failure)\n{bar}\n",
+        bar = "!".repeat(78)
+    );
+    skip(&format!("{tool}: {why}"));
+}
+
 /// The whole `main`: plays a fake tool when the command line asks for one, else runs
 /// `tests` one by one and exits non-zero when one failed.
 pub fn main(tests: &[Test]) -> ExitCode {
