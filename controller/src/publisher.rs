@@ -579,9 +579,22 @@ fn not_newer(new: &ResourceSlice, old: &ResourceSlice) -> bool {
     }
 }
 
+/// Server-side timeout of the slice watch, in seconds, spread over 240–289 s by the node's
+/// name: kube's default is a fixed 290 s, so plugins started together (a rollout, a power
+/// event) would renew their watches in step forever. A hash of the name, not a random
+/// draw, so each node's figure is stable and the spread over many nodes is even.
+pub fn watch_timeout_secs(node_name: &str) -> u32 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    node_name.hash(&mut h);
+    240 + u32::try_from(h.finish() % 50).unwrap_or(0)
+}
+
 impl Worker {
     async fn run(mut self, mut stop: watch::Receiver<bool>) {
-        let cfg = watcher::Config::default().fields(&self.config.selector());
+        let cfg = watcher::Config::default()
+            .fields(&self.config.selector())
+            .timeout(watch_timeout_secs(&self.config.node_name));
         let mut events = watcher(self.api.clone(), cfg).default_backoff().boxed();
         let mut backoff = Backoff::new(self.config.backoff.clone());
         let mut due: Option<Instant> = None;
@@ -1057,6 +1070,22 @@ mod tests {
             },
             spec: Default::default(),
         }
+    }
+
+    #[test]
+    fn watch_timeouts_are_spread_over_nodes_and_stable_per_node() {
+        let all: Vec<u32> = (0..1000)
+            .map(|i| watch_timeout_secs(&format!("gpu-node-{i:04}")))
+            .collect();
+        assert!(all.iter().all(|t| (240..290).contains(t)), "{all:?}");
+        let distinct: std::collections::BTreeSet<u32> = all.iter().copied().collect();
+        assert_eq!(distinct.len(), 50, "every second of the window is used");
+        // No second takes much more than its share (1000 / 50 = 20).
+        for t in &distinct {
+            let n = all.iter().filter(|x| *x == t).count();
+            assert!(n < 45, "{n} of 1000 nodes renew at {t} s");
+        }
+        assert_eq!(watch_timeout_secs("node-a"), watch_timeout_secs("node-a"));
     }
 
     #[test]

@@ -167,6 +167,37 @@ async fn first_publish_of_an_8_gpu_mig_node_is_valid_in_both_layouts() {
     }
 }
 
+/// The slice watch asks the server for this node's own timeout (240–289 s by its name), not
+/// kube's fixed 290 s that keeps plugins started together renewing in step.
+#[tokio::test]
+async fn slice_watch_uses_the_nodes_jittered_timeout() {
+    let s = standin(KubeVersion::V1_35).await;
+    let stats = ApiStats::new();
+    let p = publish_and_wait(&s, &stats, on_demand_mig_pool(1)).await;
+    let want = format!(
+        "timeoutSeconds={}",
+        cleave_controller::publisher::watch_timeout_secs(NODE)
+    );
+    eventually("a slice watch", || {
+        s.requests()
+            .iter()
+            .any(|r| r.verb == "watch" && r.resource == "resourceslices")
+    })
+    .await;
+    let watches: Vec<String> = s
+        .requests()
+        .into_iter()
+        .filter(|r| r.verb == "watch" && r.resource == "resourceslices")
+        .map(|r| r.query)
+        .collect();
+    assert!(
+        watches.iter().all(|q| q.contains(&want)),
+        "{want} missing from {watches:?}"
+    );
+    assert_ne!(want, "timeoutSeconds=290");
+    p.shutdown().await;
+}
+
 #[tokio::test]
 async fn restart_with_nothing_changed_makes_zero_writes() {
     let s = standin(KubeVersion::V1_35).await;
