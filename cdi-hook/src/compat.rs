@@ -263,7 +263,7 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
                 HOOK,
                 format_args!(
                     "no libcuda.so.*.* in {}; nothing to do",
-                    dir_in_root.display()
+                    escaped(dir_in_root.as_os_str())
                 ),
             );
             return Ok(());
@@ -274,7 +274,7 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
                 format_args!(
                     "{} compat libraries in {} ({}); not choosing, nothing to do",
                     many.len(),
-                    dir_in_root.display(),
+                    escaped(dir_in_root.as_os_str()),
                     many.join(", ")
                 ),
             );
@@ -302,7 +302,7 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
             HOOK,
             format_args!(
                 "{}/{lib} is not newer than the host driver {}; not used",
-                dir_in_root.display(),
+                escaped(dir_in_root.as_os_str()),
                 host_v.unwrap_or("(unknown)")
             ),
         );
@@ -314,7 +314,7 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
         HOOK,
         format_args!(
             "{}/{lib} is newer than the host driver {}; wrote {}",
-            dir_in_root.display(),
+            escaped(dir_in_root.as_os_str()),
             host_v.unwrap_or("(unknown)"),
             written.display()
         ),
