@@ -99,6 +99,14 @@ pub fn metadata_of(h: &impl AsFd, shown: &Path) -> Result<std::fs::Metadata> {
         .map_err(|e| HookError::io("inspecting", shown, e))
 }
 
+/// The target of the symlink a handle (`O_PATH|O_NOFOLLOW`) holds: `readlinkat(fd, "")`
+/// reads that very inode, whatever the name now points at.
+fn readlink_handle(h: &impl AsFd, shown: &Path) -> Result<PathBuf> {
+    let target = rustix::fs::readlinkat(h, c"", Vec::new())
+        .map_err(|e| HookError::io("reading the symlink", shown, e.into()))?;
+    Ok(PathBuf::from(OsStr::from_bytes(target.as_bytes())))
+}
+
 /// Reads a regular file opened from `h`, at most [`MAX_READ`] bytes, as UTF-8.
 fn read_handle(h: &Handle, shown: &Path) -> Result<String> {
     let meta = metadata_of(h, shown)?;
@@ -225,10 +233,7 @@ impl Dir {
         if !metadata_of(&h, &self.shown(name))?.file_type().is_symlink() {
             return Ok(None);
         }
-        self.at()
-            .readlink(name)
-            .map(Some)
-            .map_err(|e| HookError::pathrs("reading the symlink", self.shown(name), e))
+        readlink_handle(&h, &self.shown(name)).map(Some)
     }
 
     /// The names in this directory with their types (a symlink is reported as a symlink).
@@ -481,10 +486,7 @@ impl ContainerRoot {
                         if hops > MAX_SYMLINKS {
                             return Err(refuse(format!("more than {MAX_SYMLINKS} symlinks")));
                         }
-                        let target = self
-                            .root
-                            .readlink(&candidate)
-                            .map_err(|e| HookError::pathrs("reading the symlink", &candidate, e))?;
+                        let target = readlink_handle(&h, &candidate)?;
                         if target.is_absolute() {
                             current = PathBuf::from("/");
                         }

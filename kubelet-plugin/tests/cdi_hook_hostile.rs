@@ -103,7 +103,11 @@ impl Hostile {
             .collect();
         let mut top = top;
         top.sort();
-        assert_eq!(top, vec!["bundle", "host", "host-private"], "written beside the root");
+        assert_eq!(
+            top,
+            vec!["bundle", "host", "host-private"],
+            "written beside the root"
+        );
     }
 }
 
@@ -129,9 +133,15 @@ fn files_under(dir: &Path) -> Vec<(PathBuf, String)> {
     out
 }
 
+/// The hook under test: the one built with these tests, or `CLEAVE_CDI_HOOK_UNDER_TEST`
+/// (to run this suite against another build, e.g. an older one, which should fail it).
+fn hook() -> String {
+    std::env::var("CLEAVE_CDI_HOOK_UNDER_TEST").unwrap_or_else(|_| HOOK.to_owned())
+}
+
 /// Runs the hook and fails the test if it does not return within [`BOUND`] (killing it).
 fn bounded(args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(HOOK)
+    let mut child = Command::new(hook())
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -204,7 +214,10 @@ fn a_musl_path_symlink_is_followed_inside_the_root() {
     std::fs::write(&inside, "/image/lib\n").unwrap();
     symlink(h.secret(), h.b.rootfs().join(musl_path())).unwrap();
     ok(&h.ldcache(&[]));
-    assert!(h.b.read(musl_path()).starts_with("/image/lib\n/opt/nvidia/lib\n"));
+    assert!(
+        h.b.read(musl_path())
+            .starts_with("/image/lib\n/opt/nvidia/lib\n")
+    );
     h.assert_contained();
 }
 
@@ -215,8 +228,11 @@ fn a_musl_path_under_a_symlinked_etc_stays_in_the_root() {
     let host_etc = h.host().join("etc");
     std::fs::create_dir(&host_etc).unwrap();
     std::fs::write(host_etc.join("alpine-release"), "3.20.0\n").unwrap();
-    std::fs::write(host_etc.join(Path::new(musl_path()).file_name().unwrap()), SECRET)
-        .unwrap();
+    std::fs::write(
+        host_etc.join(Path::new(musl_path()).file_name().unwrap()),
+        SECRET,
+    )
+    .unwrap();
     let r = h.b.rootfs();
     std::fs::rename(r.join("etc"), r.join("etc.image")).unwrap();
     symlink(&host_etc, r.join("etc")).unwrap();
@@ -436,41 +452,61 @@ fn assert_gone(pid_file: &Path) {
 
 // ---- races (finding 2) ----
 
-/// A thread swaps `/etc/ld.so.conf.d` (and the compat folder) between the image's
-/// directory and symlinks to the host directory, absolute and relative, while the hook runs
-/// 200 times: the host directory is never written, no secret is read in, every run returns.
+/// Atomically exchanges two names (renameat2 RENAME_EXCHANGE): the attacker's best tool,
+/// since the name is never missing and flips between a directory and a symlink.
+#[allow(unsafe_code)]
+fn exchange(a: &Path, b: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let (Ok(a), Ok(b)) = (
+        std::ffi::CString::new(a.as_os_str().as_bytes()),
+        std::ffi::CString::new(b.as_os_str().as_bytes()),
+    ) else {
+        return false;
+    };
+    // SAFETY: both pointers are NUL-terminated strings owned by locals that outlive the
+    // call; renameat2(2) only reads them.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    rc == 0
+}
+
+/// A thread keeps exchanging `/etc/ld.so.conf.d` and the compat folder with symlinks to the
+/// host directory (absolute and relative) while the hook runs 200 times each of
+/// `update-ldcache` and `enable-cuda-compat`: the host directory is never written, no
+/// secret is read in, every run returns.
 #[test]
 fn swapping_directories_for_symlinks_while_the_hook_runs_never_reaches_the_host() {
     let h = Hostile::debian();
     let r = h.b.rootfs();
     std::fs::create_dir_all(r.join("usr/local/cuda/compat")).unwrap();
-    std::fs::write(
-        r.join("usr/local/cuda/compat/libcuda.so.575.57.08"),
-        "ELF?",
-    )
-    .unwrap();
+    std::fs::write(r.join("usr/local/cuda/compat/libcuda.so.575.57.08"), "ELF?").unwrap();
+    let dirs = ["etc/ld.so.conf.d", "usr/local/cuda/compat"];
+    for dir in dirs {
+        symlink(h.host(), r.join(format!("{dir}.abs"))).unwrap();
+        symlink(Hostile::climbing(&h.host()), r.join(format!("{dir}.rel"))).unwrap();
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let swapper = {
         let stop = stop.clone();
-        let host = h.host();
         let r = r.clone();
         std::thread::spawn(move || {
-            let targets = [
-                host.display().to_string(),
-                Hostile::climbing(&host),
-            ];
-            let mut i = 0usize;
             let mut swaps = 0u64;
+            let mut i = 0usize;
             while !stop.load(Ordering::Relaxed) {
-                for dir in ["etc/ld.so.conf.d", "usr/local/cuda/compat"] {
-                    let d = r.join(dir);
-                    let aside = r.join(format!("{dir}.aside"));
-                    if std::fs::rename(&d, &aside).is_ok() {
-                        let _ = symlink(&targets[i % 2], &d);
-                        std::thread::yield_now();
-                        let _ = std::fs::remove_file(&d);
-                        let _ = std::fs::rename(&aside, &d);
+                let kind = if i % 2 == 0 { "abs" } else { "rel" };
+                for dir in dirs {
+                    let (d, s) = (r.join(dir), r.join(format!("{dir}.{kind}")));
+                    // There and back: the name is a symlink between the two calls.
+                    if exchange(&d, &s) {
                         swaps += 1;
+                        exchange(&d, &s);
                     }
                 }
                 i += 1;
@@ -495,7 +531,14 @@ fn swapping_directories_for_symlinks_while_the_hook_runs_never_reaches_the_host(
             &["enable-cuda-compat", "--host-driver-version", "550.163.01"],
             &h.b.state(),
         );
-        failures += usize::from(!o.status.success()) + usize::from(!o2.status.success());
+        for out in [&o, &o2] {
+            if !out.status.success() {
+                failures += 1;
+                if failures <= 3 {
+                    eprintln!("refused under the race: {}", stderr(out).trim_end());
+                }
+            }
+        }
     }
     stop.store(true, Ordering::Relaxed);
     let swaps = swapper.join().unwrap();
