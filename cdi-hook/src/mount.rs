@@ -98,6 +98,9 @@ pub fn bind_file_contents(root: &ContainerRoot, file: &Path, contents: &[u8]) ->
     let scratch_dir = run.create_dir(&name)?;
     let scratch = scratch_dir.host.clone();
     let scratch_fd = fd_path(scratch_dir.handle());
+    let scratch_dev = metadata_of(scratch_dir.handle(), &scratch_dir.in_root)
+        .ok()
+        .map(|m| m.dev());
 
     let result = (|| -> Result<()> {
         let size = format!("size={},mode=0755", contents.len().max(1));
@@ -114,13 +117,19 @@ pub fn bind_file_contents(root: &ContainerRoot, file: &Path, contents: &[u8]) ->
             source,
         })?;
         // The tmpfs now sits on top of the scratch directory: look it up again (inside the
-        // root) to reach its root, and check that it is the fresh, empty tmpfs.
+        // root) to reach its root, and check that it is not the directory itself.
         let tmpfs = root
             .open_dir(&scratch_dir.in_root)?
             .ok_or_else(|| HookError::BadPath {
                 path: scratch_dir.in_root.clone(),
                 reason: "vanished while the hook mounted on it".into(),
             })?;
+        if Some(metadata_of(tmpfs.handle(), &tmpfs.in_root)?.dev()) == scratch_dev {
+            return Err(HookError::Refused {
+                path: tmpfs.in_root.display().to_string(),
+                reason: "is not the tmpfs the hook mounted there".into(),
+            });
+        }
         let tmpfs_fd = fd_path(tmpfs.handle());
         mount(None, &tmpfs_fd, None, libc::MS_PRIVATE, None).map_err(|source| {
             HookError::Mount {
@@ -179,14 +188,12 @@ pub fn bind_file_contents(root: &ContainerRoot, file: &Path, contents: &[u8]) ->
         Ok(())
     })();
 
+    // On failure, a tmpfs still on the scratch directory (the lookup reaches a file system
+    // other than the directory's) is detached before the directory is removed.
     if result.is_err()
         && let Ok(Some(top)) = root.open_dir(&scratch_dir.in_root)
-        && metadata_of(top.handle(), &scratch_dir.in_root).is_ok_and(|m| {
-            m.dev()
-                != metadata_of(scratch_dir.handle(), &scratch_dir.in_root)
-                    .map(|s| s.dev())
-                    .unwrap_or(0)
-        })
+        && metadata_of(top.handle(), &scratch_dir.in_root)
+            .is_ok_and(|m| Some(m.dev()) != scratch_dev)
     {
         let _ = umount_detach(&fd_path(top.handle()));
     }

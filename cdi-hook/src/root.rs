@@ -119,6 +119,17 @@ fn read_handle(h: &Handle, shown: &Path) -> Result<String> {
             ),
         });
     }
+    // A regular file of the kernel's (procfs, sysfs and the like, mounted in the root by the
+    // runtime before the hook runs) would be read as host root: /proc/kcore, root-only sysfs
+    // files. None of them is an ld.so.conf.
+    let fs = rustix::fs::fstatfs(h).map_err(|e| HookError::io("inspecting", shown, e.into()))?;
+    if is_kernel_fs(fs.f_type) {
+        return Err(HookError::Refused {
+            path: escaped(shown.as_os_str()),
+            reason: "is on a kernel pseudo file system (proc, sys, ...); refusing to read it"
+                .into(),
+        });
+    }
     // The handle pins the inode checked above; O_NONBLOCK in case the type check is ever
     // wrong, so a FIFO can never block the hook.
     let f = h
@@ -138,6 +149,39 @@ fn read_handle(h: &Handle, shown: &Path) -> Result<String> {
         path: escaped(shown.as_os_str()),
         reason: "is not UTF-8 text".into(),
     })
+}
+
+/// Whether `f_type` (statfs) is one of the kernel's pseudo file systems, whose files show
+/// kernel or host state (magic numbers from Linux `include/uapi/linux/magic.h`).
+#[allow(clippy::unnecessary_cast)]
+fn is_kernel_fs(f_type: impl TryInto<i64>) -> bool {
+    let Ok(t) = f_type.try_into() else {
+        return false;
+    };
+    const CONFIGFS_MAGIC: i64 = 0x6265_6570;
+    const EFIVARFS_MAGIC: i64 = 0xde5e_81e4;
+    const PSTOREFS_MAGIC: i64 = 0x6165_676c;
+    const BINFMTFS_MAGIC: i64 = 0x4249_4e4d;
+    [
+        libc::PROC_SUPER_MAGIC as i64,
+        libc::SYSFS_MAGIC as i64,
+        libc::DEBUGFS_MAGIC as i64,
+        libc::TRACEFS_MAGIC as i64,
+        libc::SECURITYFS_MAGIC as i64,
+        libc::CGROUP_SUPER_MAGIC as i64,
+        libc::CGROUP2_SUPER_MAGIC as i64,
+        libc::BPF_FS_MAGIC as i64,
+        libc::SELINUX_MAGIC as i64,
+        libc::SMACK_MAGIC as i64,
+        libc::DEVPTS_SUPER_MAGIC as i64,
+        libc::NSFS_MAGIC as i64,
+        libc::RDTGROUP_SUPER_MAGIC as i64,
+        CONFIGFS_MAGIC,
+        EFIVARFS_MAGIC,
+        PSTOREFS_MAGIC,
+        BINFMTFS_MAGIC,
+    ]
+    .contains(&t)
 }
 
 /// A word for the kind of inode, for refusals.
@@ -699,6 +743,21 @@ mod tests {
     }
 
     #[test]
+    fn kernel_files_are_refused() {
+        // procfs and sysfs as the "root": their regular files are the kernel's, not an image's.
+        for (root, file) in [("/proc", "/version"), ("/sys", "/kernel/uevent_seqnum")] {
+            if root == "/sys" && !Path::new("/sys/kernel").exists() {
+                eprintln!("SKIPPED for /sys: sysfs is not mounted here");
+                continue;
+            }
+            let r = ContainerRoot::new(Path::new(root)).unwrap();
+            let e = r.read_config(Path::new(file)).unwrap_err().to_string();
+            assert!(e.contains("kernel pseudo file system"), "{e}");
+            assert!(e.contains(file), "{e}");
+        }
+    }
+
+    #[test]
     fn control_characters_are_refused_in_config_lines() {
         assert_eq!(config_line(Path::new("/opt/lib")).unwrap(), "/opt/lib");
         for bad in ["/a\n/etc/cron.d", "/a\rb", "/a\u{1b}[2J", "/a\0"] {
@@ -804,10 +863,10 @@ mod tests {
                             continue 'entries;
                         }
                     }
-                    if let Some(parent) = at.parent() {
-                        if std::fs::create_dir_all(parent).is_err() {
-                            continue;
-                        }
+                    if let Some(parent) = at.parent()
+                        && std::fs::create_dir_all(parent).is_err()
+                    {
+                        continue;
                     }
                     let _ = match node {
                         Node::Dir => std::fs::create_dir_all(&at),

@@ -62,8 +62,8 @@ impl Hostile {
         self.host().join("shadow")
     }
 
-    /// A relative symlink target from `link_dir_in_root` (depth in components) that climbs
-    /// far above the root and then names `host_path`.
+    /// A relative symlink target that climbs far above any directory of the root and then
+    /// names `host_path`.
     fn climbing(host_path: &Path) -> String {
         format!("{}{}", "../".repeat(16), host_path.display())
     }
@@ -500,7 +500,7 @@ fn swapping_directories_for_symlinks_while_the_hook_runs_never_reaches_the_host(
             let mut swaps = 0u64;
             let mut i = 0usize;
             while !stop.load(Ordering::Relaxed) {
-                let kind = if i % 2 == 0 { "abs" } else { "rel" };
+                let kind = if i.is_multiple_of(2) { "abs" } else { "rel" };
                 for dir in dirs {
                     let (d, s) = (r.join(dir), r.join(format!("{dir}.{kind}")));
                     // There and back: the name is a symlink between the two calls.
