@@ -9,6 +9,7 @@
 //! from the image must not run with them.
 
 use std::collections::HashSet;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -311,21 +312,22 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
         log::line("update-ldcache", format_args!("updated {}", musl.display()));
     }
 
-    // `-r` is the root's canonical host path, not /proc/self/fd/<n> of the root handle:
-    // running as root, ldconfig chroot(2)s into it first and works inside the chroot,
-    // where the kernel keeps every symlink and `..` of the image inside the root. The
-    // path itself lies in the runtime's own directories, which no process of the pod
-    // can change.
+    // `-r /proc/self/fd/<n>`, a handle of the root opened by this hook and inherited by
+    // ldconfig: running as root, ldconfig chroot(2)s into it before reading anything (the
+    // kernel follows the magic link to that very directory, whatever its path now names),
+    // and inside the chroot the kernel keeps the image's symlinks and `..` inside the root.
+    let root_fd = root.handle_for_child()?;
+    let root_arg = format!("/proc/self/fd/{}", root_fd.as_raw_fd());
     let mut cmd = Command::new(&ldconfig);
     cmd.arg("-r")
-        .arg(root.host_path())
+        .arg(&root_arg)
         .args(["-f", LD_SO_CONF, "-C", LD_SO_CACHE])
         .env_clear()
         .stdin(Stdio::null());
     log::line(
         "update-ldcache",
         format_args!(
-            "running {} -r {} -f {LD_SO_CONF} -C {LD_SO_CACHE}",
+            "running {} -r {root_arg} (the root {}) -f {LD_SO_CONF} -C {LD_SO_CACHE}",
             ldconfig.display(),
             root.host_path().display()
         ),
@@ -334,6 +336,7 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
         path: ldconfig.clone(),
         reason,
     })?;
+    drop(root_fd);
     if !status.success() {
         return Err(HookError::Ldconfig {
             path: ldconfig,

@@ -435,6 +435,13 @@ impl ContainerRoot {
         self.host.join(in_root.strip_prefix("/").unwrap_or(in_root))
     }
 
+    /// A duplicate of the root's handle without close-on-exec, for a child process to reach
+    /// the very directory opened here as `/proc/self/fd/<n>`.
+    pub fn handle_for_child(&self) -> Result<OwnedFd> {
+        rustix::io::dup(&self.root)
+            .map_err(|e| HookError::io("duplicating the handle of", &self.host, e.into()))
+    }
+
     /// Resolves `p` inside the root, following symlinks (the last one only when
     /// `follow_last`); `None` when something on the way is missing.
     pub fn lookup(&self, p: &Path, follow_last: bool) -> Result<Option<Handle>> {
