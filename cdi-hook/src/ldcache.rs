@@ -427,4 +427,89 @@ mod tests {
         std::fs::write(t.path().join("ldconfig.real"), "").unwrap();
         assert_eq!(normalize_ldconfig(&plain), t.path().join("ldconfig.real"));
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+        use std::os::unix::fs::symlink;
+
+        fn name() -> impl Strategy<Value = String> {
+            prop::sample::select(vec!["a", "b", "c.conf", "d.conf", "sub", "..", "."])
+                .prop_map(str::to_owned)
+        }
+
+        fn path() -> impl Strategy<Value = String> {
+            prop::collection::vec(name(), 1..4).prop_map(|v| v.join("/"))
+        }
+
+        fn include() -> impl Strategy<Value = String> {
+            prop_oneof![
+                path(),
+                path().prop_map(|p| format!("/etc/{p}")),
+                path().prop_map(|p| format!("{p}/*.conf")),
+                Just("@HOST@/*.conf".to_owned()),
+                Just("/missing/../evil/*.conf".to_owned()),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+            /// Random include graphs (relative, absolute, globs, `..`, cycles) over files and
+            /// symlinks, some naming a host directory whose file lists `/HOST`: reading the
+            /// configuration ends, and never returns a directory listed only on the host.
+            #[test]
+            fn includes_end_and_stay_in_the_root(
+                files in prop::collection::vec(
+                    (path(), prop::collection::vec(include(), 0..3)),
+                    1..8,
+                ),
+                links in prop::collection::vec((path(), prop_oneof![
+                    Just("@HOST@".to_owned()),
+                    path(),
+                    Just("../../../../@HOST@".to_owned()),
+                ]), 0..4),
+            ) {
+                let tmp = tempfile::tempdir().unwrap();
+                let host = tmp.path().join("host");
+                std::fs::create_dir_all(&host).unwrap();
+                std::fs::write(host.join("x.conf"), "/HOST\n").unwrap();
+                let rootfs = tmp.path().join("rootfs");
+                std::fs::create_dir_all(rootfs.join("etc/sub")).unwrap();
+                let fill = |s: &str| s.replace("@HOST@", host.to_str().unwrap());
+                symlink(&host, rootfs.join("evil")).unwrap();
+                for (link, target) in &links {
+                    let _ = symlink(fill(target), rootfs.join("etc").join(link));
+                }
+                let mut first = true;
+                for (file, includes) in &files {
+                    let text: String = includes
+                        .iter()
+                        .map(|i| format!("include {}\n", fill(i)))
+                        .chain(std::iter::once("/image/lib\n".to_owned()))
+                        .collect();
+                    let at = if first {
+                        rootfs.join("etc/ld.so.conf")
+                    } else {
+                        rootfs.join("etc").join(file)
+                    };
+                    first = false;
+                    // Only plain paths inside the image's /etc (the test's own writes must
+                    // not follow the image's symlinks either).
+                    if at.components().any(|c| c.as_os_str() == "..")
+                        || std::fs::symlink_metadata(at.parent().unwrap())
+                            .map(|m| !m.is_dir())
+                            .unwrap_or(true)
+                    {
+                        continue;
+                    }
+                    let _ = std::fs::write(&at, text);
+                }
+                let r = ContainerRoot::new(&rootfs).unwrap();
+                if let Ok(dirs) = configured_dirs(&r) {
+                    prop_assert!(!dirs.contains(Path::new("/HOST")), "{:?}", dirs);
+                }
+            }
+        }
+    }
 }
