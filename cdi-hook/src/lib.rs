@@ -213,7 +213,7 @@ pub fn main() -> ExitCode {
                 }
                 src = s.source();
             }
-            eprintln!("cleave-cdi-hook: error: {msg}");
+            eprintln!("cleave-cdi-hook: error: {}", log::escape(&msg));
             ExitCode::FAILURE
         }
     }
