@@ -6,8 +6,9 @@
 //! `podman run --device <the CDI ID prepare returned>` prints what it sees: the GPU's node,
 //! the control and UVM nodes, the `libcuda.so.1` link the hook's `create-symlinks` made, the
 //! loader cache its `update-ldcache` wrote, the environment; for an MPS claim also the
-//! daemon's pipe directory (its control socket) and its `/dev/shm`. Once the claim is
-//! unprepared, podman can no longer resolve the device.
+//! daemon's pipe directory (its control socket) and its `/dev/shm`. A hostile image (Alpine's
+//! musl path file a symlink to a host file) must not get the host file copied in by the
+//! hook. Once the claim is unprepared, podman can no longer resolve the device.
 //!
 //! The image is made with `podman import` from a rootfs holding the host's statically linked
 //! busybox (Debian's `busybox-static`): nothing is pulled. Everything podman keeps lives in
