@@ -492,7 +492,7 @@ impl ContainerRoot {
 
     /// Creates directory `dir` (a container path) and its missing parents inside the root.
     /// Symlinks on the way are followed inside the root, dangling ones too: the directory
-    /// is created where the container will look for it (as NVIDIA's hook does). The walk
+    /// is created where the container will look for it (as this hook always did). The walk
     /// only chooses names; every lookup and `mkdirat` is confined to the root by pathrs, so
     /// a concurrent change of the tree can at worst move the directory elsewhere inside it.
     pub fn mkdir_all(&self, dir: &Path) -> Result<Dir> {
