@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use crate::error::{HookError, Result};
 use crate::log;
-use crate::root::ContainerRoot;
+use crate::root::{ContainerRoot, config_line, escaped};
 
 /// Where the compat libraries sit in CUDA images.
 pub const DEFAULT_COMPAT_DIR: &str = "/usr/local/cuda/compat";
@@ -232,25 +232,24 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
         .as_deref()
         .filter(|s| !s.is_empty());
     let host_cuda = opts.host_cuda_version.as_deref().filter(|s| !s.is_empty());
-    let dir_in_root = root.resolve_in_root(&opts.compat_dir, true)?;
-    let host_dir = root.host_of(&dir_in_root);
-    let entries = match std::fs::read_dir(&host_dir) {
-        Ok(e) => e,
-        Err(_) => {
-            log::line(
-                HOOK,
-                format_args!(
-                    "no {} in the container; nothing to do",
-                    opts.compat_dir.display()
-                ),
-            );
-            return Ok(());
-        }
+    // The folder is opened inside the root; its name as the container sees it (symlinks
+    // resolved) is what goes into the drop-in, so it must be a clean config line.
+    let Some(dir) = root.open_dir(&opts.compat_dir)? else {
+        log::line(
+            HOOK,
+            format_args!(
+                "no {} in the container; nothing to do",
+                opts.compat_dir.display()
+            ),
+        );
+        return Ok(());
     };
-    let mut libs: Vec<String> = entries
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-        .map(|e| e.file_name().to_string_lossy().into_owned())
+    let dir_in_root = dir.in_root.clone();
+    let mut libs: Vec<String> = dir
+        .list()?
+        .into_iter()
+        .filter(|(_, t)| t.is_file())
+        .map(|(n, _)| n.to_string_lossy().into_owned())
         .filter(|n| {
             n.strip_prefix("libcuda.so.")
                 .is_some_and(|v| v.contains('.'))
@@ -264,7 +263,7 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
                 HOOK,
                 format_args!(
                     "no libcuda.so.*.* in {}; nothing to do",
-                    dir_in_root.display()
+                    escaped(dir_in_root.as_os_str())
                 ),
             );
             return Ok(());
@@ -275,16 +274,21 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
                 format_args!(
                     "{} compat libraries in {} ({}); not choosing, nothing to do",
                     many.len(),
-                    dir_in_root.display(),
+                    escaped(dir_in_root.as_os_str()),
                     many.join(", ")
                 ),
             );
             return Ok(());
         }
     };
-    let lib_host = host_dir.join(&lib);
-    let file = File::open(&lib_host).map_err(|e| HookError::io("opening", &lib_host, e))?;
-    let note = read_note(&file).map_err(|e| HookError::io("reading", &lib_host, e))?;
+    let lib_shown = dir.shown(std::ffi::OsStr::new(&lib));
+    let Some(file) = dir.open_regular(std::ffi::OsStr::new(&lib))? else {
+        return Err(HookError::Refused {
+            path: escaped(lib_shown.as_os_str()),
+            reason: "was replaced while the hook read the folder".into(),
+        });
+    };
+    let note = read_note(&file).map_err(|e| HookError::io("reading", &lib_shown, e))?;
     let compat_v = lib.strip_prefix("libcuda.so.").and_then(Version::parse);
     let decision = use_compat(
         note.as_ref(),
@@ -298,21 +302,19 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
             HOOK,
             format_args!(
                 "{}/{lib} is not newer than the host driver {}; not used",
-                dir_in_root.display(),
+                escaped(dir_in_root.as_os_str()),
                 host_v.unwrap_or("(unknown)")
             ),
         );
         return Ok(());
     }
-    let written = root.write_file(
-        Path::new(DROP_IN),
-        format!("{}\n", dir_in_root.display()).as_bytes(),
-    )?;
+    let line = config_line(&dir_in_root)?;
+    let written = root.write_file(Path::new(DROP_IN), format!("{line}\n").as_bytes())?;
     log::line(
         HOOK,
         format_args!(
             "{}/{lib} is newer than the host driver {}; wrote {}",
-            dir_in_root.display(),
+            escaped(dir_in_root.as_os_str()),
             host_v.unwrap_or("(unknown)"),
             written.display()
         ),

@@ -48,6 +48,19 @@ pub enum HookError {
         #[source]
         source: io::Error,
     },
+    /// An image (or a process of the pod) tried to lead the hook astray; the path is
+    /// escaped so that it cannot forge lines in the runtime's log.
+    #[error("{path} (in the container root): {reason}")]
+    Refused { path: String, reason: String },
+    #[error("{what} {path} (in the container root): {source}")]
+    Pathrs {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: pathrs::error::Error,
+    },
+    #[error("the hook did not finish within {secs} s")]
+    Deadline { secs: u64 },
     #[error("ldconfig {path}: {reason}")]
     Ldconfig { path: PathBuf, reason: String },
     #[error("mounting {what} on {path}: {source}")]
@@ -63,6 +76,21 @@ impl HookError {
     /// Shorthand for an I/O failure on `path` while doing `what` ("creating", "reading", ...).
     pub fn io(what: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
         Self::Io {
+            what,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+impl HookError {
+    /// Shorthand for a failed in-root operation (resolving, creating, renaming) on `path`.
+    pub fn pathrs(
+        what: &'static str,
+        path: impl Into<PathBuf>,
+        source: pathrs::error::Error,
+    ) -> Self {
+        Self::Pathrs {
             what,
             path: path.into(),
             source,

@@ -9,12 +9,14 @@
 //! from the image must not run with them.
 
 use std::collections::HashSet;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::error::{HookError, Result};
 use crate::log;
-use crate::root::{ContainerRoot, clean_in_root};
+use crate::root::{ContainerRoot, clean_in_root, config_line, escaped};
 
 /// Top-level ld.so.conf inside the container.
 pub const LD_SO_CONF: &str = "/etc/ld.so.conf";
@@ -37,6 +39,8 @@ pub struct Options {
     pub folders: Vec<PathBuf>,
     /// The host's ldconfig (before `.real` normalization).
     pub ldconfig: PathBuf,
+    /// How long ldconfig may run before it is killed.
+    pub timeout: Duration,
 }
 
 /// On Debian and Ubuntu `/sbin/ldconfig` is a shell wrapper around `/sbin/ldconfig.real`;
@@ -145,9 +149,17 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     p[pi..].iter().all(|&c| c == '*')
 }
 
+/// The deepest chain of `include`s followed, and the most files read, before the image is
+/// refused: glibc's own ld.so.conf files nest two deep and list a few dozen files.
+pub const MAX_INCLUDE_DEPTH: usize = 16;
+pub const MAX_CONF_FILES: usize = 1024;
+/// How long the host's ldconfig may run before it is killed (the hook's default).
+pub const LDCONFIG_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Expands an include pattern inside the root. Wildcards are honoured in the last component
 /// only, which covers `include /etc/ld.so.conf.d/*.conf` and its variants. Relative
-/// patterns are relative to the including file's directory, as in glibc.
+/// patterns are relative to the including file's directory, as in glibc. The directory is
+/// opened inside the root (the kernel confines every symlink and `..` to it).
 fn expand_include(root: &ContainerRoot, pattern: &str, from_dir: &Path) -> Result<Vec<PathBuf>> {
     let path = if Path::new(pattern).is_absolute() {
         PathBuf::from(pattern)
@@ -161,59 +173,75 @@ fn expand_include(root: &ContainerRoot, pattern: &str, from_dir: &Path) -> Resul
     if !name.contains(['*', '?']) {
         return Ok(vec![path]);
     }
-    let host_dir = root.resolve(dir, true)?;
-    let entries = match std::fs::read_dir(&host_dir) {
-        Ok(e) => e,
-        Err(_) => return Ok(Vec::new()),
+    let Some(handle) = root.open_dir(dir)? else {
+        return Ok(Vec::new());
     };
-    let mut found: Vec<PathBuf> = entries
-        .filter_map(|e| e.ok())
-        .filter(|e| glob_match(&name, &e.file_name().to_string_lossy()))
-        .map(|e| dir.join(e.file_name()))
-        .collect();
-    found.sort();
-    Ok(found)
+    Ok(handle
+        .list()?
+        .into_iter()
+        .filter(|(n, _)| glob_match(&name, &n.to_string_lossy()))
+        .map(|(n, _)| dir.join(n))
+        .collect())
 }
 
 /// Every directory the container's ld.so.conf already lists (following includes), except
 /// what this hook's own drop-ins list, so that running the hook twice gives the same files.
+/// A file already read (same inode, whatever the path) is not read again, so include cycles
+/// end; chains deeper than [`MAX_INCLUDE_DEPTH`] or more than [`MAX_CONF_FILES`] files are
+/// refused, as are includes that are not regular files (a FIFO would block the hook).
 pub fn configured_dirs(root: &ContainerRoot) -> Result<HashSet<PathBuf>> {
     let own: HashSet<PathBuf> = [DRIVER_DROP_IN, SYSTEM_DROP_IN, crate::compat::DROP_IN]
         .iter()
         .map(PathBuf::from)
         .collect();
     let mut dirs = HashSet::new();
-    let mut seen = HashSet::new();
-    let mut queue = vec![PathBuf::from(LD_SO_CONF)];
-    while let Some(file) = queue.pop() {
-        if !seen.insert(file.clone()) || own.contains(&file) {
+    let mut seen_inodes = HashSet::new();
+    let mut reads = 0usize;
+    let mut queue = vec![(PathBuf::from(LD_SO_CONF), 0usize)];
+    while let Some((file, depth)) = queue.pop() {
+        if own.contains(&file) {
             continue;
         }
-        let host = root.resolve(&file, true)?;
-        let text = match std::fs::read_to_string(&host) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(HookError::io("reading", host, e)),
+        let refuse = |reason: String| HookError::Refused {
+            path: escaped(file.as_os_str()),
+            reason,
         };
+        if depth > MAX_INCLUDE_DEPTH {
+            return Err(refuse(format!(
+                "is included more than {MAX_INCLUDE_DEPTH} levels deep"
+            )));
+        }
+        reads += 1;
+        if reads > MAX_CONF_FILES {
+            return Err(refuse(format!(
+                "ld.so.conf includes more than {MAX_CONF_FILES} files"
+            )));
+        }
+        let Some((id, text)) = root.read_config_id(&file)? else {
+            continue;
+        };
+        if !seen_inodes.insert(id) {
+            continue;
+        }
         let conf = parse_conf(&text);
         dirs.extend(conf.dirs);
         let from_dir = file.parent().unwrap_or(Path::new("/")).to_owned();
         for inc in &conf.includes {
-            queue.extend(expand_include(root, inc, &from_dir)?);
+            for f in expand_include(root, inc, &from_dir)? {
+                queue.push((f, depth + 1));
+            }
         }
     }
     Ok(dirs)
 }
 
-fn is_file(root: &ContainerRoot, p: &str) -> bool {
-    root.resolve(Path::new(p), true)
-        .ok()
-        .and_then(|h| std::fs::metadata(h).ok())
-        .is_some_and(|m| m.is_file())
-}
-
-fn list(dirs: &[PathBuf]) -> String {
-    dirs.iter().map(|d| format!("{}\n", d.display())).collect()
+fn list(dirs: &[PathBuf]) -> Result<String> {
+    let mut out = String::new();
+    for d in dirs {
+        out.push_str(config_line(d)?);
+        out.push('\n');
+    }
+    Ok(out)
 }
 
 /// Writes the drop-ins and runs the host's ldconfig against the container root.
@@ -243,38 +271,40 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
         );
     }
 
-    let system = system_search_paths(is_file(root, "/etc/debian_version"));
+    let system = system_search_paths(root.is_file(Path::new("/etc/debian_version")));
     let mut known = configured_dirs(root)?;
     known.extend(system.iter().cloned());
     let mut folders = Vec::new();
     for f in &opts.folders {
         let clean = clean_in_root(f)?;
+        config_line(&clean)?;
         if known.insert(clean.clone()) {
             folders.push(clean);
         }
     }
 
     if !folders.is_empty() {
-        let host = root.write_file(Path::new(DRIVER_DROP_IN), list(&folders).as_bytes())?;
+        let host = root.write_file(Path::new(DRIVER_DROP_IN), list(&folders)?.as_bytes())?;
         log::line(
             "update-ldcache",
             format_args!("wrote {} with {:?}", host.display(), folders),
         );
     }
-    root.write_file(Path::new(SYSTEM_DROP_IN), list(&system).as_bytes())?;
+    root.write_file(Path::new(SYSTEM_DROP_IN), list(&system)?.as_bytes())?;
 
-    if is_file(root, "/etc/alpine-release") {
+    if root.is_file(Path::new("/etc/alpine-release")) {
+        // Read through the root handle: a symlink here is followed inside the container
+        // only, and a FIFO, device or huge file is refused.
         let musl = Path::new(musl_path_file());
-        let host = root.resolve(musl, false)?;
-        let mut existing = std::fs::read_to_string(&host).unwrap_or_default();
+        let mut existing = root.read_config(musl)?.unwrap_or_default();
         let have: HashSet<String> = existing.lines().map(str::to_owned).collect();
         for d in folders.iter().chain(system.iter()) {
-            let d = d.display().to_string();
-            if !have.contains(&d) {
+            let d = config_line(d)?;
+            if !have.contains(d) {
                 if !existing.is_empty() && !existing.ends_with('\n') {
                     existing.push('\n');
                 }
-                existing.push_str(&d);
+                existing.push_str(d);
                 existing.push('\n');
             }
         }
@@ -282,24 +312,31 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
         log::line("update-ldcache", format_args!("updated {}", musl.display()));
     }
 
+    // `-r /proc/self/fd/<n>`, a handle of the root opened by this hook and inherited by
+    // ldconfig: running as root, ldconfig chroot(2)s into it before reading anything (the
+    // kernel follows the magic link to that very directory, whatever its path now names),
+    // and inside the chroot the kernel keeps the image's symlinks and `..` inside the root.
+    let root_fd = root.handle_for_child()?;
+    let root_arg = format!("/proc/self/fd/{}", root_fd.as_raw_fd());
     let mut cmd = Command::new(&ldconfig);
     cmd.arg("-r")
-        .arg(root.host_path())
+        .arg(&root_arg)
         .args(["-f", LD_SO_CONF, "-C", LD_SO_CACHE])
         .env_clear()
         .stdin(Stdio::null());
     log::line(
         "update-ldcache",
         format_args!(
-            "running {} -r {} -f {LD_SO_CONF} -C {LD_SO_CACHE}",
+            "running {} -r {root_arg} (the root {}) -f {LD_SO_CONF} -C {LD_SO_CACHE}",
             ldconfig.display(),
             root.host_path().display()
         ),
     );
-    let status = cmd.status().map_err(|e| HookError::Ldconfig {
+    let status = run_bounded(cmd, opts.timeout).map_err(|reason| HookError::Ldconfig {
         path: ldconfig.clone(),
-        reason: format!("cannot run: {e}"),
+        reason,
     })?;
+    drop(root_fd);
     if !status.success() {
         return Err(HookError::Ldconfig {
             path: ldconfig,
@@ -310,6 +347,31 @@ pub fn run(root: &ContainerRoot, opts: &Options) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Runs `cmd` and waits at most `timeout` for it; on timeout it is killed and reaped.
+fn run_bounded(mut cmd: Command, timeout: Duration) -> std::result::Result<ExitStatus, String> {
+    let mut child = cmd.spawn().map_err(|e| format!("cannot run: {e}"))?;
+    crate::deadline::track_child(child.id());
+    let start = Instant::now();
+    let result = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Ok(status),
+            Ok(None) if start.elapsed() >= timeout => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Err(format!(
+                    "did not finish within {} s; killed it",
+                    timeout.as_secs()
+                ));
+            }
+            // Polling: std has no wait with a timeout, and ldconfig takes milliseconds.
+            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => break Err(format!("waiting for it: {e}")),
+        }
+    };
+    crate::deadline::track_child(0);
+    result
 }
 
 #[cfg(test)]
@@ -364,5 +426,90 @@ mod tests {
         assert_eq!(normalize_ldconfig(&plain), plain);
         std::fs::write(t.path().join("ldconfig.real"), "").unwrap();
         assert_eq!(normalize_ldconfig(&plain), t.path().join("ldconfig.real"));
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+        use std::os::unix::fs::symlink;
+
+        fn name() -> impl Strategy<Value = String> {
+            prop::sample::select(vec!["a", "b", "c.conf", "d.conf", "sub", "..", "."])
+                .prop_map(str::to_owned)
+        }
+
+        fn path() -> impl Strategy<Value = String> {
+            prop::collection::vec(name(), 1..4).prop_map(|v| v.join("/"))
+        }
+
+        fn include() -> impl Strategy<Value = String> {
+            prop_oneof![
+                path(),
+                path().prop_map(|p| format!("/etc/{p}")),
+                path().prop_map(|p| format!("{p}/*.conf")),
+                Just("@HOST@/*.conf".to_owned()),
+                Just("/missing/../evil/*.conf".to_owned()),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+            /// Random include graphs (relative, absolute, globs, `..`, cycles) over files and
+            /// symlinks, some naming a host directory whose file lists `/HOST`: reading the
+            /// configuration ends, and never returns a directory listed only on the host.
+            #[test]
+            fn includes_end_and_stay_in_the_root(
+                files in prop::collection::vec(
+                    (path(), prop::collection::vec(include(), 0..3)),
+                    1..8,
+                ),
+                links in prop::collection::vec((path(), prop_oneof![
+                    Just("@HOST@".to_owned()),
+                    path(),
+                    Just("../../../../@HOST@".to_owned()),
+                ]), 0..4),
+            ) {
+                let tmp = tempfile::tempdir().unwrap();
+                let host = tmp.path().join("host");
+                std::fs::create_dir_all(&host).unwrap();
+                std::fs::write(host.join("x.conf"), "/HOST\n").unwrap();
+                let rootfs = tmp.path().join("rootfs");
+                std::fs::create_dir_all(rootfs.join("etc/sub")).unwrap();
+                let fill = |s: &str| s.replace("@HOST@", host.to_str().unwrap());
+                symlink(&host, rootfs.join("evil")).unwrap();
+                for (link, target) in &links {
+                    let _ = symlink(fill(target), rootfs.join("etc").join(link));
+                }
+                let mut first = true;
+                for (file, includes) in &files {
+                    let text: String = includes
+                        .iter()
+                        .map(|i| format!("include {}\n", fill(i)))
+                        .chain(std::iter::once("/image/lib\n".to_owned()))
+                        .collect();
+                    let at = if first {
+                        rootfs.join("etc/ld.so.conf")
+                    } else {
+                        rootfs.join("etc").join(file)
+                    };
+                    first = false;
+                    // Only plain paths inside the image's /etc (the test's own writes must
+                    // not follow the image's symlinks either).
+                    if at.components().any(|c| c.as_os_str() == "..")
+                        || std::fs::symlink_metadata(at.parent().unwrap())
+                            .map(|m| !m.is_dir())
+                            .unwrap_or(true)
+                    {
+                        continue;
+                    }
+                    let _ = std::fs::write(&at, text);
+                }
+                let r = ContainerRoot::new(&rootfs).unwrap();
+                if let Ok(dirs) = configured_dirs(&r) {
+                    prop_assert!(!dirs.contains(Path::new("/HOST")), "{:?}", dirs);
+                }
+            }
+        }
     }
 }

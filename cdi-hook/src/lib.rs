@@ -4,6 +4,7 @@
 //! and changes files inside that root only.
 
 mod compat;
+mod deadline;
 mod error;
 mod ldcache;
 mod log;
@@ -61,6 +62,9 @@ enum Command {
         /// The host's ldconfig; `<path>.real` is used when it exists.
         #[arg(long = "ldconfig-path", default_value = ldcache::DEFAULT_LDCONFIG)]
         ldconfig_path: PathBuf,
+        /// Seconds the host's ldconfig may run before it is killed (for tests).
+        #[arg(long = "ldconfig-timeout-secs", default_value_t = ldcache::LDCONFIG_TIMEOUT.as_secs(), hide = true)]
+        ldconfig_timeout_secs: u64,
         #[command(flatten)]
         spec: SpecArg,
     },
@@ -94,6 +98,20 @@ struct SpecArg {
     /// Read the OCI state from this file instead of stdin (`-` is stdin); for testing.
     #[arg(long = "container-spec", hide = true)]
     container_spec: Option<PathBuf>,
+    /// Seconds after which the whole hook gives up and exits 1 (for tests).
+    #[arg(long = "deadline-secs", default_value_t = deadline::DEFAULT.as_secs(), hide = true)]
+    deadline_secs: u64,
+}
+
+impl Command {
+    fn spec(&self) -> &SpecArg {
+        match self {
+            Command::CreateSymlinks { spec, .. }
+            | Command::UpdateLdcache { spec, .. }
+            | Command::EnableCudaCompat { spec, .. }
+            | Command::DisableDeviceNodeModification { spec, .. } => spec,
+        }
+    }
 }
 
 impl SpecArg {
@@ -122,12 +140,14 @@ fn run(cmd: Command) -> Result<()> {
         Command::UpdateLdcache {
             folders,
             ldconfig_path,
+            ldconfig_timeout_secs,
             spec,
         } => ldcache::run(
             &spec.root()?,
             &ldcache::Options {
                 folders,
                 ldconfig: ldconfig_path,
+                timeout: std::time::Duration::from_secs(ldconfig_timeout_secs),
             },
         ),
         Command::EnableCudaCompat {
@@ -177,6 +197,9 @@ pub fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let cli = Cli::parse_from(args);
+    deadline::start(std::time::Duration::from_secs(
+        cli.command.spec().deadline_secs,
+    ));
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -190,7 +213,7 @@ pub fn main() -> ExitCode {
                 }
                 src = s.source();
             }
-            eprintln!("cleave-cdi-hook: error: {msg}");
+            eprintln!("cleave-cdi-hook: error: {}", log::escape(&msg));
             ExitCode::FAILURE
         }
     }

@@ -3,15 +3,15 @@
 //! so these mounts land in the container and not on the host.
 #![allow(unsafe_code)]
 
-use std::ffi::CString;
+use std::ffi::{CString, OsStr, OsString};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{HookError, Result};
-use crate::root::ContainerRoot;
+use crate::root::{ContainerRoot, metadata_of};
 
 fn cstr(p: &Path) -> io::Result<CString> {
     CString::new(p.as_os_str().as_bytes())
@@ -65,40 +65,48 @@ fn umount_detach(target: &Path) -> io::Result<()> {
     }
 }
 
+/// `/proc/self/fd/<n>` of a handle: mount(2) follows this magic link to the very inode the
+/// handle holds, so nothing is resolved again by path.
+fn fd_path(h: &impl AsFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", h.as_fd().as_raw_fd()))
+}
+
 /// Bind-mounts a read-only file holding `contents` over the container file `file`, which
 /// must exist and be a regular file. The file lives on a small private tmpfs made in a
 /// scratch directory under the container's `/run`; once the bind is in place the tmpfs is
 /// detached from the scratch directory (the bind keeps it alive) and the directory removed,
-/// so the container sees only the one mount. Returns the host path mounted on.
+/// so the container sees only the one mount. Every path is resolved inside the root and
+/// every mount done on a handle (`/proc/self/fd/<n>`). Returns the host path mounted on.
 pub fn bind_file_contents(root: &ContainerRoot, file: &Path, contents: &[u8]) -> Result<PathBuf> {
-    let target = root.resolve(file, true)?;
-    // An O_PATH handle pins the file that was resolved; the bind goes onto that very file.
-    let handle = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&target)
-        .map_err(|e| HookError::io("opening the mount target", &target, e))?;
-    let meta = handle
-        .metadata()
-        .map_err(|e| HookError::io("inspecting the mount target", &target, e))?;
-    if !meta.is_file() {
+    // The handle pins the file that was resolved inside the root; the bind goes onto it.
+    let handle = root.lookup(file, true)?.ok_or_else(|| HookError::BadPath {
+        path: file.to_owned(),
+        reason: "does not exist; nothing to mount over".into(),
+    })?;
+    if !metadata_of(&handle, file)?.is_file() {
         return Err(HookError::BadPath {
             path: file.to_owned(),
             reason: "is not a regular file; refusing to mount over it".into(),
         });
     }
-    let target_fd = PathBuf::from(format!("/proc/self/fd/{}", handle.as_raw_fd()));
+    let target = root.host_of(&root.path_in_root(&handle, file)?);
+    let target_fd = fd_path(&handle);
 
     let run = root.mkdir_all(Path::new("/run"))?;
-    let scratch = run.join(format!("cleave-cdi-hook-{}", std::process::id()));
-    let _ = std::fs::remove_dir(&scratch);
-    std::fs::create_dir(&scratch).map_err(|e| HookError::io("creating directory", &scratch, e))?;
+    let name = OsString::from(format!("cleave-cdi-hook-{}", std::process::id()));
+    let _ = run.remove_dir(&name);
+    let scratch_dir = run.create_dir(&name)?;
+    let scratch = scratch_dir.host.clone();
+    let scratch_fd = fd_path(scratch_dir.handle());
+    let scratch_dev = metadata_of(scratch_dir.handle(), &scratch_dir.in_root)
+        .ok()
+        .map(|m| m.dev());
 
     let result = (|| -> Result<()> {
         let size = format!("size={},mode=0755", contents.len().max(1));
         mount(
             Some(Path::new("tmpfs")),
-            &scratch,
+            &scratch_fd,
             Some("tmpfs"),
             libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
             Some(&size),
@@ -108,41 +116,87 @@ pub fn bind_file_contents(root: &ContainerRoot, file: &Path, contents: &[u8]) ->
             path: scratch.clone(),
             source,
         })?;
-        mount(None, &scratch, None, libc::MS_PRIVATE, None).map_err(|source| HookError::Mount {
-            what: "private propagation",
-            path: scratch.clone(),
-            source,
+        // The tmpfs now sits on top of the scratch directory: look it up again (inside the
+        // root) to reach its root, and check that it is not the directory itself.
+        let tmpfs = root
+            .open_dir(&scratch_dir.in_root)?
+            .ok_or_else(|| HookError::BadPath {
+                path: scratch_dir.in_root.clone(),
+                reason: "vanished while the hook mounted on it".into(),
+            })?;
+        if Some(metadata_of(tmpfs.handle(), &tmpfs.in_root)?.dev()) == scratch_dev {
+            return Err(HookError::Refused {
+                path: tmpfs.in_root.display().to_string(),
+                reason: "is not the tmpfs the hook mounted there".into(),
+            });
+        }
+        let tmpfs_fd = fd_path(tmpfs.handle());
+        mount(None, &tmpfs_fd, None, libc::MS_PRIVATE, None).map_err(|source| {
+            HookError::Mount {
+                what: "private propagation",
+                path: scratch.clone(),
+                source,
+            }
         })?;
-        let copy = scratch.join("params");
-        std::fs::write(&copy, contents).map_err(|e| HookError::io("writing", &copy, e))?;
-        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o444))
-            .map_err(|e| HookError::io("chmod", &copy, e))?;
-        mount(Some(&copy), &target_fd, None, libc::MS_BIND, None).map_err(|source| {
+        let copy_name = OsStr::new("params");
+        tmpfs.write(copy_name, contents, 0o444)?;
+        let copy = tmpfs
+            .open_regular(copy_name)?
+            .ok_or_else(|| HookError::BadPath {
+                path: tmpfs.shown(copy_name),
+                reason: "vanished while the hook wrote it".into(),
+            })?;
+        let copy_meta = copy
+            .metadata()
+            .map_err(|e| HookError::io("inspecting", tmpfs.shown(copy_name), e))?;
+        mount(Some(&fd_path(&copy)), &target_fd, None, libc::MS_BIND, None).map_err(|source| {
             HookError::Mount {
                 what: "the modified copy",
                 path: target.clone(),
                 source,
             }
         })?;
-        // MS_RDONLY is ignored on the first bind mount; it takes a remount.
+        // MS_RDONLY is ignored on the first bind mount; it takes a remount, on the mount
+        // now on top of the file (looked up again, and checked to be the copy).
+        let bound = root.lookup(file, true)?.ok_or_else(|| HookError::BadPath {
+            path: file.to_owned(),
+            reason: "vanished while the hook mounted on it".into(),
+        })?;
+        let bound_meta = metadata_of(&bound, file)?;
+        if (bound_meta.dev(), bound_meta.ino()) != (copy_meta.dev(), copy_meta.ino()) {
+            return Err(HookError::Refused {
+                path: file.display().to_string(),
+                reason: "was replaced while the hook mounted on it".into(),
+            });
+        }
         let ro = libc::MS_REMOUNT
             | libc::MS_BIND
             | libc::MS_RDONLY
             | libc::MS_NOSUID
             | libc::MS_NODEV
             | libc::MS_NOEXEC;
-        if let Err(source) = mount(None, &target, None, ro, None) {
-            let _ = umount_detach(&target);
+        if let Err(source) = mount(None, &fd_path(&bound), None, ro, None) {
+            let _ = umount_detach(&fd_path(&bound));
             return Err(HookError::Mount {
                 what: "read-only",
                 path: target.clone(),
                 source,
             });
         }
+        // Detach the tmpfs from the scratch directory (the bind keeps it alive).
+        let _ = umount_detach(&tmpfs_fd);
         Ok(())
     })();
 
-    let _ = umount_detach(&scratch);
-    let _ = std::fs::remove_dir(&scratch);
+    // On failure, a tmpfs still on the scratch directory (the lookup reaches a file system
+    // other than the directory's) is detached before the directory is removed.
+    if result.is_err()
+        && let Ok(Some(top)) = root.open_dir(&scratch_dir.in_root)
+        && metadata_of(top.handle(), &scratch_dir.in_root)
+            .is_ok_and(|m| Some(m.dev()) != scratch_dev)
+    {
+        let _ = umount_detach(&fd_path(top.handle()));
+    }
+    let _ = run.remove_dir(&name);
     result.map(|()| target)
 }

@@ -1,26 +1,42 @@
-//! Paths inside the container root, resolved the way the container will see them: symlinks
-//! in the image are followed, but an absolute target restarts at the container root and `..`
-//! stops at it, so nothing the image contains can send a write onto the host.
+//! The container root, and every file operation the hook does in it.
 //!
-//! The resolution is done in user space, component by component. It is not race-free against
-//! a process changing the tree at the same time; a createContainer hook runs before any
-//! process of the container has started, which is what makes that acceptable here.
+//! The hook runs as host root over an image a tenant controls, while other processes of the
+//! same pod may already be changing a shared volume. So no path inside the root is ever
+//! handed to the kernel as a host path: the root is opened once as a directory handle and
+//! every lookup goes through `pathrs` (libpathrs), which resolves with
+//! `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)` on Linux 5.6 and later — symlinks,
+//! absolute targets and `..` are confined to the root by the kernel, during the lookup
+//! itself — and with a user-space walk of `O_PATH` handles verified through procfs on older
+//! kernels. Files are created, renamed and linked relative to the handle of their resolved
+//! parent directory (mkdirat/openat(O_EXCL)/symlinkat/renameat), and read only when the
+//! opened inode is a regular file of bounded size.
 
 use std::collections::VecDeque;
-use std::ffi::OsString;
-use std::io::{self, Write};
+use std::ffi::{OsStr, OsString};
+use std::fs::{File, Permissions};
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 
+use pathrs::flags::{OpenFlags, RenameFlags};
+use pathrs::{Handle, InodeType, Root, RootRef};
+
 use crate::error::{HookError, Result};
 
-/// Linux gives up after 40 symlinks in one lookup; so do we.
+/// Linux gives up after 40 symlinks in one lookup; so does the directory walk.
 const MAX_SYMLINKS: usize = 40;
 
-/// A container's root filesystem on the host.
-#[derive(Debug, Clone)]
+/// The most the hook reads of any one file of the image (ld.so.conf, a drop-in, the musl
+/// path file): they are a few hundred bytes; anything larger is refused, not truncated.
+pub const MAX_READ: u64 = 1 << 20;
+
+/// A container's root filesystem on the host, opened as a directory handle.
+#[derive(Debug)]
 pub struct ContainerRoot {
     host: PathBuf,
+    root: Root,
 }
 
 /// Splits `p` into normal components, refusing any `..` that would climb above the root.
@@ -45,30 +61,368 @@ pub fn clean_in_root(p: &Path) -> Result<PathBuf> {
     Ok(out)
 }
 
+/// The text of `p` for one line of a config file: UTF-8 without control characters, since
+/// a `\n` in a folder name would add a line of the image's choosing to the file.
+pub fn config_line(p: &Path) -> Result<&str> {
+    match p.to_str() {
+        Some(s) if !s.chars().any(char::is_control) => Ok(s),
+        Some(_) => Err(HookError::Refused {
+            path: escaped(p.as_os_str()),
+            reason: "holds control characters; refusing to write it into a config file".into(),
+        }),
+        None => Err(HookError::Refused {
+            path: escaped(p.as_os_str()),
+            reason: "is not UTF-8; refusing to write it into a config file".into(),
+        }),
+    }
+}
+
+/// `s` with control characters and invalid UTF-8 escaped, for messages naming image paths.
+pub fn escaped(s: &OsStr) -> String {
+    s.to_string_lossy().escape_debug().to_string()
+}
+
+/// Whether a pathrs error means "no such file" (a missing component or a dangling symlink).
+fn is_not_found(e: &pathrs::error::Error) -> bool {
+    e.kind() == pathrs::error::ErrorKind::OsError(Some(libc::ENOENT))
+}
+
+/// The metadata of the inode behind a handle, read through the handle (fstat), never by
+/// path.
+pub fn metadata_of(h: &impl AsFd, shown: &Path) -> Result<std::fs::Metadata> {
+    let fd: OwnedFd = h
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| HookError::io("inspecting", shown, e))?;
+    File::from(fd)
+        .metadata()
+        .map_err(|e| HookError::io("inspecting", shown, e))
+}
+
+/// The target of the symlink a handle (`O_PATH|O_NOFOLLOW`) holds: `readlinkat(fd, "")`
+/// reads that very inode, whatever the name now points at.
+fn readlink_handle(h: &impl AsFd, shown: &Path) -> Result<PathBuf> {
+    let target = rustix::fs::readlinkat(h, c"", Vec::new())
+        .map_err(|e| HookError::io("reading the symlink", shown, e.into()))?;
+    Ok(PathBuf::from(OsStr::from_bytes(target.as_bytes())))
+}
+
+/// Reads a regular file opened from `h`, at most [`MAX_READ`] bytes, as UTF-8.
+fn read_handle(h: &Handle, shown: &Path) -> Result<String> {
+    let meta = metadata_of(h, shown)?;
+    if !meta.is_file() {
+        return Err(HookError::Refused {
+            path: escaped(shown.as_os_str()),
+            reason: format!(
+                "is not a regular file ({}); refusing to read it",
+                kind_name(&meta)
+            ),
+        });
+    }
+    // A regular file of the kernel's (procfs, sysfs and the like, mounted in the root by the
+    // runtime before the hook runs) would be read as host root: /proc/kcore, root-only sysfs
+    // files. None of them is an ld.so.conf.
+    let fs = rustix::fs::fstatfs(h).map_err(|e| HookError::io("inspecting", shown, e.into()))?;
+    if is_kernel_fs(fs.f_type) {
+        return Err(HookError::Refused {
+            path: escaped(shown.as_os_str()),
+            reason: "is on a kernel pseudo file system (proc, sys, ...); refusing to read it"
+                .into(),
+        });
+    }
+    // The handle pins the inode checked above; O_NONBLOCK in case the type check is ever
+    // wrong, so a FIFO can never block the hook.
+    let f = h
+        .reopen(OpenFlags::O_RDONLY | OpenFlags::O_NONBLOCK | OpenFlags::O_CLOEXEC)
+        .map_err(|e| HookError::pathrs("opening", shown, e))?;
+    let mut buf = Vec::new();
+    f.take(MAX_READ + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| HookError::io("reading", shown, e))?;
+    if buf.len() as u64 > MAX_READ {
+        return Err(HookError::Refused {
+            path: escaped(shown.as_os_str()),
+            reason: format!("is larger than {MAX_READ} bytes; refusing to read it"),
+        });
+    }
+    String::from_utf8(buf).map_err(|_| HookError::Refused {
+        path: escaped(shown.as_os_str()),
+        reason: "is not UTF-8 text".into(),
+    })
+}
+
+/// Whether `f_type` (statfs) is one of the kernel's pseudo file systems, whose files show
+/// kernel or host state (magic numbers from Linux `include/uapi/linux/magic.h`).
+#[allow(clippy::unnecessary_cast)]
+fn is_kernel_fs(f_type: impl TryInto<i64>) -> bool {
+    let Ok(t) = f_type.try_into() else {
+        return false;
+    };
+    const CONFIGFS_MAGIC: i64 = 0x6265_6570;
+    const EFIVARFS_MAGIC: i64 = 0xde5e_81e4;
+    const PSTOREFS_MAGIC: i64 = 0x6165_676c;
+    const BINFMTFS_MAGIC: i64 = 0x4249_4e4d;
+    [
+        libc::PROC_SUPER_MAGIC as i64,
+        libc::SYSFS_MAGIC as i64,
+        libc::DEBUGFS_MAGIC as i64,
+        libc::TRACEFS_MAGIC as i64,
+        libc::SECURITYFS_MAGIC as i64,
+        libc::CGROUP_SUPER_MAGIC as i64,
+        libc::CGROUP2_SUPER_MAGIC as i64,
+        libc::BPF_FS_MAGIC as i64,
+        libc::SELINUX_MAGIC as i64,
+        libc::SMACK_MAGIC as i64,
+        libc::DEVPTS_SUPER_MAGIC as i64,
+        libc::NSFS_MAGIC as i64,
+        libc::RDTGROUP_SUPER_MAGIC as i64,
+        CONFIGFS_MAGIC,
+        EFIVARFS_MAGIC,
+        PSTOREFS_MAGIC,
+        BINFMTFS_MAGIC,
+    ]
+    .contains(&t)
+}
+
+/// A word for the kind of inode, for refusals.
+fn kind_name(m: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_symlink() {
+        "a symlink"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// A name for a temporary file next to `name`, unique to this process.
+fn tmp_name(name: &OsStr) -> OsString {
+    let mut t = OsString::from(".");
+    t.push(name);
+    t.push(format!(".cleave-tmp-{}", std::process::id()));
+    t
+}
+
+/// One name inside a directory: no `/`, not `.` or `..`, not empty.
+fn check_name(name: &OsStr, shown: &Path) -> Result<()> {
+    let b = name.as_bytes();
+    if b.is_empty() || b == b"." || b == b".." || b.contains(&b'/') {
+        return Err(HookError::BadPath {
+            path: shown.to_owned(),
+            reason: "is not a single file name".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A directory handle inside the root with the operations the hook does in it. Names are
+/// single components looked up without following a trailing symlink, so every operation
+/// stays in this very directory (the `*at` system calls on its handle).
+pub struct Dir {
+    handle: Handle,
+    /// The directory as the container sees it (for messages and config files).
+    pub in_root: PathBuf,
+    /// The directory's host path (for messages).
+    pub host: PathBuf,
+}
+
+impl std::fmt::Debug for Dir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dir")
+            .field("in_root", &self.in_root)
+            .finish()
+    }
+}
+
+impl Dir {
+    fn at(&self) -> RootRef<'_> {
+        RootRef::from_fd(self.handle.as_fd())
+    }
+
+    /// The handle of the directory.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
+    /// The container path of `name` in this directory.
+    pub fn shown(&self, name: &OsStr) -> PathBuf {
+        self.in_root.join(name)
+    }
+
+    /// A handle to `name` itself (a symlink is not followed); `None` when absent.
+    pub fn entry(&self, name: &OsStr) -> Result<Option<Handle>> {
+        check_name(name, &self.shown(name))?;
+        match self.at().resolve_nofollow(name) {
+            Ok(h) => Ok(Some(h)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(HookError::pathrs("looking up", self.shown(name), e)),
+        }
+    }
+
+    /// The target of the symlink `name`, or `None` when `name` is absent or not a symlink.
+    pub fn readlink(&self, name: &OsStr) -> Result<Option<PathBuf>> {
+        let Some(h) = self.entry(name)? else {
+            return Ok(None);
+        };
+        if !metadata_of(&h, &self.shown(name))?.file_type().is_symlink() {
+            return Ok(None);
+        }
+        readlink_handle(&h, &self.shown(name)).map(Some)
+    }
+
+    /// The names in this directory with their types (a symlink is reported as a symlink).
+    pub fn list(&self) -> Result<Vec<(OsString, std::fs::FileType)>> {
+        let f = self
+            .handle
+            .reopen(OpenFlags::O_RDONLY | OpenFlags::O_DIRECTORY | OpenFlags::O_CLOEXEC)
+            .map_err(|e| HookError::pathrs("opening", &self.in_root, e))?;
+        let dir = rustix::fs::Dir::read_from(&f)
+            .map_err(|e| HookError::io("listing", &self.in_root, e.into()))?;
+        let mut out = Vec::new();
+        for entry in dir {
+            let entry = entry.map_err(|e| HookError::io("listing", &self.in_root, e.into()))?;
+            let name = OsStr::from_bytes(entry.file_name().to_bytes()).to_owned();
+            if name == "." || name == ".." {
+                continue;
+            }
+            let Some(h) = self.entry(&name)? else {
+                continue;
+            };
+            out.push((
+                name.clone(),
+                metadata_of(&h, &self.shown(&name))?.file_type(),
+            ));
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// Opens `name` for reading if it is a regular file (a symlink is not followed).
+    pub fn open_regular(&self, name: &OsStr) -> Result<Option<File>> {
+        let shown = self.shown(name);
+        let Some(h) = self.entry(name)? else {
+            return Ok(None);
+        };
+        if !metadata_of(&h, &shown)?.is_file() {
+            return Ok(None);
+        }
+        h.reopen(OpenFlags::O_RDONLY | OpenFlags::O_NONBLOCK | OpenFlags::O_CLOEXEC)
+            .map(Some)
+            .map_err(|e| HookError::pathrs("opening", shown, e))
+    }
+
+    /// Writes `contents` to `name` with `mode`, replacing what is there: a temporary file
+    /// created exclusively in this directory, then renamed over the name, so an existing
+    /// symlink at that name is replaced rather than followed. Returns the host path.
+    pub fn write(&self, name: &OsStr, contents: &[u8], mode: u32) -> Result<PathBuf> {
+        let shown = self.shown(name);
+        check_name(name, &shown)?;
+        let tmp = tmp_name(name);
+        let at = self.at();
+        let _ = at.remove_file(&tmp);
+        let result = (|| -> Result<()> {
+            let mut f = at
+                .create_file(
+                    &tmp,
+                    OpenFlags::O_WRONLY | OpenFlags::O_EXCL | OpenFlags::O_CLOEXEC,
+                    &Permissions::from_mode(mode),
+                )
+                .map_err(|e| HookError::pathrs("creating", &shown, e))?;
+            f.write_all(contents)
+                .map_err(|e| HookError::io("writing", &shown, e))?;
+            f.set_permissions(Permissions::from_mode(mode))
+                .map_err(|e| HookError::io("chmod", &shown, e))?;
+            at.rename(&tmp, name, RenameFlags::empty())
+                .map_err(|e| HookError::pathrs("renaming into place", &shown, e))
+        })();
+        if result.is_err() {
+            let _ = at.remove_file(&tmp);
+        }
+        result.map(|()| self.host.join(name))
+    }
+
+    /// Makes `name` a symlink to `target`, replacing a file or symlink there (a temporary
+    /// link renamed over it); a directory there is refused.
+    pub fn symlink(&self, name: &OsStr, target: &Path) -> Result<()> {
+        let shown = self.shown(name);
+        check_name(name, &shown)?;
+        if let Some(h) = self.entry(name)?
+            && metadata_of(&h, &shown)?.is_dir()
+        {
+            return Err(HookError::BadPath {
+                path: shown,
+                reason: "is a directory; refusing to replace it with a symlink".into(),
+            });
+        }
+        let tmp = tmp_name(name);
+        let at = self.at();
+        let _ = at.remove_file(&tmp);
+        at.create(&tmp, &InodeType::Symlink(target.to_owned()))
+            .map_err(|e| HookError::pathrs("creating symlink", &shown, e))?;
+        at.rename(&tmp, name, RenameFlags::empty()).map_err(|e| {
+            let _ = at.remove_file(&tmp);
+            HookError::pathrs("creating symlink", &shown, e)
+        })
+    }
+
+    /// Creates the directory `name` (0755) and returns it; it must not exist.
+    pub fn create_dir(&self, name: &OsStr) -> Result<Dir> {
+        let shown = self.shown(name);
+        check_name(name, &shown)?;
+        let at = self.at();
+        at.create(name, &InodeType::Directory(Permissions::from_mode(0o755)))
+            .map_err(|e| HookError::pathrs("creating directory", &shown, e))?;
+        let handle = at
+            .resolve_nofollow(name)
+            .map_err(|e| HookError::pathrs("opening", &shown, e))?;
+        if !metadata_of(&handle, &shown)?.is_dir() {
+            return Err(HookError::Refused {
+                path: escaped(shown.as_os_str()),
+                reason: "was replaced while the hook created it".into(),
+            });
+        }
+        Ok(Dir {
+            handle,
+            host: self.host.join(name),
+            in_root: shown,
+        })
+    }
+
+    /// Removes the empty directory `name`.
+    pub fn remove_dir(&self, name: &OsStr) -> Result<()> {
+        self.at()
+            .remove_dir(name)
+            .map_err(|e| HookError::pathrs("removing", self.shown(name), e))
+    }
+}
+
 impl ContainerRoot {
     /// Opens the root at `host` (made absolute and canonical); refuses `/` and non-directories.
     pub fn new(host: &Path) -> Result<Self> {
-        let canon = std::fs::canonicalize(host).map_err(|e| HookError::BadRoot {
+        let bad = |reason: String| HookError::BadRoot {
             path: host.to_owned(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        let canon = std::fs::canonicalize(host).map_err(|e| bad(e.to_string()))?;
         if canon == Path::new("/") {
-            return Err(HookError::BadRoot {
-                path: host.to_owned(),
-                reason: "is the host's / (refusing to modify the host)".into(),
-            });
+            return Err(bad("is the host's / (refusing to modify the host)".into()));
         }
-        let meta = std::fs::metadata(&canon).map_err(|e| HookError::BadRoot {
-            path: host.to_owned(),
-            reason: e.to_string(),
-        })?;
+        let root = Root::open(&canon).map_err(|e| bad(e.to_string()))?;
+        let meta = metadata_of(&root, host)?;
         if !meta.is_dir() {
-            return Err(HookError::BadRoot {
-                path: host.to_owned(),
-                reason: "is not a directory".into(),
-            });
+            return Err(bad("is not a directory".into()));
         }
-        Ok(Self { host: canon })
+        Ok(Self { host: canon, root })
     }
 
     /// The root's host path.
@@ -76,118 +430,196 @@ impl ContainerRoot {
         &self.host
     }
 
-    /// Resolves `p` (absolute or relative to the root, as the container sees it) to a host path.
-    /// Symlinks are followed inside the root, the last component's only when `follow_last`.
-    /// Missing components are kept as they are, so the result can name something to create.
-    pub fn resolve(&self, p: &Path, follow_last: bool) -> Result<PathBuf> {
-        Ok(self.host_of(&self.resolve_in_root(p, follow_last)?))
-    }
-
-    /// The host path of an already resolved container path. `Path::join` with an absolute
-    /// path would replace the root, so the leading `/` is dropped first.
+    /// The host path of a container path (for messages only: never opened).
     pub fn host_of(&self, in_root: &Path) -> PathBuf {
         self.host.join(in_root.strip_prefix("/").unwrap_or(in_root))
     }
 
-    /// As [`resolve`](Self::resolve), but returns the path as the container sees it
-    /// (absolute, starting at the container's `/`).
-    pub fn resolve_in_root(&self, p: &Path, follow_last: bool) -> Result<PathBuf> {
-        let mut queue: VecDeque<OsString> = components(p);
-        let mut resolved: Vec<OsString> = Vec::new();
+    /// A duplicate of the root's handle without close-on-exec, for a child process to reach
+    /// the very directory opened here as `/proc/self/fd/<n>`.
+    pub fn handle_for_child(&self) -> Result<OwnedFd> {
+        rustix::io::dup(&self.root)
+            .map_err(|e| HookError::io("duplicating the handle of", &self.host, e.into()))
+    }
+
+    /// Resolves `p` inside the root, following symlinks (the last one only when
+    /// `follow_last`); `None` when something on the way is missing.
+    pub fn lookup(&self, p: &Path, follow_last: bool) -> Result<Option<Handle>> {
+        let r = if follow_last {
+            self.root.resolve(p)
+        } else {
+            self.root.resolve_nofollow(p)
+        };
+        match r {
+            Ok(h) => Ok(Some(h)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(HookError::pathrs("resolving", p, e)),
+        }
+    }
+
+    /// The path, as the container sees it, of an inode reached through this root: the
+    /// kernel's name for the handle (procfs), less the root's host path.
+    pub fn path_in_root(&self, h: &impl AsFd, shown: &Path) -> Result<PathBuf> {
+        let link = PathBuf::from(format!("/proc/self/fd/{}", h.as_fd().as_raw_fd()));
+        let host = std::fs::read_link(&link).map_err(|e| HookError::io("naming", shown, e))?;
+        if host == self.host {
+            return Ok(PathBuf::from("/"));
+        }
+        match host.strip_prefix(&self.host) {
+            Ok(rest) => Ok(Path::new("/").join(rest)),
+            Err(_) => Err(HookError::Refused {
+                path: escaped(shown.as_os_str()),
+                reason: "resolved outside the container root".into(),
+            }),
+        }
+    }
+
+    /// Opens the directory `p` (symlinks followed inside the root); `None` when missing.
+    pub fn open_dir(&self, p: &Path) -> Result<Option<Dir>> {
+        let Some(handle) = self.lookup(p, true)? else {
+            return Ok(None);
+        };
+        if !metadata_of(&handle, p)?.is_dir() {
+            return Ok(None);
+        }
+        let in_root = self.path_in_root(&handle, p)?;
+        Ok(Some(Dir {
+            host: self.host_of(&in_root),
+            in_root,
+            handle,
+        }))
+    }
+
+    /// Creates directory `dir` (a container path) and its missing parents inside the root.
+    /// Symlinks on the way are followed inside the root, dangling ones too: the directory
+    /// is created where the container will look for it (as this hook always did). The walk
+    /// only chooses names; every lookup and `mkdirat` is confined to the root by pathrs, so
+    /// a concurrent change of the tree can at worst move the directory elsewhere inside it.
+    pub fn mkdir_all(&self, dir: &Path) -> Result<Dir> {
+        let refuse = |reason: String| HookError::Refused {
+            path: escaped(dir.as_os_str()),
+            reason,
+        };
+        let mut queue: VecDeque<OsString> = components(dir);
+        let mut current = PathBuf::from("/");
         let mut hops = 0;
-        let mut missing = false;
         while let Some(c) = queue.pop_front() {
             if c == ".." {
-                resolved.pop();
+                current.pop();
                 continue;
             }
-            if missing {
-                resolved.push(c);
-                continue;
-            }
-            let candidate = self
-                .host
-                .join(resolved.iter().collect::<PathBuf>())
-                .join(&c);
-            let is_last = queue.is_empty();
-            match std::fs::symlink_metadata(&candidate) {
-                Ok(m) if m.file_type().is_symlink() && (follow_last || !is_last) => {
-                    hops += 1;
-                    if hops > MAX_SYMLINKS {
+            let candidate = current.join(&c);
+            match self.lookup(&candidate, false)? {
+                None => {
+                    let parent = self.open_dir(&current)?.ok_or_else(|| {
+                        refuse(format!(
+                            "{} changed while the hook walked it",
+                            current.display()
+                        ))
+                    })?;
+                    match RootRef::from_fd(parent.handle.as_fd())
+                        .create(&c, &InodeType::Directory(Permissions::from_mode(0o755)))
+                    {
+                        Ok(()) => {}
+                        Err(e)
+                            if e.kind()
+                                == pathrs::error::ErrorKind::OsError(Some(libc::EEXIST)) => {}
+                        Err(e) => {
+                            return Err(HookError::pathrs("creating directory", candidate, e));
+                        }
+                    }
+                    current = candidate;
+                }
+                Some(h) => {
+                    let meta = metadata_of(&h, &candidate)?;
+                    if meta.file_type().is_symlink() {
+                        hops += 1;
+                        if hops > MAX_SYMLINKS {
+                            return Err(refuse(format!("more than {MAX_SYMLINKS} symlinks")));
+                        }
+                        let target = readlink_handle(&h, &candidate)?;
+                        if target.is_absolute() {
+                            current = PathBuf::from("/");
+                        }
+                        for t in components(&target).into_iter().rev() {
+                            queue.push_front(t);
+                        }
+                    } else if meta.is_dir() {
+                        current = candidate;
+                    } else {
                         return Err(HookError::BadPath {
-                            path: p.to_owned(),
-                            reason: format!("more than {MAX_SYMLINKS} symlinks"),
+                            path: candidate,
+                            reason: "is not a directory".into(),
                         });
                     }
-                    let target = std::fs::read_link(&candidate)
-                        .map_err(|e| HookError::io("reading the symlink", &candidate, e))?;
-                    if target.is_absolute() {
-                        resolved.clear();
-                    }
-                    for t in components(&target).into_iter().rev() {
-                        queue.push_front(t);
-                    }
                 }
-                Ok(_) => resolved.push(c),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    missing = true;
-                    resolved.push(c);
-                }
-                Err(e) => return Err(HookError::io("inspecting", candidate, e)),
             }
         }
-        let mut out = PathBuf::from("/");
-        out.extend(resolved);
-        Ok(out)
+        self.open_dir(&current)?.ok_or_else(|| {
+            refuse(format!(
+                "{} changed while the hook created it",
+                current.display()
+            ))
+        })
     }
 
-    /// Creates directory `dir` (a container path) and its missing parents inside the root;
-    /// returns its host path.
-    pub fn mkdir_all(&self, dir: &Path) -> Result<PathBuf> {
-        let host = self.resolve(dir, true)?;
-        std::fs::create_dir_all(&host)
-            .map_err(|e| HookError::io("creating directory", &host, e))?;
-        Ok(host)
-    }
-
-    /// Writes `contents` to the container file `file`, world-readable (0644), replacing what
-    /// is there: a temporary file created exclusively, then renamed over the name, so an
-    /// existing symlink at that name is replaced rather than followed.
+    /// Writes `contents` to the container file `file`, world-readable (0644), replacing
+    /// what is there (see [`Dir::write`]); returns its host path.
     pub fn write_file(&self, file: &Path, contents: &[u8]) -> Result<PathBuf> {
         let (dir, name) = split_parent(file)?;
-        let host_dir = self.mkdir_all(&dir)?;
-        let host_file = host_dir.join(&name);
-        let mut tmp_name = OsString::from(".");
-        tmp_name.push(&name);
-        tmp_name.push(format!(".cleave-tmp-{}", std::process::id()));
-        let tmp = host_dir.join(tmp_name);
-        let _ = std::fs::remove_file(&tmp);
-        let write = || -> io::Result<()> {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&tmp)?;
-            f.write_all(contents)?;
-            f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
-            std::fs::rename(&tmp, &host_file)
-        };
-        write().map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            HookError::io("writing", &host_file, e)
-        })?;
-        Ok(host_file)
+        self.mkdir_all(&dir)?.write(&name, contents, 0o644)
     }
 
     /// Creates `file` (a container path) with `contents` only if nothing is at that name;
     /// returns whether it did.
     pub fn create_if_missing(&self, file: &Path, contents: &[u8]) -> Result<bool> {
-        let host = self.resolve(file, false)?;
-        if std::fs::symlink_metadata(&host).is_ok() {
+        if self.lookup(file, false)?.is_some() {
             return Ok(false);
         }
         self.write_file(file, contents)?;
         Ok(true)
     }
+
+    /// Reads the container file `file` (symlinks followed inside the root): `None` when it
+    /// does not exist; refused when it is not a regular file or is over [`MAX_READ`].
+    pub fn read_config(&self, file: &Path) -> Result<Option<String>> {
+        match self.lookup(file, true)? {
+            None => Ok(None),
+            Some(h) => read_handle(&h, file).map(Some),
+        }
+    }
+
+    /// As [`read_config`](Self::read_config), also returning the (device, inode) read, so
+    /// that callers following includes can tell a file they already read.
+    pub fn read_config_id(&self, file: &Path) -> Result<Option<((u64, u64), String)>> {
+        use std::os::unix::fs::MetadataExt;
+        match self.lookup(file, true)? {
+            None => Ok(None),
+            Some(h) => {
+                let m = metadata_of(&h, file)?;
+                Ok(Some(((m.dev(), m.ino()), read_handle(&h, file)?)))
+            }
+        }
+    }
+
+    /// Whether `p` resolves (inside the root) to a regular file.
+    pub fn is_file(&self, p: &Path) -> bool {
+        self.lookup(p, true)
+            .ok()
+            .flatten()
+            .and_then(|h| metadata_of(&h, p).ok())
+            .is_some_and(|m| m.is_file())
+    }
+}
+
+fn components(p: &Path) -> VecDeque<OsString> {
+    p.components()
+        .filter_map(|c| match c {
+            Component::Normal(n) => Some(n.to_owned()),
+            Component::ParentDir => Some(OsString::from("..")),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The directory and file name of a container path.
@@ -202,16 +634,6 @@ pub fn split_parent(p: &Path) -> Result<(PathBuf, OsString)> {
     }
 }
 
-fn components(p: &Path) -> VecDeque<OsString> {
-    p.components()
-        .filter_map(|c| match c {
-            Component::Normal(n) => Some(n.to_owned()),
-            Component::ParentDir => Some(OsString::from("..")),
-            _ => None,
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,6 +644,11 @@ mod tests {
         std::fs::create_dir_all(t.path().join("rootfs/usr/lib")).unwrap();
         let r = ContainerRoot::new(&t.path().join("rootfs")).unwrap();
         (t, r)
+    }
+
+    fn in_root(r: &ContainerRoot, p: &str) -> PathBuf {
+        let h = r.lookup(Path::new(p), true).unwrap().unwrap();
+        r.path_in_root(&h, Path::new(p)).unwrap()
     }
 
     #[test]
@@ -237,41 +664,25 @@ mod tests {
     #[test]
     fn absolute_symlinks_restart_at_the_root() {
         let (_t, r) = root();
+        std::fs::write(r.host_path().join("usr/lib/libcuda.so"), "x").unwrap();
         symlink("/usr/lib", r.host_path().join("lib")).unwrap();
         assert_eq!(
-            r.resolve_in_root(Path::new("/lib/libcuda.so"), true)
-                .unwrap(),
+            in_root(&r, "/lib/libcuda.so"),
             PathBuf::from("/usr/lib/libcuda.so")
         );
     }
 
     #[test]
     fn relative_symlinks_stop_at_the_root() {
-        let (_t, r) = root();
+        let (t, r) = root();
+        std::fs::create_dir(t.path().join("outside")).unwrap();
+        std::fs::create_dir(r.host_path().join("outside")).unwrap();
         symlink(
             "../../../../../../outside",
             r.host_path().join("usr/lib/evil"),
         )
         .unwrap();
-        assert_eq!(
-            r.resolve_in_root(Path::new("/usr/lib/evil/x"), true)
-                .unwrap(),
-            PathBuf::from("/outside/x")
-        );
-    }
-
-    #[test]
-    fn last_symlink_kept_unless_asked() {
-        let (_t, r) = root();
-        symlink("/etc/shadow", r.host_path().join("usr/lib/l")).unwrap();
-        assert_eq!(
-            r.resolve_in_root(Path::new("/usr/lib/l"), false).unwrap(),
-            PathBuf::from("/usr/lib/l")
-        );
-        assert_eq!(
-            r.resolve_in_root(Path::new("/usr/lib/l"), true).unwrap(),
-            PathBuf::from("/etc/shadow")
-        );
+        assert_eq!(in_root(&r, "/usr/lib/evil"), PathBuf::from("/outside"));
     }
 
     #[test]
@@ -279,7 +690,7 @@ mod tests {
         let (_t, r) = root();
         symlink("b", r.host_path().join("a")).unwrap();
         symlink("a", r.host_path().join("b")).unwrap();
-        assert!(r.resolve(Path::new("/a/x"), true).is_err());
+        assert!(r.lookup(Path::new("/a/x"), true).is_err());
     }
 
     #[test]
@@ -302,5 +713,196 @@ mod tests {
             std::fs::read_to_string(r.host_path().join("etc/f.conf")).unwrap(),
             "new\n"
         );
+    }
+
+    #[test]
+    fn reads_follow_symlinks_inside_the_root_only() {
+        let (t, r) = root();
+        std::fs::write(t.path().join("secret"), "HOST SECRET").unwrap();
+        std::fs::create_dir_all(r.host_path().join("etc")).unwrap();
+        symlink(t.path().join("secret"), r.host_path().join("etc/a")).unwrap();
+        let rel = format!("../..{}", t.path().join("secret").display());
+        symlink(&rel, r.host_path().join("etc/b")).unwrap();
+        assert_eq!(r.read_config(Path::new("/etc/a")).unwrap(), None);
+        assert_eq!(r.read_config(Path::new("/etc/b")).unwrap(), None);
+        let inside = r.host_of(&t.path().join("secret"));
+        std::fs::create_dir_all(inside.parent().unwrap()).unwrap();
+        std::fs::write(&inside, "image file").unwrap();
+        assert_eq!(
+            r.read_config(Path::new("/etc/a")).unwrap().as_deref(),
+            Some("image file")
+        );
+    }
+
+    #[test]
+    fn fifos_and_big_files_are_refused_naming_them() {
+        let (_t, r) = root();
+        let etc = r.host_path().join("etc");
+        std::fs::create_dir_all(&etc).unwrap();
+        let fifo = std::ffi::CString::new(etc.join("fifo").as_os_str().as_bytes()).unwrap();
+        rustix::fs::mkfifoat(rustix::fs::CWD, fifo.as_c_str(), rustix::fs::Mode::RWXU).unwrap();
+        let e = r.read_config(Path::new("/etc/fifo")).unwrap_err();
+        assert!(e.to_string().contains("/etc/fifo"), "{e}");
+        assert!(e.to_string().contains("FIFO"), "{e}");
+        std::fs::write(etc.join("big"), vec![b'a'; (MAX_READ + 1) as usize]).unwrap();
+        let e = r.read_config(Path::new("/etc/big")).unwrap_err();
+        assert!(e.to_string().contains("/etc/big"), "{e}");
+    }
+
+    #[test]
+    fn kernel_files_are_refused() {
+        // procfs and sysfs as the "root": their regular files are the kernel's, not an image's.
+        for (root, file) in [("/proc", "/version"), ("/sys", "/kernel/uevent_seqnum")] {
+            if root == "/sys" && !Path::new("/sys/kernel").exists() {
+                eprintln!("SKIPPED for /sys: sysfs is not mounted here");
+                continue;
+            }
+            let r = ContainerRoot::new(Path::new(root)).unwrap();
+            let e = r.read_config(Path::new(file)).unwrap_err().to_string();
+            assert!(e.contains("kernel pseudo file system"), "{e}");
+            assert!(e.contains(file), "{e}");
+        }
+    }
+
+    #[test]
+    fn control_characters_are_refused_in_config_lines() {
+        assert_eq!(config_line(Path::new("/opt/lib")).unwrap(), "/opt/lib");
+        for bad in ["/a\n/etc/cron.d", "/a\rb", "/a\u{1b}[2J", "/a\0"] {
+            let e = config_line(Path::new(bad)).unwrap_err().to_string();
+            assert!(!e.contains('\n') && !e.contains('\r'), "{e:?}");
+        }
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// One entry of a random image tree.
+        #[derive(Debug, Clone)]
+        enum Node {
+            Dir,
+            File,
+            Link(String),
+        }
+
+        fn name() -> impl Strategy<Value = String> {
+            prop::sample::select(vec!["a", "b", "etc", "lib", "x"]).prop_map(str::to_owned)
+        }
+
+        fn rel_path() -> impl Strategy<Value = String> {
+            prop::collection::vec(
+                prop_oneof![name(), Just("..".to_owned()), Just(".".to_owned())],
+                1..5,
+            )
+            .prop_map(|v| v.join("/"))
+        }
+
+        fn link_target() -> impl Strategy<Value = String> {
+            prop_oneof![
+                rel_path(),
+                rel_path().prop_map(|p| format!("/{p}")),
+                // A host path: the test's "host" directory outside the root.
+                Just("@HOST@".to_owned()),
+                Just("@HOST@/secret".to_owned()),
+                Just("../../../../../../@HOST@".to_owned()),
+            ]
+        }
+
+        fn tree() -> impl Strategy<Value = Vec<(String, Node)>> {
+            prop::collection::vec(
+                (
+                    prop::collection::vec(name(), 1..4).prop_map(|v| v.join("/")),
+                    prop_oneof![
+                        Just(Node::Dir),
+                        Just(Node::File),
+                        link_target().prop_map(Node::Link)
+                    ],
+                ),
+                0..12,
+            )
+        }
+
+        /// Every file under `dir` with its contents, skipping nothing.
+        fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+            let mut out = Vec::new();
+            let mut stack = vec![dir.to_owned()];
+            while let Some(d) = stack.pop() {
+                for e in std::fs::read_dir(&d).unwrap() {
+                    let e = e.unwrap();
+                    let t = e.file_type().unwrap();
+                    if t.is_dir() {
+                        stack.push(e.path());
+                    } else if t.is_file() {
+                        out.push((e.path(), std::fs::read(e.path()).unwrap()));
+                    } else {
+                        out.push((e.path(), Vec::new()));
+                    }
+                }
+            }
+            out.sort();
+            out
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+            /// Random trees of directories, files and symlinks (relative, absolute, `..`,
+            /// host paths); random writes, mkdirs and reads. Nothing outside the root
+            /// changes, and no read returns the host's secret.
+            #[test]
+            fn writes_and_reads_stay_in_the_root(
+                t in tree(),
+                ops in prop::collection::vec((0u8..3, rel_path()), 1..8),
+            ) {
+                let tmp = tempfile::tempdir().unwrap();
+                let host = tmp.path().join("host");
+                std::fs::create_dir_all(&host).unwrap();
+                std::fs::write(host.join("secret"), "HOST SECRET").unwrap();
+                let rootfs = tmp.path().join("rootfs");
+                std::fs::create_dir_all(&rootfs).unwrap();
+                'entries: for (p, node) in &t {
+                    let at = rootfs.join(p);
+                    // Build the image without following its own symlinks.
+                    let mut walk = rootfs.clone();
+                    for c in Path::new(p).components() {
+                        walk.push(c);
+                        if std::fs::symlink_metadata(&walk).is_ok_and(|m| !m.is_dir()) {
+                            continue 'entries;
+                        }
+                    }
+                    if let Some(parent) = at.parent()
+                        && std::fs::create_dir_all(parent).is_err()
+                    {
+                        continue;
+                    }
+                    let _ = match node {
+                        Node::Dir => std::fs::create_dir_all(&at),
+                        Node::File => std::fs::write(&at, "image"),
+                        Node::Link(target) => {
+                            let target = target.replace("@HOST@", host.to_str().unwrap());
+                            symlink(target, &at)
+                        }
+                    };
+                }
+                let outside_before = snapshot(&host);
+                let r = ContainerRoot::new(&rootfs).unwrap();
+                for (op, p) in &ops {
+                    let p = Path::new("/").join(p);
+                    match op {
+                        0 => { let _ = r.write_file(&p, b"written\n"); }
+                        1 => { let _ = r.mkdir_all(&p); }
+                        _ => {
+                            if let Ok(Some(text)) = r.read_config(&p) {
+                                prop_assert!(!text.contains("HOST SECRET"), "read {}", p.display());
+                            }
+                        }
+                    }
+                }
+                prop_assert_eq!(snapshot(&host), outside_before);
+                let top: Vec<_> = std::fs::read_dir(tmp.path()).unwrap()
+                    .map(|e| e.unwrap().file_name()).collect();
+                prop_assert_eq!(top.len(), 2, "{:?}", top);
+            }
+        }
     }
 }

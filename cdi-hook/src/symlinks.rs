@@ -2,7 +2,6 @@
 //! container, as NVIDIA/nvidia-container-toolkit cmd/nvidia-cdi-hook/create-symlinks does.
 
 use std::collections::HashSet;
-use std::ffi::OsString;
 use std::path::PathBuf;
 
 use crate::error::{HookError, Result};
@@ -55,47 +54,20 @@ pub fn run(root: &ContainerRoot, links: &[String]) -> Result<()> {
 /// is an error. Parents are resolved inside the root and created when missing.
 pub fn create(root: &ContainerRoot, spec: &LinkSpec) -> Result<()> {
     let (dir, name) = split_parent(&spec.link)?;
-    let dir_in_root = root.resolve_in_root(&dir, true)?;
-    let shown = dir_in_root.join(&name);
-    let host_dir = root.mkdir_all(&dir_in_root)?;
-    let host_link = host_dir.join(&name);
-
-    match std::fs::symlink_metadata(&host_link) {
-        Ok(m)
-            if m.file_type().is_symlink()
-                && std::fs::read_link(&host_link).ok().as_deref()
-                    == Some(spec.target.as_path()) =>
-        {
-            log::line(
-                "create-symlinks",
-                format_args!(
-                    "{} -> {} already exists",
-                    shown.display(),
-                    spec.target.display()
-                ),
-            );
-            return Ok(());
-        }
-        Ok(m) if m.is_dir() => {
-            return Err(HookError::BadPath {
-                path: shown,
-                reason: "is a directory; refusing to replace it with a symlink".into(),
-            });
-        }
-        _ => {}
+    let dir = root.mkdir_all(&dir)?;
+    let shown = dir.shown(&name);
+    if dir.readlink(&name)?.as_deref() == Some(spec.target.as_path()) {
+        log::line(
+            "create-symlinks",
+            format_args!(
+                "{} -> {} already exists",
+                shown.display(),
+                spec.target.display()
+            ),
+        );
+        return Ok(());
     }
-
-    let mut tmp_name = OsString::from(".");
-    tmp_name.push(&name);
-    tmp_name.push(format!(".cleave-tmp-{}", std::process::id()));
-    let tmp = host_dir.join(tmp_name);
-    let _ = std::fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(&spec.target, &tmp)
-        .map_err(|e| HookError::io("creating symlink", &tmp, e))?;
-    if let Err(e) = std::fs::rename(&tmp, &host_link) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(HookError::io("creating symlink", host_link, e));
-    }
+    dir.symlink(&name, &spec.target)?;
     log::line(
         "create-symlinks",
         format_args!("{} -> {}", shown.display(), spec.target.display()),

@@ -6,8 +6,9 @@
 //! `podman run --device <the CDI ID prepare returned>` prints what it sees: the GPU's node,
 //! the control and UVM nodes, the `libcuda.so.1` link the hook's `create-symlinks` made, the
 //! loader cache its `update-ldcache` wrote, the environment; for an MPS claim also the
-//! daemon's pipe directory (its control socket) and its `/dev/shm`. Once the claim is
-//! unprepared, podman can no longer resolve the device.
+//! daemon's pipe directory (its control socket) and its `/dev/shm`. A hostile image (Alpine's
+//! musl path file a symlink to a host file) must not get the host file copied in by the
+//! hook. Once the claim is unprepared, podman can no longer resolve the device.
 //!
 //! The image is made with `podman import` from a rootfs holding the host's statically linked
 //! busybox (Debian's `busybox-static`): nothing is pulled. Everything podman keeps lives in
@@ -137,7 +138,27 @@ impl Podman {
 
     /// Imports the busybox image; Err says why podman cannot be used here.
     fn import_image(&self, busybox: &Path) -> Result<(), String> {
-        let rootfs = self.tmp.path().join("rootfs");
+        self.import_rootfs(busybox, "rootfs", IMAGE, |_| {})?;
+        // A container without devices: podman runs at all.
+        let out = self.container(&[], "echo podman-runs");
+        if !out.status.success() || !String::from_utf8_lossy(&out.stdout).contains("podman-runs") {
+            return Err(format!(
+                "a plain busybox container did not run: {}",
+                text(&out)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Imports a busybox rootfs made in `<tmp>/<dir>`, changed by `extra`, as `image`.
+    fn import_rootfs(
+        &self,
+        busybox: &Path,
+        dir: &str,
+        image: &str,
+        extra: impl FnOnce(&Path),
+    ) -> Result<(), String> {
+        let rootfs = self.tmp.path().join(dir);
         std::fs::create_dir_all(rootfs.join("bin")).unwrap();
         for d in ["dev", "proc", "sys", "tmp", "etc"] {
             std::fs::create_dir_all(rootfs.join(d)).unwrap();
@@ -151,7 +172,8 @@ impl Podman {
         for applet in APPLETS {
             std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
         }
-        let tar = self.tmp.path().join("rootfs.tar");
+        extra(&rootfs);
+        let tar = self.tmp.path().join(format!("{dir}.tar"));
         let out = Command::new("tar")
             .arg("-C")
             .arg(&rootfs)
@@ -163,28 +185,25 @@ impl Podman {
         if !out.status.success() {
             return Err(format!("tar failed: {}", text(&out)));
         }
-        let out = self.run(&["import", tar.to_str().unwrap(), IMAGE]);
+        let out = self.run(&["import", tar.to_str().unwrap(), image]);
         if !out.status.success() {
             return Err(format!("podman import failed: {}", text(&out)));
-        }
-        // A container without devices: podman runs at all.
-        let out = self.container(&[], "echo podman-runs");
-        if !out.status.success() || !String::from_utf8_lossy(&out.stdout).contains("podman-runs") {
-            return Err(format!(
-                "a plain busybox container did not run: {}",
-                text(&out)
-            ));
         }
         Ok(())
     }
 
     /// `podman run` of the busybox image with these CDI devices, running `script`.
     fn container(&self, devices: &[&str], script: &str) -> Output {
+        self.container_of(IMAGE, devices, script)
+    }
+
+    /// `podman run` of `image` with these CDI devices, running `script`.
+    fn container_of(&self, image: &str, devices: &[&str], script: &str) -> Output {
         let mut args = vec!["run", "--rm", "--cgroups=disabled", "--network=none"];
         for d in devices {
             args.extend(["--device", d]);
         }
-        args.extend([IMAGE, "/bin/sh", "-c", script]);
+        args.extend([image, "/bin/sh", "-c", script]);
         self.run(&args)
     }
 
@@ -330,8 +349,14 @@ fn mps_config() -> DeviceAllocationConfiguration {
 type World = PodWorld;
 
 impl PodWorld {
+    /// The plugin's options; `CLEAVE_CDI_HOOK_UNDER_TEST` names another build of the CDI
+    /// hook for the plugin to install (to check that an older hook fails the hostile case).
     fn plugin_options(&self) -> PluginOptions {
-        self.pod_plugin_options(&[])
+        let mut opts = self.pod_plugin_options(&[]);
+        if let Ok(hook) = std::env::var("CLEAVE_CDI_HOOK_UNDER_TEST") {
+            opts.env.push(("CDI_HOOK_SOURCE", hook));
+        }
+        opts
     }
     fn kubelet(&self, standin: &StandIn) -> FakeKubelet {
         self.start_kubelet(standin, KubeletOptions::default())
@@ -455,6 +480,45 @@ fn assert_container_sees_its_claim(
     seen
 }
 
+/// A hostile image under the real runtime: Alpine's musl path file as a symlink to a host
+/// file outside the container. `update-ldcache` once read it by letting the kernel follow
+/// the link as host root and copied the host file into the container; now the link is
+/// followed inside the container root only (where it names nothing), and the container
+/// sees the driver's folders, not the host's file.
+fn hostile_image_reads_no_host_file(podman: &Podman, busybox: &Path, world: &World, cdi_id: &str) {
+    const HOSTILE: &str = "localhost/cleave-podman-test:hostile";
+    let musl = if cfg!(target_arch = "aarch64") {
+        "etc/ld-musl-aarch64.path"
+    } else {
+        "etc/ld-musl-x86_64.path"
+    };
+    let secret = podman.tmp.path().join("host-secret");
+    std::fs::write(&secret, "HOST SECRET\n").unwrap();
+    podman
+        .import_rootfs(busybox, "hostile-rootfs", HOSTILE, |rootfs| {
+            std::fs::write(rootfs.join("etc/alpine-release"), "3.20.0\n").unwrap();
+            std::os::unix::fs::symlink(&secret, rootfs.join(musl)).unwrap();
+        })
+        .unwrap();
+    let out = podman.container_of(HOSTILE, &[cdi_id], &format!("cat /{musl}"));
+    let seen = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "the hostile image's container did not run:\n{}\n{}",
+        text(&out),
+        world.logs()
+    );
+    assert!(
+        !seen.contains("HOST SECRET"),
+        "a host file was copied in:\n{seen}"
+    );
+    assert!(
+        seen.lines().any(|l| l == LIB_DIR),
+        "the musl path file lacks the driver's folder:\n{seen}"
+    );
+    assert_eq!(std::fs::read_to_string(&secret).unwrap(), "HOST SECRET\n");
+}
+
 /// The test; false when it was skipped.
 async fn containers_under_podman_see_what_prepare_gave_them() -> bool {
     if let Some(why) = cannot_run_podman() {
@@ -510,6 +574,8 @@ async fn containers_under_podman_see_what_prepare_gave_them() -> bool {
         seen.lines().any(|l| l == "no metadata"),
         "a metadata file or mount without --device-metadata:\n{seen}"
     );
+
+    hostile_image_reads_no_host_file(&podman, &busybox, &world, &whole_id);
 
     // An MPS claim: also the daemon's pipe directory (its control socket) and the daemon
     // pod's memory emptyDir as /dev/shm (a file put there on the host is seen inside).
