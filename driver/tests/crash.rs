@@ -810,7 +810,11 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         .iter()
         .map(|u| claim_def(u))
         .filter(|d| d.share.is_some() && !d.whole && !d.admin)
-        .flat_map(|d| d.devices.iter().map(|(_, dev)| shared_daemon_key(dev)))
+        .flat_map(|d| {
+            d.devices
+                .iter()
+                .map(|(_, dev)| shared_daemon_key(dev, "default"))
+        })
         .collect();
     let want_mps: BTreeSet<String> = own_mps.union(&shared).cloned().collect();
     check(
@@ -874,7 +878,8 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         format!("running MPS daemons {running:?} != recorded {recorded_pids:?}"),
     );
 
-    // Compute modes: EXCLUSIVE_PROCESS exactly on whole GPUs of prepared MPS claims.
+    // Compute modes: EXCLUSIVE_PROCESS exactly on whole GPUs of prepared per-claim MPS
+    // claims (shares leave it alone: several namespaces' daemons may share a GPU).
     let smi = cleave_fakes::nvidia_smi::read_state(&world.tools.files.smi_state());
     let exclusive: BTreeSet<String> = smi
         .iter()
@@ -884,7 +889,7 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
     let want_exclusive: BTreeSet<String> = data
         .claims
         .values()
-        .filter(|c| claim_def(&c.uid).mps || claim_def(&c.uid).share.is_some())
+        .filter(|c| claim_def(&c.uid).mps)
         .flat_map(|c| &c.devices)
         .filter(|d| d.mig.is_none())
         .map(|d| d.gpu_uuid.clone())

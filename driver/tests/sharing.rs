@@ -118,6 +118,14 @@ fn main() -> std::process::ExitCode {
             shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared,
         ),
         (
+            "shares_of_two_namespaces_on_one_gpu_never_meet",
+            shares_of_two_namespaces_on_one_gpu_never_meet,
+        ),
+        (
+            "shared_daemon_of_an_earlier_release_lives_until_the_last_share",
+            shared_daemon_of_an_earlier_release_lives_until_the_last_share,
+        ),
+        (
             "shares_are_refused_clearly_where_they_cannot_be_served",
             shares_are_refused_clearly_where_they_cannot_be_served,
         ),
@@ -471,9 +479,18 @@ fn two_claims_get_own_daemons_limits_and_edits() {
         ]
     );
 
-    // CDI edits: the claim's own pipe dir and the client env.
+    // CDI edits: the claim's own pipe dir, its privileged socket masked, and the client
+    // env.
     let pipe_a = world.claim_dir("claim-a").join("pipe");
-    assert_eq!(a.claim_edits.mounts.len(), 1);
+    assert_eq!(a.claim_edits.mounts.len(), 2, "{:?}", a.claim_edits.mounts);
+    assert_eq!(
+        (
+            a.claim_edits.mounts[1].host_path.as_str(),
+            a.claim_edits.mounts[1].container_path.as_str(),
+            a.claim_edits.mounts[1].options[0].as_str()
+        ),
+        ("/dev/null", "/tmp/nvidia-mps/control_privileged", "ro")
+    );
     assert_eq!(
         a.claim_edits.mounts[0].host_path,
         pipe_a.display().to_string()
@@ -498,9 +515,10 @@ fn two_claims_get_own_daemons_limits_and_edits() {
     );
     assert!(a.device_edits.is_empty());
 
-    // Directory modes: claim dir closed to other host users, pipe dir usable by containers.
+    // Directory modes: claim dir closed to other host users, pipe dir traversable by
+    // clients of any UID, but only root may list or change its entries.
     assert_eq!(mode(&world.claim_dir("claim-a")), 0o700);
-    assert_eq!(mode(&pipe_a), 0o777);
+    assert_eq!(mode(&pipe_a), 0o711);
     let log_mode = std::fs::metadata(world.claim_dir("claim-a").join("log"))
         .unwrap()
         .permissions()
@@ -1445,6 +1463,11 @@ fn share_claim(
     .unwrap()
 }
 
+/// The shared daemon of `device` for the claims of namespace `default` (all of this file's).
+fn shared_key(device: &str) -> String {
+    cleave_driver::prepare::shared_daemon_key(device, "default")
+}
+
 fn start_share_driver(
     world: &World,
     mode: ConsumableCapacity,
@@ -1509,7 +1532,7 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
         ] {
             assert!(text.contains(want), "{uid} lacks {want}: {text}");
         }
-        let pipe = world.claim_dir("shared-gpu-0").join("pipe");
+        let pipe = world.claim_dir(&shared_key("gpu-0")).join("pipe");
         assert!(
             text.contains(&format!("\"hostPath\":\"{}\"", pipe.display())),
             "{text}"
@@ -1527,15 +1550,13 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
     );
     assert!(
         world
-            .commands("shared-gpu-0")
+            .commands(&shared_key("gpu-0"))
             .contains(&"set_default_active_thread_percentage 100".to_owned()),
         "{:?}",
-        world.commands("shared-gpu-0")
+        world.commands(&shared_key("gpu-0"))
     );
-    assert_eq!(
-        world.smi_setting(GPU_A, "computeMode").as_deref(),
-        Some("EXCLUSIVE_PROCESS")
-    );
+    // Compute mode left alone: the daemons of several namespaces may share the GPU.
+    assert_eq!(world.smi_setting(GPU_A, "computeMode"), None);
     let data = CheckpointStore::in_dir(&world.state).load().unwrap();
     for (uid, share) in uids.iter().zip(share_ids) {
         let s = data.claims[*uid].devices[0].share.clone().unwrap();
@@ -1581,10 +1602,6 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
     assert_eq!(world.started_pids().len(), 1);
     driver.unprepare(uids[1]).unwrap();
     assert!(alive(pid));
-    assert_eq!(
-        world.smi_setting(GPU_A, "computeMode").as_deref(),
-        Some("EXCLUSIVE_PROCESS")
-    );
 
     // The daemon dies while a share remains: the check starts it again and rewrites the
     // share's spec.
@@ -1599,13 +1616,10 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
     assert_eq!(pids.len(), 2);
     assert!(alive(pids[1]));
 
-    // The last share stops it and restores the compute mode.
+    // The last share stops it; the compute mode was never changed.
     driver.unprepare(uids[2]).unwrap();
     assert!(wait_dead(pids[1], Duration::from_secs(5)));
-    assert_eq!(
-        world.smi_setting(GPU_A, "computeMode").as_deref(),
-        Some("DEFAULT")
-    );
+    assert_eq!(world.smi_setting(GPU_A, "computeMode"), None);
     driver.unprepare(exclusive).unwrap();
     world.assert_nothing_left();
 
@@ -1631,6 +1645,221 @@ fn shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
         driver.unprepare(all).unwrap();
     }
     assert_eq!(world.started_pids().len(), started);
+    world.assert_nothing_left();
+}
+
+/// Mounts of a CDI spec (claim edits and every device's): (container path, host path,
+/// options).
+fn cdi_mounts(world: &World, uid: &str) -> Vec<(String, String, Vec<String>)> {
+    let spec: serde_json::Value = serde_json::from_str(&cdi_text(world, uid)).unwrap();
+    let devices = spec["devices"].as_array().cloned().unwrap_or_default();
+    std::iter::once(spec["containerEdits"].clone())
+        .chain(devices.iter().map(|d| d["containerEdits"].clone()))
+        .flat_map(|e| e["mounts"].as_array().cloned().unwrap_or_default())
+        .map(|m| {
+            (
+                m["containerPath"].as_str().unwrap_or_default().to_owned(),
+                m["hostPath"].as_str().unwrap_or_default().to_owned(),
+                m["options"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|o| o.as_str().map(str::to_owned))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// The host directory mounted at the container's pipe directory in `uid`'s spec; checks
+/// that the privileged socket is masked and never mounted from the host.
+fn pipe_of(world: &World, uid: &str) -> String {
+    let mounts = cdi_mounts(world, uid);
+    let pipe = mounts
+        .iter()
+        .find(|(c, _, _)| c == "/tmp/nvidia-mps")
+        .map(|(_, h, _)| h.clone())
+        .unwrap_or_else(|| panic!("{uid}: no pipe mount in {mounts:?}"));
+    assert!(
+        mounts
+            .iter()
+            .any(|(c, h, o)| c == "/tmp/nvidia-mps/control_privileged"
+                && h == "/dev/null"
+                && o.contains(&"ro".to_owned())),
+        "{uid}: control_privileged not masked: {mounts:?}"
+    );
+    assert!(
+        !mounts
+            .iter()
+            .any(|(_, h, _)| h.ends_with("control_privileged")),
+        "{uid}: mounts the privileged socket: {mounts:?}"
+    );
+    pipe
+}
+
+fn mode_of(path: &Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+}
+
+/// Shares of namespaces `team-a` (two claims) and `team-b` on one GPU: one daemon per
+/// namespace, with its own pipe directory (0711 under a 0711 pipe root, never the
+/// privileged socket in a client's view); unprepare of `team-a`'s last share stops only
+/// its daemon.
+fn shares_of_two_namespaces_on_one_gpu_never_meet() {
+    let world = World::new();
+    let mut sharing = world.config(&[]);
+    let run = world.root.join("run");
+    sharing.pipe_root = Some(run.clone());
+    let config = DriverConfig {
+        consumable_capacity: ConsumableCapacity::Mps,
+        ..driver_config(&world)
+    };
+    let driver = NodeDriver::start_with_sharing(
+        config,
+        static_backend(),
+        Arc::new(SharingManager::new(sharing)),
+    )
+    .unwrap();
+    let claims = [
+        ("team-a", "5a000000-0000-4000-8000-0000000000a1"),
+        ("team-a", "5a000000-0000-4000-8000-0000000000a2"),
+        ("team-b", "5b000000-0000-4000-8000-0000000000b1"),
+    ];
+    for (i, (ns, uid)) in claims.iter().enumerate() {
+        let mut claim = share_claim(
+            uid,
+            "gpu-0",
+            Some(&format!("{i}aaaaaaa-0000-4000-8000-00000000000a")),
+            ("20Gi", "44"),
+            None,
+        );
+        claim.metadata.namespace = Some((*ns).to_owned());
+        driver.prepare(&claim).unwrap();
+    }
+    let started = world.started_pids();
+    assert_eq!(
+        started.len(),
+        2,
+        "one daemon per namespace: {:?}",
+        world.mps_lines()
+    );
+    let (pid_a, pid_b) = (started[0], started[1]);
+    let key_a = cleave_driver::prepare::shared_daemon_key("gpu-0", "team-a");
+    let key_b = cleave_driver::prepare::shared_daemon_key("gpu-0", "team-b");
+    assert!(world.claim_dir(&key_a).is_dir() && world.claim_dir(&key_b).is_dir());
+    let pipes: Vec<String> = claims.iter().map(|(_, uid)| pipe_of(&world, uid)).collect();
+    assert_eq!(pipes[0], pipes[1], "one namespace, one daemon");
+    assert_ne!(pipes[0], pipes[2], "namespaces share a pipe directory");
+    // Least permissions: the root and each pipe directory may be traversed, not listed
+    // or changed, by other users; the daemon's state directory is root's alone.
+    assert_eq!(mode_of(&run), 0o711);
+    for pipe in [&pipes[0], &pipes[2]] {
+        assert_eq!(mode_of(Path::new(pipe)), 0o711, "{pipe}");
+        assert!(Path::new(pipe).starts_with(&run));
+    }
+    assert_eq!(mode_of(&world.claim_dir(&key_a)), 0o700);
+    // The compute mode is left alone: two MPS servers share the GPU.
+    assert_eq!(world.smi_setting(GPU_A, "computeMode"), None);
+
+    // team-a's first share goes: both daemons stay; its last: only team-a's stops.
+    driver.unprepare(claims[0].1).unwrap();
+    assert!(alive(pid_a) && alive(pid_b));
+    driver.unprepare(claims[1].1).unwrap();
+    assert!(wait_dead(pid_a, Duration::from_secs(5)));
+    assert!(
+        alive(pid_b),
+        "team-b's daemon stopped with team-a's last share"
+    );
+    assert!(!world.claim_dir(&key_a).exists() && !Path::new(&pipes[0]).exists());
+    assert!(world.claim_dir(&key_b).is_dir());
+    // A restart keeps team-b's daemon.
+    drop(driver);
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    assert!(alive(pid_b));
+    assert_eq!(world.started_pids().len(), 2);
+    driver.unprepare(claims[2].1).unwrap();
+    world.assert_nothing_left();
+}
+
+/// A share daemon an earlier release started for every namespace (`mps/shared-gpu-0`,
+/// its record without a namespace in the key) survives the upgrade while a share of the
+/// device remains, and is stopped, compute mode restored, with the last one.
+fn shared_daemon_of_an_earlier_release_lives_until_the_last_share() {
+    let world = World::new();
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    let uid = "5a000000-0000-4000-8000-0000000000c1";
+    driver
+        .prepare(&share_claim(
+            uid,
+            "gpu-0",
+            Some("caaaaaaa-0000-4000-8000-00000000000a"),
+            ("20Gi", "44"),
+            None,
+        ))
+        .unwrap();
+    assert_eq!(world.started_pids().len(), 1);
+    let new_pid = world.started_pids()[0];
+    drop(driver);
+
+    // The earlier release's daemon and record, as it wrote them.
+    let legacy = cleave_driver::prepare::legacy_shared_daemon_key("gpu-0");
+    assert_eq!(legacy, "shared-gpu-0");
+    let config = world.config(&[]);
+    let dir = world.claim_dir(&legacy);
+    let spec = cleave_driver::sharing::DaemonSpec {
+        claim_uid: legacy.clone(),
+        pipe_dir: dir.join("pipe"),
+        log_dir: dir.join("log"),
+        visible_devices: vec![GPU_A.to_owned()],
+        multi_user: true,
+    };
+    cleave_driver::sharing::mps::create_dirs(&dir, &spec).unwrap();
+    let launcher = cleave_driver::sharing::ProcessLauncher::new(
+        &config.binaries.mps_control,
+        config.extra_env.clone(),
+        &config.boot_id_path,
+    );
+    use cleave_driver::sharing::DaemonLauncher as _;
+    let handle = launcher.start(&spec, Duration::from_secs(10)).unwrap();
+    let old_pid = handle.pid;
+    let record = json!({
+        "spec": {"claimUid": legacy, "pipeDir": dir.join("pipe"), "logDir": dir.join("log"),
+            "visibleDevices": [GPU_A], "multiUser": true},
+        "hostPipeDir": dir.join("pipe"),
+        "activeThreadPercentage": 100,
+        "pinnedLimits": [],
+        "exclusiveGpus": [GPU_A],
+        "daemon": {"pid": handle.pid, "startTime": handle.start_time, "bootId": handle.boot_id},
+    });
+    std::fs::write(
+        dir.join("daemon.json"),
+        serde_json::to_vec_pretty(&record).unwrap(),
+    )
+    .unwrap();
+    // It set the GPU to EXCLUSIVE_PROCESS, as that release did.
+    cleave_driver::sharing::NvidiaSmi::new(
+        &config.binaries.nvidia_smi,
+        config.extra_env.clone(),
+        Duration::from_secs(10),
+    )
+    .set_compute_mode(GPU_A, cleave_driver::sharing::ComputeMode::ExclusiveProcess)
+    .unwrap();
+
+    // The upgraded driver starts: both daemons are kept while the share lives.
+    let driver = start_share_driver(&world, ConsumableCapacity::Mps, &[]);
+    assert!(
+        alive(old_pid),
+        "the earlier release's daemon was stopped at start"
+    );
+    assert!(alive(new_pid));
+    assert!(dir.join("daemon.json").is_file());
+    // The last share of the device stops both and restores what the old one set.
+    driver.unprepare(uid).unwrap();
+    assert!(wait_dead(old_pid, Duration::from_secs(5)));
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
     world.assert_nothing_left();
 }
 
@@ -1799,7 +2028,7 @@ fn assert_mig_share_spec(world: &World, uid: &str, mig: &str, pct: u32, mib: u64
         format!(
             "\"hostPath\":\"{}\"",
             world
-                .claim_dir(&format!("shared-{MIG_SHARED}"))
+                .claim_dir(&shared_key(MIG_SHARED))
                 .join("pipe")
                 .display()
         ),
@@ -1823,7 +2052,7 @@ fn assert_one_mig_daemon(world: &World, mig: &str) -> u32 {
         "not multi-user: {:?}",
         world.mps_lines()
     );
-    let commands = world.commands(&format!("shared-{MIG_SHARED}"));
+    let commands = world.commands(&shared_key(MIG_SHARED));
     assert!(
         commands.contains(&"set_default_active_thread_percentage 100".to_owned()),
         "{commands:?}"
@@ -2207,7 +2436,7 @@ fn whole_device_shares_are_exclusive_devices_with_their_class_config() {
         assert_eq!(world.started_pids().len(), 1, "{mode:?}");
         // The daemon is the claim's own, not a shared one.
         assert!(world.claim_dir(uid).exists());
-        assert!(!world.claim_dir("shared-gpu-0").exists());
+        assert!(!world.claim_dir(&shared_key("gpu-0")).exists());
 
         // count: 2 through the exclusive class: two whole-device shares, two GPUs, no MPS.
         let two = "6b000000-0000-4000-8000-000000000002";

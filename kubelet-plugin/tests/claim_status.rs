@@ -195,7 +195,10 @@ async fn entries_follow_prepare_health_and_unprepare() {
     // 44 of the H100's 132 SMs: a third of the threads, the consumed memory pinned.
     assert_eq!(s["clientActiveThreadPercentage"], 33);
     assert_eq!(s["clientPinnedMemoryLimitMib"], 20 * 1024);
-    assert_eq!(s["daemon"], "shared-gpu-3");
+    assert_eq!(
+        s["daemon"],
+        cleave_driver::prepare::shared_daemon_key("gpu-3", "default")
+    );
 
     // A fatal Xid on the whole GPU: its claim's Healthy turns False, naming the Xid; the
     // others stay healthy.

@@ -225,7 +225,7 @@ async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
     let started = kubelet.started.lock().unwrap().clone();
     let a = started
         .iter()
-        .find(|s| s.name == "cleave-mps-uid-a")
+        .find(|s| s.name == world.pod_name("uid-a"))
         .unwrap();
     assert_eq!(a.argv[1], "mps-daemon");
     assert_eq!(
@@ -267,7 +267,7 @@ async fn claims_get_own_daemon_pods_which_outlive_plugin_restarts() {
     // it again and points d's CDI spec at the new pod's /dev/shm.
     standin.delete("resourceclaims", "default", "mps-c");
     let old_d = world.pod(&standin, "uid-d").unwrap().metadata.uid.unwrap();
-    standin.delete("pods", NAMESPACE, "cleave-mps-uid-d");
+    standin.delete("pods", NAMESPACE, &world.pod_name("uid-d"));
     let plugin = Plugin::start(&world.dirs, &world.plugin_options());
     eventually(
         "the daemon pod of the deleted claim is gone",
@@ -391,7 +391,7 @@ async fn daemon_pod_that_fails_or_never_runs_fails_the_claim_and_leaves_nothing(
         let r = prepare(&mut dra, vec![claim("bad", "uid-bad")]).await;
         let error = &r.claims["uid-bad"].error;
         assert!(
-            error.contains("cleave-mps-uid-bad"),
+            error.contains(&world.pod_name("uid-bad")),
             "{error}\n{}",
             world.logs()
         );
@@ -450,15 +450,15 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
     standin.put(&me).unwrap();
     // Daemon pods no claim directory names (the state directory was reset): the one on
     // this node is deleted at start, the one on another node is not this plugin's.
-    for (name, node) in [
-        ("cleave-mps-uid-orphan", NODE),
-        ("cleave-mps-uid-other", "node-b"),
-    ] {
+    // The pod of another node carries this node's name for its key and this node's labels:
+    // still never this plugin's to delete.
+    for (key, node) in [("uid-orphan", NODE), ("uid-other", "node-b")] {
         let orphan: Pod = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": {
+            "metadata": {"name": world.pod_name(key), "namespace": NAMESPACE, "labels": {
                 "app.kubernetes.io/name": "cleave-mps",
-                "gpu.cleave.dev/claim-uid": name.trim_start_matches("cleave-mps-")}},
+                "gpu.cleave.dev/node": NODE,
+                "gpu.cleave.dev/claim-uid": key}},
             "spec": {"nodeName": node, "containers": [{"name": "mps-control-daemon",
                 "image": "cleave:test", "command": ["sleep", "30"]}]}
         }))
@@ -502,7 +502,7 @@ async fn daemon_pods_belong_to_the_plugins_daemonset_and_use_its_pull_secrets() 
     // The daemon pod is evicted while the plugin runs: the periodic check starts it again
     // and points the claim's CDI spec at the new pod's /dev/shm.
     let old_uid = pod.metadata.uid.clone().unwrap();
-    standin.delete("pods", NAMESPACE, "cleave-mps-uid-a");
+    standin.delete("pods", NAMESPACE, &world.pod_name("uid-a"));
     eventually("the evicted daemon pod is started again", &world, || {
         world
             .pod(&standin, "uid-a")

@@ -576,7 +576,11 @@ async fn containers_under_podman_see_what_prepare_gave_them() -> bool {
     // An MPS claim: also the daemon's pipe directory (its control socket) and the daemon
     // pod's memory emptyDir as /dev/shm (a file put there on the host is seen inside).
     let pod: Pod = standin
-        .get_as("pods", NAMESPACE, "cleave-mps-uid-mps")
+        .get_as(
+            "pods",
+            NAMESPACE,
+            &common::kubelet::daemon_pod_name(NODE, "uid-mps"),
+        )
         .expect("the MPS daemon's pod");
     let shm = world
         .kubelet_root()

@@ -24,8 +24,11 @@ use common::*;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
-/// The shared daemon of `gpu-0` (directory and pod are named after it).
-const SHARED: &str = "shared-gpu-0";
+/// The shared daemon of `device` for the claims of namespace `default` (its directory and
+/// pod are named after it).
+fn shared(device: &str) -> String {
+    cleave_driver::prepare::shared_daemon_key(device, "default")
+}
 const SHARES: [(&str, &str); 3] = [
     ("uid-share-a", "5a000000-0000-4000-8000-00000000000a"),
     ("uid-share-b", "5b000000-0000-4000-8000-00000000000b"),
@@ -34,8 +37,20 @@ const SHARES: [(&str, &str); 3] = [
 
 /// Stores claim `name` (UID `uid`) allocated `device`, as a share when `share` is given.
 fn put_share_claim(standin: &StandIn, name: &str, uid: &str, device: &str, share: Option<&str>) {
+    put_share_claim_in(standin, "default", name, uid, device, share);
+}
+
+/// [`put_share_claim`] in `namespace`.
+fn put_share_claim_in(
+    standin: &StandIn,
+    namespace: &str,
+    name: &str,
+    uid: &str,
+    device: &str,
+    share: Option<&str>,
+) {
     let mut claim =
-        fixtures::resource_claim("default", name, uid, DRIVER, NODE, &[("gpu", device)], &[]);
+        fixtures::resource_claim(namespace, name, uid, DRIVER, NODE, &[("gpu", device)], &[]);
     if let Some(share) = share {
         let results = claim
             .status
@@ -136,14 +151,18 @@ async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
 
     // One MPS daemon (one pod) for the three shares, multi-user, limited to gpu-0.
     let pod = world
-        .pod(&standin, SHARED)
+        .pod(&standin, &shared("gpu-0"))
         .expect("the shared daemon's pod");
     assert_eq!(kubelet.started.lock().unwrap().len(), 1, "{}", world.logs());
     let record = world.record();
     let starts: Vec<&String> = record.iter().filter(|l| l.starts_with("start")).collect();
     assert_eq!(starts.len(), 1, "{}", world.logs());
     assert!(starts[0].contains("multiUser=1"), "{}", world.logs());
-    let pipe = world.dirs.mps_pipe_dir(SHARED).display().to_string();
+    let pipe = world
+        .dirs
+        .mps_pipe_dir(&shared("gpu-0"))
+        .display()
+        .to_string();
     assert!(
         record.iter().any(|l| l.contains(&format!("pipe={pipe}"))
             && l.contains("set_default_active_thread_percentage 100")),
@@ -193,7 +212,9 @@ async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
         let un = unprepare(&mut dra, vec![claim(&format!("share-{i}"), uid)]).await;
         assert_eq!(un.claims[*uid].error, "", "{}", world.logs());
         assert_eq!(
-            world.pod(&standin, SHARED).and_then(|p| p.metadata.uid),
+            world
+                .pod(&standin, &shared("gpu-0"))
+                .and_then(|p| p.metadata.uid),
             pod.metadata.uid,
             "the shared daemon's pod was kept after share {i}"
         );
@@ -207,14 +228,122 @@ async fn three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared() {
     // The last share stops it.
     let un = unprepare(&mut dra, vec![claim("share-2", SHARES[2].0)]).await;
     assert_eq!(un.claims[SHARES[2].0].error, "", "{}", world.logs());
-    assert!(world.pod(&standin, SHARED).is_none(), "{}", world.logs());
-    assert!(!world.dirs.state_dir().join("mps").join(SHARED).exists());
+    assert!(
+        world.pod(&standin, &shared("gpu-0")).is_none(),
+        "{}",
+        world.logs()
+    );
+    assert!(
+        !world
+            .dirs
+            .state_dir()
+            .join("mps")
+            .join(shared("gpu-0"))
+            .exists()
+    );
     eventually("the shared daemon exited", &world, || {
         world.record().iter().any(|l| l.starts_with("exit"))
     })
     .await;
     let un = unprepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
     assert_eq!(un.claims["uid-whole"].error, "", "{}", world.logs());
+    drop(dra);
+    assert!(plugin.terminate().success());
+    drop(kubelet);
+}
+
+/// Shares of namespaces `team-a` (two) and `team-b` (one) on `gpu-0`: a daemon pod per
+/// namespace, each namespace's specs with its own pipe directory and `/dev/shm` (the
+/// daemon pod's emptyDir), the privileged socket masked in every spec; unprepare of
+/// `team-a`'s last share removes only its daemon's pod.
+async fn shares_of_two_namespaces_on_one_gpu_get_own_daemons_pipes_and_shm() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    let kubelet = world.kubelet(&standin);
+    let claims = [
+        ("team-a", "share-a1", SHARES[0]),
+        ("team-a", "share-a2", SHARES[1]),
+        ("team-b", "share-b1", SHARES[2]),
+    ];
+    for (ns, name, (uid, share)) in claims {
+        put_share_claim_in(&standin, ns, name, uid, "gpu-0", Some(share));
+    }
+    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let dra_claim = |ns: &str, name: &str, uid: &str| {
+        let mut c = claim(name, uid);
+        c.namespace = ns.to_owned();
+        c
+    };
+    let answer = prepare(
+        &mut dra,
+        claims
+            .iter()
+            .map(|(ns, name, (uid, _))| dra_claim(ns, name, uid))
+            .collect(),
+    )
+    .await;
+    for (_, _, (uid, _)) in claims {
+        assert_eq!(answer.claims[uid].error, "", "{uid}\n{}", world.logs());
+    }
+    let key_a = cleave_driver::prepare::shared_daemon_key("gpu-0", "team-a");
+    let key_b = cleave_driver::prepare::shared_daemon_key("gpu-0", "team-b");
+    let pod_a = world.pod(&standin, &key_a).expect("team-a's daemon pod");
+    let pod_b = world.pod(&standin, &key_b).expect("team-b's daemon pod");
+    assert_eq!(kubelet.started.lock().unwrap().len(), 2, "{}", world.logs());
+    let shm_of = |pod: &Pod| {
+        world
+            .kubelet_root()
+            .join("pods")
+            .join(pod.metadata.uid.as_deref().unwrap())
+            .join("volumes/kubernetes.io~empty-dir/shm")
+            .display()
+            .to_string()
+    };
+    let views: Vec<(String, String)> = claims
+        .iter()
+        .map(|(_, _, (uid, _))| {
+            let devices = devices_of(&world.cdi_spec(uid));
+            let mounts = &devices[0].2;
+            let at = |path: &str| {
+                mounts
+                    .iter()
+                    .find(|(c, _)| c == path)
+                    .map(|(_, h)| h.clone())
+                    .unwrap_or_else(|| panic!("{uid}: nothing at {path}: {mounts:?}"))
+            };
+            assert_eq!(at("/tmp/nvidia-mps/control_privileged"), "/dev/null");
+            assert!(
+                !mounts
+                    .iter()
+                    .any(|(_, h)| h.ends_with("control_privileged")),
+                "{uid}: {mounts:?}"
+            );
+            (at("/tmp/nvidia-mps"), at("/dev/shm"))
+        })
+        .collect();
+    let pipe = |key: &str| world.dirs.mps_pipe_dir(key).display().to_string();
+    assert_eq!(views[0], (pipe(&key_a), shm_of(&pod_a)));
+    assert_eq!(views[1], views[0]);
+    assert_eq!(views[2], (pipe(&key_b), shm_of(&pod_b)));
+    assert_ne!(views[0].0, views[2].0);
+    assert_ne!(views[0].1, views[2].1);
+
+    // team-a's last share goes: its pod only.
+    for (ns, name, (uid, _)) in &claims[..2] {
+        let un = unprepare(&mut dra, vec![dra_claim(ns, name, uid)]).await;
+        assert_eq!(un.claims[*uid].error, "", "{}", world.logs());
+    }
+    assert!(world.pod(&standin, &key_a).is_none(), "{}", world.logs());
+    assert_eq!(
+        world.pod(&standin, &key_b).and_then(|p| p.metadata.uid),
+        pod_b.metadata.uid,
+        "team-b's daemon pod was not kept"
+    );
+    let (ns, name, (uid, _)) = claims[2];
+    let un = unprepare(&mut dra, vec![dra_claim(ns, name, uid)]).await;
+    assert_eq!(un.claims[uid].error, "", "{}", world.logs());
+    assert!(world.pod(&standin, &key_b).is_none(), "{}", world.logs());
     drop(dra);
     assert!(plugin.terminate().success());
     drop(kubelet);
@@ -245,7 +374,7 @@ async fn whole_claim_on_a_shared_gpu_is_refused_clearly() {
     );
     let un = unprepare(&mut dra, vec![claim("share", SHARES[0].0)]).await;
     assert_eq!(un.claims[SHARES[0].0].error, "", "{}", world.logs());
-    assert!(world.pod(&standin, SHARED).is_none());
+    assert!(world.pod(&standin, &shared("gpu-0")).is_none());
     drop(dra);
     assert!(plugin.terminate().success());
     drop(kubelet);
@@ -301,7 +430,14 @@ async fn process_launcher_serves_shares_with_one_daemon_too() {
         world.record().iter().any(|l| l.starts_with("exit"))
     })
     .await;
-    assert!(!world.dirs.state_dir().join("mps").join(SHARED).exists());
+    assert!(
+        !world
+            .dirs
+            .state_dir()
+            .join("mps")
+            .join(shared("gpu-0"))
+            .exists()
+    );
     drop(dra);
     assert!(plugin.terminate().success());
 }
@@ -434,7 +570,7 @@ async fn allocations_of_a_mixed_cluster_prepare_through_the_binary() {
         "{}",
         world.logs()
     );
-    assert!(world.pod(&standin, "shared-gpu-0").is_none());
+    assert!(world.pod(&standin, &shared("gpu-0")).is_none());
     // A per-claim daemon's edits are the claim's (every container of the claim).
     let spec = world.cdi_spec("uid-mps-class");
     let env: Vec<String> = spec["containerEdits"]["env"]
@@ -524,7 +660,7 @@ async fn allocations_of_a_mixed_cluster_prepare_through_the_binary() {
         err.contains("over-commit") && err.contains("204800Mi of 81559Mi"),
         "{err}"
     );
-    assert!(world.pod(&standin, "shared-gpu-4").is_none());
+    assert!(world.pod(&standin, &shared("gpu-4")).is_none());
     assert!(
         !world
             .dirs
@@ -547,7 +683,7 @@ async fn allocations_of_a_mixed_cluster_prepare_through_the_binary() {
     }
     eventually("the daemon pods are gone", &world, || {
         world.pod(&standin, "uid-mps-class").is_none()
-            && world.pod(&standin, "shared-gpu-3").is_none()
+            && world.pod(&standin, &shared("gpu-3")).is_none()
     })
     .await;
     assert!(
@@ -611,7 +747,7 @@ async fn per_claim_mps_works_under_a_long_kubelet_root() {
     drop(kubelet);
 }
 
-const TESTS: [cleave_testkit::runner::Test; 5] = [
+const TESTS: [cleave_testkit::runner::Test; 6] = [
     (
         "three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared",
         || block_on(three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared()),
@@ -625,6 +761,10 @@ const TESTS: [cleave_testkit::runner::Test; 5] = [
     (
         "allocations_of_a_mixed_cluster_prepare_through_the_binary",
         || block_on(allocations_of_a_mixed_cluster_prepare_through_the_binary()),
+    ),
+    (
+        "shares_of_two_namespaces_on_one_gpu_get_own_daemons_pipes_and_shm",
+        || block_on(shares_of_two_namespaces_on_one_gpu_get_own_daemons_pipes_and_shm()),
     ),
     ("per_claim_mps_works_under_a_long_kubelet_root", || {
         block_on(per_claim_mps_works_under_a_long_kubelet_root())

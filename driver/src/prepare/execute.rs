@@ -618,8 +618,15 @@ impl NodeDriver {
         }
         let shares = record_shares(record);
         if !shares.is_empty() {
-            self.sharing
-                .release_shares(&record.uid, &shares, &share_holders(data))?;
+            self.sharing.release_shares(
+                &SharingClaim {
+                    uid: &record.uid,
+                    namespace: &record.namespace,
+                    name: &record.name,
+                },
+                &shares,
+                &share_holders(data),
+            )?;
             crate::fault::point("release.after_share_release");
         }
         let taken = data.mig_uuids_with(record);

@@ -59,8 +59,8 @@ use crate::model::NodeInventory;
 pub use reset::{ResetError, ResetOptions, ResetOutcome, reset_checkpoint, short_reason};
 pub use sharing::{
     GpuFacts, NoopSharing, ShareDevice, ShareHolder, SharingClaim, SharingDevice, SharingEdits,
-    SharingError, SharingHandler, TimeSliceNeed, share_holders, shared_daemon_key,
-    time_slice_needs,
+    SharingError, SharingHandler, TimeSliceNeed, legacy_shared_daemon_key, share_holders,
+    shared_daemon_key, time_slice_needs,
 };
 pub use status::{
     ClaimStatusReport, DeviceStatusData, DeviceStatusEntry, MigStatus, MpsStatus,

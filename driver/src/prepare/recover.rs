@@ -67,7 +67,7 @@ use cleave_api::merge::ResolvedConfig;
 
 use super::{
     DriverView, GpuFacts, NodeDriver, PrepareError, SharingClaim, SharingDevice, SharingEdits,
-    device_uuid, empty_inventory, shared_daemon_key, time_slice_needs,
+    device_uuid, empty_inventory, legacy_shared_daemon_key, shared_daemon_key, time_slice_needs,
 };
 use crate::backend::BackendError;
 use crate::cdi;
@@ -99,7 +99,10 @@ pub(super) fn live_sharing(data: &CheckpointData) -> BTreeSet<String> {
     for r in live {
         keys.insert(r.uid.clone());
         for d in r.devices.iter().filter(|d| d.share.is_some()) {
-            keys.insert(shared_daemon_key(&d.name));
+            keys.insert(shared_daemon_key(&d.name, &r.namespace));
+            // A daemon an earlier release started for every namespace's shares of the
+            // device stays while any share of it does.
+            keys.insert(legacy_shared_daemon_key(&d.name));
         }
     }
     keys
@@ -116,9 +119,11 @@ pub(super) fn claims_of_restarted(
         .filter(|r| r.state != ClaimState::NeedsRecreate)
         .filter(|r| {
             restarted.contains(&r.uid)
-                || r.devices
-                    .iter()
-                    .any(|d| d.share.is_some() && restarted.contains(&shared_daemon_key(&d.name)))
+                || r.devices.iter().any(|d| {
+                    d.share.is_some()
+                        && (restarted.contains(&shared_daemon_key(&d.name, &r.namespace))
+                            || restarted.contains(&legacy_shared_daemon_key(&d.name)))
+                })
         })
         .map(|r| r.uid.clone())
         .collect()

@@ -14,12 +14,14 @@
 //! A strategy keeps no backend and reads no checkpoint of its own.
 //!
 //! Shares (consumable capacity, `--consumable-capacity mps`): a device allocated to several
-//! claims, each with its own `shareID`, is served by one MPS daemon for the device, not one
-//! per claim. Prepare hands the claim's shares to [`SharingHandler::apply_shares`] and
-//! unprepare to [`SharingHandler::release_shares`], each with every other share the
-//! checkpoint records ([`share_holders`]): the daemon is started by the first share and
-//! stopped after the last, counted from the checkpoint, so that a restart or a crash in
-//! between neither kills a daemon other shares use nor leaks one.
+//! claims, each with its own `shareID`, is served by one MPS daemon per device and claim
+//! namespace ([`shared_daemon_key`]), not one per claim: tenants of different namespaces
+//! never share an MPS server, pipe directory or `/dev/shm`. Prepare hands the claim's shares
+//! to [`SharingHandler::apply_shares`] and unprepare to [`SharingHandler::release_shares`],
+//! each with every other share the checkpoint records ([`share_holders`]): a namespace's
+//! daemon is started by its first share of the device and stopped after its last, counted
+//! from the checkpoint, so that a restart or a crash in between neither kills a daemon other
+//! shares use nor leaks one.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -187,6 +189,8 @@ impl ShareDevice {
 pub struct ShareHolder {
     /// Claim UID.
     pub claim_uid: String,
+    /// Claim namespace: shares of one namespace use one daemon per device.
+    pub namespace: String,
     /// Device name in the pool (stable across restarts and reboots, unlike MIG UUIDs).
     pub device_name: String,
 }
@@ -204,16 +208,37 @@ pub fn share_holders(data: &CheckpointData) -> Vec<ShareHolder> {
                 })
                 .map(|d| ShareHolder {
                     claim_uid: c.uid.clone(),
+                    namespace: c.namespace.clone(),
                     device_name: d.name.clone(),
                 })
         })
         .collect()
 }
 
-/// Name of the MPS daemon shared by every share of the device `device_name`:
-/// `shared-<device name>` (device names are DNS labels, so this names directories and pods;
-/// cut to 63 bytes).
-pub fn shared_daemon_key(device_name: &str) -> String {
+/// Name of the MPS daemon shared by the shares of the device `device_name` whose claims are
+/// in `namespace`: `shared-<device name, cut to 45 bytes>-<10 hex digits of SHA-256(device
+/// name, 0, namespace)>`, a DNS label of at most 63 bytes that names directories and pods.
+/// One daemon per device and namespace keeps tenants of different namespaces from sharing
+/// an MPS server, its pipe directory and its `/dev/shm`.
+pub fn shared_daemon_key(device_name: &str, namespace: &str) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(device_name.as_bytes());
+    h.update([0]);
+    h.update(namespace.as_bytes());
+    let digest = hex::encode(h.finalize());
+    let mut device = device_name.to_owned();
+    device.truncate(45);
+    while device.ends_with('-') {
+        device.pop();
+    }
+    format!("shared-{device}-{}", &digest[..10])
+}
+
+/// The name earlier releases gave the one MPS daemon of every share of `device_name`, of
+/// any namespace: `shared-<device name>` (cut to 63 bytes). Such a daemon, recorded before
+/// an upgrade, is kept while any share of the device remains and stopped after the last.
+pub fn legacy_shared_daemon_key(device_name: &str) -> String {
     let mut key = format!("shared-{device_name}");
     key.truncate(63);
     while key.ends_with('-') {
@@ -384,11 +409,12 @@ pub trait SharingHandler: Send + Sync {
         Ok(SharingEdits::default())
     }
 
-    /// Undoes [`apply_shares`](Self::apply_shares) for the claim's `shares`: a device's
-    /// daemon is stopped when no other claim of `holders` holds a share of it. Idempotent.
+    /// Undoes [`apply_shares`](Self::apply_shares) for the claim's `shares`: the daemon of a
+    /// device and the claim's namespace is stopped when no other claim of that namespace in
+    /// `holders` holds a share of the device. Idempotent.
     fn release_shares(
         &self,
-        _claim_uid: &str,
+        _claim: &SharingClaim<'_>,
         _shares: &[ShareDevice],
         _holders: &[ShareHolder],
     ) -> Result<(), SharingError> {
@@ -491,12 +517,30 @@ mod tests {
 
     #[test]
     fn shared_daemon_names_are_valid_claim_names() {
-        for device in ["gpu-0", "gpu-12-mig-1g10gb-6", &"a".repeat(63)] {
-            let key = shared_daemon_key(device);
-            assert!(key.len() <= 63, "{key}");
-            crate::cdi::validate_claim_uid(&key).unwrap();
+        let long_ns = "n".repeat(63);
+        for device in [
+            "gpu-0",
+            "gpu-12-mig-1g10gb-6",
+            &"a".repeat(63),
+            &format!("{}-b", "a".repeat(44)),
+        ] {
+            for ns in ["default", "a", long_ns.as_str()] {
+                let key = shared_daemon_key(device, ns);
+                assert!(key.len() <= 63, "{key}");
+                crate::cdi::validate_claim_uid(&key).unwrap();
+            }
+            let legacy = legacy_shared_daemon_key(device);
+            assert!(legacy.len() <= 63, "{legacy}");
+            crate::cdi::validate_claim_uid(&legacy).unwrap();
         }
-        assert_eq!(shared_daemon_key("gpu-0"), "shared-gpu-0");
+        // One daemon per device and namespace; never the name an earlier release used.
+        let a = shared_daemon_key("gpu-0", "team-a");
+        assert!(a.starts_with("shared-gpu-0-"), "{a}");
+        assert_ne!(a, shared_daemon_key("gpu-0", "team-b"));
+        assert_ne!(a, shared_daemon_key("gpu-1", "team-a"));
+        assert_eq!(a, shared_daemon_key("gpu-0", "team-a"));
+        assert_ne!(a, legacy_shared_daemon_key("gpu-0"));
+        assert_eq!(legacy_shared_daemon_key("gpu-0"), "shared-gpu-0");
         let name = crate::cdi::share_device_name(
             "gpu-7-mig-3g40gb-4",
             "5a000000-0000-4000-8000-00000000000a",

@@ -190,7 +190,7 @@ pub(crate) fn report(
     };
     let mut entries = Vec::new();
     for device in &record.devices {
-        let data = device_data(device, sharing.as_ref(), inventory, mode);
+        let data = device_data(device, &record.namespace, sharing.as_ref(), inventory, mode);
         let share_ids: Vec<Option<String>> = match &device.share {
             None => vec![None],
             Some(s) => std::iter::once(&s.share_id)
@@ -226,6 +226,7 @@ pub(crate) fn report(
 
 fn device_data(
     device: &DeviceRecord,
+    namespace: &str,
     sharing: Option<&SharingState>,
     inventory: &NodeInventory,
     mode: cleave_api::pool::ConsumableCapacity,
@@ -259,7 +260,7 @@ fn device_data(
     let share = device
         .share
         .as_ref()
-        .map(|s| share_status(device, s, inventory, mode));
+        .map(|s| share_status(device, namespace, s, inventory, mode));
     DeviceStatusData {
         api_version: STATUS_API_VERSION.to_owned(),
         kind: STATUS_KIND.to_owned(),
@@ -278,6 +279,7 @@ fn device_data(
 /// [`ShareDevice`] arithmetic that wrote them into the CDI spec).
 fn share_status(
     device: &DeviceRecord,
+    namespace: &str,
     share: &ShareRecord,
     inventory: &NodeInventory,
     mode: cleave_api::pool::ConsumableCapacity,
@@ -303,7 +305,7 @@ fn share_status(
             view.memory_limit_bytes()
                 .filter(|b| *b >= 1 << 20)
                 .map(|b| b >> 20),
-            Some(shared_daemon_key(&device.name)),
+            Some(shared_daemon_key(&device.name, namespace)),
         )
     } else {
         (None, None, None)
@@ -431,6 +433,10 @@ mod tests {
         // Unknown device SMs: 100 % of the daemon's threads, the memory limit consumed.
         assert_eq!(v["share"]["clientActiveThreadPercentage"], 100);
         assert_eq!(v["share"]["clientPinnedMemoryLimitMib"], 20 * 1024);
-        assert_eq!(v["share"]["daemon"], "shared-gpu-0");
+        // The daemon of the device and the claim's namespace.
+        assert_eq!(
+            v["share"]["daemon"],
+            super::shared_daemon_key("gpu-0", "ns")
+        );
     }
 }

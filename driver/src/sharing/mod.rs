@@ -10,9 +10,14 @@
 //!   [`SharingManager::reconcile`] re-finds daemons after a restart, restarts dead ones of
 //!   live claims and stops those whose claims are gone.
 //! - Shares (consumable capacity, `--consumable-capacity mps`): one multi-user daemon per
-//!   shared device (`mps/shared-<device>`, unlimited defaults), started by its first share
-//!   and stopped after its last, counted from the checkpoint by the caller; each share's
-//!   device gets client limits from what it consumed ([`SharingManager::apply_shares_of`]).
+//!   shared device and claim namespace (`mps/shared-<device>-<hash>`, unlimited defaults,
+//!   compute mode left at `DEFAULT` so that the servers of several namespaces can run on the
+//!   GPU side by side), started by the namespace's first share of the device and stopped
+//!   after its last, counted from the checkpoint by the caller; each share's device gets
+//!   client limits from what it consumed ([`SharingManager::apply_shares_of`]). Tenants of
+//!   different namespaces never share an MPS server, pipe directory or `/dev/shm`.
+//! - No client gets the daemon's `control_privileged` socket: [`SharingManager`] masks it
+//!   with `/dev/null` in every client's view of the pipe directory.
 //! - Time-slicing ([`timeslice`]): `nvidia-smi compute-policy --set-timeslice` on whole GPUs,
 //!   restored to the default when no recorded claim needs another interval.
 //!
@@ -43,7 +48,7 @@ use crate::cdi::{ContainerEdits, Mount};
 use crate::checkpoint::DEFAULT_BOOT_ID_PATH;
 use crate::prepare::{
     GpuFacts, ShareDevice, ShareHolder, SharingClaim, SharingDevice, SharingEdits, SharingError,
-    SharingHandler, shared_daemon_key,
+    SharingHandler, legacy_shared_daemon_key, shared_daemon_key,
 };
 
 pub use mps::{
@@ -58,6 +63,11 @@ pub const NVIDIA_SMI_TOOL: &str = "nvidia-smi";
 /// Where MPS clients and server share memory; a daemon with a `/dev/shm` of its own has it
 /// mounted here in the claim's containers.
 pub const SHM_DIR: &str = "/dev/shm";
+/// The device whose bind mount masks a file in containers (as OCI runtimes mask paths:
+/// runc `maskPath` binds `/dev/null` over files).
+pub const MASK_SOURCE: &str = "/dev/null";
+/// Mode of the pipe root: others may traverse it to their pipe directory, not list it.
+pub const PIPE_ROOT_MODE: u32 = 0o711;
 /// Lowest compute capability whose MPS honours thread and memory limits (Volta).
 pub const MPS_MIN_COMPUTE_CAPABILITY: (u32, u32) = (7, 0);
 
@@ -514,6 +524,25 @@ impl SharingManager {
         Some(pipe_dir_under(root, &self.config.state_dir, key))
     }
 
+    /// Creates the pipe root if it is missing and sets it to [`PIPE_ROOT_MODE`] (`0711`):
+    /// an MPS server started with a client's UID must traverse it (bottlerocket-os/
+    /// bottlerocket#4673), but no host user but root may list the daemons' pipe directories.
+    /// The root is the plugin's own directory (`--mps-pipe-root`).
+    fn ensure_pipe_root(&self) -> Result<(), SharingFailure> {
+        use std::os::unix::fs::PermissionsExt;
+        let Some(root) = &self.config.pipe_root else {
+            return Ok(());
+        };
+        let io = |op, source| SharingFailure::Io {
+            op,
+            path: root.clone(),
+            source,
+        };
+        std::fs::create_dir_all(root).map_err(|e| io("creating", e))?;
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(PIPE_ROOT_MODE))
+            .map_err(|e| io("setting permissions of", e))
+    }
+
     /// Removes the daemon `key`'s directories: its state directory and its short pipe
     /// directory.
     fn remove_daemon_dirs(&self, key: &str) -> Result<(), SharingFailure> {
@@ -750,6 +779,7 @@ impl SharingManager {
         }
         tracing::info!(claim = %record.spec.claim_uid, "MPS daemon of a live claim is gone; starting it again");
         record.daemon = None;
+        self.ensure_pipe_root()?;
         mps::create_dirs(dir, &record.spec)?;
         for gpu in &record.exclusive_gpus {
             self.smi
@@ -990,6 +1020,7 @@ impl SharingManager {
         }
 
         let result = (|| {
+            self.ensure_pipe_root()?;
             mps::create_dirs(&dir, &record.spec)?;
             mps::store_record(&dir, &record)?;
             crate::fault::point("mps.after_record");
@@ -1141,14 +1172,16 @@ impl SharingManager {
         remove_dir(&self.claim_dir(&record.spec.claim_uid))
     }
 
-    /// Enforces the claim's `shares` (consumable capacity, mode `mps`): each device's shared
-    /// daemon (multi-user, defaults unlimited) runs, started by the first share or found
-    /// running, and each share's device gets its client limits. On failure nothing this
+    /// Enforces the claim's `shares` (consumable capacity, mode `mps`): the shared daemon of
+    /// each device and the claim's `namespace` (multi-user, defaults unlimited) runs, started
+    /// by the namespace's first share or found running, and each share's device gets its
+    /// client limits. On failure nothing this
     /// call started is left running (a daemon other shares were using was not answering, so
     /// it is started again or stopped). `holders`: every recorded share (for the log).
     pub fn apply_shares_of(
         &self,
         claim_uid: &str,
+        namespace: &str,
         shares: &[ShareDevice],
         holders: &[ShareHolder],
     ) -> Result<SharingEdits, SharingFailure> {
@@ -1156,10 +1189,14 @@ impl SharingManager {
         let _ops = lock(&self.ops);
         let mut edits = SharingEdits::default();
         for share in shares {
-            let planned = self.plan_shared(share)?;
+            let planned = self.plan_shared(share, namespace)?;
             let others = holders
                 .iter()
-                .filter(|h| h.claim_uid != claim_uid && h.device_name == share.device_name)
+                .filter(|h| {
+                    h.claim_uid != claim_uid
+                        && h.device_name == share.device_name
+                        && h.namespace == namespace
+                })
                 .count();
             let record = self.start_mps(planned)?;
             tracing::info!(
@@ -1177,30 +1214,40 @@ impl SharingManager {
         Ok(edits)
     }
 
-    /// Undoes [`Self::apply_shares_of`] for the claim: the shared daemon of a device is
-    /// stopped (compute mode restored, directory removed) only when no other claim of
-    /// `holders` holds a share of it. Idempotent.
+    /// Undoes [`Self::apply_shares_of`] for the claim: the shared daemon of a device and
+    /// the claim's `namespace` is stopped (directory removed) only when no other claim of
+    /// that namespace in `holders` holds a share of the device. A daemon an earlier release
+    /// started for the shares of every namespace ([`legacy_shared_daemon_key`]) is stopped
+    /// with the last share of the device. Idempotent.
     pub fn release_shares_of(
         &self,
         claim_uid: &str,
+        namespace: &str,
         shares: &[ShareDevice],
         holders: &[ShareHolder],
     ) -> Result<(), SharingFailure> {
         crate::cdi::validate_claim_uid(claim_uid)?;
         let _ops = lock(&self.ops);
         for share in shares {
-            let others: Vec<&str> = holders
+            let others: Vec<&ShareHolder> = holders
                 .iter()
                 .filter(|h| h.claim_uid != claim_uid && h.device_name == share.device_name)
+                .collect();
+            let same_namespace: Vec<&str> = others
+                .iter()
+                .filter(|h| h.namespace == namespace)
                 .map(|h| h.claim_uid.as_str())
                 .collect();
-            if !others.is_empty() {
-                tracing::info!(claim = claim_uid, device = %share.device_name, others = ?others, "other shares still use the device's MPS daemon; kept");
-                continue;
+            if same_namespace.is_empty() {
+                let key = shared_daemon_key(&share.device_name, namespace);
+                self.release_daemon_dir(&key)?;
+                tracing::info!(claim = claim_uid, device = %share.device_name, namespace, "last share of the device in its namespace released; the namespace's MPS daemon is stopped");
+            } else {
+                tracing::info!(claim = claim_uid, device = %share.device_name, others = ?same_namespace, "other shares of the namespace still use its MPS daemon of the device; kept");
             }
-            let key = shared_daemon_key(&share.device_name);
-            self.release_daemon_dir(&key)?;
-            tracing::info!(claim = claim_uid, device = %share.device_name, "last share of the device released; its MPS daemon is stopped");
+            if others.is_empty() {
+                self.release_daemon_dir(&legacy_shared_daemon_key(&share.device_name))?;
+            }
         }
         Ok(())
     }
@@ -1221,9 +1268,17 @@ impl SharingManager {
         }
     }
 
-    /// The shared daemon a share's device needs: multi-user, this device only, no limits
-    /// of its own (each share's clients bring theirs).
-    fn plan_shared(&self, share: &ShareDevice) -> Result<MpsRecord, SharingFailure> {
+    /// The shared daemon a share's device needs in `namespace`: multi-user, this device
+    /// only, no limits of its own (each share's clients bring theirs), compute mode left
+    /// alone. Several namespaces' servers then run on one GPU, which `EXCLUSIVE_PROCESS`
+    /// would refuse to the second (NVIDIA recommends that mode precisely so that one MPS
+    /// server is the single user of a GPU; the MPS docs, "GPU Compute Modes"); in `DEFAULT`
+    /// the GPU time-slices between the servers' contexts (inferred, unverified on hardware).
+    fn plan_shared(
+        &self,
+        share: &ShareDevice,
+        namespace: &str,
+    ) -> Result<MpsRecord, SharingFailure> {
         let gpu: &GpuFacts = share
             .gpu
             .as_ref()
@@ -1242,7 +1297,7 @@ impl SharingManager {
                 minor: gpu.compute_capability.1,
             });
         }
-        let key = shared_daemon_key(&share.device_name);
+        let key = shared_daemon_key(&share.device_name, namespace);
         crate::cdi::validate_claim_uid(&key)?;
         let mut spec = self.spec(&key, vec![share.uuid.clone()]);
         spec.multi_user = true;
@@ -1253,17 +1308,12 @@ impl SharingManager {
                 len,
             });
         }
-        let exclusive = if share.uuid.starts_with("GPU-") && !gpu.mig_enabled {
-            vec![share.uuid.clone()]
-        } else {
-            Vec::new()
-        };
         Ok(MpsRecord {
             spec,
             host_pipe_dir: self.host_pipe_dir(&key),
             active_thread_percentage: 100,
             pinned_limits: Vec::new(),
-            exclusive_gpus: exclusive,
+            exclusive_gpus: Vec::new(),
             daemon: None,
         })
     }
@@ -1297,14 +1347,31 @@ impl SharingManager {
         }
     }
 
-    /// The pipe directory, and the daemon's `/dev/shm` when it has one, for clients.
+    /// The pipe directory with its `control_privileged` socket masked, and the daemon's
+    /// `/dev/shm` when it has one, for clients. The mask is a read-only bind of `/dev/null`
+    /// over the socket inside the pipe directory's mount: the CDI library applies mounts
+    /// sorted by the depth of their container path (container-device-interface
+    /// `pkg/cdi/container-edits.go`, `sortMounts`), and they are listed in that order here
+    /// too. A client then reaches the `control` socket and `log` FIFO it needs, never the
+    /// socket through which a root peer would be the daemon's administrator.
     fn client_mounts(&self, record: &MpsRecord) -> Vec<Mount> {
         let options = || vec!["rw".into(), "nosuid".into(), "nodev".into(), "bind".into()];
-        let mut mounts = vec![Mount {
-            host_path: record.host_pipe_dir.display().to_string(),
-            container_path: self.config.container_pipe_dir.clone(),
-            options: options(),
-        }];
+        let mut mounts = vec![
+            Mount {
+                host_path: record.host_pipe_dir.display().to_string(),
+                container_path: self.config.container_pipe_dir.clone(),
+                options: options(),
+            },
+            Mount {
+                host_path: MASK_SOURCE.to_owned(),
+                container_path: format!(
+                    "{}/{}",
+                    self.config.container_pipe_dir.trim_end_matches('/'),
+                    mps::PRIVILEGED_SOCKET
+                ),
+                options: vec!["ro".into(), "nosuid".into(), "nodev".into(), "bind".into()],
+            },
+        ];
         if let Some(shm) = record.daemon.as_ref().and_then(|d| d.shm_host_dir.as_ref()) {
             mounts.push(Mount {
                 host_path: shm.display().to_string(),
@@ -1381,7 +1448,7 @@ impl SharingHandler for SharingManager {
         shares: &[ShareDevice],
         holders: &[ShareHolder],
     ) -> Result<SharingEdits, SharingError> {
-        self.apply_shares_of(claim.uid, shares, holders)
+        self.apply_shares_of(claim.uid, claim.namespace, shares, holders)
             .map_err(|e| SharingError::Apply {
                 claim: claim.uid.to_owned(),
                 message: e.to_string(),
@@ -1390,13 +1457,13 @@ impl SharingHandler for SharingManager {
 
     fn release_shares(
         &self,
-        claim_uid: &str,
+        claim: &SharingClaim<'_>,
         shares: &[ShareDevice],
         holders: &[ShareHolder],
     ) -> Result<(), SharingError> {
-        self.release_shares_of(claim_uid, shares, holders)
+        self.release_shares_of(claim.uid, claim.namespace, shares, holders)
             .map_err(|e| SharingError::Release {
-                claim: claim_uid.to_owned(),
+                claim: claim.uid.to_owned(),
                 message: e.to_string(),
             })
     }

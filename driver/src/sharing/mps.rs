@@ -6,12 +6,14 @@
 //! ```text
 //! mps/<claim UID>/            0700: no other host user reaches into it
 //! mps/<claim UID>/daemon.json the record: devices, limits, PID + start time + boot ID
-//! mps/<claim UID>/pipe/       0777: CUDA_MPS_PIPE_DIRECTORY, bind-mounted into the claim's
-//!                             containers only (they run as any user)
+//! mps/<claim UID>/pipe/       0711: CUDA_MPS_PIPE_DIRECTORY, bind-mounted into the claim's
+//!                             containers only (they run as any user and may traverse it;
+//!                             only root lists or changes it); with a pipe root it is
+//!                             `<pipe root, 0711>/<16 hex digits>` instead
 //! mps/<claim UID>/log/        1777: CUDA_MPS_LOG_DIRECTORY (control.log, server.log)
-//! mps/shared-<device>/        the same for the daemon every share of a device uses
-//!                             (consumable capacity); its pipe goes to every share's
-//!                             containers
+//! mps/shared-<device>-<hash>/ the same for the daemon the shares of one device and one
+//!                             namespace use (consumable capacity); its pipe goes to those
+//!                             shares' containers only
 //! ```
 //!
 //! The record is written before the daemon is launched and again once its PID is known, so
@@ -32,6 +34,20 @@ use serde::{Deserialize, Serialize};
 use super::SharingFailure;
 use super::process::{self, RunFailure};
 use crate::checkpoint::{read_boot_id, write_file_atomic};
+
+/// The first 32 hex digits of SHA-256 over `parts`, each followed by a 0 byte: names of
+/// daemon pods and labels that must be unique per node and daemon yet fit 63 bytes.
+pub fn name_hash(parts: &[&str]) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for p in parts {
+        h.update(p.as_bytes());
+        h.update([0]);
+    }
+    let mut digest = hex::encode(h.finalize());
+    digest.truncate(32);
+    digest
+}
 
 /// Pid file the control daemon writes into its pipe directory.
 pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
@@ -575,9 +591,18 @@ fn limit_matches(set: &str, got: &str) -> bool {
 pub const MAX_SOCKET_PATH: usize = 107;
 /// The control socket the UI connects to, in the pipe directory.
 pub const CONTROL_SOCKET: &str = "control";
+/// The daemon's privileged socket in the pipe directory (the 550 binary's format string is
+/// `%s/control_privileged`); never given to clients.
+pub const PRIVILEGED_SOCKET: &str = "control_privileged";
 /// The longest socket name the control daemon binds in its pipe directory (the 550 binary's
 /// format strings are `%s/control` and `%s/control_privileged`).
-pub const LONGEST_SOCKET: &str = "control_privileged";
+pub const LONGEST_SOCKET: &str = PRIVILEGED_SOCKET;
+/// Mode of a pipe directory: clients of any UID (and servers started with their UID) must
+/// traverse it to reach `control` and `log` (bottlerocket-os/bottlerocket#4673), but only the
+/// daemon (root) creates, removes or lists its entries.
+pub const PIPE_DIR_MODE: u32 = 0o711;
+/// Mode of a daemon's state directory (record, log directory): root only.
+pub const CLAIM_DIR_MODE: u32 = 0o700;
 
 /// `Some(length)` when `<pipe_dir>/<socket>` is too long to be a unix socket path.
 pub fn socket_path_too_long(pipe_dir: &Path, socket: &str) -> Option<usize> {
@@ -632,11 +657,11 @@ pub fn store_record(claim_dir: &Path, record: &MpsRecord) -> Result<(), SharingF
     })
 }
 
-/// Creates the claim directory (0700) with its pipe (0777) and log (0700) directories.
+/// Creates the claim directory (0700) with its pipe (0711) and log (1777) directories.
 pub fn create_dirs(claim_dir: &Path, spec: &DaemonSpec) -> Result<(), SharingFailure> {
     for (dir, mode) in [
-        (claim_dir, 0o700),
-        (spec.pipe_dir.as_path(), 0o777),
+        (claim_dir, CLAIM_DIR_MODE),
+        (spec.pipe_dir.as_path(), PIPE_DIR_MODE),
         // Sticky and open to all: MPS servers run with their clients' UIDs and log here
         // (in a daemon pod it is mounted directly; on the host the 0700 claim directory
         // keeps other users out).

@@ -1,24 +1,29 @@
 //! MPS control daemons in pods of their own ([`PodLauncher`]); what runs inside such a pod
 //! is [`crate::mps_daemon`].
 //!
-//! For each MPS claim the plugin creates the pod `cleave-mps-<claim UID>` in its own
-//! namespace, bound to this node (`spec.nodeName`, so no scheduler is involved), running
-//! this image's `mps-daemon` with the claim's devices in `CUDA_VISIBLE_DEVICES`. Its
+//! For each MPS daemon (a claim's, or the shared daemon of a device and namespace) the plugin
+//! creates the pod `cleave-mps-<32 hex digits of SHA-256(node name, 0, daemon key, 0)>` in
+//! its own namespace, so that the daemons of two nodes never share a name, labelled with the
+//! daemon key and this node, bound to this node (`spec.nodeName`, so no scheduler is
+//! involved), running this image's `mps-daemon` with the claim's devices in
+//! `CUDA_VISIBLE_DEVICES`. Its
 //! volumes: the claim's pipe and log directories (host paths under the plugin's state
 //! directory) at the paths the claim's containers use, a memory `emptyDir` as `/dev/shm`
 //! (its host path under the kubelet's root is mounted at `/dev/shm` into the claim's
 //! containers, since MPS clients and server share memory there), and the driver root. The
 //! plugin's DaemonSet owns the pod (the Node when the plugin runs outside a pod), so
 //! uninstalling cleans up; the plugin deletes it at unprepare and re-finds it by name after
-//! a restart. The plugin talks to the daemon as before: `nvidia-cuda-mps-control` on the
-//! pipe directory it shares with the pod.
+//! a restart. Take-over, finding, sweeping and deleting act only on pods whose
+//! `spec.nodeName` is this node (deletes also only on the pod UID recorded or just read), so
+//! one node's plugin never touches another node's daemons. The plugin talks to the daemon as
+//! before: `nvidia-cuda-mps-control` on the pipe directory it shares with the pod.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use cleave_driver::sharing::mps::PID_FILE;
+use cleave_driver::sharing::mps::{PID_FILE, name_hash};
 use cleave_driver::sharing::{
     DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, ProcessLauncher, SHM_DIR, SharingFailure,
 };
@@ -40,8 +45,11 @@ pub(crate) const MPS_POD_RBAC_RULES: &[(&str, &str, &[&str])] =
 
 /// `app.kubernetes.io/name` of every daemon pod.
 pub(crate) const APP_NAME: &str = "cleave-mps";
-/// Label naming the claim a daemon pod serves.
+/// Label naming the daemon a pod runs: the claim UID, or the shared daemon's key.
 pub(crate) const CLAIM_LABEL: &str = "gpu.cleave.dev/claim-uid";
+/// Label naming the node a daemon pod is bound to: the node name, or `sha256-<32 hex
+/// digits>` of it when it does not fit a label value (63 bytes).
+pub(crate) const NODE_LABEL: &str = "gpu.cleave.dev/node";
 /// Annotation listing the devices a daemon pod serves (for people).
 pub(crate) const DEVICES_ANNOTATION: &str = "gpu.cleave.dev/devices";
 /// Name of the daemon's container.
@@ -55,9 +63,29 @@ pub(crate) const POD_SCRATCH_DIR: &str = "/run/cleave-mps";
 /// Volume name of the daemon's `/dev/shm`.
 pub(crate) const SHM_VOLUME: &str = "shm";
 
-/// Name of the daemon pod of a claim.
-pub(crate) fn pod_name(claim_uid: &str) -> String {
-    format!("cleave-mps-{claim_uid}")
+/// Name of the daemon pod of the daemon `key` (claim UID or shared daemon key) on `node`:
+/// `cleave-mps-<32 hex digits>` (43 bytes for any node name), unique per node and daemon.
+pub(crate) fn pod_name(node: &str, key: &str) -> String {
+    format!("cleave-mps-{}", name_hash(&[node, key]))
+}
+
+/// The name an earlier release gave the daemon pod of `key`, on every node alike.
+fn legacy_pod_name(key: &str) -> String {
+    format!("cleave-mps-{key}")
+}
+
+/// The value of [`NODE_LABEL`] for `node`: its name when it fits a label value, else a hash.
+pub(crate) fn node_label_value(node: &str) -> String {
+    if node.len() <= 63 {
+        node.to_owned()
+    } else {
+        format!("sha256-{}", name_hash(&[node]))
+    }
+}
+
+/// True when `pod` is bound to `node`.
+fn on_node(pod: &Pod, node: &str) -> bool {
+    pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
 }
 
 /// Host path of a pod's memory emptyDir volume `volume` under the kubelet root.
@@ -165,6 +193,7 @@ pub(crate) fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
         ("app.kubernetes.io/name", APP_NAME),
         ("app.kubernetes.io/managed-by", "cleave-kubelet-plugin"),
         (CLAIM_LABEL, spec.claim_uid.as_str()),
+        (NODE_LABEL, node_label_value(&config.node_name).as_str()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -223,7 +252,7 @@ pub(crate) fn daemon_pod(config: &PodLauncherConfig, spec: &DaemonSpec) -> Pod {
     };
     Pod {
         metadata: ObjectMeta {
-            name: Some(pod_name(&spec.claim_uid)),
+            name: Some(pod_name(&config.node_name, &spec.claim_uid)),
             namespace: Some(config.namespace.clone()),
             labels: Some(labels),
             annotations: Some(
@@ -440,16 +469,16 @@ impl PodLauncher {
             tool: PathBuf::from(format!(
                 "in pod {}/{}",
                 self.config.namespace,
-                pod_name(&spec.claim_uid)
+                pod_name(&self.config.node_name, &spec.claim_uid)
             )),
             message,
         }
     }
 
-    /// Creates the pod of `spec`, taking over one of the same claim that still runs and
-    /// replacing one that ended.
+    /// Creates the pod of `spec`, taking over one of the same daemon on this node that still
+    /// runs and replacing one that ended; a pod of that name on another node is left alone.
     fn create(&self, spec: &DaemonSpec, deadline: Instant) -> Result<Pod, String> {
-        let name = pod_name(spec.claim_uid.as_str());
+        let name = pod_name(&self.config.node_name, &spec.claim_uid);
         let pod = daemon_pod(&self.config, spec);
         loop {
             // A pid file left by an earlier daemon must not be taken for the new one's (a
@@ -472,6 +501,17 @@ impl PodLauncher {
                 continue;
             };
             let uid = existing.metadata.uid.clone().unwrap_or_default();
+            if !on_node(&existing, &self.config.node_name) {
+                return Err(format!(
+                    "pod {}/{name} exists and is bound to another node ({}); it is not this node's to take over or delete",
+                    self.config.namespace,
+                    existing
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.node_name.as_deref())
+                        .unwrap_or("none")
+                ));
+            }
             let same_claim = existing
                 .metadata
                 .labels
@@ -496,7 +536,7 @@ impl PodLauncher {
 impl DaemonLauncher for PodLauncher {
     fn start(&self, spec: &DaemonSpec, timeout: Duration) -> Result<DaemonHandle, SharingFailure> {
         let deadline = Instant::now() + timeout;
-        let name = pod_name(&spec.claim_uid);
+        let name = pod_name(&self.config.node_name, &spec.claim_uid);
         let pod = self
             .create(spec, deadline)
             .map_err(|m| self.start_failure(spec, m))?;
@@ -554,14 +594,21 @@ impl DaemonLauncher for PodLauncher {
     }
 
     fn find(&self, spec: &DaemonSpec) -> Option<DaemonHandle> {
-        match self.get(&pod_name(&spec.claim_uid)) {
+        // This release's name, then the name an earlier one gave the pod
+        // (`cleave-mps-<key>`), in case it started one and crashed before recording it.
+        let names = [
+            pod_name(&self.config.node_name, &spec.claim_uid),
+            legacy_pod_name(&spec.claim_uid),
+        ];
+        names.iter().find_map(|name| match self.get(name) {
             Ok(Some(pod))
-                if pod
-                    .metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get(CLAIM_LABEL))
-                    == Some(&spec.claim_uid) =>
+                if on_node(&pod, &self.config.node_name)
+                    && pod
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(CLAIM_LABEL))
+                        == Some(&spec.claim_uid) =>
             {
                 self.handle(&pod)
             }
@@ -570,7 +617,7 @@ impl DaemonLauncher for PodLauncher {
                 tracing::warn!(claim = %spec.claim_uid, error = %e, "looking for an MPS daemon pod");
                 None
             }
-        }
+        })
     }
 
     fn is_running(&self, handle: &DaemonHandle) -> bool {
@@ -643,7 +690,12 @@ impl DaemonLauncher for PodLauncher {
             }
         };
         let mut stopped = Vec::new();
-        for pod in pods {
+        // The field selector already asks for this node's pods; checked again, since a pod
+        // of another node must never be deleted here whatever its labels say.
+        for pod in pods
+            .into_iter()
+            .filter(|p| on_node(p, &self.config.node_name))
+        {
             let Some(claim) = pod
                 .metadata
                 .labels
@@ -804,13 +856,14 @@ mod tests {
         let v = serde_json::to_value(&pod).unwrap();
         assert_eq!(
             v["metadata"]["name"],
-            "cleave-mps-0b7c1f4e-1111-2222-3333-444455556666"
+            pod_name("node-a", "0b7c1f4e-1111-2222-3333-444455556666")
         );
         assert_eq!(v["metadata"]["namespace"], "cleave-system");
         assert_eq!(
             v["metadata"]["labels"][CLAIM_LABEL],
             "0b7c1f4e-1111-2222-3333-444455556666"
         );
+        assert_eq!(v["metadata"]["labels"][NODE_LABEL], "node-a");
         assert_eq!(v["metadata"]["ownerReferences"][0]["kind"], "DaemonSet");
         assert_eq!(v["spec"]["nodeName"], "node-a");
         assert_eq!(v["spec"]["restartPolicy"], "Never");
@@ -864,6 +917,136 @@ mod tests {
             shm.empty_dir.as_ref().unwrap().medium.as_deref(),
             Some("Memory")
         );
+    }
+
+    /// A node name of 253 bytes, the most a DNS subdomain may have.
+    fn longest_node() -> String {
+        let label = |c: &str, n| c.repeat(n);
+        format!(
+            "{}.{}.{}.{}",
+            label("a", 63),
+            label("b", 63),
+            label("c", 63),
+            label("d", 61)
+        )
+    }
+
+    #[test]
+    fn pod_names_and_labels_are_unique_per_node_and_daemon_and_fit() {
+        let long = longest_node();
+        assert_eq!(long.len(), 253);
+        let key = "shared-gpu-0-0123456789";
+        let names = [
+            pod_name("node-a", key),
+            pod_name("node-b", key),
+            pod_name(&long, key),
+            pod_name("node-a", "shared-gpu-1-0123456789"),
+        ];
+        for (i, n) in names.iter().enumerate() {
+            assert!(n.len() <= 63 && n.starts_with("cleave-mps-"), "{n}");
+            assert!(names[..i].iter().all(|m| m != n), "{names:?}");
+        }
+        assert_eq!(node_label_value("node-a"), "node-a");
+        let label = node_label_value(&long);
+        assert!(label.len() <= 63 && label.starts_with("sha256-"), "{label}");
+        assert_ne!(label, node_label_value(&format!("{}x", &long[..252])));
+    }
+
+    /// Two nodes' launchers over one API server create daemons for the same key without
+    /// touching each other's pods; a pod of another node that carries this node's name and
+    /// labels is never taken over, found, swept or deleted.
+    #[test]
+    fn launchers_of_two_nodes_never_touch_each_others_pods() {
+        crate::install_crypto_provider();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let standin = rt
+            .block_on(cleave_apiserver_standin::StandIn::start(Default::default()))
+            .unwrap();
+        let client = standin.client();
+        let tmp = tempfile::tempdir().unwrap();
+        let launcher = |node: &str| {
+            let mut c = config();
+            c.node_name = node.to_owned();
+            PodLauncher::new(
+                c,
+                client.clone(),
+                rt.handle().clone(),
+                ProcessLauncher::new(tmp.path().join("none"), Vec::new(), tmp.path().join("b")),
+            )
+        };
+        let long = longest_node();
+        let (a, b) = (launcher("node-a"), launcher(&long));
+        let spec_of = |key: &str| DaemonSpec {
+            claim_uid: key.to_owned(),
+            pipe_dir: tmp.path().join(key),
+            log_dir: tmp.path().join("log"),
+            visible_devices: vec!["GPU-a".into()],
+            multi_user: true,
+        };
+        let spec = spec_of("shared-gpu-0-0123456789");
+        let deadline = || Instant::now() + Duration::from_secs(10);
+        let pa = a.create(&spec, deadline()).unwrap();
+        let pb = b.create(&spec, deadline()).unwrap();
+        assert_ne!(pa.metadata.name, pb.metadata.name);
+        assert_eq!(
+            pa.spec.as_ref().unwrap().node_name.as_deref(),
+            Some("node-a")
+        );
+        assert_eq!(
+            pb.spec.as_ref().unwrap().node_name.as_deref(),
+            Some(long.as_str())
+        );
+        let label = |p: &Pod, k: &str| p.metadata.labels.as_ref().unwrap()[k].clone();
+        assert_eq!(label(&pb, NODE_LABEL), node_label_value(&long));
+        let uid = |p: &Pod| p.metadata.uid.clone().unwrap();
+        let found = |l: &PodLauncher, s: &DaemonSpec| l.find(s).and_then(|h| h.pod).map(|p| p.uid);
+        assert_eq!(found(&a, &spec), Some(uid(&pa)));
+        assert_eq!(found(&b, &spec), Some(uid(&pb)));
+        // Creating again takes over the node's own pod.
+        assert_eq!(uid(&a.create(&spec, deadline()).unwrap()), uid(&pa));
+
+        // A pod of node-b with the name and labels node-a's daemon would have.
+        let other = spec_of("uid-other");
+        let mut foreign = daemon_pod(&a.config, &other);
+        foreign.spec.as_mut().unwrap().node_name = Some("node-b".into());
+        standin.put(&foreign).unwrap();
+        let name = pod_name("node-a", "uid-other");
+        let err = a.create(&other, deadline()).unwrap_err();
+        assert!(err.contains("another node"), "{err}");
+        assert_eq!(found(&a, &other), None);
+
+        // A pod an earlier release named `cleave-mps-<key>` on node-a is found by node-a
+        // only.
+        let old = spec_of("uid-old");
+        let mut legacy = daemon_pod(&a.config, &old);
+        legacy.metadata.name = Some(legacy_pod_name("uid-old"));
+        let legacy = standin.put(&legacy).unwrap();
+        assert_eq!(
+            found(&a, &old).as_deref(),
+            legacy["metadata"]["uid"].as_str()
+        );
+        assert_eq!(found(&b, &old), None);
+
+        // Sweeping node-a deletes its own pods only.
+        let swept: BTreeSet<String> = a.sweep(&BTreeSet::new()).into_iter().collect();
+        assert_eq!(
+            swept,
+            BTreeSet::from([spec.claim_uid.clone(), "uid-old".to_owned()])
+        );
+        let exists = |n: &Option<String>| {
+            standin
+                .get("pods", "cleave-system", n.as_deref().unwrap())
+                .is_some()
+        };
+        assert!(!exists(&pa.metadata.name));
+        assert!(exists(&pb.metadata.name), "node-b's pod was deleted");
+        assert!(exists(&Some(name)), "a foreign pod was deleted");
+        drop((a, b));
+        rt.shutdown_background();
     }
 
     #[test]

@@ -435,9 +435,13 @@ impl PodWorld {
             options,
         )
     }
-    /// The stored daemon pod `cleave-mps-<key>`.
+    /// The name of this node's daemon pod of `key` (claim UID or shared daemon key).
+    pub fn pod_name(&self, key: &str) -> String {
+        daemon_pod_name(super::node::NODE, key)
+    }
+    /// The stored daemon pod of `key` on this node.
     pub fn pod(&self, standin: &cleave_apiserver_standin::StandIn, key: &str) -> Option<Pod> {
-        standin.get_as("pods", NAMESPACE, &format!("cleave-mps-{key}"))
+        standin.get_as("pods", NAMESPACE, &self.pod_name(key))
     }
     /// The CDI spec of claim `uid` (not a device metadata spec).
     pub fn cdi_spec(&self, uid: &str) -> serde_json::Value {
@@ -481,4 +485,13 @@ pub async fn eventually(what: &str, world: &PodWorld, mut done: impl FnMut() -> 
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The name the plugin of `node` gives the daemon pod of `key`:
+/// `cleave-mps-<32 hex digits of SHA-256(node, 0, key, 0)>`.
+pub fn daemon_pod_name(node: &str, key: &str) -> String {
+    format!(
+        "cleave-mps-{}",
+        cleave_driver::sharing::mps::name_hash(&[node, key])
+    )
 }
