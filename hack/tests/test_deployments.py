@@ -2039,10 +2039,11 @@ def mps_daemon_pod(node: str = "node-a", image: str = "ghcr.io/cleave-dev/cleave
     uid = "7f1c2a9e-0000-4000-8000-000000000001"
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": f"cleave-mps-{uid}", "namespace": "cleave-system",
+        # Named by a hash of node and daemon key (mps_pod.rs `pod_name`), labelled with the node.
+        "metadata": {"name": "cleave-mps-" + "0123456789abcdef" * 2, "namespace": "cleave-system",
                      "labels": {"app.kubernetes.io/name": "cleave-mps",
                                 "app.kubernetes.io/managed-by": "cleave-kubelet-plugin",
-                                f"{DRIVER}/claim-uid": uid},
+                                f"{DRIVER}/claim-uid": uid, f"{DRIVER}/node": node},
                      "annotations": {f"{DRIVER}/devices": "GPU-0000"}},
         "spec": {
             "nodeName": node, "hostPID": True, "restartPolicy": "Never",
@@ -2162,6 +2163,16 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
     denied("another flag", edit(lambda p: p["spec"]["containers"][0]["args"].append("--uninstall")))
     denied("LD_PRELOAD", edit(lambda p: p["spec"]["containers"][0]["env"].append({"name": "LD_PRELOAD", "value": "/x"})))
     denied("an extra label", edit(lambda p: p["metadata"]["labels"].update({"app": "x"})))
+    denied("a name of the old per-claim form", edit(lambda p: p["metadata"].update(name="cleave-mps-claim-1")),
+           needle="32 hex digits")
+    denied("another node's label", edit(lambda p: p["metadata"]["labels"].update({f"{DRIVER}/node": "node-b"})))
+    denied("no node label", edit(lambda p: p["metadata"]["labels"].pop(f"{DRIVER}/node")))
+    denied("a hashed node label for a short node name",
+           edit(lambda p: p["metadata"]["labels"].update({f"{DRIVER}/node": "sha256-" + "0" * 32})))
+    long_node = "n" * 253
+    long_pod = mps_daemon_pod(node=long_node)
+    long_pod["metadata"]["labels"][f"{DRIVER}/node"] = "sha256-" + "0123456789abcdef" * 2
+    assert review("CREATE", long_pod, token_node=long_node)[0] is True, review("CREATE", long_pod, long_node)
     denied("not a daemon pod", edit(lambda p: p["metadata"]["labels"].update({"app.kubernetes.io/name": "x"})),
            needle="only MPS daemon pods")
     denied("a second container", edit(lambda p: p["spec"]["containers"].append(dict(p["spec"]["containers"][0]))))
@@ -2276,7 +2287,9 @@ _VALUE_PATH = re.compile(r"^([a-z][A-Za-z0-9]*(?:\.(?:[A-Za-z][A-Za-z0-9]*|\{[A-
 # Flags in docs that are not cleave's (other tools' options named alone in backticks).
 FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--platform", "--root-dir",
                  "--config", "--privileged", "--cgroups", "--device", "--gpu-reset", "--help",
-                 "--bench", "--query-gpu", "--set-timeslice", "--features", "--build-arg"}
+                 "--bench", "--query-gpu", "--set-timeslice", "--features", "--build-arg",
+                 # cleave-cdi-hook's (cdi-hook/src/lib.rs), named in SECURITY.md's hook section
+                 "--folder"}
 # Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).
 # Names docs use that start like a chart value but are not one: opaque config fields and
 # fields of the claim status data (docs/attributes.md).
