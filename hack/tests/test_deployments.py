@@ -2422,7 +2422,8 @@ _VALUE_PATH = re.compile(r"^([a-z][A-Za-z0-9]*(?:\.(?:[A-Za-z][A-Za-z0-9]*|\{[A-
 # Flags in docs that are not cleave's (other tools' options named alone in backticks).
 FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--platform", "--root-dir",
                  "--config", "--privileged", "--cgroups", "--device", "--gpu-reset", "--help",
-                 "--bench", "--query-gpu", "--set-timeslice", "--features", "--build-arg"}
+                 "--bench", "--query-gpu", "--set-timeslice", "--features", "--build-arg",
+                 "--kube-version", "--kube-api-qps"}  # helm template; kube-controller-manager
 # Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).
 # Names docs use that start like a chart value but are not one: opaque config fields and
 # fields of the claim status data (docs/attributes.md).
