@@ -125,40 +125,31 @@ async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told
             ..PluginOptions::default()
         },
     );
-    // Each claim in its own namespace, none the release's.
-    let in_ns = |name: &str, uid: &str| {
-        let (_, ns) = CLAIM_NAMESPACES.iter().find(|(c, _)| *c == name).unwrap();
-        cleave_kubelet_plugin::proto::dra::v1::Claim {
-            namespace: (*ns).into(),
-            ..claim(name, uid)
-        }
-    };
-    for (name, uid, results, configs) in [
-        ("mig", "uid-mig", [("mig", "gpu-0-mig-3g40gb-4")], vec![]),
-        ("mps", "uid-mps", [("gpu", "gpu-1")], vec![mps_config()]),
-        ("idle", "uid-idle", [("gpu", "gpu-2")], vec![]),
-    ] {
-        let c = in_ns(name, uid);
-        let object = cleave_apiserver_standin::fixtures::resource_claim(
-            &c.namespace,
-            name,
-            uid,
-            DRIVER,
-            NODE,
-            &results,
-            &configs,
-        );
-        standin.put(&object).unwrap();
-    }
-    let all_claims = || {
-        vec![
-            in_ns("mig", "uid-mig"),
-            in_ns("mps", "uid-mps"),
-            in_ns("idle", "uid-idle"),
-        ]
-    };
+    put_claim(
+        &standin,
+        "mig",
+        "uid-mig",
+        &[("mig", "gpu-0-mig-3g40gb-4")],
+        &[],
+    );
+    put_claim(
+        &standin,
+        "mps",
+        "uid-mps",
+        &[("gpu", "gpu-1")],
+        &[mps_config()],
+    );
+    put_claim(&standin, "idle", "uid-idle", &[("gpu", "gpu-2")], &[]);
     let mut dra = dra_v1(&plugin.dra_socket).await;
-    let r = prepare(&mut dra, all_claims()).await;
+    let r = prepare(
+        &mut dra,
+        vec![
+            claim("mig", "uid-mig"),
+            claim("mps", "uid-mps"),
+            claim("idle", "uid-idle"),
+        ],
+    )
+    .await;
     for uid in ["uid-mig", "uid-mps", "uid-idle"] {
         assert_eq!(r.claims[uid].error, "", "{uid}: {}", dirs.log());
     }
