@@ -145,11 +145,32 @@ def run_all() -> int:
 # ----------------------------------------------------------------------------- helpers
 
 
-def render(values: dict[str, Any] | None = None, namespace: str = "cleave-system") -> list[dict]:
+# The cluster version the offline renders pretend to talk to (.Capabilities.KubeVersion), the
+# one the strict schema checks use. Without it Helm answers its own default (v1.36.0 for
+# the Helm 4.2.3 inside helm-python-sdk 0.2.2), as `helm template` without --kube-version does.
+KUBE_VERSION = f"v{K8S_VERSION}.0"
+
+
+def chart_render(chart: Any, values: dict[str, Any] | None = None, *, name: str = "cleave",
+                 namespace: str = "cleave-system", kube_version: str | None = KUBE_VERSION,
+                 is_install: bool | None = None) -> dict[str, str]:
+    """`helm template --kube-version`: the SDK's render with the native library's
+    kube_version option, which its Python wrapper does not expose (None: Helm's default)."""
+    opts: dict[str, Any] = {"name": name, "namespace": namespace}
+    if is_install is not None:
+        opts["is_install"] = is_install
+    if kube_version is not None:
+        opts["kube_version"] = kube_version
+    from helm_python import _native  # noqa: PLC0415 - the wrapper's own native call
+    from helm_python.chart import _dumps  # noqa: PLC0415
+    return json.loads(_native.call_string("helm_render", chart._raw(), _dumps(values), json.dumps(opts)))
+
+
+def render(values: dict[str, Any] | None = None, namespace: str = "cleave-system",
+           kube_version: str | None = KUBE_VERSION) -> list[dict]:
     """Renders the chart and returns every object (NOTES.txt left out)."""
     with helm.Chart.load(CHART) as chart:
-        out = chart.render(values=values, name="cleave", namespace=namespace,
-                           is_install=True)
+        out = chart_render(chart, values, namespace=namespace, kube_version=kube_version, is_install=True)
     objs = []
     for path, text in sorted(out.items()):
         if path.endswith("NOTES.txt"):
@@ -163,7 +184,7 @@ def render(values: dict[str, Any] | None = None, namespace: str = "cleave-system
 
 def render_notes(values: dict[str, Any] | None = None) -> str:
     with helm.Chart.load(CHART) as chart:
-        out = chart.render(values=values, name="cleave", namespace="cleave-system")
+        out = chart_render(chart, values)
     return next(v for k, v in out.items() if k.endswith("NOTES.txt"))
 
 
@@ -404,7 +425,7 @@ def daemonset_runs_the_plugin_as_designed() -> None:
     ds = one(objs, "DaemonSet")
     spec = ds["spec"]
     assert spec["updateStrategy"] == {"type": "RollingUpdate",
-                                      "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, spec["updateStrategy"]
+                                      "rollingUpdate": {"maxSurge": "10%", "maxUnavailable": 0}}, spec["updateStrategy"]
     pod = spec["template"]["spec"]
     assert set(spec["selector"]["matchLabels"].items()) <= set(spec["template"]["metadata"]["labels"].items())
     assert pod["serviceAccountName"] == one(objs, "ServiceAccount")["metadata"]["name"]
@@ -413,7 +434,9 @@ def daemonset_runs_the_plugin_as_designed() -> None:
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     labels = {(t["matchExpressions"][0]["key"], tuple(t["matchExpressions"][0]["values"])) for t in terms}
     assert labels == {("nvidia.com/gpu.present", ("true",)),
-                      ("feature.node.kubernetes.io/pci-10de.present", ("true",))}, labels
+                      ("feature.node.kubernetes.io/pci-10de.present", ("true",)),
+                      ("feature.node.kubernetes.io/pci-0302_10de.present", ("true",)),
+                      ("feature.node.kubernetes.io/pci-0300_10de.present", ("true",))}, labels
     assert any(t.get("key") == "nvidia.com/gpu" and t.get("effect") == "NoSchedule" for t in pod["tolerations"])
     c = pod["containers"][0]
     assert c["args"][0] == "run", c["args"]
@@ -470,6 +493,111 @@ def daemonset_runs_the_plugin_as_designed() -> None:
     assert f["--sysfs-root"] == "/host-sys"
 
 
+# Rollout arithmetic (docs/scale.md "Rolling out a new version"): what a node's turn takes
+# beyond what the rendered DaemonSet says. Assumptions, stated in the doc: pulling the new
+# image on the node, creating and starting the container, and the plugin's start-up until
+# the kubelet confirmed its registration and the first ResourceSlice is published (the
+# conditions of /readyz, kubelet-plugin/README.md); then the DaemonSet controller seeing the
+# pod available, deleting the old pod and the scheduler binding the next node's new pod.
+ROLLOUT_IMAGE_PULL_S = 30
+ROLLOUT_CONTAINER_START_S = 5
+ROLLOUT_STARTUP_S = 10
+ROLLOUT_CONTROLLER_S = 5
+# kube-controller-manager's default client rate (--kube-api-qps 20): the DaemonSet
+# controller's pod creations and deletions, one each per node, share it.
+ROLLOUT_CONTROLLER_QPS = 20
+
+
+def rollout_seconds(ds: dict, nodes: int) -> tuple[int, int, float]:
+    """(nodes at once, seconds per node's turn, seconds for the whole roll) of the rendered
+    DaemonSet over `nodes` nodes: ceil(nodes / parallel) turns of a node's time, plus the
+    controller's create and delete requests at its client rate."""
+    ru = ds["spec"]["updateStrategy"]["rollingUpdate"]
+    surge = ru["maxSurge"]
+    if isinstance(surge, str):
+        assert re.fullmatch(r"\d+%", surge), surge
+        parallel = -(-nodes * int(surge[:-1]) // 100)  # Kubernetes rounds surge up
+    else:
+        parallel = int(surge)
+    parallel = max(1, min(parallel, nodes))
+    probe = plugin_container([ds]).get("readinessProbe") or {}
+    per_node = (ROLLOUT_IMAGE_PULL_S + ROLLOUT_CONTAINER_START_S + ROLLOUT_STARTUP_S
+                + probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10)
+                + ds["spec"].get("minReadySeconds", 0) + ROLLOUT_CONTROLLER_S)
+    turns = -(-nodes // parallel)
+    return parallel, per_node, turns * per_node + 2 * nodes / ROLLOUT_CONTROLLER_QPS
+
+
+@check
+def rollout_takes_well_under_an_hour_at_5000_nodes() -> None:
+    """The DaemonSet surges by a percentage with maxUnavailable 0 (the new pod registers
+    beside the old one), and ceil(5000 x surge) nodes at a time roll 5,000 nodes in under
+    an hour by docs/scale.md's per-node time; the figures in docs/scale.md are these."""
+    ds = one(render(), "DaemonSet")
+    ru = ds["spec"]["updateStrategy"]["rollingUpdate"]
+    assert isinstance(ru["maxSurge"], str) and ru["maxSurge"].endswith("%"), f"maxSurge {ru['maxSurge']!r} is no percentage"
+    assert ru["maxUnavailable"] == 0, "maxUnavailable must be 0: the old pod serves until the new one is ready"
+    assert plugin_container([ds]).get("readinessProbe"), "no readiness probe: a pod would count ready before it registered"
+    figures = {n: rollout_seconds(ds, n) for n in (100, 1000, 5000)}
+    parallel, per_node, total = figures[5000]
+    assert total < 3600, f"5,000 nodes, {parallel} at a time, {per_node} s each: {total / 60:.0f} min"
+    doc = (ROOT / "docs" / "scale.md").read_text()
+    for n, (par, per, tot) in figures.items():
+        row = f"| {n:,} | {par:,} | {-(-n // par)} | {per} s | {tot / 60:.0f} min |"
+        assert row in doc, f"docs/scale.md lacks the row {row!r}"
+    # The check can fail: one node at a time (the old strategy) takes days.
+    old = json.loads(json.dumps(ds))
+    old["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] = 1
+    assert rollout_seconds(old, 5000)[2] > 24 * 3600
+    # Kubernetes takes exactly one of maxSurge and maxUnavailable non-zero (apps validation
+    # ValidateRollingUpdateDaemonSet): the schema refuses a surge of 0.
+    with helm.Chart.load(CHART) as chart:
+        accepted = schema_accepted(chart, [{"kubeletPlugin": {"updateStrategy": {"maxSurge": v}}}
+                                           for v in (0, "0%", "101%", "10", "-1", "5.5%", -2)])
+    assert not accepted, f"schema accepted bad maxSurge values: {accepted}"
+    with helm.Chart.load(CHART) as chart:
+        rejected = [v for v in ("1%", "25%", "100%", 1, 50)
+                    if schema_accepted(chart, [{"kubeletPlugin": {"updateStrategy": {"maxSurge": v}}}]) == []]
+    assert not rejected, f"schema refused good maxSurge values: {rejected}"
+    assert one(render({"kubeletPlugin": {"updateStrategy": {"maxSurge": 50}, "minReadySeconds": 10}}),
+               "DaemonSet")["spec"]["minReadySeconds"] == 10
+
+
+# What each node labeller writes on a GPU node (docs/install.md "Which nodes run the plugin"):
+# Node Feature Discovery's default pci source labels pci-<class>_<vendor>.present for
+# classes 03, 0b40 and 12 (source/pci/pci.go newDefaultConfig: deviceClassWhitelist
+# ["03","0b40","12"], deviceLabelFields ["class","vendor"]); the NFD the GPU Operator deploys
+# is configured with deviceLabelFields [vendor] (pci-10de.present); the GPU Operator labels
+# GPU nodes nvidia.com/gpu.present=true (controllers/state_manager.go commonGPULabelKey).
+NFD = "feature.node.kubernetes.io/"
+GPU_NODE_LABELS = {
+    "stock NFD, data-centre GPU (class 0302)": {NFD + "pci-0302_10de.present": "true", NFD + "pci-0300_1a03.present": "true"},
+    "stock NFD, workstation GPU (class 0300)": {NFD + "pci-0300_10de.present": "true"},
+    "GPU Operator's NFD (vendor only)": {NFD + "pci-10de.present": "true"},
+    "GPU Operator": {"nvidia.com/gpu.present": "true", NFD + "pci-10de.present": "true"},
+}
+NON_GPU_NODE_LABELS = {
+    "stock NFD, BMC VGA only": {NFD + "pci-0300_1a03.present": "true"},
+    "stock NFD, NVIDIA NIC": {NFD + "pci-0207_15b3.present": "true", NFD + "pci-0b40_8086.present": "true"},
+    "GPU Operator, GPU node switched off": {"nvidia.com/gpu.present": "false"},
+    "no labeller": {},
+}
+
+
+@check
+def default_affinity_selects_the_nodes_node_labellers_mark() -> None:
+    import test_tenancy  # noqa: PLC0415 - its node-term evaluator
+
+    terms = test_tenancy.node_terms(one(render(), "DaemonSet"))
+    for what, labels in GPU_NODE_LABELS.items():
+        assert any(test_tenancy.selects(t, labels) for t in terms), f"the plugin skips a GPU node labelled by {what}: {labels}"
+    for what, labels in NON_GPU_NODE_LABELS.items():
+        assert not any(test_tenancy.selects(t, labels) for t in terms), f"the plugin runs on a non-GPU node ({what})"
+    doc = (ROOT / "docs" / "install.md").read_text()
+    for key in {e[0] for t in terms for e in t}:
+        assert key in doc, f"docs/install.md does not name the node label {key}"
+
+
 @check
 def kind_values_use_mock_nvml_and_dynamic_mig() -> None:
     objs = render(kind_values())
@@ -503,7 +631,7 @@ def schema_accepted(chart, values_list: list) -> list:
     accepted = []
     for values in values_list:
         try:
-            chart.render(values=values, name="cleave", namespace="cleave-system")
+            chart_render(chart, values)
         except helm.HelmValuesError:
             continue
         accepted.append(values)
@@ -729,7 +857,7 @@ def kubernetes_version_sets_extended_resource_and_taint_defaults() -> None:
         spec = one(objs, "DeviceClass", "gpu.cleave.dev")["spec"]
         return spec.get("extendedResourceName"), flags(plugin_container(objs))["--device-taints"]
 
-    assert state({}) == (None, "off")
+    assert state({}) == (None, "off"), f"the {KUBE_VERSION} cluster"
     for version, want in (("1.34", (None, "off")), ("1.35.3", (None, "off")), ("1.36", ("nvidia.com/gpu", "on")),
                           ("v1.36.0-rc.1", ("nvidia.com/gpu", "on")), ("1.37", ("nvidia.com/gpu", "on")),
                           ("v1.37.2-gke.100", ("nvidia.com/gpu", "on"))):
@@ -743,6 +871,20 @@ def kubernetes_version_sets_extended_resource_and_taint_defaults() -> None:
         got = state({"kubernetesVersion": version, "deviceClasses": {"gpu": {"extendedResourceName": "example.com/gpu"}},
                      "health": {"deviceTaints": "auto"}})
         assert got == ("example.com/gpu", "auto"), f"{version} with explicit values: {got}"
+    # Unset, the version Helm reports (.Capabilities.KubeVersion) decides; set, it overrides.
+    def cluster(kube_version: str | None, values: dict | None = None) -> tuple[str | None, str | None]:
+        objs = render(values or {}, kube_version=kube_version)
+        spec = one(objs, "DeviceClass", "gpu.cleave.dev")["spec"]
+        return spec.get("extendedResourceName"), flags(plugin_container(objs))["--device-taints"]
+
+    for kube, want in (("v1.34.2", (None, "off")), ("v1.35.0", (None, "off")),
+                       ("v1.36.1", ("nvidia.com/gpu", "on")), ("v1.36.2-eks-1a2b3c4", ("nvidia.com/gpu", "on")),
+                       ("v1.37.0", ("nvidia.com/gpu", "on"))):
+        assert cluster(kube) == want, f"cluster {kube}: {cluster(kube)} != {want}"
+    assert cluster("v1.37.0", {"kubernetesVersion": "1.35"}) == (None, "off"), "override ignored on a 1.37 cluster"
+    assert cluster("v1.34.0", {"kubernetesVersion": "1.36"}) == ("nvidia.com/gpu", "on"), "override ignored on 1.34"
+    # Helm's own default (no cluster, no --kube-version) is a version too: 1.36 for Helm 4.2.
+    assert cluster(None)[1] in {"on", "off"}
     # The 1.37 render validates, and its other classes get no extended resource.
     objs = render({"kubernetesVersion": "1.37"})
     for c in (o for o in objs if o["kind"] == "DeviceClass"):
@@ -971,7 +1113,7 @@ def mps_values_schema_accepts_defaults_rejects_bad_values() -> None:
                 {"mps": {"image": {"pullPolicy": "Never"}}}, {"mps": {"priorityClassName": "", "serviceAccountName": ""}},
                 {"mps": {"serviceAccountName": "cleave-mps.v1"}}, {"mps": {"checkIntervalSeconds": 0}}]
         for values in good:
-            chart.render(values=values, name="cleave", namespace="cleave-system")
+            chart_render(chart, values)
         bad = [
             {"mps": {"launcher": "daemonset"}},
             {"mps": {"launcher": "Pod"}},
@@ -2015,7 +2157,11 @@ def metrics_reach_prometheus() -> None:
     assert pm["metadata"]["namespace"] == "cleave-system" and pm["metadata"]["labels"]["release"] == "kps"
     assert set(pm["spec"]["selector"]["matchLabels"].items()) <= set(pod_labels.items())
     (ep,) = pm["spec"]["podMetricsEndpoints"]
-    assert ep == {"port": "metrics", "path": "/metrics", "interval": "1m"}, ep
+    # honorLabels: the claim series' own `namespace` wins over the operator's target label
+    # (kubelet-plugin/tests/usage.rs proves it with a real Prometheus).
+    assert ep == {"port": "metrics", "path": "/metrics", "interval": "1m", "honorLabels": True}, ep
+    off = render({"metrics": {"podMonitor": {"enabled": True, "honorLabels": False}}})
+    assert one(off, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["honorLabels"] is False
     assert one(objs, "Service")["spec"]["ports"][0]["port"] == 9500
     # Metrics off: no Service, no PodMonitor, no annotations.
     objs = render({"metrics": {"enabled": False, "port": 9400, "podMonitor": {"enabled": True}}})
@@ -2288,6 +2434,7 @@ _VALUE_PATH = re.compile(r"^([a-z][A-Za-z0-9]*(?:\.(?:[A-Za-z][A-Za-z0-9]*|\{[A-
 FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--platform", "--root-dir",
                  "--config", "--privileged", "--cgroups", "--device", "--gpu-reset", "--help",
                  "--bench", "--query-gpu", "--set-timeslice", "--features", "--build-arg",
+                 "--kube-version", "--kube-api-qps",  # helm template; kube-controller-manager
                  # cleave-cdi-hook's (cdi-hook/src/lib.rs), named in SECURITY.md's hook section
                  "--folder"}
 # Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).

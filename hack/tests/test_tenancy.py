@@ -47,7 +47,7 @@ def register(module: Any) -> None:
                tenancy_policy_caps_share_memory, tenancy_policy_catches_a_broken_rule,
                tenancy_values_schema, pool_releases_do_not_clash,
                tenancy_examples_validate, tenancy_examples_agree_with_each_other_and_the_policy,
-               tenancy_doc_walks_every_example):
+               tenancy_doc_walks_every_example, pools_publish_what_their_tenants_classes_select):
         module.CHECKS.append(fn)
 
 
@@ -435,7 +435,7 @@ def tenancy_values_schema() -> None:
 
 def render_release(name: str, values: dict, namespace: str = "cleave-system") -> list[dict]:
     with td.helm.Chart.load(td.CHART) as chart:
-        out = chart.render(values=values, name=name, namespace=namespace, is_install=True)
+        out = td.chart_render(chart, values, name=name, namespace=namespace, is_install=True)
     return [d for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
             for d in yaml.safe_load_all(text) if d is not None]
 
@@ -499,7 +499,7 @@ def pool_releases_do_not_clash() -> None:
         assert contradict(ta, tb), f"a node could match both DaemonSets: {ta} and {tb}"
     # And on sample nodes: every combination of pool and GPU labels.
     pool_values = [None, "training", "inference", "other"]
-    gpu_labels = [{}, {"nvidia.com/gpu.present": "true"}, {"feature.node.kubernetes.io/pci-10de.present": "true"}]
+    gpu_labels = [{}, *td.GPU_NODE_LABELS.values()]
     hits = {rel: 0 for rel in sets}
     for pool, gpu in itertools.product(pool_values, gpu_labels):
         labels = dict(gpu, **({"example.com/gpu-pool": pool} if pool else {}))
@@ -511,6 +511,94 @@ def pool_releases_do_not_clash() -> None:
     # The check can fail: the same release twice overlaps.
     same = node_terms(td.one(releases["cleave-training"], "DaemonSet"))
     assert not contradict(same[0], same[0])
+
+
+# The classes each pool's tenants are meant to use (docs/tenancy.md): the training pool runs
+# whole GPUs (training-job.yaml); the inference pool runs the model server's shares
+# (inference.yaml) and the evaluation Job's MIG instances (eval-job.yaml).
+POOL_CLASSES = {"cleave-training": ["gpu.cleave.dev"],
+                "cleave-inference": ["shared.gpu.cleave.dev", "mig.cleave.dev"]}
+# Each pool's nodes as the mock plays them: MIG mode off in training (docs/tenancy.md
+# section 1), on in inference (MIG instances on demand); eight H100s each.
+POOL_MIG = {"cleave-training": "off", "cleave-inference": "on"}
+POOL_PROFILE = "h100-80gb-x8"
+# The `run` flags that change what a node publishes; `inspect` takes the same.
+PUBLISH_FLAGS = ("--dynamic-mig", "--consumable-capacity", "--share-on-demand-mig")
+
+
+def published_devices(flags: dict[str, str | None], mig: str) -> list[dict]:
+    """The devices a mock node publishes with the DaemonSet's publishing flags, as `inspect
+    --yaml` of the built plugin prints them, in the shape CEL selectors see (`device.driver`,
+    `.attributes[domain][name]`, `.capacity[domain][name]` as a number, `.allowMultipleAllocations`)."""
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    args = [str(td.built_plugin()), "inspect", "--mock", POOL_PROFILE, "--yaml"]
+    for f in PUBLISH_FLAGS:
+        if f in flags:
+            args += [f] if flags[f] is None else [f"{f}={flags[f]}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"PATH": "/usr/bin:/bin", "MOCK_NVML_STATE": str(Path(tmp) / "state"), "MOCK_NVML_MIG": mig}
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, f"{' '.join(args[1:])}: {proc.stderr[-2000:]}"
+    devices = []
+    for slice_ in (d for d in yaml.safe_load_all(proc.stdout) if d):
+        driver = slice_["spec"]["driver"]
+        for dev in slice_["spec"].get("devices") or []:
+            attrs: dict[str, dict] = {}
+            for name, value in (dev.get("attributes") or {}).items():
+                domain, _, short = name.rpartition("/")
+                (v,) = value.values()
+                attrs.setdefault(domain or driver, {})[short] = v
+            caps: dict[str, dict] = {}
+            for name, value in (dev.get("capacity") or {}).items():
+                domain, _, short = name.rpartition("/")
+                caps.setdefault(domain or driver, {})[short] = int(td.quantity(str(value["value"])))
+            devices.append({"name": dev["name"], "driver": driver, "attributes": attrs, "capacity": caps,
+                            "allowMultipleAllocations": bool(dev.get("allowMultipleAllocations"))})
+    return devices
+
+
+def class_selects(cls: dict, device: dict) -> bool:
+    return all(td.cel_select(s["cel"]["expression"], device) for s in cls["spec"].get("selectors") or [])
+
+
+def pools_publish_what_their_tenants_classes_select() -> None:
+    """Each class a pool's tenants use selects some device that pool's plugin publishes
+    (its release's flags, on a mock node of the pool's MIG mode); otherwise their pods
+    stay Pending. Fails naming the class and the pool."""
+    releases = {name: render_release(name, yaml.safe_load((TENANCY / f).read_text())) for name, f in POOLS.items()}
+    classes = {o["metadata"]["name"]: o for objs in releases.values() for o in objs if o["kind"] == "DeviceClass"}
+    used = {d["deviceClassName"] for docs in tenancy_docs().values() for d in _walk(docs)
+             if isinstance(d, dict) and isinstance(d.get("deviceClassName"), str)}
+    meant = {c for cs in POOL_CLASSES.values() for c in cs}
+    assert used <= meant, f"the tenancy examples use classes no pool is meant for: {sorted(used - meant)}"
+
+    def missing(rel: str, objs: list[dict]) -> list[str]:
+        devices = published_devices(td.flags(td.plugin_container(objs)), POOL_MIG[rel])
+        assert devices, f"pool {rel} ({POOLS[rel]}) publishes no device"
+        return [f"class {c} selects none of the {len(devices)} devices pool {rel} ({POOLS[rel]}) publishes"
+                for c in POOL_CLASSES[rel] if not any(class_selects(classes[c], d) for d in devices)]
+
+    bad = [m for rel, objs in releases.items() for m in missing(rel, objs)]
+    assert not bad, "; ".join(bad)
+    # The check can fail: without shareOnDemandMig the inference pool's MIG-mode GPUs
+    # publish nothing shareable, and the shared class selects nothing.
+    values = yaml.safe_load((TENANCY / POOLS["cleave-inference"]).read_text())
+    values["shareOnDemandMig"] = False
+    got = missing("cleave-inference", render_release("cleave-inference", values))
+    assert got and "shared.gpu.cleave.dev" in got[0], got
+
+
+def _walk(node: Any) -> Any:
+    """Every dict and list inside `node` (itself included)."""
+    yield node
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
 
 
 # ----------------------------------------------------------------------------- examples

@@ -517,8 +517,8 @@ fn url_encode(q: &str) -> String {
 }
 
 /// Every PromQL query of the dashboard: targets' `expr`, and the metric of each
-/// `label_values(metric, label)` variable query; `$namespace` matches everything.
-fn dashboard_queries() -> Vec<String> {
+/// `label_values(metric, label)` variable query; `$namespace` becomes `namespace` (a regex).
+fn dashboard_queries(namespace: &str) -> Vec<String> {
     fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
         match v {
             serde_json::Value::Object(m) => {
@@ -547,10 +547,101 @@ fn dashboard_queries() -> Vec<String> {
     walk(&serde_json::from_str(&text).unwrap(), &mut out);
     out.into_iter()
         .map(|q| {
-            q.replace("$namespace", ".*")
+            q.replace("$namespace", namespace)
                 .replace("$__rate_interval", "1m")
         })
         .collect()
+}
+
+/// The release namespace of the plugin pods in the Prometheus Operator scrape below, and
+/// the namespaces of the claims: all different, as on a cluster.
+const RELEASE_NAMESPACE: &str = "cleave-system";
+const CLAIM_NAMESPACES: [(&str, &str); 3] =
+    [("mig", "team-a"), ("mps", "team-b"), ("idle", "default")];
+
+/// `honorLabels` of the chart's PodMonitor with default values: the literal in
+/// templates/metrics.yaml, or the value it takes from values.yaml; absent, the operator's
+/// default (false).
+fn chart_pod_monitor_honor_labels() -> bool {
+    let template =
+        std::fs::read_to_string(repo_file("deployments/helm/cleave/templates/metrics.yaml"))
+            .unwrap();
+    let Some(line) = template
+        .lines()
+        .find(|l| l.trim_start().starts_with("honorLabels:"))
+    else {
+        return false;
+    };
+    let value = line.split_once(':').unwrap().1.trim();
+    match value {
+        "true" => true,
+        "false" => false,
+        v if v.contains(".Values.metrics.podMonitor.honorLabels") => {
+            let values: serde_yaml::Value = serde_yaml::from_str(
+                &std::fs::read_to_string(repo_file("deployments/helm/cleave/values.yaml")).unwrap(),
+            )
+            .unwrap();
+            values["metrics"]["podMonitor"]["honorLabels"]
+                .as_bool()
+                .unwrap_or(false)
+        }
+        v => panic!("templates/metrics.yaml: honorLabels {v:?} is neither a literal nor the value"),
+    }
+}
+
+/// The scrape job the Prometheus Operator generates for the chart's PodMonitor (release
+/// `cleave` in `cleave-system`), after its generator for PodMonitors
+/// (prometheus-operator `pkg/prometheus/promcfg.go`, `generatePodMonitorConfig`):
+/// `honor_labels` from the endpoint's `honorLabels`; relabelling that keeps the pods the
+/// selector's labels match and the container port named `metrics`, then sets the target
+/// labels `namespace`, `container` and `pod` from the pod's metadata, `job` to
+/// `<namespace>/<PodMonitor name>` and `endpoint` to the port name. Pod discovery
+/// (`kubernetes_sd_configs`, role pod) is stood in for by a static target carrying the
+/// `__meta_kubernetes_*` labels it would give the plugin pod.
+fn operator_scrape_job(port: u16, honor_labels: bool) -> String {
+    let ns = RELEASE_NAMESPACE;
+    format!(
+        r#"  - job_name: podMonitor/{ns}/cleave-kubelet-plugin/0
+    honor_labels: {honor_labels}
+    scrape_interval: 1s
+    metrics_path: /metrics
+    static_configs:
+      - targets: ['127.0.0.1:{port}']
+        labels:
+          __meta_kubernetes_namespace: {ns}
+          __meta_kubernetes_pod_name: cleave-kubelet-plugin-x7k2p
+          __meta_kubernetes_pod_container_name: plugin
+          __meta_kubernetes_pod_container_port_name: metrics
+          __meta_kubernetes_pod_label_app_kubernetes_io_name: cleave
+          __meta_kubernetes_pod_label_app_kubernetes_io_instance: cleave
+          __meta_kubernetes_pod_label_app_kubernetes_io_component: kubelet-plugin
+    relabel_configs:
+      - source_labels: [job]
+        target_label: __tmp_prometheus_job_name
+      - action: keep
+        source_labels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
+        regex: kubelet-plugin
+      - action: keep
+        source_labels: [__meta_kubernetes_pod_label_app_kubernetes_io_instance]
+        regex: cleave
+      - action: keep
+        source_labels: [__meta_kubernetes_pod_label_app_kubernetes_io_name]
+        regex: cleave
+      - action: keep
+        source_labels: [__meta_kubernetes_pod_container_port_name]
+        regex: metrics
+      - source_labels: [__meta_kubernetes_namespace]
+        target_label: namespace
+      - source_labels: [__meta_kubernetes_pod_container_name]
+        target_label: container
+      - source_labels: [__meta_kubernetes_pod_name]
+        target_label: pod
+      - target_label: job
+        replacement: {ns}/cleave-kubelet-plugin
+      - target_label: endpoint
+        replacement: metrics
+"#
+    )
 }
 
 /// A child process killed and reaped when dropped.
@@ -576,7 +667,11 @@ fn prom_query(port: u16, query: &str) -> Result<Vec<serde_json::Value>, String> 
 
 /// A real Prometheus scrapes the plugin over the mock with scripted usage and loads the
 /// chart's recording rules; every query of the dashboard returns a series for the claims
-/// prepared, and so does every recording rule.
+/// prepared, and so does every recording rule. It scrapes through the job the Prometheus
+/// Operator generates for the chart's PodMonitor (with the chart's `honorLabels`), which
+/// adds the plugin pod's `namespace` as a target label: each claim's series, the
+/// per-namespace dashboard queries and the `namespace:*` rules still name the claim's own
+/// namespace, never the release's, and no series has `exported_namespace`.
 async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
     let required = std::env::var(REQUIRE_PROMETHEUS).is_ok_and(|v| !v.is_empty() && v != "0");
     let found = |tool: &str| {
@@ -639,31 +734,40 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
             ..PluginOptions::default()
         },
     );
-    put_claim(
-        &standin,
-        "mig",
-        "uid-mig",
-        &[("mig", "gpu-0-mig-3g40gb-4")],
-        &[],
-    );
-    put_claim(
-        &standin,
-        "mps",
-        "uid-mps",
-        &[("gpu", "gpu-1")],
-        &[mps_config()],
-    );
-    put_claim(&standin, "idle", "uid-idle", &[("gpu", "gpu-2")], &[]);
-    let mut dra = dra_v1(&plugin.dra_socket).await;
-    let r = prepare(
-        &mut dra,
+    // Each claim in its own namespace, none the release's.
+    let in_ns = |name: &str, uid: &str| {
+        let (_, ns) = CLAIM_NAMESPACES.iter().find(|(c, _)| *c == name).unwrap();
+        cleave_kubelet_plugin::proto::dra::v1::Claim {
+            namespace: (*ns).into(),
+            ..claim(name, uid)
+        }
+    };
+    for (name, uid, results, configs) in [
+        ("mig", "uid-mig", [("mig", "gpu-0-mig-3g40gb-4")], vec![]),
+        ("mps", "uid-mps", [("gpu", "gpu-1")], vec![mps_config()]),
+        ("idle", "uid-idle", [("gpu", "gpu-2")], vec![]),
+    ] {
+        let c = in_ns(name, uid);
+        let object = cleave_apiserver_standin::fixtures::resource_claim(
+            &c.namespace,
+            name,
+            uid,
+            DRIVER,
+            NODE,
+            &results,
+            &configs,
+        );
+        standin.put(&object).unwrap();
+    }
+    let all_claims = || {
         vec![
-            claim("mig", "uid-mig"),
-            claim("mps", "uid-mps"),
-            claim("idle", "uid-idle"),
-        ],
-    )
-    .await;
+            in_ns("mig", "uid-mig"),
+            in_ns("mps", "uid-mps"),
+            in_ns("idle", "uid-idle"),
+        ]
+    };
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, all_claims()).await;
     for uid in ["uid-mig", "uid-mps", "uid-idle"] {
         assert_eq!(r.claims[uid].error, "", "{uid}: {}", dirs.log());
     }
@@ -681,15 +785,17 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
     )
     .unwrap();
 
-    // Prometheus on loopback, scraping the plugin every second, with the chart's rules.
+    // Prometheus on loopback, scraping the plugin every second through the Prometheus
+    // Operator's job for the chart's PodMonitor, with the chart's rules.
     let prom_dir = dirs.path().join("prometheus");
     std::fs::create_dir_all(&prom_dir).unwrap();
     let prom_config = prom_dir.join("prometheus.yml");
     std::fs::write(
         &prom_config,
         format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: cleave\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n",
-            rules.display()
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n{}",
+            rules.display(),
+            operator_scrape_job(port, chart_pod_monitor_honor_labels())
         ),
     )
     .unwrap();
@@ -717,7 +823,7 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
     };
     // Recommendations need half the 24 s window; the rules one evaluation more.
     let started = Instant::now();
-    let mut queries = dashboard_queries();
+    let mut queries = dashboard_queries(".*");
     assert!(queries.len() > 10, "{queries:?}");
     queries.extend(
         [
@@ -750,6 +856,85 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // Each claim's series carry its own namespace and the operator's target labels; the
+    // plugin's own series (no namespace of theirs) the release namespace.
+    for (claim_name, ns) in CLAIM_NAMESPACES {
+        let series = prom_query(
+            prom_port,
+            &format!(
+                r#"cleave_kubelet_plugin_claim_allocated_memory_bytes{{claim="{claim_name}"}}"#
+            ),
+        )
+        .unwrap();
+        assert!(
+            !series.is_empty(),
+            "{claim_name}: no series{}",
+            prom_failure()
+        );
+        for s in &series {
+            let m = &s["metric"];
+            assert_eq!(m["namespace"], ns, "{claim_name}: {m}");
+            assert_eq!(m["job"], "cleave-system/cleave-kubelet-plugin", "{m}");
+            assert_eq!(m["endpoint"], "metrics", "{m}");
+            assert_eq!(m["container"], "plugin", "{m}");
+            assert_eq!(m["pod"], "cleave-kubelet-plugin-x7k2p", "{m}");
+        }
+    }
+    let up = prom_query(prom_port, "up").unwrap();
+    assert_eq!(up[0]["metric"]["namespace"], RELEASE_NAMESPACE, "{up:?}");
+    let exported = prom_query(prom_port, r#"{exported_namespace!=""}"#).unwrap();
+    assert!(
+        exported.is_empty(),
+        "series with exported_namespace: {exported:?}"
+    );
+    let namespaces = |query: &str| -> std::collections::BTreeSet<String> {
+        prom_query(prom_port, query)
+            .unwrap()
+            .iter()
+            .filter_map(|s| s["metric"]["namespace"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let claim_namespaces: std::collections::BTreeSet<String> = CLAIM_NAMESPACES
+        .iter()
+        .map(|(_, ns)| (*ns).to_owned())
+        .collect();
+    assert_eq!(
+        namespaces("count by (namespace) (cleave_kubelet_plugin_claim_allocated_memory_bytes)"),
+        claim_namespaces
+    );
+    for rule in [
+        "namespace:cleave_claim_allocated_memory_bytes:sum",
+        "namespace:cleave_claim_recommended_memory_bytes:sum",
+        "namespace_recommendation_change:cleave_claim_devices:count",
+    ] {
+        let got = namespaces(rule);
+        assert!(
+            !got.is_empty() && got.is_subset(&claim_namespaces),
+            "{rule}: namespaces {got:?}, claims' {claim_namespaces:?}"
+        );
+    }
+    // The dashboard filtered to one claim namespace: the per-namespace queries answer for
+    // it (over the three namespaces, each query for some) and only with its series.
+    let per_namespace: Vec<String> = dashboard_queries("\u{0}")
+        .into_iter()
+        .filter(|q| q.contains('\u{0}'))
+        .collect();
+    assert!(
+        !per_namespace.is_empty(),
+        "the dashboard has no $namespace query"
+    );
+    for q in &per_namespace {
+        let mut answered = false;
+        for ns in &claim_namespaces {
+            let series = prom_query(prom_port, &q.replace('\u{0}', ns)).unwrap();
+            answered |= !series.is_empty();
+            for s in &series {
+                let got = &s["metric"]["namespace"];
+                assert!(got.is_null() || got == ns.as_str(), "{q} for {ns}: {s}");
+            }
+        }
+        assert!(answered, "no claim namespace has a series for {q}");
+    }
     // The MPS claim's window: its memory and activity are its processes'.
     let mps_peak = prom_query(
         prom_port,
@@ -758,15 +943,7 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
     .unwrap();
     assert_eq!(mps_peak[0]["value"][1], "3221225472", "{mps_peak:?}");
     drop(_prometheus);
-    let u = unprepare(
-        &mut dra,
-        vec![
-            claim("mig", "uid-mig"),
-            claim("mps", "uid-mps"),
-            claim("idle", "uid-idle"),
-        ],
-    )
-    .await;
+    let u = unprepare(&mut dra, all_claims()).await;
     assert!(u.claims.values().all(|c| c.error.is_empty()));
     // Unprepared: the windows leave the state file beside the checkpoint.
     let state = dirs.checkpoint().with_file_name("usage-windows.json");

@@ -76,12 +76,18 @@ plugin's image (the daemon runs `cleave-kubelet-plugin mps-daemon` from the same
 {{- default .Values.image.pullPolicy .Values.mps.image.pullPolicy -}}
 {{- end -}}
 
-{{/* "true" when kubernetesVersion is 1.36 or later (DRAExtendedResource and DRADeviceTaints
-beta and on by default), else empty. Pre-releases ("1.36.0-rc.1") count as 1.36. */}}
-{{- define "cleave.kube136" -}}
-{{- with .Values.kubernetesVersion -}}
-{{- if semverCompare ">=1.36.0-0" . -}}true{{- end -}}
+{{/* The cluster's Kubernetes version: kubernetesVersion when set, else the one Helm reports
+(.Capabilities.KubeVersion: the API server's on install/upgrade, --kube-version or Helm's
+default with `helm template`). */}}
+{{- define "cleave.kubeVersion" -}}
+{{- default .Capabilities.KubeVersion.Version .Values.kubernetesVersion -}}
 {{- end -}}
+
+{{/* "true" when the cluster's version (cleave.kubeVersion) is 1.36 or later
+(DRAExtendedResource and DRADeviceTaints beta and on by default), else empty. Pre-releases
+and vendor builds ("1.36.0-rc.1", "v1.36.2-eks-1a2b3c") count as 1.36. */}}
+{{- define "cleave.kube136" -}}
+{{- if semverCompare ">=1.36.0-0" (include "cleave.kubeVersion" .) -}}true{{- end -}}
 {{- end -}}
 
 {{/* The gpu class's extended resource: the value when set (even ""), else nvidia.com/gpu
