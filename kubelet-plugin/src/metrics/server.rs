@@ -5,7 +5,9 @@
 //! only `GET`/`HEAD` without a body are served.
 //!
 //! Without these bounds 9,000 half-open connections took the plugin from 11 to 145 MiB
-//! (each holds hyper's read buffer and a task), over the chart's 128Mi memory limit.
+//! (each holds hyper's read buffer and a task), over the chart's 128Mi memory limit. The
+//! header timeout is hyper's `http1::Builder::header_read_timeout`, which acts only with a
+//! timer set (`hyper_util::rt::TokioTimer`; hyper 1.x `server::conn::http1` docs).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
