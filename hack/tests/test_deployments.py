@@ -67,6 +67,7 @@ PLUGIN_FLAGS = {
     "--node-name", "--driver-name", "--kubelet-registrar-directory-path",
     "--kubelet-plugins-directory-path", "--cdi-root", "--driver-root", "--host-driver-root", "--nvml-lib",
     "--dynamic-mig", "--consumable-capacity", "--share-on-demand-mig", "--pod-uid", "--log-format", "--log-level", "--metrics-addr", "--uninstall",
+    "--metrics-claim-labels", "--metrics-auth",
     "--mps-control-bin", "--nvidia-smi-bin",
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--mps-pipe-root", "--namespace", "--pod-name",
@@ -893,6 +894,27 @@ def kubernetes_version_sets_extended_resource_and_taint_defaults() -> None:
     with helm.Chart.load(CHART) as chart:
         accepted = schema_accepted(chart, [{"kubernetesVersion": v} for v in ("136", "1.x", "latest", "1.36 ")])
     assert not accepted, f"schema accepted bad versions: {accepted}"
+
+
+@check
+def metrics_auth_adds_only_the_review_grants() -> None:
+    """metrics.auth=kubernetes: the plugin reviews scrapes (TokenReview, SubjectAccessReview)
+    and gets exactly those two create grants more; the flag is passed."""
+    def rules(values: dict[str, Any] | None) -> dict[tuple[str, str], set[str]]:
+        got: dict[tuple[str, str], set[str]] = {}
+        for rule in one(render(values), "ClusterRole")["rules"]:
+            for group in rule["apiGroups"]:
+                for res in rule["resources"]:
+                    got.setdefault((group, res), set()).update(rule["verbs"])
+        return got
+    extra = {("authentication.k8s.io", "tokenreviews"): {"create"},
+             ("authorization.k8s.io", "subjectaccessreviews"): {"create"}}
+    assert rules({"metrics": {"auth": "kubernetes"}}) == {**RBAC, **extra}
+    assert rules({"metrics": {"auth": "kubernetes", "enabled": False}}) == RBAC
+    objs = render({"metrics": {"auth": "kubernetes", "claimLabels": "uid-only"}})
+    c = one(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    f = flags(c)
+    assert f["--metrics-auth"] == "kubernetes" and f["--metrics-claim-labels"] == "uid-only", f
 
 
 @check
