@@ -673,7 +673,6 @@ fn prom_query(port: u16, query: &str) -> Result<Vec<serde_json::Value>, String> 
 /// per-namespace dashboard queries and the `namespace:*` rules still name the claim's own
 /// namespace, never the release's, and no series has `exported_namespace`.
 async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
-    let required = std::env::var(REQUIRE_PROMETHEUS).is_ok_and(|v| !v.is_empty() && v != "0");
     let found = |tool: &str| {
         std::process::Command::new(tool)
             .arg("--version")
@@ -681,12 +680,11 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
             .is_ok_and(|o| o.status.success())
     };
     if !found("prometheus") || !found("promtool") {
-        assert!(
-            !required,
-            "{REQUIRE_PROMETHEUS} is set but prometheus or promtool cannot run"
-        );
-        eprintln!(
-            "\n*** SKIPPED prometheus_scrapes_the_plugin_and_every_dashboard_query_answers: prometheus and promtool are not installed (Debian: apt-get install prometheus); set {REQUIRE_PROMETHEUS}=1 to make this a failure ***\n"
+        // Reported `ignored`, never `ok`; a failure where required (or under CI).
+        cleave_testkit::runner::tool_missing(
+            "prometheus",
+            REQUIRE_PROMETHEUS,
+            "prometheus and promtool are not installed (Debian: apt-get install prometheus)",
         );
         return;
     }
