@@ -192,6 +192,7 @@ fn run_args(node: &str, dir: &Path, lib: std::path::PathBuf) -> RunArgs {
         },
         kubeconfig: None,
         metrics_addr: None,
+        metrics: Default::default(),
         health: Default::default(),
         claim_info: Default::default(),
         uninstall: false,

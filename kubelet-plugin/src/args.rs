@@ -163,6 +163,72 @@ impl Default for LifecycleArgs {
     }
 }
 
+/// Bounds of the `/metrics`, `/healthz` and `/readyz` server against floods and slow
+/// clients (flags of `run`); see the metrics server in `docs/usage-metrics.md`.
+#[derive(Debug, Clone, Args)]
+pub struct MetricsServerArgs {
+    /// Connections served at once; a connection over it is closed at once (counted in
+    /// `metrics_connections_refused_total{reason="total"}`).
+    #[arg(long, env = "METRICS_MAX_CONNECTIONS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub metrics_max_connections: u32,
+    /// Connections served at once from one client address (so that one pod cannot take
+    /// every slot from the kubelet's probes and Prometheus); over it: closed at once.
+    #[arg(long, env = "METRICS_MAX_CONNECTIONS_PER_CLIENT", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub metrics_max_connections_per_client: u32,
+    /// Time a client has to send a request's headers (`5s`, `500ms`); a connection that
+    /// sends them slower, or not at all, is closed.
+    #[arg(long, env = "METRICS_HEADER_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub metrics_header_timeout: std::time::Duration,
+    /// Longest life of one connection, keep-alive included (`60s`); then it is closed
+    /// after the response in flight, if any.
+    #[arg(long, env = "METRICS_CONNECTION_LIFETIME", default_value = "60s", value_parser = parse_duration)]
+    pub metrics_connection_lifetime: std::time::Duration,
+    /// What identifies a claim in the per-claim series: `names` (labels `namespace` and
+    /// `claim`, as the Grafana dashboard expects) or `uid-only` (label `claim_uid` only, so
+    /// a scrape does not list the tenants' namespaces and claim names).
+    #[arg(long, env = "METRICS_CLAIM_LABELS", default_value = "names")]
+    pub metrics_claim_labels: ClaimLabelMode,
+    /// Who may scrape `/metrics`: `none` (anyone who reaches the port) or `kubernetes` (a
+    /// bearer token the API server authenticates, TokenReview, whose user may `get` the
+    /// non-resource URL `/metrics`, SubjectAccessReview; needs `tokenreviews` and
+    /// `subjectaccessreviews` `create`). `/healthz` and `/readyz` stay open.
+    #[arg(long, env = "METRICS_AUTH", default_value = "none")]
+    pub metrics_auth: MetricsAuth,
+}
+
+/// Who may scrape `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MetricsAuth {
+    /// Anyone who reaches the port.
+    #[default]
+    None,
+    /// Bearer tokens reviewed by the API server (TokenReview + SubjectAccessReview).
+    Kubernetes,
+}
+
+impl Default for MetricsServerArgs {
+    fn default() -> Self {
+        Self {
+            metrics_max_connections: 64,
+            metrics_max_connections_per_client: 8,
+            metrics_header_timeout: std::time::Duration::from_secs(5),
+            metrics_connection_lifetime: std::time::Duration::from_secs(60),
+            metrics_claim_labels: ClaimLabelMode::Names,
+            metrics_auth: MetricsAuth::None,
+        }
+    }
+}
+
+/// What identifies a claim in the per-claim metric series.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ClaimLabelMode {
+    /// `namespace` and `claim` labels (the claim's namespace and name).
+    #[default]
+    Names,
+    /// A `claim_uid` label only: no tenant names in a scrape.
+    UidOnly,
+}
+
 /// Log format and level.
 #[derive(Debug, Clone, Args)]
 pub struct LogArgs {
@@ -541,6 +607,9 @@ pub struct RunArgs {
     /// Address for `/metrics` (Prometheus), `/healthz` and `/readyz`; none: not served.
     #[arg(long, env = "METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Bounds of the metrics server and the per-claim labels.
+    #[command(flatten)]
+    pub metrics: MetricsServerArgs,
     /// Delete this node's ResourceSlices of this driver and exit.
     #[arg(long)]
     pub uninstall: bool,

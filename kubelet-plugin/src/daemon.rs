@@ -156,6 +156,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let metrics = args.metrics_addr.map(|_| Arc::new(Metrics::new()));
     if let Some(m) = &metrics {
         m.observability.install_driver_observer();
+        m.set_claim_labels(args.metrics.metrics_claim_labels);
     }
     let taint_client = client.clone();
     // Health is served before start-up, which may wait for the NVIDIA driver or a readable
@@ -177,11 +178,13 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 blocker: blocker.subscribe(),
                 degraded: degraded_rx,
                 heartbeat: Arc::clone(&heartbeat),
+                auth: (args.metrics.metrics_auth == crate::args::MetricsAuth::Kubernetes)
+                    .then(|| Arc::new(crate::metrics::auth::ScrapeAuth::new(client.clone()))),
             };
-            let (local, task) = crate::metrics::start(addr, state)
+            let (local, task) = crate::metrics::start(addr, state, (&args.metrics).into())
                 .await
                 .with_context(|| format!("serving metrics on {addr}"))?;
-            info!(addr = %local, "serving /metrics, /healthz and /readyz");
+            info!(addr = %local, auth = ?args.metrics.metrics_auth, "serving /metrics, /healthz and /readyz");
             Some(task)
         }
         _ => None,

@@ -412,7 +412,7 @@ async fn rolling_update_two_instances_share_the_node_state() {
     assert!(
         rd.claims["uid-d"]
             .error
-            .contains("already prepared for claim"),
+            .contains("already prepared for another claim"),
         "{:?}",
         rd.claims["uid-d"]
     );

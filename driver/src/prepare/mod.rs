@@ -144,15 +144,18 @@ pub enum PrepareError {
         /// The config API's message, naming the config entry.
         message: String,
     },
-    /// The device is prepared for another claim.
-    #[error("claim {claim}: device {device} is already prepared for claim {other}")]
+    /// The device is prepared for another claim. The message names only the requesting
+    /// claim's objects (the other claim may be another tenant's); `other` is for logs.
+    #[error("claim {claim}: device {device} is already prepared for another claim; {hint}")]
     DeviceBusy {
         /// `namespace/name`.
         claim: String,
         /// Device name.
         device: String,
-        /// `namespace/name (uid)` of the other claim.
+        /// UID of the other claim (not in the message).
         other: String,
+        /// What may have caused it.
+        hint: String,
     },
     /// A share (consumable capacity) cannot be prepared as allocated.
     #[error("claim {claim}: device {device}: {reason}")]

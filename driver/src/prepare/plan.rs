@@ -240,20 +240,23 @@ fn check_placement_free(
         .flat_map(|c| {
             c.devices
                 .iter()
-                .map(move |d| (format!("claim {}/{} ({})", c.namespace, c.name, c.uid), d))
+                .map(move |d| (("another claim".to_owned(), c.uid.as_str()), d))
         })
         .filter(|(_, d)| !d.admin_access && d.gpu_uuid == gpu.uuid && d.name != device)
         .filter_map(|(who, d)| d.mig.as_ref().map(|m| (who, d.name.clone(), m.placement)));
+    // The refusal names only this claim's objects: the other claim may be another tenant's
+    // (its UID is logged at debug level).
     let mine = planned
         .iter()
         .filter(|d| d.gpu.uuid == gpu.uuid && d.name != device)
         .filter_map(|d| {
             d.mig
                 .as_ref()
-                .map(|m| ("this claim".to_owned(), d.name.clone(), m.placement))
+                .map(|m| (("this claim".to_owned(), uid), d.name.clone(), m.placement))
         });
-    for (who, other, placement) in others.chain(mine) {
+    for ((who, holder), other, placement) in others.chain(mine) {
         if placement.overlaps(&mig.placement) {
+            tracing::debug!(device, holder, "MIG placement held by a claim");
             return Err(format!(
                 "over-commit: placement start {} size {} overlaps MIG device {other} prepared for {who} on GPU {}; {OVER_COMMIT_HINT}",
                 mig.placement.start, mig.placement.size, gpu.uuid
@@ -583,7 +586,9 @@ impl NodeDriver {
             else {
                 continue;
             };
-            let other_label = format!("{}/{} ({})", other.namespace, other.name, other.uid);
+            // Refusals name only this claim's objects: the other claim may be another
+            // tenant's (its UID is logged at debug level).
+            tracing::debug!(claim = %label, device, other = %other.uid, "device held by another claim");
             match (mine, ShareRecord::partial(theirs.share.as_ref())) {
                 (Some(_), Some(t)) => {
                     sum.0 += t.memory_bytes.unwrap_or(0);
@@ -604,18 +609,18 @@ impl NodeDriver {
                     return Err(PrepareError::DeviceBusy {
                         claim: label.to_owned(),
                         device: device.to_owned(),
-                        other: format!("{other_label}; {OVER_COMMIT_HINT}"),
+                        other: other.uid.clone(),
+                        hint: OVER_COMMIT_HINT.to_owned(),
                     });
                 }
-                (None, Some(s)) => {
+                (None, Some(_)) => {
                     return Err(refuse(format!(
-                        "over-commit: allocated whole, but it is prepared as share {} for claim {other_label}; {OVER_COMMIT_HINT}",
-                        s.share_id
+                        "over-commit: allocated whole, but it is prepared as a share for another claim; {OVER_COMMIT_HINT}"
                     )));
                 }
                 (Some(s), None) => {
                     return Err(refuse(format!(
-                        "over-commit: allocated as share {}, but it is prepared for claim {other_label} alone; {OVER_COMMIT_HINT}",
+                        "over-commit: allocated as share {}, but it is prepared for another claim alone; {OVER_COMMIT_HINT}",
                         s.share_id
                     )));
                 }

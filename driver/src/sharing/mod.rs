@@ -170,7 +170,7 @@ pub enum SharingFailure {
     },
     /// Another recorded claim needs a different time slice on the same GPU.
     #[error(
-        "GPU {gpu}: claim {claim} asks for time slice {interval}, but claim {other_claim} on the same GPU needs {other_interval}"
+        "GPU {gpu}: claim {claim} asks for time slice {interval}, but another claim on the same GPU needs {other_interval}"
     )]
     TimeSliceConflict {
         /// GPU UUID.
@@ -179,7 +179,7 @@ pub enum SharingFailure {
         claim: String,
         /// Interval asked for.
         interval: TimeSliceInterval,
-        /// The other claim.
+        /// The other claim's UID (not in the message: it may be another tenant's).
         other_claim: String,
         /// Its interval.
         other_interval: TimeSliceInterval,

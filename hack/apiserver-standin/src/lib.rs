@@ -247,6 +247,7 @@ impl StandIn {
             partitionable_devices: AtomicBool::new(opts.partitionable_devices),
             shutdown: shutdown_rx.clone(),
             watch_epoch: watch::channel(0).0,
+            reviews: Mutex::new(Default::default()),
         });
         let url = format!("http://{addr}");
         let client =
@@ -349,6 +350,24 @@ impl StandIn {
             url: self.url(),
             source,
         })
+    }
+
+    /// TokenReviews of `token` answer: authenticated as `user` (group
+    /// `system:authenticated`); other tokens are not authenticated.
+    pub fn add_token(&self, token: &str, user: &str) {
+        lock(&self.shared.reviews)
+            .tokens
+            .insert(token.to_owned(), user.to_owned());
+    }
+
+    /// SubjectAccessReviews of `user` for the non-resource URL `path` and `verb` answer
+    /// allowed; every other review is denied.
+    pub fn allow(&self, user: &str, path: &str, verb: &str) {
+        lock(&self.shared.reviews).allowed.insert((
+            user.to_owned(),
+            path.to_owned(),
+            verb.to_owned(),
+        ));
     }
 
     /// Every request served since start or the last [`StandIn::reset_counts`].

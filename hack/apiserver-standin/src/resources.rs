@@ -105,6 +105,24 @@ pub static RESOURCES: &[ResourceDef] = &[
     def("", "v1", "events", "Event", true, false),
     def("events.k8s.io", "v1", "events", "Event", true, false),
     def("coordination.k8s.io", "v1", "leases", "Lease", true, false),
+    // Create-only reviews, answered from `StandIn::add_token` / `StandIn::allow` and never
+    // stored.
+    def(
+        "authentication.k8s.io",
+        "v1",
+        "tokenreviews",
+        "TokenReview",
+        false,
+        false,
+    ),
+    def(
+        "authorization.k8s.io",
+        "v1",
+        "subjectaccessreviews",
+        "SubjectAccessReview",
+        false,
+        false,
+    ),
 ];
 
 /// Finds a resource by URL parts.

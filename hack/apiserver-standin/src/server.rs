@@ -55,6 +55,44 @@ pub(crate) struct Shared {
     pub shutdown: watch::Receiver<bool>,
     /// Bumped to end every open watch stream.
     pub watch_epoch: watch::Sender<u64>,
+    /// What TokenReviews and SubjectAccessReviews answer.
+    pub reviews: Mutex<Reviews>,
+}
+
+/// The stand-in's authentication and authorization: bearer tokens by user name, and the
+/// (user, non-resource path, verb) triples allowed.
+#[derive(Debug, Default)]
+pub(crate) struct Reviews {
+    pub tokens: std::collections::HashMap<String, String>,
+    pub allowed: std::collections::HashSet<(String, String, String)>,
+}
+
+/// Answers a TokenReview (`spec.token` known: authenticated as its user, in group
+/// `system:authenticated`) or a SubjectAccessReview (`spec.user` allowed the
+/// `spec.nonResourceAttributes` path and verb), echoing the spec with a status.
+fn review(shared: &Shared, res: &ResourceDef, body: &[u8]) -> Result<Reply, ApiError> {
+    let mut obj: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("decoding the review: {e}")))?;
+    let reviews = lock(&shared.reviews);
+    let status = if res.plural == "tokenreviews" {
+        let token = obj["spec"]["token"].as_str().unwrap_or_default();
+        match reviews.tokens.get(token) {
+            Some(user) => json!({
+                "authenticated": true,
+                "user": {"username": user, "uid": format!("uid-{user}"), "groups": ["system:authenticated"]},
+            }),
+            None => json!({"authenticated": false, "error": "invalid bearer token"}),
+        }
+    } else {
+        let user = obj["spec"]["user"].as_str().unwrap_or_default().to_owned();
+        let attrs = &obj["spec"]["nonResourceAttributes"];
+        let path = attrs["path"].as_str().unwrap_or_default().to_owned();
+        let verb = attrs["verb"].as_str().unwrap_or_default().to_owned();
+        let allowed = reviews.allowed.contains(&(user, path, verb));
+        json!({"allowed": allowed})
+    };
+    obj["status"] = status;
+    Ok(Reply::Json(StatusCode::CREATED, obj))
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -449,6 +487,9 @@ fn dispatch(
         }
     };
     let _ = method;
+    if verb == "create" && matches!(res.plural, "tokenreviews" | "subjectaccessreviews") {
+        return review(shared, res, body);
+    }
     match verb {
         "get" => {
             let ns = ns_of(route)?;

@@ -294,6 +294,7 @@ pub async fn run(args: &DemoArgs, dir: &Path, nvml_lib: PathBuf) -> anyhow::Resu
         usage: Default::default(),
         kubeconfig: None,
         metrics_addr: None,
+        metrics: Default::default(),
         health: Default::default(),
         claim_info: Default::default(),
         uninstall: false,

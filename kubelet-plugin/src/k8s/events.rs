@@ -52,8 +52,8 @@ impl EventReporter {
     }
 
     /// Publishes one Event about `regarding`; `reason` is PascalCase, `action` a short
-    /// PascalCase verb (e.g. `Start`, `Prepare`), `note` the human-readable message (cut to
-    /// [`MAX_NOTE_BYTES`]). Failures are logged, never returned.
+    /// PascalCase verb (e.g. `Start`, `Prepare`), `note` the human-readable message (control
+    /// characters escaped, cut to [`MAX_NOTE_BYTES`]). Failures are logged, never returned.
     pub(crate) async fn publish(
         &self,
         regarding: &ObjectReference,
@@ -68,7 +68,7 @@ impl EventReporter {
                 Severity::Warning => EventType::Warning,
             },
             reason: reason.to_owned(),
-            note: Some(truncate(note, MAX_NOTE_BYTES)),
+            note: Some(truncate(&escape_control(note), MAX_NOTE_BYTES)),
             action: action.to_owned(),
             secondary: None,
         };
@@ -108,6 +108,24 @@ pub(crate) fn object_reference<K: kube::Resource<DynamicType = ()>>(obj: &K) -> 
     obj.object_ref(&())
 }
 
+/// `s` with every control character (newlines, ESC of terminal sequences, C1 controls)
+/// written as its Rust escape (`\n`, `\u{1b}`): messages that carry user input (a claim's
+/// config keys, names) then cannot forge lines or terminal sequences where they are shown.
+pub(crate) fn escape_control(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 fn truncate(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_owned();
@@ -132,6 +150,18 @@ mod tests {
         assert!(cut.ends_with("..."));
     }
 
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(escape_control("plain: ok"), "plain: ok");
+        let forged = "key `a\n2026-01-01T00:00:00Z  INFO forged\u{1b}[31m\u{9b}x\r`";
+        let e = escape_control(forged);
+        assert!(!e.chars().any(char::is_control), "{e:?}");
+        assert_eq!(
+            e,
+            "key `a\\n2026-01-01T00:00:00Z  INFO forged\\u{1b}[31m\\u{9b}x\\r`"
+        );
+    }
+
     #[tokio::test]
     async fn events_about_a_node_reach_the_api_server() {
         crate::install_crypto_provider();
@@ -148,11 +178,22 @@ mod tests {
         reporter
             .publish(&node, Severity::Warning, "Testing", "Start", "hello")
             .await;
+        reporter
+            .publish(
+                &node,
+                Severity::Warning,
+                "Forged",
+                "Start",
+                "a\nb\u{1b}[31m",
+            )
+            .await;
         let events = standin.list("events.events.k8s.io");
-        assert_eq!(events.len(), 1, "{events:?}");
-        assert_eq!(events[0]["reason"], "Testing");
-        assert_eq!(events[0]["type"], "Warning");
-        assert_eq!(events[0]["regarding"]["kind"], "Node");
-        assert_eq!(events[0]["note"], "hello");
+        assert_eq!(events.len(), 2, "{events:?}");
+        let ev = events.iter().find(|e| e["reason"] == "Testing").unwrap();
+        assert_eq!(ev["type"], "Warning");
+        assert_eq!(ev["regarding"]["kind"], "Node");
+        assert_eq!(ev["note"], "hello");
+        let forged = events.iter().find(|e| e["reason"] == "Forged").unwrap();
+        assert_eq!(forged["note"], "a\\nb\\u{1b}[31m");
     }
 }

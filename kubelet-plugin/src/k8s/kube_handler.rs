@@ -1,9 +1,10 @@
 //! The real [`ClaimHandler`]: reads each ResourceClaim from the API server and hands it
 //! to the node driver (`cleave_driver::prepare::NodeDriver`).
 //!
-//! Claim GETs run concurrently and outside the node lock (as the Go helper does); the
-//! driver calls of a batch then run on one blocking thread under the [`NodeLock`], so
-//! two plugin instances on a node (rolling update) never prepare at the same time.
+//! Claim GETs run concurrently ([`READ_CONCURRENCY`] at a time) and outside the node lock
+//! (as the Go helper does); the driver calls of a batch then run on one blocking thread
+//! under the [`NodeLock`], so two plugin instances on a node (rolling update) never
+//! prepare at the same time.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,6 +24,21 @@ use crate::kubelet::handler::{
 use crate::metrics::observability::ObservabilityMetrics;
 use crate::node::health::DeviceHealth;
 use crate::node::node_lock::NodeLock;
+
+/// Claim reads of one batch in flight at once: a batch of thousands of claims must not
+/// open thousands of requests at once (10,000 claims unbounded: 262 MiB).
+pub(crate) const READ_CONCURRENCY: usize = 16;
+
+/// Runs `reads` at most [`READ_CONCURRENCY`] at a time and returns their results in order.
+pub(crate) async fn bounded_in_order<F: std::future::Future>(
+    reads: impl IntoIterator<Item = F>,
+) -> Vec<F::Output> {
+    use futures::StreamExt as _;
+    futures::stream::iter(reads)
+        .buffered(READ_CONCURRENCY)
+        .collect()
+        .await
+}
 
 /// Prepares claims by reading them from the API server and calling the node driver.
 #[derive(Clone)]
@@ -198,7 +214,9 @@ impl KubeClaimHandler {
 impl ClaimHandler for KubeClaimHandler {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
         let _sampling_waits = self.sampling_gate.as_ref().map(SamplingGate::hold);
-        let fetched = futures::future::join_all(claims.iter().map(|c| self.fetch(c))).await;
+        // Collected first: a closure held across the await is not `Send` for every lifetime.
+        let reads: Vec<_> = claims.iter().map(|c| self.fetch(c)).collect();
+        let fetched = bounded_in_order(reads).await;
         let mut results = BTreeMap::new();
         let mut work = Vec::new();
         let prepared: std::collections::BTreeSet<String> = if self.health.is_some() {
@@ -415,4 +433,34 @@ pub(crate) async fn release_orphaned_claims(
         }
     }
     released
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A batch's claim reads run at most [`READ_CONCURRENCY`] at a time, results in order.
+    #[tokio::test]
+    async fn claim_reads_are_bounded_and_ordered() {
+        let in_flight = AtomicUsize::new(0);
+        let most = AtomicUsize::new(0);
+        let reads = (0..200usize).map(|i| {
+            let (in_flight, most) = (&in_flight, &most);
+            async move {
+                let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                for _ in 0..3 {
+                    tokio::task::yield_now().await;
+                }
+                in_flight.fetch_sub(1, Ordering::SeqCst);
+                i
+            }
+        });
+        let out = bounded_in_order(reads).await;
+        assert_eq!(out, (0..200).collect::<Vec<_>>());
+        let most = most.load(Ordering::SeqCst);
+        assert!(most <= READ_CONCURRENCY, "{most} reads at once");
+        assert!(most > 1, "reads ran one at a time");
+    }
 }

@@ -1,9 +1,10 @@
 //! The DRA node service (v1 and v1beta1), generic over one [`ClaimHandler`]; each batch is
 //! reported to a [`DraObserver`] (the metrics registry implements it).
 //!
-//! Request problems that concern one claim (an empty UID, namespace or name, a UID
-//! listed twice with different names) become that claim's error in the response map;
-//! the other claims of the batch are still handled. Every requested UID gets an entry.
+//! Request problems that concern one claim (an empty UID, namespace or name, a namespace,
+//! name or UID that is not a Kubernetes name, a UID listed twice with different names)
+//! become that claim's error in the response map, before any API request; the other
+//! claims of the batch are still handled. Every requested UID gets an entry.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -172,6 +173,52 @@ impl<H: ClaimHandler> DraService<H> {
     }
 }
 
+/// Claims of one request handled; the kubelet sends one request per pod and driver, so a
+/// request past this is not a real pod's, and its further claims each get an error instead
+/// of costing memory and API requests.
+pub(crate) const MAX_BATCH_CLAIMS: usize = 1024;
+
+/// Longest value of a field quoted back in an error (a bad field may be long).
+const QUOTED_MAX: usize = 80;
+
+/// `value` quoted with control characters escaped, cut to [`QUOTED_MAX`] characters.
+fn quoted(value: &str) -> String {
+    let cut: String = value.chars().take(QUOTED_MAX).collect();
+    let more = if cut.len() < value.len() { "..." } else { "" };
+    format!("{cut:?}{more}")
+}
+
+/// Why `claim`'s namespace, name or UID is not a Kubernetes name, naming the field; checked
+/// before any of them goes into an API URL (they come from the kubelet's request). The
+/// namespace must be a DNS-1123 label, the name a DNS-1123 subdomain (as the API server
+/// checks them), the UID a DNS-1123 label (the driver's claim-UID check: it names files and
+/// CDI devices).
+fn name_problem(claim: &v1::Claim) -> Option<String> {
+    if !cleave_api::names::is_dns_label(&claim.namespace) {
+        return Some(format!(
+            "claim UID {}: namespace {} is not a Kubernetes namespace name (a DNS-1123 label: lowercase letters, digits and '-', at most 63)",
+            quoted(&claim.uid),
+            quoted(&claim.namespace)
+        ));
+    }
+    if let Some(why) = cleave_api::names::node_name_problem(&claim.name) {
+        return Some(format!(
+            "claim UID {}: name {} is not a Kubernetes object name (a DNS-1123 subdomain): {why}",
+            quoted(&claim.uid),
+            quoted(&claim.name)
+        ));
+    }
+    if cleave_driver::cdi::validate_claim_uid(&claim.uid).is_err() {
+        return Some(format!(
+            "claim {}/{}: uid {} is not a claim UID (lowercase letters, digits and '-', at most 63)",
+            claim.namespace,
+            claim.name,
+            quoted(&claim.uid)
+        ));
+    }
+    None
+}
+
 /// Splits a request into well-formed claims (deduplicated by UID, in request order) and
 /// ready-made error entries for malformed ones.
 fn validate<R>(
@@ -184,14 +231,15 @@ fn validate<R>(
         let problem = if claim.uid.is_empty() {
             Some(format!(
                 "claim {}/{}: uid must not be empty",
-                claim.namespace, claim.name
+                quoted(&claim.namespace),
+                quoted(&claim.name)
             ))
         } else if claim.namespace.is_empty() {
             Some(format!("claim {}: namespace must not be empty", claim.uid))
         } else if claim.name.is_empty() {
             Some(format!("claim {}: name must not be empty", claim.uid))
         } else {
-            None
+            name_problem(&claim)
         };
         if let Some(problem) = problem {
             valid.retain(|c| c.uid != claim.uid);
@@ -210,6 +258,16 @@ fn validate<R>(
                 valid.retain(|c| c.uid != claim.uid);
                 errors.insert(claim.uid, error_entry(problem));
             }
+            continue;
+        }
+        if valid.len() >= MAX_BATCH_CLAIMS {
+            errors.insert(
+                claim.uid,
+                error_entry(format!(
+                    "claim {}/{}: not handled: the request holds more than {MAX_BATCH_CLAIMS} claims",
+                    claim.namespace, claim.name
+                )),
+            );
             continue;
         }
         valid.push(ClaimRef {
@@ -371,5 +429,59 @@ mod tests {
         assert!(errors[""].contains("uid must not be empty"));
         assert!(errors["u5"].contains("listed twice"));
         assert_eq!(errors.len(), 4);
+    }
+
+    /// A request past [`MAX_BATCH_CLAIMS`] claims: the first are handled, each further one
+    /// gets its own error.
+    #[test]
+    fn validate_caps_the_claims_of_one_request() {
+        let n = MAX_BATCH_CLAIMS + 10;
+        let claims = (0..n)
+            .map(|i| claim("ns", &format!("c{i}"), &format!("u{i}")))
+            .collect();
+        let (valid, errors) = validate(claims, |e| e);
+        assert_eq!(valid.len(), MAX_BATCH_CLAIMS);
+        assert_eq!(errors.len(), 10);
+        let last = format!("u{}", n - 1);
+        assert!(
+            errors[&last].contains("more than 1024 claims"),
+            "{}",
+            errors[&last]
+        );
+    }
+
+    /// Names from the kubelet go into API URLs: each field must be a Kubernetes name, and a
+    /// bad one is that claim's error, naming the field, with control characters escaped.
+    #[test]
+    fn validate_refuses_fields_that_are_not_kubernetes_names() {
+        let long_name = "a".repeat(254);
+        let (valid, errors) = validate(
+            vec![
+                claim("ns", "ok.name-1", "u1"),
+                claim("../kube-system", "a", "u2"),
+                claim("ns", "a/../../secrets", "u3"),
+                claim("ns", &long_name, "u4"),
+                claim("Upper", "a", "u5"),
+                claim("ns", "a", "../u6"),
+                claim("ns\n\u{1b}[31m", "a", "u7"),
+                claim(&"n".repeat(64), "a", "u8"),
+            ],
+            |e| e,
+        );
+        assert_eq!(
+            valid.iter().map(|c| c.uid.as_str()).collect::<Vec<_>>(),
+            ["u1"]
+        );
+        for uid in ["u2", "u5", "u7", "u8"] {
+            assert!(errors[uid].contains("namespace"), "{uid}: {}", errors[uid]);
+        }
+        for uid in ["u3", "u4"] {
+            assert!(errors[uid].contains(": name "), "{uid}: {}", errors[uid]);
+        }
+        assert!(errors["../u6"].contains("uid"), "{}", errors["../u6"]);
+        for e in errors.values() {
+            assert!(!e.chars().any(char::is_control), "{e:?}");
+        }
+        assert_eq!(errors.len(), 7);
     }
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper::{Request, Response, StatusCode};
+use hyper::{Response, StatusCode};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -24,7 +24,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
-use tracing::{debug, warn};
+use tracing::warn;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -35,7 +35,9 @@ use crate::kubelet::dra::DraObserver;
 use crate::kubelet::registration::RegistrationState;
 use crate::node::health::HealthObserver;
 
+pub(crate) mod auth;
 pub(crate) mod observability;
+pub(crate) mod server;
 use crate::node::usage::{metrics as usage, rightsize_metrics as rightsize};
 
 /// `/healthz` fails when the heartbeat is older than this.
@@ -83,6 +85,8 @@ pub struct Metrics {
     pub rightsize: Arc<rightsize::RightsizeMetrics>,
     /// Claim `status.devices` writes by result (see `crate::k8s::claim_status`).
     pub claim_status: StatusWriteMetrics,
+    /// The metrics server's open and refused connections (see [`server`]).
+    pub server: server::ServerMetrics,
 }
 
 impl Default for Metrics {
@@ -132,6 +136,7 @@ impl Metrics {
         let usage = Arc::new(usage::UsageMetrics::register(&mut registry));
         let rightsize = Arc::new(rightsize::RightsizeMetrics::register(&mut registry));
         let claim_status = StatusWriteMetrics::register(&mut registry);
+        let server = server::ServerMetrics::register(&mut registry);
         Self {
             registry,
             claims,
@@ -145,7 +150,16 @@ impl Metrics {
             usage,
             rightsize,
             claim_status,
+            server,
         }
+    }
+
+    /// Labels the per-claim usage and right-sizing series by claim UID only (`namespace`
+    /// empty, `claim` the UID), so that a scrape lists no tenant names.
+    pub fn set_claim_labels(&self, mode: crate::args::ClaimLabelMode) {
+        let uid_only = mode == crate::args::ClaimLabelMode::UidOnly;
+        self.usage.set_uid_only(uid_only);
+        self.rightsize.set_uid_only(uid_only);
     }
 
     /// Records one gRPC batch: its duration and each claim's result.
@@ -212,6 +226,8 @@ pub(crate) struct HealthState {
     pub degraded: watch::Receiver<Option<String>>,
     /// Beats while the runtime schedules tasks.
     pub heartbeat: Arc<Heartbeat>,
+    /// Reviews `/metrics` scrapes (`--metrics-auth=kubernetes`); None: open.
+    pub auth: Option<Arc<auth::ScrapeAuth>>,
 }
 
 fn respond(status: StatusCode, body: String) -> Response<Full<Bytes>> {
@@ -271,41 +287,15 @@ fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
     }
 }
 
-/// Serves the endpoints on `listener` until the task is aborted.
-pub(crate) async fn serve(listener: tokio::net::TcpListener, state: HealthState) {
-    loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                warn!(error = %e, "accepting a metrics connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let resp = handle(&state, req.uri().path());
-                async move { Ok::<_, std::convert::Infallible>(resp) }
-            });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await
-            {
-                debug!(%peer, error = %e, "metrics connection ended");
-            }
-        });
-    }
-}
-
-/// Binds `addr` and serves the endpoints in a background task.
+/// Binds `addr` and serves the endpoints within `limits` in a background task.
 pub(crate) async fn start(
     addr: SocketAddr,
     state: HealthState,
+    limits: server::ServerLimits,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    Ok((local, tokio::spawn(serve(listener, state))))
+    Ok((local, tokio::spawn(server::serve(listener, state, limits))))
 }
 
 impl DraObserver for Metrics {
@@ -574,6 +564,7 @@ mod tests {
             blocker,
             degraded,
             heartbeat,
+            auth: None,
         };
         assert_eq!(handle(&state, "/healthz").status(), StatusCode::OK);
         let r = handle(&state, "/readyz");

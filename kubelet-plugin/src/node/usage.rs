@@ -581,6 +581,37 @@ mod tests {
         assert!(empty.samples.is_empty() && empty.idle.is_empty());
     }
 
+    /// `--metrics-claim-labels=uid-only`: the per-claim series carry the claim's UID, never
+    /// its namespace or name.
+    #[test]
+    fn uid_only_series_name_no_tenant() {
+        let src = Arc::new(Util::default());
+        *src.0.lock().unwrap() = 1;
+        let mut r = UsageRounds::new(src, IdlePolicy::default());
+        let mut registry =
+            prometheus_client::registry::Registry::with_prefix("cleave_kubelet_plugin");
+        let usage = metrics::UsageMetrics::register(&mut registry);
+        usage.set_uid_only(true);
+        let now = Instant::now();
+        let gpus = [("GPU-0".to_owned(), 80u64 << 30, Some(132))];
+        let round = r.round(&[whole("uid-a")], now);
+        usage.apply_round("n1", &round, &gpus, now, SystemTime::now());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(r#"cleave_kubelet_plugin_claim_allocated_sms{namespace="",claim="uid-a",device="gpu-0""#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"cleave_kubelet_plugin_claim_idle{namespace="",claim="uid-a"}"#),
+            "{text}"
+        );
+        assert!(
+            !text.contains("c-uid-a") && !text.contains(r#""ns""#),
+            "{text}"
+        );
+    }
+
     #[test]
     fn series_follow_the_prepared_claims() {
         let src = Arc::new(Util::default());

@@ -42,12 +42,27 @@ pub(crate) struct ClaimDeviceLabels {
     pub share: String,
 }
 
+/// The `namespace` and `claim` label values of `claim`: its namespace and name, or (with
+/// `uid_only`, `--metrics-claim-labels=uid-only`) an empty namespace and its UID, so that a
+/// scrape does not list the tenants' namespaces and claim names.
+pub(crate) fn claim_label_values(
+    claim: &cleave_driver::model::ClaimRef,
+    uid_only: bool,
+) -> (String, String) {
+    if uid_only {
+        (String::new(), claim.uid.clone())
+    } else {
+        (claim.namespace.clone(), claim.name.clone())
+    }
+}
+
 impl ClaimDeviceLabels {
-    /// The labels of claim device `d` in `pool`.
-    pub(crate) fn of(pool: &str, d: &cleave_driver::usage::ClaimDevice) -> Self {
+    /// The labels of claim device `d` in `pool` (see [`claim_label_values`] for `uid_only`).
+    pub(crate) fn of(pool: &str, d: &cleave_driver::usage::ClaimDevice, uid_only: bool) -> Self {
+        let (namespace, claim) = claim_label_values(&d.claim, uid_only);
         Self {
-            namespace: d.claim.namespace.clone(),
-            claim: d.claim.name.clone(),
+            namespace,
+            claim,
             device: d.device.clone(),
             gpu: d.gpu_uuid.clone(),
             kind: d.kind.as_str(),
@@ -121,6 +136,8 @@ pub struct UsageMetrics {
     gpu_sms: Family<GpuLabels, Gauge>,
     sample_duration: FloatGauge,
     written: Mutex<Written>,
+    /// Claims are labelled by UID only (`--metrics-claim-labels=uid-only`).
+    uid_only: std::sync::atomic::AtomicBool,
 }
 
 fn i64_of(v: u64) -> i64 {
@@ -200,6 +217,12 @@ impl UsageMetrics {
         m
     }
 
+    /// Labels claims by UID only from now on (`--metrics-claim-labels=uid-only`).
+    pub fn set_uid_only(&self, uid_only: bool) {
+        self.uid_only
+            .store(uid_only, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Writes one round (the samples of every prepared claim device, the idle state of every
     /// claim, its duration) and `gpus` (UUID, total memory, SMs); removes the series of
     /// claims not in it. `now` and `wall` are the same moment (for `idle_since`).
@@ -212,19 +235,11 @@ impl UsageMetrics {
         wall: SystemTime,
     ) {
         let (samples, idle, took) = (&round.samples, &round.idle, round.took);
+        let uid_only = self.uid_only.load(std::sync::atomic::Ordering::Relaxed);
         let mut next = Written::default();
         for s in samples {
             let d = &s.device;
-            let labels = ClaimDeviceLabels {
-                namespace: d.claim.namespace.clone(),
-                claim: d.claim.name.clone(),
-                device: d.device.clone(),
-                gpu: d.gpu_uuid.clone(),
-                kind: d.kind.as_str(),
-                sharing: sharing_label(d.sharing),
-                pool: pool.to_owned(),
-                share: d.share_id.clone().unwrap_or_default(),
-            };
+            let labels = ClaimDeviceLabels::of(pool, d, uid_only);
             self.allocated_memory
                 .get_or_create(&labels)
                 .set(i64_of(d.allocated.memory_bytes));
@@ -262,10 +277,8 @@ impl UsageMetrics {
             next.devices.insert(labels);
         }
         for st in idle {
-            let l = IdleLabels {
-                namespace: st.claim.namespace.clone(),
-                claim: st.claim.name.clone(),
-            };
+            let (namespace, claim) = claim_label_values(&st.claim, uid_only);
+            let l = IdleLabels { namespace, claim };
             self.idle.get_or_create(&l).set(i64::from(st.idle));
             if let Some(since) = st.below_since {
                 let at = wall

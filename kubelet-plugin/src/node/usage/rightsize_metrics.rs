@@ -79,6 +79,8 @@ pub struct RightsizeMetrics {
     gpus_held: Family<NodeLabels, Gauge>,
     gpus_recommended: Family<NodeLabels, Gauge>,
     written: Mutex<Written>,
+    /// Claims are labelled by UID only (`--metrics-claim-labels=uid-only`).
+    uid_only: std::sync::atomic::AtomicBool,
 }
 
 fn i64_of(v: u64) -> i64 {
@@ -157,11 +159,18 @@ impl RightsizeMetrics {
         m
     }
 
+    /// Labels claims by UID only from now on (`--metrics-claim-labels=uid-only`).
+    pub fn set_uid_only(&self, uid_only: bool) {
+        self.uid_only
+            .store(uid_only, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Writes one round's recommendations; removes the series of claim devices not in it.
     pub fn apply(&self, pool: &str, outcome: &RightsizeOutcome) {
         let mut next = Written::default();
+        let uid_only = self.uid_only.load(std::sync::atomic::Ordering::Relaxed);
         for e in &outcome.entries {
-            let labels = super::metrics::ClaimDeviceLabels::of(pool, &e.device);
+            let labels = super::metrics::ClaimDeviceLabels::of(pool, &e.device, uid_only);
             let st = &e.stats;
             let rec = &e.recommendation;
             let shape = rec.advice.shape();
