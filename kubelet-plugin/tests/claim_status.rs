@@ -250,6 +250,133 @@ async fn nothing_is_written_when_turned_off() {
     assert!(plugin.terminate().success());
 }
 
+/// `(claim GETs, claim status writes, 409 answers)` the stand-in served since its counts
+/// were last reset.
+fn claim_requests(standin: &StandIn) -> (usize, usize, usize) {
+    let recs: Vec<_> = standin
+        .requests()
+        .into_iter()
+        .filter(|r| r.resource == "resourceclaims")
+        .collect();
+    let gets = recs.iter().filter(|r| r.verb == "get").count();
+    let writes = recs
+        .iter()
+        .filter(|r| matches!(r.verb.as_str(), "update" | "patch") && r.path.ends_with("/status"))
+        .count();
+    let conflicts = recs.iter().filter(|r| r.status == 409).count();
+    (gets, writes, conflicts)
+}
+
+/// A whole-GPU claim costs one claim GET and one status write at prepare, and no GET and one
+/// status write at unprepare: the write reuses the object the prepare read, the unprepare the
+/// object that write returned.
+async fn one_read_and_one_write_per_claim() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    standin.reset_counts();
+    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(r.claims["uid-whole"].error, "", "{}", dirs.log());
+    wait_until("the claim's entries", &dirs, || {
+        !entries(&standin, "whole").is_empty() && claim_requests(&standin).1 >= 1
+    })
+    .await;
+    assert_eq!(claim_requests(&standin), (1, 1, 0), "prepare");
+
+    standin.reset_counts();
+    let u = unprepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(u.claims["uid-whole"].error, "", "{}", dirs.log());
+    wait_until("the claim's entries removed", &dirs, || {
+        entries(&standin, "whole").is_empty() && claim_requests(&standin).1 >= 1
+    })
+    .await;
+    assert_eq!(claim_requests(&standin), (0, 1, 0), "unprepare");
+    assert!(plugin.terminate().success());
+}
+
+/// Someone else changes the claim between prepare and unprepare (another pod reserves it):
+/// the unprepare's write from the kept object is refused with 409, the plugin reads the
+/// claim once and writes again, and the other pod's reservation survives while our entries
+/// go.
+async fn a_foreign_change_costs_one_read_and_is_kept() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(r.claims["uid-whole"].error, "", "{}", dirs.log());
+    wait_until("the claim's entries", &dirs, || {
+        !entries(&standin, "whole").is_empty()
+    })
+    .await;
+
+    let mut stored = standin.get("resourceclaims", "default", "whole").unwrap();
+    let status = &mut stored["status"];
+    let mut reserved = status["reservedFor"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    reserved.push(json!({"resource": "pods", "name": "other", "uid": "pod-other"}));
+    status["reservedFor"] = Value::Array(reserved);
+    standin.put(&stored).unwrap();
+    standin.reset_counts();
+
+    let u = unprepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(u.claims["uid-whole"].error, "", "{}", dirs.log());
+    wait_until("our entries removed", &dirs, || {
+        entries(&standin, "whole").is_empty() && claim_requests(&standin).1 >= 2
+    })
+    .await;
+    assert_eq!(claim_requests(&standin), (1, 2, 1), "unprepare");
+    let after = standin.get("resourceclaims", "default", "whole").unwrap();
+    assert!(
+        after["status"]["reservedFor"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["uid"] == "pod-other"),
+        "{after}"
+    );
+    assert!(plugin.terminate().success());
+}
+
+/// A plugin restarted between prepare and unprepare has kept no object: its unprepare costs
+/// one GET (and one write).
+async fn a_restart_costs_one_read_at_unprepare() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(r.claims["uid-whole"].error, "", "{}", dirs.log());
+    wait_until("the claim's entries", &dirs, || {
+        !entries(&standin, "whole").is_empty()
+    })
+    .await;
+    drop(dra);
+    assert!(plugin.terminate().success());
+
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    standin.reset_counts();
+    let u = unprepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(u.claims["uid-whole"].error, "", "{}", dirs.log());
+    wait_until("the claim's entries removed", &dirs, || {
+        entries(&standin, "whole").is_empty() && claim_requests(&standin).1 >= 1
+    })
+    .await;
+    assert_eq!(
+        claim_requests(&standin),
+        (1, 1, 0),
+        "unprepare after a restart"
+    );
+    assert!(plugin.terminate().success());
+}
+
 fn main() -> std::process::ExitCode {
     cleave_testkit::runner::main(&[
         ("entries_follow_prepare_health_and_unprepare", || {
@@ -257,6 +384,15 @@ fn main() -> std::process::ExitCode {
         }),
         ("nothing_is_written_when_turned_off", || {
             block_on(nothing_is_written_when_turned_off())
+        }),
+        ("one_read_and_one_write_per_claim", || {
+            block_on(one_read_and_one_write_per_claim())
+        }),
+        ("a_foreign_change_costs_one_read_and_is_kept", || {
+            block_on(a_foreign_change_costs_one_read_and_is_kept())
+        }),
+        ("a_restart_costs_one_read_at_unprepare", || {
+            block_on(a_restart_costs_one_read_at_unprepare())
         }),
     ])
 }

@@ -12,14 +12,22 @@
 //! - At unprepare the entries are removed (the API server also drops entries whose device
 //!   left the allocation, but an unprepared claim may stay allocated).
 //!
-//! Only this driver's entries in this node's pool are touched: the writer reads the claim,
-//! keeps every other entry as it is, and replaces the status (`PUT …/status` with the
-//! resourceVersion it read, retried on conflict). It never changes `status.allocation` or
+//! Only this driver's entries in this node's pool are touched: the writer keeps every other
+//! entry as it is and replaces the status (`PUT …/status` with the resourceVersion of the
+//! object it starts from, so a stale object is refused with 409 Conflict and can never revert
+//! someone else's change). It never changes `status.allocation` or
 //! `status.reservedFor`, so the API server's granular status authorization (gate
 //! `DRAResourceClaimGranularStatusAuthorization`, beta from 1.36) checks only
 //! `resourceclaims/driver` with `associated-node:update` for this driver's name, which lets a
 //! node's plugin write only claims allocated to its node (kubernetes
 //! `pkg/registry/resource/utils.go`, AuthorizedForDeviceStatus).
+//!
+//! Requests per claim: the object a write starts from is the one the handler read at prepare
+//! (handed over with the report), then what the last successful write returned; only a 409
+//! Conflict (or a claim this process has not seen, e.g. after a plugin restart) costs a GET.
+//! So a claim costs one GET (the handler's) and one status write at prepare, and one write
+//! and no read at unprepare. The objects are kept only for prepared claims and claims with a
+//! write pending, and dropped once the unprepare's write is done.
 //!
 //! Failed writes are retried with exponential back-off (from [`INITIAL_BACKOFF`] up to
 //! [`MAX_BACKOFF`], at most [`MAX_ATTEMPTS`] tries); a newer wish for the same claim (a
@@ -78,6 +86,16 @@ pub(crate) enum StatusWriteError {
     },
 }
 
+/// A write that did not go through, with the object it started from (still good for a
+/// retry unless the error is a conflict).
+#[derive(Debug)]
+pub(crate) struct WriteFailure {
+    /// Why.
+    pub error: StatusWriteError,
+    /// The object the write started from, if it got that far.
+    pub base: Option<ResourceClaim>,
+}
+
 impl StatusWriteError {
     fn is_conflict(&self) -> bool {
         matches!(self, Self::Api { source: kube::Error::Api(s), .. } if s.code == 409)
@@ -96,7 +114,8 @@ pub(crate) enum WriteOutcome {
 }
 
 enum Job {
-    Set(ClaimStatusReport),
+    /// The report of a prepared claim and, when the caller has it, the claim as just read.
+    Set(ClaimStatusReport, Option<Box<ResourceClaim>>),
     Clear(ClaimRef),
 }
 
@@ -132,15 +151,17 @@ impl ClaimStatusWriter {
             observer,
             claims: BTreeMap::new(),
             pending: BTreeMap::new(),
+            known: BTreeMap::new(),
         };
         tokio::spawn(worker.run(rx));
         Self { tx }
     }
 
     /// Writes the entries of a claim that was prepared (or whose state changed); returns at
-    /// once.
-    pub(crate) fn prepared(&self, report: ClaimStatusReport) {
-        let _ = self.tx.send(Job::Set(report));
+    /// once. `read` is the claim as the caller just read it (same UID): the first write
+    /// starts from it instead of reading the claim again.
+    pub(crate) fn prepared(&self, report: ClaimStatusReport, read: Option<ResourceClaim>) {
+        let _ = self.tx.send(Job::Set(report, read.map(Box::new)));
     }
 
     /// Removes the entries of a claim that was unprepared; returns at once.
@@ -167,6 +188,10 @@ struct Worker {
     claims: BTreeMap<String, (ClaimStatusReport, Vec<AllocatedDeviceStatus>)>,
     /// Writes to do, by claim UID (a newer wish replaces an older one).
     pending: BTreeMap<String, Pending>,
+    /// The latest object known per claim UID (read at prepare, or returned by our last
+    /// write): the next write starts from it without a GET. Kept only while the claim is in
+    /// `claims` or `pending`; dropped on a conflict (the next try reads the claim).
+    known: BTreeMap<String, ResourceClaim>,
 }
 
 impl Worker {
@@ -203,8 +228,13 @@ impl Worker {
 
     fn take(&mut self, job: Job) {
         match job {
-            Job::Set(report) => {
+            Job::Set(report, read) => {
                 let claim = report.claim.clone();
+                if let Some(object) = read
+                    && object.metadata.uid.as_deref() == Some(claim.uid.as_str())
+                {
+                    self.known.insert(claim.uid.clone(), *object);
+                }
                 let want = entries(&self.config, &report, self.health.as_deref());
                 self.claims
                     .insert(claim.uid.clone(), (report, want.clone()));
@@ -259,12 +289,18 @@ impl Worker {
             };
             let claim = p.claim.clone();
             let want = p.want.clone();
-            let result = write(&self.client, &self.config, &claim, want.as_deref()).await;
+            let base = self.known.remove(&uid);
+            let result = write(&self.client, &self.config, &claim, want.as_deref(), base).await;
             let Some(p) = self.pending.get_mut(&uid) else {
                 continue;
             };
             match result {
-                Ok(outcome) => {
+                Ok((outcome, latest)) => {
+                    // Kept for the next write of a claim still prepared; the unprepare's
+                    // write (or a gone claim) ends what this claim costs in memory.
+                    if let Some(latest) = latest {
+                        self.known.insert(uid.clone(), latest);
+                    }
                     debug!(namespace = %claim.namespace, name = %claim.name, ?outcome, "claim device status written");
                     self.observe(match outcome {
                         WriteOutcome::Written => "ok",
@@ -273,12 +309,19 @@ impl Worker {
                     });
                     self.pending.remove(&uid);
                 }
-                Err(e) => {
+                Err(WriteFailure { error: e, base }) => {
+                    // A conflict means the object is stale: the next try reads the claim.
+                    if let Some(base) = base
+                        && !e.is_conflict()
+                    {
+                        self.known.insert(uid.clone(), base);
+                    }
                     p.attempts += 1;
                     if p.attempts >= MAX_ATTEMPTS {
                         warn!(namespace = %claim.namespace, name = %claim.name, attempts = p.attempts, error = %e, "giving up writing the claim's device status; the claim stays prepared");
                         self.observe("failed");
                         self.pending.remove(&uid);
+                        self.forget_if_done(&uid);
                         continue;
                     }
                     let delay = if e.is_conflict() {
@@ -291,6 +334,14 @@ impl Worker {
                     self.observe("retry");
                 }
             }
+            self.forget_if_done(&uid);
+        }
+    }
+
+    /// Drops the object kept for a claim that is neither prepared nor waiting for a write.
+    fn forget_if_done(&mut self, uid: &str) {
+        if !self.claims.contains_key(uid) && !self.pending.contains_key(uid) {
+            self.known.remove(uid);
         }
     }
 
@@ -423,16 +474,18 @@ fn condition(type_: &str, ok: bool, reason: &str, message: &str, now: &Time) -> 
     }
 }
 
-/// Reads the claim and replaces this driver's entries in this pool with `want` (`None`:
-/// removes them), keeping every other entry and the transition time of conditions that did
-/// not change. Entries for devices that are not (or no longer) in the claim's allocation
-/// are not sent: the API server would refuse the whole write.
+/// Replaces this driver's entries in this pool with `want` (`None`: removes them), keeping
+/// every other entry and the transition time of conditions that did not change. Starts from
+/// `base` (the claim as last seen) or, without one, reads the claim. Entries for devices that
+/// are not (or no longer) in the claim's allocation are not sent: the API server would refuse
+/// the whole write. Returns the claim as it now stands (`None` when gone).
 pub(crate) async fn write(
     client: &kube::Client,
     config: &WriterConfig,
     claim: &ClaimRef,
     want: Option<&[AllocatedDeviceStatus]>,
-) -> Result<WriteOutcome, StatusWriteError> {
+    base: Option<ResourceClaim>,
+) -> Result<(WriteOutcome, Option<ResourceClaim>), WriteFailure> {
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &claim.namespace);
     let api_err = |operation, source| StatusWriteError::Api {
         operation,
@@ -440,16 +493,20 @@ pub(crate) async fn write(
         name: claim.name.clone(),
         source,
     };
-    let Some(mut object) = api
-        .get_opt(&claim.name)
-        .await
-        .map_err(|e| api_err("reading", e))?
-    else {
-        return Ok(WriteOutcome::Gone);
+    let object = match base {
+        Some(object) => Some(object),
+        None => api.get_opt(&claim.name).await.map_err(|e| WriteFailure {
+            error: api_err("reading", e),
+            base: None,
+        })?,
     };
-    if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
-        return Ok(WriteOutcome::Gone);
+    let Some(base) = object else {
+        return Ok((WriteOutcome::Gone, None));
+    };
+    if base.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+        return Ok((WriteOutcome::Gone, None));
     }
+    let mut object = base.clone();
     let status = object.status.get_or_insert_with(Default::default);
     let allocated: Vec<(String, String, String, Option<String>)> = status
         .allocation
@@ -507,13 +564,22 @@ pub(crate) async fn write(
         next.push(d);
     }
     if next == existing {
-        return Ok(WriteOutcome::Unchanged);
+        return Ok((WriteOutcome::Unchanged, Some(base)));
     }
     status.devices = (!next.is_empty()).then_some(next);
-    api.replace_status(&claim.name, &PostParams::default(), &object)
+    // The resourceVersion of `base` rides along: if anyone wrote the claim since, the API
+    // server answers 409 and nothing of theirs is reverted.
+    match api
+        .replace_status(&claim.name, &PostParams::default(), &object)
         .await
-        .map_err(|e| api_err("writing", e))?;
-    Ok(WriteOutcome::Written)
+    {
+        Ok(written) => Ok((WriteOutcome::Written, Some(written))),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok((WriteOutcome::Gone, None)),
+        Err(e) => Err(WriteFailure {
+            error: api_err("writing", e),
+            base: Some(base),
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -577,6 +643,101 @@ mod tests {
             (c[0].status.as_str(), c[0].reason.as_str()),
             ("False", "Preparing")
         );
+    }
+
+    /// `(claim GETs, status writes, 409 answers)` the stand-in served.
+    fn claim_requests(standin: &cleave_apiserver_standin::StandIn) -> (usize, usize, usize) {
+        let recs: Vec<_> = standin
+            .requests()
+            .into_iter()
+            .filter(|r| r.resource == "resourceclaims")
+            .collect();
+        let gets = recs.iter().filter(|r| r.verb == "get").count();
+        let writes = recs
+            .iter()
+            .filter(|r| {
+                matches!(r.verb.as_str(), "update" | "patch") && r.path.ends_with("/status")
+            })
+            .count();
+        let conflicts = recs.iter().filter(|r| r.status == 409).count();
+        (gets, writes, conflicts)
+    }
+
+    async fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+        let started = std::time::Instant::now();
+        while !f() {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "timed out waiting for {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The object handed over at prepare is stale (someone reserved the claim for another
+    /// pod after it was read): the write is refused with 409, the writer reads the claim
+    /// once and writes again, and the other pod's reservation survives. The unprepare then
+    /// writes from what that write returned, with no read.
+    #[tokio::test]
+    async fn a_stale_object_costs_one_conflict_and_one_read_and_reverts_nothing() {
+        use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
+        let standin = cleave_apiserver_standin::StandIn::start(Default::default())
+            .await
+            .unwrap();
+        let claim = cleave_apiserver_standin::fixtures::resource_claim(
+            "ns",
+            "c",
+            "u",
+            "gpu.cleave.dev",
+            "node-a",
+            &[("gpu", "gpu-0")],
+            &[],
+        );
+        standin.put(&claim).unwrap();
+        let stale: ResourceClaim = standin.get_as("resourceclaims", "ns", "c").unwrap();
+        let mut foreign = stale.clone();
+        let status = foreign.status.as_mut().unwrap();
+        status
+            .reserved_for
+            .get_or_insert_with(Vec::new)
+            .push(ResourceClaimConsumerReference {
+                api_group: None,
+                resource: "pods".into(),
+                name: "other".into(),
+                uid: "pod-other".into(),
+            });
+        standin.put(&foreign).unwrap();
+        standin.reset_counts();
+
+        let writer = ClaimStatusWriter::start(standin.client(), config(), None, None);
+        writer.prepared(report(true), Some(stale));
+        let devices = |s: &cleave_apiserver_standin::StandIn| {
+            s.get("resourceclaims", "ns", "c")
+                .and_then(|c| c["status"]["devices"].as_array().cloned())
+                .unwrap_or_default()
+        };
+        wait_for("the entry written", || {
+            !devices(&standin).is_empty() && claim_requests(&standin).1 == 2
+        })
+        .await;
+        assert_eq!(claim_requests(&standin), (1, 2, 1));
+        let stored = standin.get("resourceclaims", "ns", "c").unwrap();
+        let reserved = stored["status"]["reservedFor"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            reserved.iter().any(|r| r["uid"] == "pod-other"),
+            "the other pod's reservation was reverted: {stored}"
+        );
+
+        standin.reset_counts();
+        writer.unprepared(report(true).claim);
+        wait_for("the entry removed", || {
+            devices(&standin).is_empty() && claim_requests(&standin).1 == 1
+        })
+        .await;
+        assert_eq!(claim_requests(&standin), (0, 1, 0));
     }
 
     #[test]

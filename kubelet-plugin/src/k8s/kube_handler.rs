@@ -5,6 +5,10 @@
 //! (as the Go helper does); the driver calls of a batch then run on one blocking thread
 //! under the [`NodeLock`], so two plugin instances on a node (rolling update) never
 //! prepare at the same time.
+//!
+//! Each claim is read once per prepare: the object read goes with the claim's status report
+//! to the [`ClaimStatusWriter`], whose write starts from it (see `claim_status`). Unprepare
+//! reads nothing.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -228,7 +232,6 @@ impl ClaimHandler for KubeClaimHandler {
         } else {
             Default::default()
         };
-        let mut objects: BTreeMap<String, ResourceClaim> = BTreeMap::new();
         for (claim, object) in claims.into_iter().zip(fetched) {
             match object {
                 Ok(object) => {
@@ -247,9 +250,6 @@ impl ClaimHandler for KubeClaimHandler {
                         self.report(&object, e.kubelet_message());
                         results.insert(claim.uid, Err(e));
                         continue;
-                    }
-                    if self.events.is_some() {
-                        objects.insert(claim.uid.clone(), object.clone());
                     }
                     work.push((claim, object));
                 }
@@ -305,17 +305,14 @@ impl ClaimHandler for KubeClaimHandler {
                         let report = (want_status && result.is_ok())
                             .then(|| driver.claim_status(&claim.uid))
                             .flatten();
-                        (claim.uid, (result, report))
+                        (claim.uid, (result, report, object))
                     })
                     .collect::<Vec<_>>()
             })
             .await;
         match batch {
             Ok(done) => {
-                for (uid, (result, report)) in done {
-                    if let (Some(writer), Some(report)) = (&self.status, report) {
-                        writer.prepared(report);
-                    }
+                for (uid, (result, report, object)) in done {
                     if let Err(ClaimError::Prepare { message, .. }) = &result
                         && let Some(m) = &self.metrics
                     {
@@ -325,9 +322,12 @@ impl ClaimHandler for KubeClaimHandler {
                         message,
                         actionable: true,
                     }) = &result
-                        && let Some(object) = objects.get(&uid)
                     {
-                        self.report(object, message.clone());
+                        self.report(&object, message.clone());
+                    }
+                    // The write starts from the object just read: no second GET.
+                    if let (Some(writer), Some(report)) = (&self.status, report) {
+                        writer.prepared(report, Some(object));
                     }
                     results.insert(uid, result);
                 }
