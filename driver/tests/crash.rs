@@ -3,9 +3,12 @@
 //! kubelet's call is replayed (shares of one GPU under `--consumable-capacity mps` too: two
 //! and three shares served by one MPS daemon, and the unprepare of one share while the
 //! others stay; two shares of one on-demand MIG placement, which share one instance and one
-//! daemon, prepared, the creating one unprepared, and recreated after a reboot); then the hardware (mock NVML state file), the MPS daemons
-//! (fake tools), the CDI root and the checkpoint must agree with each other and with the set
-//! of claims that should be prepared: nothing orphaned, nothing lost. Every recovered state
+//! daemon, prepared, the creating one unprepared, and recreated after a reboot; a whole GPU
+//! and per-claim MPS under `off`; two time-sliced shares of one GPU under `time-slicing`,
+//! prepared, unprepared and recreated after a reboot; all on an on-demand MIG node); then the
+//! hardware (mock NVML state file), the MPS daemons, compute modes and time slices (fake
+//! tools), the CDI root and the checkpoint must agree with each other and with the set of
+//! claims that should be prepared: nothing orphaned, nothing lost. Every recovered state
 //! is then unprepared and must leave nothing behind.
 //!
 //! Points are not hard-coded: each scenario runs once with `CLEAVE_FAULT_LIST` set, and every
@@ -71,6 +74,12 @@ const TWO_IN_ONE: &str = "c000000b-0000-4000-8000-00000000000b";
 const ADMIN: &str = "c000000c-0000-4000-8000-00000000000c";
 /// The on-demand MIG placement the MIG shares are of (3g.40gb: 60 SMs, so 20 SMs is 33 %).
 const SHARED_MIG: &str = "gpu-5-mig-3g40gb-4";
+/// Two shares of SHARED_GPU on a `time-slicing` node, each asking the `Long` slice: no
+/// daemon, the GPU's slice set while either is prepared.
+const SLICE_A: &str = "c000000d-0000-4000-8000-00000000000d";
+const SLICE_B: &str = "c000000e-0000-4000-8000-00000000000e";
+/// The value `nvidia-smi compute-policy --set-timeslice` takes for `Long`.
+const LONG_SLICE: &str = "3";
 
 // ---------------------------------------------------------------------------------------
 // Scenarios
@@ -88,9 +97,11 @@ struct ClaimDef {
     second_share: Option<&'static str>,
     /// Allocated with admin access.
     admin: bool,
+    /// Carries a time-slicing config (interval `Long`), applied on a `time-slicing` node.
+    timeslice: bool,
 }
 
-const CLAIMS: [ClaimDef; 12] = [
+const CLAIMS: [ClaimDef; 14] = [
     ClaimDef {
         uid: WHOLE,
         devices: &[("gpu", "gpu-0")],
@@ -99,6 +110,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: MIG,
@@ -111,6 +123,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: MPS,
@@ -120,6 +133,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     // On a node without MIG: MPS on a whole GPU switches its compute mode.
     ClaimDef {
@@ -130,6 +144,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: SHARE_A,
@@ -139,6 +154,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: SHARE_B,
@@ -148,6 +164,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: SHARE_C,
@@ -157,6 +174,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: MIG_SHARE_A,
@@ -166,6 +184,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: MIG_SHARE_B,
@@ -175,6 +194,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: WHOLE_SHARE_MPS,
@@ -184,6 +204,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: true,
         second_share: None,
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: TWO_IN_ONE,
@@ -193,6 +214,7 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: Some("61000000-0000-4000-8000-000000000011"),
         admin: false,
+        timeslice: false,
     },
     ClaimDef {
         uid: ADMIN,
@@ -202,6 +224,27 @@ const CLAIMS: [ClaimDef; 12] = [
         whole: false,
         second_share: None,
         admin: true,
+        timeslice: false,
+    },
+    ClaimDef {
+        uid: SLICE_A,
+        devices: &[("gpu", SHARED_GPU)],
+        mps: false,
+        share: Some("62000000-0000-4000-8000-000000000012"),
+        whole: false,
+        second_share: None,
+        admin: false,
+        timeslice: true,
+    },
+    ClaimDef {
+        uid: SLICE_B,
+        devices: &[("gpu", SHARED_GPU)],
+        mps: false,
+        share: Some("63000000-0000-4000-8000-000000000013"),
+        whole: false,
+        second_share: None,
+        admin: false,
+        timeslice: true,
     },
 ];
 
@@ -262,6 +305,8 @@ struct Scenario {
     action: Action,
     /// Mock NVML settings of the node.
     env: &'static [(&'static str, &'static str)],
+    /// The node's `--consumable-capacity` mode.
+    capacity: ConsumableCapacity,
 }
 
 const SCENARIOS: &[Scenario] = &[
@@ -270,84 +315,98 @@ const SCENARIOS: &[Scenario] = &[
         claims: &[WHOLE],
         action: Action::Prepare,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "prepare-mig-1g-3g",
         claims: &[MIG],
         action: Action::Prepare,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "prepare-mps",
         claims: &[MPS],
         action: Action::Prepare,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-whole-gpu",
         claims: &[WHOLE],
         action: Action::Unprepare,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-mig-1g-3g",
         claims: &[MIG],
         action: Action::Unprepare,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-mps",
         claims: &[MPS],
         action: Action::Unprepare,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "recreate-after-reboot",
         claims: &[MIG, MPS],
         action: Action::PrepareAfterReboot,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "prepare-mps-whole-gpu-no-mig",
         claims: &[MPS_WHOLE],
         action: Action::Prepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-mps-whole-gpu-no-mig",
         claims: &[MPS_WHOLE],
         action: Action::Unprepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "prepare-two-shares",
         claims: &[SHARE_A, SHARE_B],
         action: Action::Prepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "prepare-three-shares",
         claims: &[SHARE_A, SHARE_B, SHARE_C],
         action: Action::Prepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-two-shares",
         claims: &[SHARE_A, SHARE_B],
         action: Action::Unprepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-one-of-three-shares",
         claims: &[SHARE_A, SHARE_B, SHARE_C],
         action: Action::UnprepareFirst,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "recreate-shares-after-reboot",
         claims: &[SHARE_A, SHARE_B, SHARE_C],
         action: Action::PrepareAfterReboot,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     // Two shares of one on-demand MIG placement: one instance, one daemon for both.
     Scenario {
@@ -355,18 +414,21 @@ const SCENARIOS: &[Scenario] = &[
         claims: &[MIG_SHARE_A, MIG_SHARE_B],
         action: Action::Prepare,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-first-of-two-mig-shares",
         claims: &[MIG_SHARE_A, MIG_SHARE_B],
         action: Action::UnprepareFirst,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "recreate-mig-shares-after-reboot",
         claims: &[MIG_SHARE_A, MIG_SHARE_B],
         action: Action::PrepareAfterReboot,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
     },
     // Cells of the one sharing model.
     Scenario {
@@ -374,42 +436,108 @@ const SCENARIOS: &[Scenario] = &[
         claims: &[WHOLE_SHARE_MPS],
         action: Action::Prepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-whole-share-with-mps-config",
         claims: &[WHOLE_SHARE_MPS],
         action: Action::Unprepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "prepare-two-shares-in-one-claim-beside-a-share",
         claims: &[SHARE_A, TWO_IN_ONE],
         action: Action::Prepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-share-beside-two-in-one-claim",
         claims: &[SHARE_A, TWO_IN_ONE],
         action: Action::UnprepareFirst,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "prepare-admin-access-beside-mps",
         claims: &[MPS_WHOLE, ADMIN],
         action: Action::Prepare,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "unprepare-admin-access-beside-mps",
         claims: &[ADMIN, MPS_WHOLE],
         action: Action::UnprepareFirst,
         env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
     },
     Scenario {
         name: "restart-after-crash-in-prepare",
         claims: &[MIG, MPS],
         action: Action::PrepareAfterCrash,
         env: &[],
+        capacity: ConsumableCapacity::Mps,
+    },
+    // Consumable capacity off: devices go to one claim at a time; a per-claim MPS config
+    // still gets a daemon of its own and the GPU's compute mode.
+    Scenario {
+        name: "prepare-whole-gpu-capacity-off",
+        claims: &[WHOLE],
+        action: Action::Prepare,
+        env: &[],
+        capacity: ConsumableCapacity::Off,
+    },
+    Scenario {
+        name: "unprepare-whole-gpu-capacity-off",
+        claims: &[WHOLE],
+        action: Action::Unprepare,
+        env: &[],
+        capacity: ConsumableCapacity::Off,
+    },
+    Scenario {
+        name: "prepare-mps-whole-gpu-capacity-off",
+        claims: &[MPS_WHOLE],
+        action: Action::Prepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Off,
+    },
+    Scenario {
+        name: "unprepare-mps-whole-gpu-capacity-off",
+        claims: &[MPS_WHOLE],
+        action: Action::Unprepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Off,
+    },
+    // Time-slicing: shares of one GPU run time-sliced, no daemon; their slice is the GPU's.
+    Scenario {
+        name: "prepare-two-time-sliced-shares",
+        claims: &[SLICE_A, SLICE_B],
+        action: Action::Prepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::TimeSlicing,
+    },
+    Scenario {
+        name: "unprepare-two-time-sliced-shares",
+        claims: &[SLICE_A, SLICE_B],
+        action: Action::Unprepare,
+        env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::TimeSlicing,
+    },
+    Scenario {
+        name: "unprepare-first-of-two-time-sliced-shares",
+        claims: &[SLICE_A, SLICE_B],
+        action: Action::UnprepareFirst,
+        env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::TimeSlicing,
+    },
+    Scenario {
+        name: "recreate-time-sliced-shares-after-reboot",
+        claims: &[SLICE_A, SLICE_B],
+        action: Action::PrepareAfterReboot,
+        env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::TimeSlicing,
     },
 ];
 
@@ -456,6 +584,11 @@ fn claim(def: &ClaimDef) -> ResourceClaim {
             "driver": DRIVER_NAME, "parameters": {
                 "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": kind,
                 "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 25}}}}}])
+    } else if def.timeslice {
+        json!([{"source": "FromClaim", "requests": requests, "opaque": {
+            "driver": DRIVER_NAME, "parameters": {
+                "apiVersion": "gpu.cleave.dev/v1alpha1", "kind": kind,
+                "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}}}])
     } else {
         json!([])
     };
@@ -475,13 +608,19 @@ fn claim(def: &ClaimDef) -> ResourceClaim {
 struct World {
     root: PathBuf,
     tools: NodeTools,
+    /// The node's `--consumable-capacity` mode (its scenario's).
+    capacity: ConsumableCapacity,
 }
 
 impl World {
-    fn create(root: PathBuf) -> Self {
+    fn create(root: PathBuf, capacity: ConsumableCapacity) -> Self {
         let tools = NodeTools::install(&root);
         common::lay_out_driver_root(&root.join("driver-root"));
-        World { root, tools }
+        World {
+            root,
+            tools,
+            capacity,
+        }
     }
 
     fn state(&self) -> PathBuf {
@@ -502,7 +641,7 @@ impl World {
 
     fn driver_config(&self) -> DriverConfig {
         DriverConfig {
-            consumable_capacity: ConsumableCapacity::Mps,
+            consumable_capacity: self.capacity,
             ..common::node_config(&self.root, self.state())
         }
     }
@@ -591,11 +730,12 @@ impl World {
 
 fn child(role: &str) {
     let root = PathBuf::from(std::env::var(WORLD_ENV).unwrap());
+    let scenario = scenario(&std::env::var(SCENARIO_ENV).unwrap());
     let world = World {
         tools: NodeTools::at(&root),
         root,
+        capacity: scenario.capacity,
     };
-    let scenario = scenario(&std::env::var(SCENARIO_ENV).unwrap());
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(false)
@@ -805,11 +945,13 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         .filter(|u| claim_def(u).mps)
         .map(|u| (*u).to_owned())
         .collect();
-    // One shared daemon per device that any expected claim holds a share of.
+    // One shared daemon per device that any expected claim holds a share of, on an `mps`
+    // node only (time-sliced shares have none).
+    let mps_shares = world.capacity == ConsumableCapacity::Mps;
     let shared: BTreeSet<String> = expected
         .iter()
         .map(|u| claim_def(u))
-        .filter(|d| d.share.is_some() && !d.whole && !d.admin)
+        .filter(|d| mps_shares && d.share.is_some() && !d.whole && !d.admin)
         .flat_map(|d| {
             d.devices
                 .iter()
@@ -850,10 +992,25 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         );
         recorded_pids.insert(record.daemon.unwrap().pid);
     }
-    // Each share's CDI spec carries its own client limits (what it consumed of its device).
+    // Each share's CDI spec carries its own client limits (what it consumed of its device)
+    // on an `mps` node; elsewhere a share's spec has nothing of MPS.
     for uid in expected
         .iter()
-        .filter(|u| claim_def(u).share.is_some() && !claim_def(u).whole)
+        .filter(|u| !mps_shares && claim_def(u).share.is_some() && !claim_def(u).mps)
+    {
+        let text =
+            std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(uid))).unwrap_or_default();
+        check(
+            !text.is_empty() && !text.contains("CUDA_MPS"),
+            format!(
+                "CDI spec of share {uid} on a {} node carries MPS edits",
+                world.capacity.as_str()
+            ),
+        );
+    }
+    for uid in expected
+        .iter()
+        .filter(|u| mps_shares && claim_def(u).share.is_some() && !claim_def(u).whole)
     {
         let text =
             std::fs::read_to_string(world.cdi().join(cdi::spec_file_name(uid))).unwrap_or_default();
@@ -898,6 +1055,46 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         exclusive == want_exclusive,
         format!("EXCLUSIVE_PROCESS GPUs {exclusive:?} != {want_exclusive:?}"),
     );
+
+    // Time slices: a GPU runs a non-default slice exactly while a prepared claim records
+    // one on it (restored to the default when its last such claim goes, set again after a
+    // reboot), and every prepared claim with a time-slicing config records its GPU's.
+    let slices: BTreeMap<String, String> = smi
+        .iter()
+        .filter(|((_, key), value)| key == "timeslice" && *value != "0")
+        .map(|((gpu, _), value)| (gpu.clone(), value.clone()))
+        .collect();
+    let mut want_slices: BTreeMap<String, String> = BTreeMap::new();
+    for c in data.claims.values() {
+        let sharing: SharingState = c
+            .sharing
+            .clone()
+            .map(|v| serde_json::from_value(v).unwrap())
+            .unwrap_or_default();
+        for t in &sharing.time_slicing {
+            want_slices.insert(t.gpu_uuid.clone(), t.interval.timeslice_value().to_string());
+        }
+        if claim_def(&c.uid).timeslice {
+            let gpus: BTreeSet<&str> = c.devices.iter().map(|d| d.gpu_uuid.as_str()).collect();
+            let set: BTreeSet<&str> = sharing
+                .time_slicing
+                .iter()
+                .filter(|t| t.interval.timeslice_value().to_string() == LONG_SLICE)
+                .map(|t| t.gpu_uuid.as_str())
+                .collect();
+            check(
+                set == gpus,
+                format!(
+                    "claim {} records time slices on {set:?}, not {gpus:?}",
+                    c.uid
+                ),
+            );
+        }
+    }
+    check(
+        slices == want_slices,
+        format!("GPU time slices {slices:?} != recorded {want_slices:?}"),
+    );
     checked
 }
 
@@ -919,8 +1116,8 @@ impl Totals {
     }
 }
 
-fn new_world(base: &Path, name: &str) -> World {
-    World::create(base.join(name))
+fn new_world(base: &Path, name: &str, s: &Scenario) -> World {
+    World::create(base.join(name), s.capacity)
 }
 
 fn prepared_after(s: &Scenario) -> BTreeSet<&'static str> {
@@ -964,7 +1161,7 @@ fn before_act(world: &World, s: &Scenario) {
 fn discover(base: &Path, s: &Scenario, totals: &Totals) -> Vec<(String, u64)> {
     // Short names: the fake daemon's socket path (…/mps/<uid>/pipe/control) must fit the
     // 108 bytes of a unix socket address.
-    let world = new_world(base, &format!("d{}", scenario_index(s)));
+    let world = new_world(base, &format!("d{}", scenario_index(s)), s);
     before_act(&world, s);
     let list = world.root.join("points.txt");
     let (status, output) = world.run(
@@ -998,7 +1195,7 @@ fn discover(base: &Path, s: &Scenario, totals: &Totals) -> Vec<(String, u64)> {
 /// recreation after a reboot included (an instance created but not yet recorded is adopted
 /// through its recorded intent), must end with every claim prepared and nothing orphaned.
 fn kill_run(base: &Path, s: &Scenario, point: &str, n: u64, idx: usize) -> usize {
-    let world = new_world(base, &format!("k{idx}"));
+    let world = new_world(base, &format!("k{idx}"), s);
     let ctx = format!("{} killed at {point}#{n}", s.name);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         before_act(&world, s);
