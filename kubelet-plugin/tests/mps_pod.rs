@@ -604,13 +604,13 @@ async fn plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart(
     }
 }
 
-/// This plugin's requests on pods in the release namespace from `from` on (the fake
-/// kubelet's go to `/api/v1/pods`), as `(verb, query)`.
+/// This plugin's requests on pods in the release namespace from `from` on, as `(verb,
+/// query)`: the fake kubelet lists at `/api/v1/pods` and writes only `.../status`.
 fn plugin_pod_requests(standin: &StandIn, from: usize) -> Vec<(String, String)> {
     let prefix = format!("/api/v1/namespaces/{NAMESPACE}/pods");
     standin.requests()[from..]
         .iter()
-        .filter(|r| r.path.starts_with(&prefix))
+        .filter(|r| r.path.starts_with(&prefix) && !r.path.ends_with("/status"))
         .map(|r| (r.verb.clone(), r.query.clone()))
         .collect()
 }
