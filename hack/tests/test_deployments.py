@@ -92,7 +92,7 @@ RBAC = {
     ("events.k8s.io", "events"): {"create", "patch"},
 }
 # The namespaced Role of the MPS pod launcher (release namespace only): (apiGroup, resource) -> verbs.
-MPS_POD_RBAC = {("", "pods"): {"get", "list", "create", "delete"}}
+MPS_POD_RBAC = {("", "pods"): {"get", "list", "watch", "create", "delete"}}
 MPS_POD_SRC = ROOT / "kubelet-plugin" / "src" / "k8s" / "mps_pod.rs"
 MPS_DOC = ROOT / "docs" / "mps.md"
 GRAFANA_DASHBOARD = ROOT / "deployments" / "grafana" / "cleave-dashboard.json"
@@ -1036,7 +1036,7 @@ def rust_mps_pod_rbac_rules() -> dict[tuple[str, str], set[str]]:
 
 @check
 def mps_role_is_least_privilege_in_the_release_namespace() -> None:
-    """Pod launcher: a Role (not the ClusterRole) grants exactly pods get/list/create/delete in the
+    """Pod launcher: a Role (not the ClusterRole) grants exactly pods get/list/watch/create/delete in the
     release namespace, bound to the chart's ServiceAccount there; the ClusterRole gains no pods."""
     for ns in ("cleave-system", "gpu-drivers"):
         objs = render(namespace=ns)

@@ -54,7 +54,8 @@ pub struct MpsArgs {
     #[arg(long, env = "KUBELET_ROOT_DIR", default_value = "/var/lib/kubelet")]
     pub kubelet_root_dir: PathBuf,
     /// Seconds between checks that the MPS daemons of prepared claims run (dead ones are
-    /// started again, with their claims' CDI specs rewritten); 0: only at start.
+    /// started again, with their claims' CDI specs rewritten), spread by ±10 % per node; 0:
+    /// only at start.
     #[arg(long, env = "MPS_CHECK_INTERVAL_SECS", default_value_t = 30)]
     pub mps_check_interval_secs: u64,
     /// Directory holding each MPS daemon's pipe directory (`<root>/<16 hex digits>`), at the

@@ -229,7 +229,10 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     mps_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     // Daemons of prepared claims that died (an evicted daemon pod, a crash) are started
     // again between prepares too, not only at the next start.
-    let check_every = std::time::Duration::from_secs(args.mps.mps_check_interval_secs);
+    let check_every = jittered_check_interval(
+        std::time::Duration::from_secs(args.mps.mps_check_interval_secs),
+        &args.node_name,
+    );
     let mut mps_check = tokio::time::interval_at(
         tokio::time::Instant::now() + check_every.max(std::time::Duration::from_secs(1)),
         check_every.max(std::time::Duration::from_secs(1)),
@@ -506,6 +509,18 @@ async fn recheck_driver_root(
 /// The periodic sharing check, under the node lock: starts dead MPS daemons of prepared
 /// claims again (with an Event on each claim) and, with on-demand MIG, sends a new pool on
 /// `pool_tx` when the GPU instances without compute instance changed.
+/// The MPS check interval of `node`: `every` spread over ±10 % by a hash of the node's name,
+/// so that plugins started together (a rollout) do not check in step forever; stable per
+/// node, like the slice watch's timeout.
+fn jittered_check_interval(every: std::time::Duration, node: &str) -> std::time::Duration {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    node.hash(&mut h);
+    // 900..=1100 thousandths.
+    let per_mille = 900 + u32::try_from(h.finish() % 201).unwrap_or(0);
+    every * per_mille / 1000
+}
+
 fn spawn_sharing_check(
     driver: Arc<NodeDriver>,
     node_lock: NodeLock,
@@ -555,4 +570,30 @@ fn spawn_sharing_check(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::jittered_check_interval;
+    use std::time::Duration;
+
+    #[test]
+    fn check_interval_is_spread_by_node_within_ten_percent() {
+        let every = Duration::from_secs(30);
+        let spread: std::collections::BTreeSet<Duration> = (0..50)
+            .map(|i| jittered_check_interval(every, &format!("node-{i}")))
+            .collect();
+        assert!(spread.len() > 10, "{spread:?}");
+        for d in &spread {
+            assert!(
+                *d >= Duration::from_secs(27) && *d <= Duration::from_secs(33),
+                "{d:?}"
+            );
+        }
+        assert_eq!(
+            jittered_check_interval(every, "node-a"),
+            jittered_check_interval(every, "node-a")
+        );
+        assert!(jittered_check_interval(Duration::ZERO, "node-a").is_zero());
+    }
 }

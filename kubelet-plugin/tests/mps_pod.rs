@@ -604,7 +604,128 @@ async fn plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart(
     }
 }
 
-const TESTS: [cleave_testkit::runner::Test; 4] = [
+/// This plugin's requests on pods in the release namespace from `from` on, as `(verb,
+/// query)`: the fake kubelet lists at `/api/v1/pods` and writes only `.../status`.
+fn plugin_pod_requests(standin: &StandIn, from: usize) -> Vec<(String, String)> {
+    let prefix = format!("/api/v1/namespaces/{NAMESPACE}/pods");
+    standin.requests()[from..]
+        .iter()
+        .filter(|r| r.path.starts_with(&prefix) && !r.path.ends_with("/status"))
+        .map(|r| (r.verb.clone(), r.query.clone()))
+        .collect()
+}
+
+fn count(requests: &[(String, String)], verb: &str) -> usize {
+    requests.iter().filter(|(v, _)| v == verb).count()
+}
+
+/// Daemon pod state comes from one node-selected watch: a prepare costs one create and no
+/// GET loop, the periodic check reads nothing from the API server, a daemon pod deleted
+/// behind the plugin's back is noticed and started again, and unprepare costs one delete.
+async fn daemon_pods_are_learned_from_one_watch_not_lists_or_polls() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    let kubelet = world.kubelet(&standin, KubeletOptions::default());
+    put_mps_claim(&standin, "a", "gpu-0", 25, "10Gi");
+    let options = world.pod_plugin_options(&[("MPS_CHECK_INTERVAL_SECS", "1".into())]);
+    let plugin = Plugin::start(&world.dirs, &options);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+
+    let mark = standin.requests().len();
+    let r = prepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
+    assert_eq!(r.claims["uid-a"].error, "", "{}", world.logs());
+    let pod = world.pod(&standin, "uid-a").expect("daemon pod");
+    let at_prepare = plugin_pod_requests(&standin, mark);
+    assert_eq!(count(&at_prepare, "create"), 1, "{at_prepare:?}");
+    assert!(count(&at_prepare, "get") <= 1, "a GET loop: {at_prepare:?}");
+    assert_eq!(count(&at_prepare, "list"), 0, "{at_prepare:?}");
+
+    // The watch: selected by node and label, with this node's own server-side timeout.
+    let all = plugin_pod_requests(&standin, 0);
+    let watches: Vec<&String> = all
+        .iter()
+        .filter(|(v, _)| v == "watch")
+        .map(|(_, q)| q)
+        .collect();
+    assert!(!watches.is_empty(), "no pod watch: {all:?}");
+    let timeout = format!(
+        "timeoutSeconds={}",
+        cleave_controller::publisher::watch_timeout_secs(NODE)
+    );
+    for q in &watches {
+        assert!(q.contains(&timeout), "{q} lacks {timeout}");
+        assert!(q.contains("fieldSelector=spec.nodeName%3D"), "{q}");
+        assert!(
+            q.contains("labelSelector=app.kubernetes.io%2Fname%3Dcleave-mps"),
+            "{q}"
+        );
+    }
+    // At most the watch's own initial list, ever.
+    assert!(count(&all, "list") <= 1, "{all:?}");
+
+    // Left alone for several check intervals (each asks the daemon whether it answers):
+    // nothing but the watch reaches the API server.
+    let pipe_a = world.dirs.mps_pipe_dir("uid-a").display().to_string();
+    let checks = || {
+        world
+            .record()
+            .iter()
+            .filter(|l| {
+                l.contains(&format!("pipe={pipe_a}"))
+                    && l.contains("get_default_active_thread_percentage")
+            })
+            .count()
+    };
+    let mark = standin.requests().len();
+    let before = checks();
+    eventually("three periodic checks ran", &world, || {
+        checks() >= before + 3
+    })
+    .await;
+    let steady = plugin_pod_requests(&standin, mark);
+    assert!(
+        steady.iter().all(|(v, _)| v == "watch"),
+        "steady state: {steady:?}"
+    );
+
+    // Deleted behind the plugin's back: the watch tells, the check starts it again.
+    let old = pod.metadata.uid.clone().unwrap();
+    standin.delete("pods", NAMESPACE, &world.pod_name("uid-a"));
+    eventually("the daemon pod is started again", &world, || {
+        world
+            .pod(&standin, "uid-a")
+            .is_some_and(|p| p.metadata.uid.as_deref() != Some(old.as_str()))
+    })
+    .await;
+    eventually("the claim's CDI spec names the new pod", &world, || {
+        let new = world.pod(&standin, "uid-a").and_then(|p| p.metadata.uid);
+        new.is_some_and(|uid| {
+            mounts_of(&world.cdi_spec("uid-a"))
+                .iter()
+                .any(|(c, h)| c == "/dev/shm" && h.contains(&uid))
+        })
+    })
+    .await;
+    let restarted = plugin_pod_requests(&standin, mark);
+    assert_eq!(count(&restarted, "create"), 1, "{restarted:?}");
+    assert_eq!(count(&restarted, "list"), 0, "{restarted:?}");
+    assert!(count(&restarted, "get") <= 1, "{restarted:?}");
+
+    // Unprepare: one delete, no reads.
+    let mark = standin.requests().len();
+    let un = unprepare(&mut dra, vec![claim("mps-a", "uid-a")]).await;
+    assert_eq!(un.claims["uid-a"].error, "", "{}", world.logs());
+    assert!(world.pod(&standin, "uid-a").is_none());
+    let at_unprepare = plugin_pod_requests(&standin, mark);
+    assert_eq!(count(&at_unprepare, "delete"), 1, "{at_unprepare:?}");
+    assert_eq!(count(&at_unprepare, "get"), 0, "{at_unprepare:?}");
+    assert_eq!(count(&at_unprepare, "list"), 0, "{at_unprepare:?}");
+    drop(dra);
+    assert!(plugin.terminate().success());
+    drop(kubelet);
+}
+
+const TESTS: [cleave_testkit::runner::Test; 5] = [
     (
         "claims_get_own_daemon_pods_which_outlive_plugin_restarts",
         || block_on(claims_get_own_daemon_pods_which_outlive_plugin_restarts()),
@@ -620,6 +741,10 @@ const TESTS: [cleave_testkit::runner::Test; 4] = [
     (
         "plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart",
         || block_on(plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart()),
+    ),
+    (
+        "daemon_pods_are_learned_from_one_watch_not_lists_or_polls",
+        || block_on(daemon_pods_are_learned_from_one_watch_not_lists_or_polls()),
     ),
 ];
 

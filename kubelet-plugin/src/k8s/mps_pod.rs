@@ -17,9 +17,16 @@
 //! `spec.nodeName` is this node (deletes also only on the pod UID recorded or just read), so
 //! one node's plugin never touches another node's daemons. The plugin talks to the daemon as
 //! before: `nvidia-cuda-mps-control` on the pipe directory it shares with the pod.
+//!
+//! Daemon pod state comes from one watch ([`PodWatch`]) on the pods of this node
+//! (`spec.nodeName`) labelled `app.kubernetes.io/name=cleave-mps`, with a server-side timeout
+//! spread by the node's name: waits for a pod to run or to go, the periodic check, finding and
+//! sweeping read its map, never a LIST or a polling GET. Only a name conflict at create
+//! reads the pod once (it may be another node's, which the watch does not see).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -27,13 +34,15 @@ use cleave_driver::sharing::mps::{PID_FILE, name_hash};
 use cleave_driver::sharing::{
     DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, ProcessLauncher, SHM_DIR, SharingFailure,
 };
+use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{
     Container, EmptyDirVolumeSource, EnvVar, HostPathVolumeSource, Pod, PodSpec,
     ResourceRequirements, SecurityContext, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::runtime::{WatchStreamExt as _, watcher};
 use tokio::runtime::Handle;
 
 /// API calls of the pod launcher, in the plugin's namespace (a Role in the chart):
@@ -41,7 +50,7 @@ use tokio::runtime::Handle;
 /// Read by `hack/tests/test_deployments.py`, which checks the chart's Role against it.
 #[allow(dead_code)]
 pub(crate) const MPS_POD_RBAC_RULES: &[(&str, &str, &[&str])] =
-    &[("", "pods", &["get", "list", "create", "delete"])];
+    &[("", "pods", &["get", "list", "watch", "create", "delete"])];
 
 /// `app.kubernetes.io/name` of every daemon pod.
 pub(crate) const APP_NAME: &str = "cleave-mps";
@@ -134,7 +143,8 @@ pub(crate) struct PodLauncherConfig {
     pub container_pipe_dir: String,
     /// Deadline of one API call.
     pub api_timeout: Duration,
-    /// Pause between looks at a pod that is starting or going away.
+    /// Pause between looks for the pid file of a daemon whose pod runs (a local file; the
+    /// pod's state itself comes from the watch).
     pub poll: Duration,
 }
 
@@ -355,6 +365,177 @@ fn pod_state(pod: &Pod) -> PodState {
     }
 }
 
+/// How many UIDs of deleted pods [`PodWatch`] remembers, so that a wait can tell a pod that
+/// went from one the watch has not seen yet.
+const GONE_KEPT: usize = 1024;
+
+/// This node's daemon pods as the watch last saw them.
+#[derive(Debug, Default)]
+struct PodMap {
+    /// By pod name.
+    pods: BTreeMap<String, Pod>,
+    /// UIDs of pods seen deleted, newest last.
+    gone: VecDeque<String>,
+    /// The watch's initial list has arrived.
+    synced: bool,
+}
+
+impl PodMap {
+    fn forget(&mut self, uid: Option<String>) {
+        if let Some(uid) = uid {
+            if self.gone.len() >= GONE_KEPT {
+                self.gone.pop_front();
+            }
+            self.gone.push_back(uid);
+        }
+    }
+}
+
+/// One watch on this node's daemon pods (label `app.kubernetes.io/name=cleave-mps`, field
+/// `spec.nodeName`), kept in a map that blocking callers read and wait on.
+#[derive(Debug, Default)]
+struct PodWatch {
+    map: Mutex<PodMap>,
+    changed: Condvar,
+}
+
+/// What a wait on [`PodWatch`] found about one pod.
+#[derive(Debug)]
+enum Seen {
+    /// The watch has the pod with that UID.
+    Pod(Box<Pod>),
+    /// The pod with that UID was deleted, or another pod has its name now.
+    Gone,
+    /// Not seen yet (or the watch has not listed yet).
+    Unknown,
+}
+
+impl PodWatch {
+    fn lock(&self) -> MutexGuard<'_, PodMap> {
+        self.map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Applies one watch event and wakes every waiter.
+    fn apply(&self, event: watcher::Event<Pod>, init: &mut Option<BTreeMap<String, Pod>>) {
+        let name_of = |p: &Pod| p.metadata.name.clone().unwrap_or_default();
+        let strip = |mut p: Pod| {
+            p.metadata.managed_fields = None;
+            p
+        };
+        let mut map = self.lock();
+        match event {
+            watcher::Event::Init => *init = Some(BTreeMap::new()),
+            watcher::Event::InitApply(p) => {
+                init.get_or_insert_with(BTreeMap::new)
+                    .insert(name_of(&p), strip(p));
+            }
+            watcher::Event::InitDone => {
+                let fresh = init.take().unwrap_or_default();
+                let old = std::mem::replace(&mut map.pods, fresh);
+                for (name, pod) in old {
+                    if map.pods.get(&name).and_then(|p| p.metadata.uid.as_ref())
+                        != pod.metadata.uid.as_ref()
+                    {
+                        map.forget(pod.metadata.uid);
+                    }
+                }
+                map.synced = true;
+            }
+            watcher::Event::Apply(p) => {
+                let name = name_of(&p);
+                if let Some(old) = map.pods.get(&name)
+                    && old.metadata.uid != p.metadata.uid
+                {
+                    let uid = old.metadata.uid.clone();
+                    map.forget(uid);
+                }
+                map.pods.insert(name, strip(p));
+            }
+            watcher::Event::Delete(p) => {
+                let name = name_of(&p);
+                if map.pods.get(&name).map(|o| &o.metadata.uid) == Some(&p.metadata.uid) {
+                    map.pods.remove(&name);
+                }
+                map.forget(p.metadata.uid);
+            }
+        }
+        drop(map);
+        self.changed.notify_all();
+    }
+
+    /// The pod `name` with `uid` as the map has it.
+    fn seen(map: &PodMap, name: &str, uid: &str) -> Seen {
+        match map.pods.get(name) {
+            Some(p) if p.metadata.uid.as_deref() == Some(uid) => Seen::Pod(Box::new(p.clone())),
+            _ if map.gone.iter().any(|g| g == uid) => Seen::Gone,
+            Some(_) if map.synced => Seen::Gone,
+            _ => Seen::Unknown,
+        }
+    }
+
+    /// Waits until `done` says yes on the map, at most until `deadline` (waking at least
+    /// every `tick`, for conditions outside the map): what `done` gave, `None` at the deadline.
+    fn wait_until<T>(
+        &self,
+        deadline: Instant,
+        tick: Duration,
+        mut done: impl FnMut(&PodMap) -> Option<T>,
+    ) -> Option<T> {
+        let mut map = self.lock();
+        loop {
+            if let Some(t) = done(&map) {
+                return Some(t);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            map = self
+                .changed
+                .wait_timeout(map, left.min(tick))
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// The map once the initial list arrived; `None` when it did not within `timeout`.
+    fn synced(&self, timeout: Duration) -> Option<MutexGuard<'_, PodMap>> {
+        let deadline = Instant::now() + timeout;
+        let mut map = self.lock();
+        while !map.synced {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            map = self
+                .changed
+                .wait_timeout(map, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+        Some(map)
+    }
+
+    /// Runs the watch until aborted: kube's watcher lists, watches, resumes and relists
+    /// with backoff on errors; each event updates the map.
+    async fn run(self: Arc<Self>, pods: Api<Pod>, node: String) {
+        let config = watcher::Config::default()
+            .labels(&format!("app.kubernetes.io/name={APP_NAME}"))
+            .fields(&format!("spec.nodeName={node}"))
+            .timeout(cleave_controller::publisher::watch_timeout_secs(&node));
+        let mut events = watcher(pods, config).default_backoff().boxed();
+        let mut init = None;
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(event) => self.apply(event, &mut init),
+                Err(e) => tracing::warn!(error = %e, "watching MPS daemon pods"),
+            }
+        }
+    }
+}
+
 /// Runs each claim's MPS control daemon in a pod of its own (see the module docs). The
 /// [`DaemonLauncher`] calls block on `runtime`, so they must come from a blocking thread
 /// (the driver runs them under the node lock in `spawn_blocking`).
@@ -363,9 +544,18 @@ pub(crate) struct PodLauncher {
     pods: Api<Pod>,
     runtime: Handle,
     control: ProcessLauncher,
-    /// When `is_running` last asked the API server: callers poll it in tight loops, and
-    /// one GET per `poll` is enough.
-    last_check: std::sync::Mutex<Option<Instant>>,
+    /// This node's daemon pods, from one watch.
+    watch: Arc<PodWatch>,
+    /// The watch task, started on first use.
+    watch_task: OnceLock<tokio::task::AbortHandle>,
+}
+
+impl Drop for PodLauncher {
+    fn drop(&mut self) {
+        if let Some(task) = self.watch_task.get() {
+            task.abort();
+        }
+    }
 }
 
 impl std::fmt::Debug for PodLauncher {
@@ -390,8 +580,30 @@ impl PodLauncher {
             config,
             runtime,
             control,
-            last_check: std::sync::Mutex::new(None),
+            watch: Arc::default(),
+            watch_task: OnceLock::new(),
         }
+    }
+
+    /// The watch of this node's daemon pods, started on first use.
+    fn watch(&self) -> &PodWatch {
+        self.watch_task.get_or_init(|| {
+            let task = self.runtime.spawn(
+                Arc::clone(&self.watch).run(self.pods.clone(), self.config.node_name.clone()),
+            );
+            task.abort_handle()
+        });
+        &self.watch
+    }
+
+    /// The map once the watch listed, waiting at most one API call's deadline for it.
+    fn synced_map(&self) -> Result<MutexGuard<'_, PodMap>, String> {
+        self.watch().synced(self.config.api_timeout).ok_or_else(|| {
+            format!(
+                "no list of MPS daemon pods from the API server within {:?}",
+                self.config.api_timeout
+            )
+        })
     }
 
     fn block_on<F: std::future::Future>(&self, fut: F) -> Result<F::Output, String> {
@@ -427,21 +639,16 @@ impl PodLauncher {
         }
     }
 
-    /// Waits until the pod `name` with `uid` is gone; false when `timeout` passed first.
+    /// Waits until the watch shows the pod `name` with `uid` gone; false when `timeout`
+    /// passed first.
     fn wait_gone(&self, name: &str, uid: &str, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        loop {
-            match self.get(name) {
-                Ok(None) => return true,
-                Ok(Some(p)) if p.metadata.uid.as_deref() != Some(uid) => return true,
-                Ok(Some(_)) => {}
-                Err(e) => tracing::debug!(error = %e, "waiting for a daemon pod to go"),
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(self.config.poll);
-        }
+        self.watch()
+            .wait_until(deadline, timeout, |map| {
+                (map.synced && !matches!(PodWatch::seen(map, name, uid), Seen::Pod(_)))
+                    .then_some(())
+            })
+            .is_some()
     }
 
     fn handle(&self, pod: &Pod) -> Option<DaemonHandle> {
@@ -481,6 +688,9 @@ impl PodLauncher {
         let name = pod_name(&self.config.node_name, &spec.claim_uid);
         let pod = daemon_pod(&self.config, spec);
         loop {
+            if Instant::now() >= deadline {
+                return Err(format!("pod {name} could not be created in time"));
+            }
             // A pid file left by an earlier daemon must not be taken for the new one's (a
             // pod that is taken over below keeps its daemon's).
             let _ = std::fs::remove_file(spec.pipe_dir.join(PID_FILE));
@@ -497,6 +707,7 @@ impl PodLauncher {
                     ));
                 }
             }
+            // Read once: a pod of another node with this name is not in the watch.
             let Some(existing) = self.get(&name)? else {
                 continue;
             };
@@ -549,29 +760,32 @@ impl DaemonLauncher for PodLauncher {
             .map(|p| p.uid.clone())
             .unwrap_or_default();
         // Up when the pod runs and the daemon wrote its pid file into the shared pipe
-        // directory; the driver then waits until it answers.
-        let mut last;
-        let outcome = loop {
-            match self.get(&name) {
-                Ok(Some(p)) if p.metadata.uid.as_deref() == Some(uid.as_str()) => {
-                    match pod_state(&p) {
-                        PodState::Running if spec.pipe_dir.join(PID_FILE).exists() => {
-                            break Ok(());
+        // directory; the driver then waits until it answers. The pod's state comes from the
+        // watch; the pid file is looked at every `poll` once the pod runs.
+        let mut last = String::from("not seen by the watch yet");
+        let pid_file = spec.pipe_dir.join(PID_FILE);
+        let outcome = self
+            .watch()
+            .wait_until(deadline, self.config.poll, |map| {
+                match PodWatch::seen(map, &name, &uid) {
+                    Seen::Pod(p) => match pod_state(&p) {
+                        PodState::Running if pid_file.exists() => Some(Ok(())),
+                        PodState::Running => {
+                            last = "running, no pid file yet".into();
+                            None
                         }
-                        PodState::Running => last = "running, no pid file yet".into(),
-                        PodState::Pending(s) => last = s,
-                        PodState::Ended(s) => break Err(format!("the pod {s}")),
-                        PodState::Deleting => break Err("the pod is being deleted".into()),
-                    }
+                        PodState::Pending(s) => {
+                            last = s;
+                            None
+                        }
+                        PodState::Ended(s) => Some(Err(format!("the pod {s}"))),
+                        PodState::Deleting => Some(Err("the pod is being deleted".into())),
+                    },
+                    Seen::Gone => Some(Err("the pod was deleted".into())),
+                    Seen::Unknown => None,
                 }
-                Ok(_) => break Err("the pod was deleted".into()),
-                Err(e) => last = e,
-            }
-            if Instant::now() >= deadline {
-                break Err(format!("not running within {timeout:?}: {}", last.trim()));
-            }
-            std::thread::sleep(self.config.poll);
-        };
+            })
+            .unwrap_or_else(|| Err(format!("not running within {timeout:?}: {}", last.trim())));
         match outcome {
             Ok(()) => Ok(handle),
             Err(message) => {
@@ -600,41 +814,36 @@ impl DaemonLauncher for PodLauncher {
             pod_name(&self.config.node_name, &spec.claim_uid),
             legacy_pod_name(&spec.claim_uid),
         ];
-        names.iter().find_map(|name| match self.get(name) {
-            Ok(Some(pod))
-                if on_node(&pod, &self.config.node_name)
-                    && pod
-                        .metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get(CLAIM_LABEL))
-                        == Some(&spec.claim_uid) =>
-            {
-                self.handle(&pod)
-            }
-            Ok(_) => None,
+        let map = match self.synced_map() {
+            Ok(map) => map,
             Err(e) => {
                 tracing::warn!(claim = %spec.claim_uid, error = %e, "looking for an MPS daemon pod");
-                None
+                return None;
             }
+        };
+        names.iter().find_map(|name| {
+            let pod = map.pods.get(name)?;
+            (on_node(pod, &self.config.node_name)
+                && pod
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(CLAIM_LABEL))
+                    == Some(&spec.claim_uid))
+            .then(|| self.handle(pod))
+            .flatten()
         })
     }
 
     fn is_running(&self, handle: &DaemonHandle) -> bool {
         let Some(p) = &handle.pod else { return false };
-        {
-            let mut last = self.last_check.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(at) = *last {
-                std::thread::sleep(self.config.poll.saturating_sub(at.elapsed()));
-            }
-            *last = Some(Instant::now());
-        }
-        match self.get(&p.name) {
-            Ok(Some(pod)) => {
-                pod.metadata.uid.as_deref() == Some(p.uid.as_str())
-                    && matches!(pod_state(&pod), PodState::Pending(_) | PodState::Running)
-            }
-            Ok(None) => false,
+        match self.synced_map() {
+            Ok(map) => match PodWatch::seen(&map, &p.name, &p.uid) {
+                Seen::Pod(pod) => {
+                    matches!(pod_state(&pod), PodState::Pending(_) | PodState::Running)
+                }
+                Seen::Gone | Seen::Unknown => false,
+            },
             Err(e) => {
                 // Unknown is not gone: taking a running daemon for dead would restart it
                 // under its clients. Whether it answers decides.
@@ -676,14 +885,9 @@ impl DaemonLauncher for PodLauncher {
     }
 
     fn sweep(&self, keep: &BTreeSet<String>) -> Vec<String> {
-        let params = ListParams::default()
-            .labels(&format!("app.kubernetes.io/name={APP_NAME}"))
-            .fields(&format!("spec.nodeName={}", self.config.node_name));
-        let listed = self
-            .block_on(self.pods.list(&params))
-            .and_then(|r| r.map_err(|e| e.to_string()));
-        let pods = match listed {
-            Ok(list) => list.items,
+        // The watch's list: no LIST of its own.
+        let pods: Vec<Pod> = match self.synced_map() {
+            Ok(map) => map.pods.values().cloned().collect(),
             Err(e) => {
                 tracing::warn!(error = %e, "listing MPS daemon pods");
                 return Vec::new();
@@ -1004,6 +1208,16 @@ mod tests {
         assert_eq!(label(&pb, NODE_LABEL), node_label_value(&long));
         let uid = |p: &Pod| p.metadata.uid.clone().unwrap();
         let found = |l: &PodLauncher, s: &DaemonSpec| l.find(s).and_then(|h| h.pod).map(|p| p.uid);
+        // `create` returns before the watch saw the pod (`start` waits for it).
+        let seen = |l: &PodLauncher, name: &str| {
+            l.watch()
+                .wait_until(deadline(), Duration::from_secs(1), |m| {
+                    m.pods.contains_key(name).then_some(())
+                })
+                .unwrap()
+        };
+        seen(&a, pa.metadata.name.as_deref().unwrap());
+        seen(&b, pb.metadata.name.as_deref().unwrap());
         assert_eq!(found(&a, &spec), Some(uid(&pa)));
         assert_eq!(found(&b, &spec), Some(uid(&pb)));
         // Creating again takes over the node's own pod.
@@ -1025,6 +1239,7 @@ mod tests {
         let mut legacy = daemon_pod(&a.config, &old);
         legacy.metadata.name = Some(legacy_pod_name("uid-old"));
         let legacy = standin.put(&legacy).unwrap();
+        seen(&a, &legacy_pod_name("uid-old"));
         assert_eq!(
             found(&a, &old).as_deref(),
             legacy["metadata"]["uid"].as_str()
