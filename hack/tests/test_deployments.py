@@ -1612,7 +1612,7 @@ def admission_policy_keeps_claim_status_writes_to_own_node_and_entries() -> None
     # The policy admits what the code sends: a PUT of the claim it read to /status, its own
     # entries (driver and pool = node name) changed, allocation and reservedFor as read.
     src = (ROOT / "kubelet-plugin" / "src" / "k8s" / "claim_status.rs").read_text()
-    for needle in ("api.replace_status(&claim.name", "d.driver == config.driver_name && d.pool == config.pool_name",
+    for needle in (".replace_status(&claim.name", "d.driver == config.driver_name && d.pool == config.pool_name",
                    "status.devices = (!next.is_empty()).then_some(next);"):
         assert needle in src, f"claim_status.rs lacks {needle!r}: check the claim status policy and this test"
     for needle in ("patch_status", "reserved_for =", "allocation ="):
@@ -2457,6 +2457,7 @@ FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--pl
                  "--config", "--privileged", "--cgroups", "--device", "--gpu-reset", "--help",
                  "--bench", "--query-gpu", "--set-timeslice", "--features", "--build-arg",
                  "--kube-version", "--kube-api-qps",  # helm template; kube-controller-manager
+                 "--field-selector",  # kubectl's
                  # cleave-cdi-hook's (cdi-hook/src/lib.rs), named in SECURITY.md's hook section
                  "--folder"}
 # Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).
