@@ -267,6 +267,32 @@ fn claim_requests(standin: &StandIn) -> (usize, usize, usize) {
     (gets, writes, conflicts)
 }
 
+/// The DRA client of these tests.
+type Dra = cleave_kubelet_plugin::proto::dra::v1::dra_plugin_client::DraPluginClient<
+    tonic::transport::Channel,
+>;
+
+/// Prepares the whole-GPU claim `whole` and waits until its entries are written.
+async fn prepare_whole(dra: &mut Dra, dirs: &NodeDirs, standin: &StandIn) {
+    let r = prepare(dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(r.claims["uid-whole"].error, "", "{}", dirs.log());
+    wait_until("the claim's entries", dirs, || {
+        !entries(standin, "whole").is_empty() && claim_requests(standin).1 >= 1
+    })
+    .await;
+}
+
+/// Unprepares the claim `whole` and waits until its entries are gone after at least
+/// `writes` status writes.
+async fn unprepare_whole(dra: &mut Dra, dirs: &NodeDirs, standin: &StandIn, writes: usize) {
+    let u = unprepare(dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(u.claims["uid-whole"].error, "", "{}", dirs.log());
+    wait_until("the claim's entries removed", dirs, || {
+        entries(standin, "whole").is_empty() && claim_requests(standin).1 >= writes
+    })
+    .await;
+}
+
 /// A whole-GPU claim costs one claim GET and one status write at prepare, and no GET and one
 /// status write at unprepare: the write reuses the object the prepare read, the unprepare the
 /// object that write returned.
@@ -277,21 +303,11 @@ async fn one_read_and_one_write_per_claim() {
     let plugin = Plugin::start(&dirs, &PluginOptions::default());
     let mut dra = dra_v1(&plugin.dra_socket).await;
     standin.reset_counts();
-    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
-    assert_eq!(r.claims["uid-whole"].error, "", "{}", dirs.log());
-    wait_until("the claim's entries", &dirs, || {
-        !entries(&standin, "whole").is_empty() && claim_requests(&standin).1 >= 1
-    })
-    .await;
+    prepare_whole(&mut dra, &dirs, &standin).await;
     assert_eq!(claim_requests(&standin), (1, 1, 0), "prepare");
 
     standin.reset_counts();
-    let u = unprepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
-    assert_eq!(u.claims["uid-whole"].error, "", "{}", dirs.log());
-    wait_until("the claim's entries removed", &dirs, || {
-        entries(&standin, "whole").is_empty() && claim_requests(&standin).1 >= 1
-    })
-    .await;
+    unprepare_whole(&mut dra, &dirs, &standin, 1).await;
     assert_eq!(claim_requests(&standin), (0, 1, 0), "unprepare");
     assert!(plugin.terminate().success());
 }
@@ -306,12 +322,7 @@ async fn a_foreign_change_costs_one_read_and_is_kept() {
     put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
     let plugin = Plugin::start(&dirs, &PluginOptions::default());
     let mut dra = dra_v1(&plugin.dra_socket).await;
-    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
-    assert_eq!(r.claims["uid-whole"].error, "", "{}", dirs.log());
-    wait_until("the claim's entries", &dirs, || {
-        !entries(&standin, "whole").is_empty()
-    })
-    .await;
+    prepare_whole(&mut dra, &dirs, &standin).await;
 
     let mut stored = standin.get("resourceclaims", "default", "whole").unwrap();
     let status = &mut stored["status"];
@@ -324,12 +335,7 @@ async fn a_foreign_change_costs_one_read_and_is_kept() {
     standin.put(&stored).unwrap();
     standin.reset_counts();
 
-    let u = unprepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
-    assert_eq!(u.claims["uid-whole"].error, "", "{}", dirs.log());
-    wait_until("our entries removed", &dirs, || {
-        entries(&standin, "whole").is_empty() && claim_requests(&standin).1 >= 2
-    })
-    .await;
+    unprepare_whole(&mut dra, &dirs, &standin, 2).await;
     assert_eq!(claim_requests(&standin), (1, 2, 1), "unprepare");
     let after = standin.get("resourceclaims", "default", "whole").unwrap();
     assert!(
@@ -351,24 +357,14 @@ async fn a_restart_costs_one_read_at_unprepare() {
     put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
     let plugin = Plugin::start(&dirs, &PluginOptions::default());
     let mut dra = dra_v1(&plugin.dra_socket).await;
-    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
-    assert_eq!(r.claims["uid-whole"].error, "", "{}", dirs.log());
-    wait_until("the claim's entries", &dirs, || {
-        !entries(&standin, "whole").is_empty()
-    })
-    .await;
+    prepare_whole(&mut dra, &dirs, &standin).await;
     drop(dra);
     assert!(plugin.terminate().success());
 
     let plugin = Plugin::start(&dirs, &PluginOptions::default());
     let mut dra = dra_v1(&plugin.dra_socket).await;
     standin.reset_counts();
-    let u = unprepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
-    assert_eq!(u.claims["uid-whole"].error, "", "{}", dirs.log());
-    wait_until("the claim's entries removed", &dirs, || {
-        entries(&standin, "whole").is_empty() && claim_requests(&standin).1 >= 1
-    })
-    .await;
+    unprepare_whole(&mut dra, &dirs, &standin, 1).await;
     assert_eq!(
         claim_requests(&standin),
         (1, 1, 0),

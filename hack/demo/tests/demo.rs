@@ -14,18 +14,25 @@ fn alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-#[test]
-fn demo_passes_all_checks() {
+/// Runs the demo binary at `demo` over the mock library; asserts it passed every check and
+/// returns what it printed.
+fn run_passing_demo(demo: &std::path::Path) -> String {
     let lib = mock_nvml::locate::cdylib_path().expect("mock NVML library not built");
-    let out = Command::new(env!("CARGO_BIN_EXE_cleave-demo"))
+    let out = Command::new(demo)
         .env("MOCK_NVML_LIB", lib)
         .env_remove("RUST_LOG")
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("all checks passed"), "{stdout}");
+    stdout
+}
+
+#[test]
+fn demo_passes_all_checks() {
+    let stdout = run_passing_demo(std::path::Path::new(env!("CARGO_BIN_EXE_cleave-demo")));
     assert!(!stdout.contains("FAIL"), "{stdout}");
     for line in [
         "[1/6]",
@@ -115,20 +122,11 @@ fn fake_tool_argument_is_hidden_from_help() {
 /// alone in a directory, with only the mock library named, still passes every check.
 #[test]
 fn demo_needs_no_hook_binary_beside_it() {
-    let lib = mock_nvml::locate::cdylib_path().expect("mock NVML library not built");
     let dir = tempfile::tempdir().unwrap();
     let demo = dir.path().join("cleave-demo");
     std::fs::copy(env!("CARGO_BIN_EXE_cleave-demo"), &demo).unwrap();
     assert!(!dir.path().join("cleave-cdi-hook").exists());
-    let out = Command::new(&demo)
-        .env("MOCK_NVML_LIB", lib)
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("all checks passed"), "{stdout}");
+    run_passing_demo(&demo);
 }
 
 /// Started under the hook's name, as the runtime runs the copy the plugin installed, the
