@@ -426,6 +426,13 @@ fn drop_disabled_fields(shared: &Shared, res: &ResourceDef, mut obj: Value) -> V
 }
 
 fn check_new(shared: &Shared, res: &'static ResourceDef, obj: &Value) -> Result<(), ApiError> {
+    if shared.validate && matches!(res.kind, "Event" | "Pod") {
+        let errs = validate::new_object_errors(res.kind, obj);
+        if !errs.is_empty() {
+            let name = meta_str(obj, "name").unwrap_or_default();
+            return Err(ApiError::invalid(res, name, errs));
+        }
+    }
     if shared.validate && res.kind == "ResourceSlice" {
         let errs = validate::slice_errors(obj, shared.version);
         if !errs.is_empty() {

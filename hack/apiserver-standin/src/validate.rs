@@ -1643,3 +1643,73 @@ mod tests {
         );
     }
 }
+
+/// Event limits of kubernetes pkg/apis/core/validation/events.go (`ValidateEventCreate`).
+const EVENT_REPORTING_INSTANCE_MAX: usize = 128;
+const EVENT_NOTE_MAX: usize = 1024;
+const EVENT_REASON_ACTION_MAX: usize = 128;
+
+/// What the API server refuses in a new `events.k8s.io/v1` Event or Pod: a name that is
+/// not a DNS subdomain (both), and for Events a `reportingInstance`, `reason` or `action`
+/// over 128 characters or a `note` over 1 kB.
+pub fn new_object_errors(kind: &str, obj: &Value) -> Vec<FieldError> {
+    let mut errs = Vec::new();
+    if let Some(name) = obj
+        .get("metadata")
+        .and_then(|m| m.get("name"))
+        .and_then(Value::as_str)
+        && !is_dns_subdomain(name)
+    {
+        errs.push(FieldError::invalid(
+            "metadata.name",
+            q(name),
+            if name.len() > DNS_SUBDOMAIN_MAX {
+                "must be no more than 253 characters"
+            } else {
+                DNS_SUBDOMAIN_MSG
+            },
+        ));
+    }
+    if kind == "Event" && obj.get("apiVersion").and_then(Value::as_str) == Some("events.k8s.io/v1")
+    {
+        let limits = [
+            ("reportingInstance", EVENT_REPORTING_INSTANCE_MAX),
+            ("reason", EVENT_REASON_ACTION_MAX),
+            ("action", EVENT_REASON_ACTION_MAX),
+            ("note", EVENT_NOTE_MAX),
+        ];
+        for (field, max) in limits {
+            if let Some(v) = obj.get(field).and_then(Value::as_str)
+                && v.len() > max
+            {
+                errs.push(FieldError::invalid(
+                    field,
+                    q(v),
+                    &format!("can have at most {max} characters"),
+                ));
+            }
+        }
+    }
+    errs
+}
+
+#[cfg(test)]
+mod new_object_tests {
+    use super::*;
+
+    #[test]
+    fn event_names_and_reporting_instances_are_bounded() {
+        let ok = serde_json::json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"name": "node-a.18f"}, "reportingInstance": "node-a"});
+        assert!(new_object_errors("Event", &ok).is_empty());
+        let long = "a".repeat(250);
+        let bad = serde_json::json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"name": format!("{long}.18f0")}, "reportingInstance": long});
+        let errs = new_object_errors("Event", &bad);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert_eq!(errs[0].field, "metadata.name");
+        assert_eq!(errs[1].field, "reportingInstance");
+        let pod = serde_json::json!({"metadata": {"name": "Bad_Name"}});
+        assert_eq!(new_object_errors("Pod", &pod).len(), 1);
+    }
+}

@@ -5,8 +5,18 @@
 //! the caller: an Event that cannot be written is logged and dropped, because an Event is a
 //! report, not state. RBAC: `events.k8s.io` `events` `create` and `patch` (the patch
 //! updates a series).
+//!
+//! Names that fit any node: the API server validates an Event's `metadata.name` as a DNS
+//! subdomain (at most 253 characters) and its `reportingInstance` at most 128 characters
+//! (kubernetes pkg/apis/core/validation/events.go, `ValidateEventCreate`). kube's recorder
+//! names an Event `<regarding name>.<nanoseconds in hex>` (as client-go does), which a node
+//! name near 253 characters overflows, so Events about such long names are created here with
+//! the regarding name cut to fit (without series counting), and a node name over 128
+//! characters is reported as its first 95 characters and a hash.
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::api::events::v1::Event as K8sEvent;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Resource as _;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::{debug, warn};
@@ -17,10 +27,21 @@ pub(crate) const REPORTING_CONTROLLER: &str = "gpu.cleave.dev/kubelet-plugin";
 /// Events longer than this are cut (the API server rejects notes above 1 kB).
 pub(crate) const MAX_NOTE_BYTES: usize = 1024;
 
+/// The API server's limit on `reportingInstance`.
+const MAX_REPORTING_INSTANCE: usize = 128;
+
+/// The API server's limit on an object name (a DNS subdomain).
+const MAX_NAME: usize = 253;
+
+/// What the recorder appends to the regarding object's name: `.` and up to 16 hex digits.
+const NAME_SUFFIX: usize = 17;
+
 /// Publishes Events about any object; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct EventReporter {
     recorder: std::sync::Arc<Recorder>,
+    client: kube::Client,
+    instance: String,
 }
 
 impl std::fmt::Debug for EventReporter {
@@ -41,13 +62,17 @@ pub(crate) enum Severity {
 impl EventReporter {
     /// A reporter whose Events name `instance` (e.g. the node name or pod name) as the
     /// reporting instance.
+    /// An `instance` over 128 characters is shortened to fit (see the module doc).
     pub(crate) fn new(client: kube::Client, instance: impl Into<String>) -> Self {
+        let instance = reporting_instance(&instance.into());
         let reporter = Reporter {
             controller: REPORTING_CONTROLLER.to_owned(),
-            instance: Some(instance.into()),
+            instance: Some(instance.clone()),
         };
         Self {
-            recorder: std::sync::Arc::new(Recorder::new(client, reporter)),
+            recorder: std::sync::Arc::new(Recorder::new(client.clone(), reporter)),
+            client,
+            instance,
         }
     }
 
@@ -72,7 +97,12 @@ impl EventReporter {
             action: action.to_owned(),
             secondary: None,
         };
-        match self.recorder.publish(&event, regarding).await {
+        let published = if regarding.name.as_ref().map_or(0, String::len) + NAME_SUFFIX > MAX_NAME {
+            self.create_with_short_name(&event, regarding).await
+        } else {
+            self.recorder.publish(&event, regarding).await
+        };
+        match published {
             Ok(()) => debug!(reason, object = ?regarding.name, "published Event"),
             Err(e) => warn!(
                 reason,
@@ -83,6 +113,78 @@ impl EventReporter {
             ),
         }
     }
+}
+
+impl EventReporter {
+    /// Creates `event` about `regarding`, whose name is too long for the recorder's naming,
+    /// under a name made of the regarding name's start and the time.
+    async fn create_with_short_name(
+        &self,
+        event: &Event,
+        regarding: &ObjectReference,
+    ) -> Result<(), kube::Error> {
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let name = format!(
+            "{}.{:x}",
+            name_prefix(regarding.name.as_deref().unwrap_or(REPORTING_CONTROLLER)),
+            now.as_nanosecond()
+        );
+        let namespace = regarding.namespace.as_deref().unwrap_or("default");
+        let object = K8sEvent {
+            metadata: ObjectMeta {
+                name: Some(name),
+                namespace: Some(namespace.to_owned()),
+                ..ObjectMeta::default()
+            },
+            action: Some(event.action.clone()),
+            reason: Some(event.reason.clone()),
+            note: event.note.clone(),
+            event_time: Some(MicroTime(now)),
+            regarding: Some(regarding.clone()),
+            related: event.secondary.clone(),
+            reporting_controller: Some(REPORTING_CONTROLLER.to_owned()),
+            reporting_instance: Some(self.instance.clone()),
+            type_: Some(
+                match event.type_ {
+                    EventType::Normal => "Normal",
+                    EventType::Warning => "Warning",
+                }
+                .to_owned(),
+            ),
+            ..K8sEvent::default()
+        };
+        let events: kube::Api<K8sEvent> = kube::Api::namespaced(self.client.clone(), namespace);
+        events
+            .create(&kube::api::PostParams::default(), &object)
+            .await
+            .map(|_| ())
+    }
+}
+
+/// `instance` when it fits `reportingInstance`, else its first 95 characters (no trailing
+/// `.` or `-`), `-` and a 32-hex hash of the whole: unique per node and at most 128.
+pub(crate) fn reporting_instance(instance: &str) -> String {
+    if instance.len() <= MAX_REPORTING_INSTANCE {
+        return instance.to_owned();
+    }
+    let hash = cleave_driver::sharing::mps::name_hash(&[instance]);
+    let keep = MAX_REPORTING_INSTANCE - 1 - hash.len();
+    format!("{}-{hash}", trim_cut(instance, keep))
+}
+
+/// The start of `name` that leaves room for the recorder's `.<hex>` within a DNS subdomain.
+fn name_prefix(name: &str) -> &str {
+    trim_cut(name, MAX_NAME - NAME_SUFFIX)
+}
+
+/// `s` cut to at most `max` bytes on a character boundary, without trailing `.` or `-`
+/// (a DNS subdomain's labels end alphanumeric).
+fn trim_cut(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].trim_end_matches(['.', '-'])
 }
 
 /// A reference to the Node `name` (with its UID when the Node can be read, so
@@ -195,5 +297,54 @@ mod tests {
         assert_eq!(ev["note"], "hello");
         let forged = events.iter().find(|e| e["reason"] == "Forged").unwrap();
         assert_eq!(forged["note"], "a\\nb\\u{1b}[31m");
+    }
+
+    /// A node name of 253 characters (the longest a Node may have).
+    fn longest_node() -> String {
+        let label = "a".repeat(63);
+        format!("{label}.{label}.{label}.{}", "b".repeat(61))
+    }
+
+    #[test]
+    fn reporting_instances_fit_and_stay_unique() {
+        assert_eq!(reporting_instance("node-a"), "node-a");
+        let long = longest_node();
+        assert_eq!(long.len(), 253);
+        let a = reporting_instance(&long);
+        let b = reporting_instance(&format!("{}c", &long[..252]));
+        assert!(a.len() <= 128 && b.len() <= 128, "{a} {b}");
+        assert_ne!(a, b);
+        assert!(a.starts_with(&long[..63]), "{a}");
+        assert!(name_prefix(&long).len() + NAME_SUFFIX <= MAX_NAME);
+        assert!(!name_prefix(&long).ends_with('.'));
+    }
+
+    /// The stand-in validates Event names and `reportingInstance` as the API server does, so
+    /// both of a 253-character node's Events would be refused without the shortening.
+    #[tokio::test]
+    async fn events_about_a_node_with_the_longest_name_reach_the_api_server() {
+        crate::install_crypto_provider();
+        let standin = cleave_apiserver_standin::StandIn::start(Default::default())
+            .await
+            .unwrap();
+        let long = longest_node();
+        standin
+            .put(&cleave_apiserver_standin::fixtures::node(&long))
+            .unwrap();
+        let client = standin.client();
+        let node = node_reference(&client, &long).await;
+        let reporter = EventReporter::new(client, long.clone());
+        reporter
+            .publish(&node, Severity::Normal, "Testing", "Start", "hello")
+            .await;
+        let events = standin.list("events.events.k8s.io");
+        assert_eq!(events.len(), 1, "{events:?}");
+        let ev = &events[0];
+        assert_eq!(ev["regarding"]["name"], long.as_str());
+        assert!(
+            ev["metadata"]["name"].as_str().unwrap().len() <= 253,
+            "{ev}"
+        );
+        assert_eq!(ev["reportingInstance"], reporting_instance(&long).as_str());
     }
 }
