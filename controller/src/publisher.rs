@@ -520,8 +520,23 @@ pub fn slices_yaml(
     Ok(out)
 }
 
+/// The `generateName` of this node's slices: `<node>-<driver>-`, with the node name cut so
+/// the prefix stays within the 58 characters the API server keeps of it (63 less its 5
+/// random ones, k8s.io/apiserver/pkg/storage/names/generate.go) — a longer prefix is cut
+/// there anyway, and one over 253 characters is refused as an invalid `generateName`.
 fn generate_name(node: &str, driver: &str) -> String {
-    format!("{node}-{driver}-")
+    const KEPT: usize = 58;
+    let room = KEPT.saturating_sub(driver.len() + 2);
+    let mut end = node.len().min(room);
+    while !node.is_char_boundary(end) {
+        end -= 1;
+    }
+    let node = node[..end].trim_end_matches(['.', '-']);
+    if node.is_empty() {
+        format!("{driver}-")
+    } else {
+        format!("{node}-{driver}-")
+    }
 }
 
 /// Outcome of applying one plan.
@@ -1086,6 +1101,24 @@ mod tests {
             assert!(n < 45, "{n} of 1000 nodes renew at {t} s");
         }
         assert_eq!(watch_timeout_secs("node-a"), watch_timeout_secs("node-a"));
+    }
+
+    #[test]
+    fn slice_name_prefixes_fit_for_any_node_name() {
+        assert_eq!(
+            generate_name("node-a", "gpu.cleave.dev"),
+            "node-a-gpu.cleave.dev-"
+        );
+        let label = "a".repeat(63);
+        let longest = format!("{label}.{label}.{label}.{}", "b".repeat(61));
+        assert_eq!(longest.len(), 253);
+        let prefix = generate_name(&longest, "gpu.cleave.dev");
+        assert!(prefix.len() <= 58, "{prefix}");
+        assert!(prefix.starts_with(&longest[..40]) && prefix.ends_with("-gpu.cleave.dev-"));
+        // A cut that would end in '.' drops it: the prefix stays a DNS subdomain start.
+        let dotted = format!("{}.{}", "a".repeat(41), "b".repeat(30));
+        let p = generate_name(&dotted, "gpu.cleave.dev");
+        assert!(!p.contains(".-"), "{p}");
     }
 
     #[test]

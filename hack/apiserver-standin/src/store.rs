@@ -14,6 +14,10 @@ use crate::error::ApiError;
 use crate::resources::ResourceDef;
 use crate::select::Selector;
 
+/// The longest `generateName` prefix the API server keeps (its names are 63 characters at
+/// most: the prefix and 5 random characters).
+const MAX_GENERATED_NAME_PREFIX: usize = 58;
+
 /// What happened to an object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChangeKind {
@@ -245,7 +249,7 @@ impl Store {
         (items, inner.rv)
     }
 
-    /// Creates an object. Fills name from generateName, uid, resourceVersion,
+    /// Creates an object. Fills name from generateName (cut as the API server cuts it), uid, resourceVersion,
     /// creationTimestamp and generation.
     pub fn create(
         &self,
@@ -278,6 +282,13 @@ impl Store {
                         )],
                     ));
                 }
+                // The API server keeps at most 58 characters of the prefix (63 less the
+                // 5 random ones; k8s.io/apiserver/pkg/storage/names/generate.go).
+                let mut cut = prefix.len().min(MAX_GENERATED_NAME_PREFIX);
+                while !prefix.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                let prefix = &prefix[..cut];
                 let mut candidate = String::new();
                 for _ in 0..16 {
                     candidate = format!("{prefix}{}", crate::rand::suffix(5));
