@@ -520,8 +520,26 @@ pub fn slices_yaml(
     Ok(out)
 }
 
+/// The API server keeps this much of a `generateName` and appends 5 random characters
+/// (apiserver `names.SimpleNameGenerator`: 63 - 5).
+const MAX_GENERATE_NAME: usize = 58;
+
+/// `<node>-<driver>-`, cut to [`MAX_GENERATE_NAME`] characters (as the API server would cut
+/// it) so that a node name of up to 253 characters still gives a valid prefix: the API
+/// server validates the whole `generateName` as a DNS subdomain, and `<253 characters>-
+/// gpu.cleave.dev-` is not one. A cut prefix never ends in `.` (it ends in `-`). Slices are
+/// found by their node and pool fields, never by name, so the cut loses nothing.
 fn generate_name(node: &str, driver: &str) -> String {
-    format!("{node}-{driver}-")
+    let full = format!("{node}-{driver}-");
+    if full.len() <= MAX_GENERATE_NAME {
+        return full;
+    }
+    // Node and driver names are ASCII DNS names: cutting at a byte index is a char boundary.
+    let cut = full
+        .get(..MAX_GENERATE_NAME - 1)
+        .unwrap_or(&full)
+        .trim_end_matches(['.', '-']);
+    format!("{cut}-")
 }
 
 /// Outcome of applying one plan.
@@ -1058,6 +1076,32 @@ impl Worker {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn generate_name_stays_a_valid_prefix_for_the_longest_node_names() {
+        assert_eq!(
+            super::generate_name("n1", "gpu.cleave.dev"),
+            "n1-gpu.cleave.dev-"
+        );
+        let label = |c: char, n: usize| c.to_string().repeat(n);
+        let long = format!(
+            "{}.{}.{}.{}",
+            label('a', 63),
+            label('b', 63),
+            label('c', 63),
+            label('d', 61)
+        );
+        assert_eq!(long.len(), 253);
+        // A cut right after a dot must not leave `.` or `.-` at the end.
+        let dotted = format!("{}.{}", label('a', 56), label('b', 63));
+        for node in [long.as_str(), dotted.as_str(), &label('e', 63)] {
+            let prefix = super::generate_name(node, "gpu.cleave.dev");
+            assert!(prefix.len() <= super::MAX_GENERATE_NAME, "{prefix}");
+            assert!(prefix.ends_with('-') && !prefix.ends_with(".-"), "{prefix}");
+            assert!(!prefix.contains(".."), "{prefix}");
+            assert!(node.starts_with(prefix.trim_end_matches('-')), "{prefix}");
+        }
+    }
+
     use super::*;
     use crate::fixtures::on_demand_mig_pool;
 
