@@ -17,10 +17,37 @@ pub(crate) const REPORTING_CONTROLLER: &str = "gpu.cleave.dev/kubelet-plugin";
 /// Events longer than this are cut (the API server rejects notes above 1 kB).
 pub(crate) const MAX_NOTE_BYTES: usize = 1024;
 
+/// The API server rejects an Event whose `reportingInstance` is longer than this
+/// (`ReportingInstanceLengthLimit` in Kubernetes' `pkg/apis/core/validation/events.go`).
+pub(crate) const MAX_REPORTING_INSTANCE: usize = 128;
+
+/// The longest object name kube's [`Recorder`] can name an Event after: it names each Event
+/// `<regarding name>.<nanoseconds in hex>` (16 hex digits), and an Event name is a DNS
+/// subdomain of at most 253 characters.
+const MAX_RECORDED_NAME: usize = 253 - 17;
+
 /// Publishes Events about any object; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct EventReporter {
     recorder: std::sync::Arc<Recorder>,
+    /// For Events about objects whose names are too long for the recorder's naming.
+    client: kube::Client,
+    reporter: Reporter,
+}
+
+/// `instance` as a `reportingInstance`: itself when it fits [`MAX_REPORTING_INSTANCE`]
+/// (any node name up to 128 characters), else its first 95 characters and a hash of the
+/// whole, so that two long node names still report apart.
+pub(crate) fn reporting_instance(instance: &str) -> String {
+    if instance.len() <= MAX_REPORTING_INSTANCE {
+        return instance.to_owned();
+    }
+    let hash = cleave_driver::sharing::mps::name_hash(&[instance]);
+    let mut end = MAX_REPORTING_INSTANCE - hash.len() - 1;
+    while !instance.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}-{hash}", &instance[..end])
 }
 
 impl std::fmt::Debug for EventReporter {
@@ -44,10 +71,12 @@ impl EventReporter {
     pub(crate) fn new(client: kube::Client, instance: impl Into<String>) -> Self {
         let reporter = Reporter {
             controller: REPORTING_CONTROLLER.to_owned(),
-            instance: Some(instance.into()),
+            instance: Some(reporting_instance(&instance.into())),
         };
         Self {
-            recorder: std::sync::Arc::new(Recorder::new(client, reporter)),
+            recorder: std::sync::Arc::new(Recorder::new(client.clone(), reporter.clone())),
+            client,
+            reporter,
         }
     }
 
@@ -72,7 +101,16 @@ impl EventReporter {
             action: action.to_owned(),
             secondary: None,
         };
-        match self.recorder.publish(&event, regarding).await {
+        let long = regarding
+            .name
+            .as_ref()
+            .is_some_and(|n| n.len() > MAX_RECORDED_NAME);
+        let published = if long {
+            self.create_named(&event, regarding).await
+        } else {
+            self.recorder.publish(&event, regarding).await
+        };
+        match published {
             Ok(()) => debug!(reason, object = ?regarding.name, "published Event"),
             Err(e) => warn!(
                 reason,
@@ -82,6 +120,62 @@ impl EventReporter {
                 "could not publish Event"
             ),
         }
+    }
+}
+
+impl EventReporter {
+    /// Creates `event` about `regarding` (whose name is too long for the recorder's Event
+    /// names) as a new Event named `<first 236 characters of the name>.<nanoseconds in
+    /// hex>`; no series (a repeat is another Event).
+    async fn create_named(
+        &self,
+        event: &Event,
+        regarding: &ObjectReference,
+    ) -> Result<(), kube::Error> {
+        use k8s_openapi::api::events::v1::Event as K8sEvent;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let name = regarding.name.as_deref().unwrap_or_default();
+        let mut end = MAX_RECORDED_NAME.min(name.len());
+        while !name.is_char_boundary(end) {
+            end -= 1;
+        }
+        // The cut keeps the name a DNS subdomain when it does not end in a dot.
+        let stem = name[..end].trim_end_matches(['.', '-']);
+        let obj = K8sEvent {
+            action: Some(event.action.clone()),
+            reason: Some(event.reason.clone()),
+            note: event.note.clone(),
+            type_: Some(
+                match event.type_ {
+                    EventType::Normal => "Normal",
+                    EventType::Warning => "Warning",
+                }
+                .to_owned(),
+            ),
+            event_time: Some(MicroTime(now)),
+            regarding: Some(regarding.clone()),
+            reporting_controller: Some(self.reporter.controller.clone()),
+            reporting_instance: self.reporter.instance.clone(),
+            metadata: ObjectMeta {
+                namespace: Some(
+                    regarding
+                        .namespace
+                        .clone()
+                        .unwrap_or_else(|| "default".to_owned()),
+                ),
+                name: Some(format!("{stem}.{:x}", now.as_nanosecond())),
+                ..ObjectMeta::default()
+            },
+            ..K8sEvent::default()
+        };
+        let api: kube::Api<K8sEvent> = kube::Api::namespaced(
+            self.client.clone(),
+            obj.metadata.namespace.as_deref().unwrap_or("default"),
+        );
+        api.create(&kube::api::PostParams::default(), &obj)
+            .await
+            .map(|_| ())
     }
 }
 
@@ -160,6 +254,64 @@ mod tests {
             e,
             "key `a\\n2026-01-01T00:00:00Z  INFO forged\\u{1b}[31m\\u{9b}x\\r`"
         );
+    }
+
+    #[test]
+    fn reporting_instances_fit_the_api_servers_limit_and_stay_apart() {
+        assert_eq!(reporting_instance("node-a"), "node-a");
+        let long = |c: char| format!("node.{}", c.to_string().repeat(248));
+        let (a, b) = (
+            reporting_instance(&long('a')),
+            reporting_instance(&long('b')),
+        );
+        assert_eq!(a.len(), MAX_REPORTING_INSTANCE);
+        assert_ne!(a, b);
+        assert!(a.starts_with("node.aaa"), "{a}");
+    }
+
+    /// A node name of 253 characters (a valid DNS subdomain): the Event about the Node gets
+    /// a name within 253 characters and a reporting instance within 128.
+    #[tokio::test]
+    async fn events_about_a_node_of_the_longest_name_are_valid() {
+        crate::install_crypto_provider();
+        let standin = cleave_apiserver_standin::StandIn::start(Default::default())
+            .await
+            .unwrap();
+        let l = |c: char, n: usize| c.to_string().repeat(n);
+        let name = format!(
+            "{}.{}.{}.{}",
+            l('a', 63),
+            l('b', 63),
+            l('c', 63),
+            l('d', 61)
+        );
+        assert_eq!(name.len(), 253);
+        standin
+            .put(&cleave_apiserver_standin::fixtures::node(&name))
+            .unwrap();
+        let client = standin.client();
+        let node = node_reference(&client, &name).await;
+        let reporter = EventReporter::new(client, name.clone());
+        reporter
+            .publish(&node, Severity::Warning, "Testing", "Start", "hello")
+            .await;
+        let events = standin.list("events.events.k8s.io");
+        assert_eq!(events.len(), 1, "{events:?}");
+        let ev = &events[0];
+        let ev_name = ev["metadata"]["name"].as_str().unwrap();
+        assert!(ev_name.len() <= 253, "{ev_name}");
+        assert!(
+            ev_name
+                .split('.')
+                .all(|l| !l.is_empty() && l.len() <= 63 && !l.ends_with('-')),
+            "{ev_name}"
+        );
+        assert_eq!(ev["regarding"]["name"], name.as_str());
+        assert_eq!(ev["regarding"]["kind"], "Node");
+        assert_eq!(ev["reason"], "Testing");
+        assert_eq!(ev["note"], "hello");
+        assert!(ev["reportingInstance"].as_str().unwrap().len() <= 128);
+        assert_eq!(ev["reportingController"], REPORTING_CONTROLLER);
     }
 
     #[tokio::test]
