@@ -18,9 +18,10 @@
 //! `nsenter`) run in that namespace, so a path shared between nodes that the plugin should
 //! keep per node (a pipe directory, a socket, a lock) would collide only if the namespaces
 //! leaked, and every pipe directory has the same path on every node, as in a real cluster.
-//! The test reads each node's files through the bind sources. Without root or `unshare`, the
-//! nodes fall back to per-node temporary directories and the test says so on stderr; under
-//! CI (or `CLEAVE_REQUIRE_MOUNT_NS=1`) that fallback is a failure.
+//! The test reads each node's files through the bind sources. Without root or `unshare` (or
+//! with `CLEAVE_MULTINODE_NAMESPACES=0`), the nodes fall back to per-node temporary
+//! directories and the test says so on stderr; under CI (or `CLEAVE_REQUIRE_MOUNT_NS=1`)
+//! that fallback is a failure.
 //!
 //! Built with `harness = false`: `main` is the test kit's runner, which first plays a fake
 //! tool (MPS control, `nvidia-smi`) when asked to, then runs the tests below one by one.
@@ -82,6 +83,22 @@ impl Namespace {
     /// A namespace with fresh tmpfs on `/var/lib` and `/run` and each `(host, inside)` bind
     /// mount; `Err` says why it could not be made.
     fn start(binds: &[(PathBuf, &str)]) -> Result<Self, String> {
+        // What the namespace must still see of the host: the bind sources, this test
+        // binary (the fake tools) and the plugin binary.
+        let exe = std::env::current_exe().unwrap_or_default();
+        let plugin = PathBuf::from(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"));
+        for p in binds.iter().map(|(h, _)| h).chain([&exe, &plugin]) {
+            let p = std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+            if ["/run", "/var/run", "/var/lib"]
+                .iter()
+                .any(|c| p.starts_with(c))
+            {
+                return Err(format!(
+                    "{} is under a directory the namespace covers with a fresh tmpfs",
+                    p.display()
+                ));
+            }
+        }
         let mut script = String::from(
             "set -e\nmount -t tmpfs cleave-node /var/lib\nmount -t tmpfs cleave-node /run\n",
         );
@@ -585,8 +602,13 @@ impl World {
         for n in &names[1..] {
             standin.put(&fixtures::node(n)).unwrap();
         }
-        let namespaced = match Node::new("probe", true) {
-            Ok(_) => true,
+        let probe = if std::env::var("CLEAVE_MULTINODE_NAMESPACES").is_ok_and(|v| v == "0") {
+            Err("CLEAVE_MULTINODE_NAMESPACES=0".to_owned())
+        } else {
+            Node::new("probe", true).map(drop)
+        };
+        let namespaced = match probe {
+            Ok(()) => true,
             Err(why) => {
                 assert!(
                     !cleave_testkit::runner::tool_required("CLEAVE_REQUIRE_MOUNT_NS"),
@@ -943,6 +965,14 @@ impl World {
                 "Event {name}: reportingInstance of {} characters",
                 instance.len()
             );
+            // It names exactly one node: the node itself, or (cut) the start of its name.
+            let named = names
+                .iter()
+                .filter(|n| {
+                    **n == instance || (instance.len() == 128 && n.starts_with(&instance[..95]))
+                })
+                .count();
+            assert_eq!(named, 1, "Event {name}: reportingInstance {instance}");
         }
         for (i, node) in self.nodes.iter().enumerate() {
             let Some(kubelet) = &node.kubelet else {
@@ -1102,6 +1132,7 @@ async fn a_lost_node_disturbs_no_other() {
     world.call(&survivors, false).await;
     let more = world.schedule(&[(Kind::Share, n - 1)], &[lost]);
     world.call(&more, false).await;
+    world.check_prepared(&[survivors.clone(), more.clone()].concat());
     for i in (0..n).filter(|i| *i != lost) {
         let now = world.pods_of(i);
         for (name, uid) in &before[i] {
