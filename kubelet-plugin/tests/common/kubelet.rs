@@ -27,6 +27,9 @@ pub struct KubeletOptions {
     pub env: Vec<(String, String)>,
     /// When set, no container starts: pods stay Pending with this waiting reason.
     pub image_pull_error: Option<String>,
+    /// A command prefix every container runs under (e.g. `nsenter --mount=...` to run it in
+    /// its node's mount namespace).
+    pub wrap: Vec<String>,
 }
 
 struct Running {
@@ -331,9 +334,19 @@ impl Ctx {
         let name = pod.metadata.name.clone().unwrap_or_default();
         let log = self.log_dir.join(format!("{name}-{uid}.log"));
         let out = std::fs::File::create(&log).unwrap();
-        let mut cmd = Command::new(&argv[0]);
-        cmd.args(&argv[1..])
-            .env_clear()
+        let mut cmd = match self.options.wrap.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).args(&argv);
+                c
+            }
+            None => {
+                let mut c = Command::new(&argv[0]);
+                c.args(&argv[1..]);
+                c
+            }
+        };
+        cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("RUST_LOG", "info")
             .envs(&env)
