@@ -113,12 +113,15 @@ struct Req {
     tolerations: Vec<DeviceToleration>,
 }
 
+/// One result so far: request name, device, what a share consumed, admin access.
+type Picked = (String, DevId, Option<BTreeMap<String, Qty>>, bool);
+
 /// One search state: what is held (tentatively), constraint values, results so far.
 #[derive(Clone)]
 struct State {
     held: Held,
     constraint_values: Vec<Option<Value>>,
-    results: Vec<(String, DevId, Option<BTreeMap<String, Qty>>, bool)>,
+    results: Vec<Picked>,
 }
 
 /// The allocator over one node's slices.
@@ -708,7 +711,8 @@ impl Allocator {
                         .take(&mut next, req, dev)
                         .and_then(|()| self.constrain(&mut next, constraints, req, dev))
                     {
-                        self.last_failure = format!("request {}: {why}", req.name);
+                        self.last_failure =
+                            format!("request {}: no device fits (last tried: {why})", req.name);
                         continue;
                     }
                     if let Some(done) = self.search(reqs, constraints, i, Some(req), k + 1, next)? {
