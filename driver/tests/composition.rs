@@ -2,23 +2,38 @@
 //! every node mode (consumable capacity off / mps / time-slicing × static / on-demand MIG),
 //! in every allocation shape the kube-scheduler's allocator produces for cleave's devices
 //! (one device, `count: 2`, `allocationMode: All`, capacity requests, two requests on one
-//! device, admin access beside another claim). Each shape is allocated by a small model of
-//! the upstream allocator over exactly what the node publishes ([`build_pool`]):
+//! device, admin access beside another claim). The node: an L4 and an H100 80GB on NUMA
+//! node 0, an A100 40GB with MIG on NUMA node 1.
 //!
-//! - the first free device in publish order that the class selects;
-//! - a device with `allowMultipleAllocations` is always allocated as a share: a `shareID` and
-//!   what it consumed, each capacity's request rounded up to its policy's step from `min`, or
-//!   the policy's default (the whole device) when the claim asks none; refused above the
-//!   policy's `max` or what is left of the device;
-//! - shared counters: taken by an exclusive device, and by a shareable device's first share
-//!   only; a device whose counters are not free is not free;
-//! - class configs attached as `FromClass`, claim configs as `FromClaim`;
-//! - admin access: any device the class selects, free or not, consuming nothing.
+//! Each cell goes the way a claim goes in a cluster, with nothing of the product's
+//! decisions in between:
 //!
-//! Whatever the model allocates must prepare, with the CDI spec and MPS limits the cell of
-//! the sharing model says; what it cannot allocate is counted as unallocatable, with the
-//! reason. The chart's claim-shape admission policy (`sharingShapes`) is mirrored by
-//! [`denied_at_admission`] and evaluated on the same shapes by the deployment checks.
+//! 1. Admission: the chart's ValidatingAdmissionPolicies on ResourceClaims for that
+//!    `consumableCapacity` (fixture `tests/fixtures/chart-claim-policies.yaml`, kept equal
+//!    to the rendering by the deployment checks) are evaluated with CEL on the claim
+//!    ([`cleave_testkit::admission`]); a denial is the cell's outcome, with the policy and
+//!    its message.
+//! 2. Allocation: the test kit's allocator model ([`cleave_testkit::allocator`], written
+//!    from the API documentation and the scheduler facts, not from cleave's code) reads the
+//!    ResourceSlices the controller would publish for a 1.36 server (`plan_slices`, through
+//!    JSON), the chart's DeviceClasses (`tests/fixtures/deviceclasses.yaml`) and the claim,
+//!    and evaluates class and request selectors with CEL, `matchAttribute` constraints,
+//!    `firstAvailable`, shares, counters and admin access, backtracking as upstream does.
+//!    What it cannot allocate is unallocatable, with the reason.
+//! 3. Prepare: the model's allocation is written into the claim's status and prepared; a
+//!    refusal is listed as a disagreement between the model and prepare (in the output and
+//!    the table, never hidden). A prepared cell's state is checked: the CDI spec file names
+//!    every device; MPS shares carry client limits and a pipe directory mounted from a host
+//!    directory that exists, with a daemon the fake MPS control started; a per-claim MPS
+//!    config gets its daemon; admin access gets nothing of MPS; on-demand MIG devices exist
+//!    as instances in the fake NVML state. Prepare again is idempotent; after unprepare no
+//!    daemon runs and no MPS state, pipe directory, CDI spec file, MIG instance or compute
+//!    mode other than DEFAULT is left.
+//!
+//! A class that selects no device on a node mode (the shared class without consumable
+//! capacity) is one line of the table (`class X => selects no device`) instead of a cell
+//! per shape, which would test nothing. Every cell's outcome is checked against
+//! `tests/composition-expected.txt` (`CLEAVE_UPDATE_EXPECTED=1` rewrites it: review the diff).
 //!
 //! Built with `harness = false`: the binary plays the fake MPS and `nvidia-smi` tools.
 
@@ -844,7 +859,7 @@ fn check_expected(outcomes: &BTreeMap<String, String>) {
         changed.join("\n  ")
     );
     println!(
-        "composition matrix: all {} cells as in {EXPECTED}",
+        "composition matrix: all {} lines as in {EXPECTED}",
         outcomes.len()
     );
 }

@@ -1043,4 +1043,124 @@ mod tests {
         let e = a.allocate(&claim(spec)).unwrap_err();
         assert!(e.to_string().contains("counters are in use"), "{e}");
     }
+
+    #[test]
+    fn all_needs_every_selected_device_free_and_at_least_one() {
+        let slices = [slice(
+            "a",
+            json!([gpu("g0", 0, false), gpu("g1", 0, false)]),
+            json!(null),
+        )];
+        let all = json!({"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu", "allocationMode": "All"}}]});
+        let mut a = Allocator::new(&slices, &[class()], Options::default()).unwrap();
+        assert_eq!(
+            devices(&a.allocate(&claim(all.clone())).unwrap()),
+            ["g0", "g1"]
+        );
+        let mut a = Allocator::new(&slices, &[class()], Options::default()).unwrap();
+        a.allocate(&claim(one("gpu"))).unwrap();
+        let e = a.allocate(&claim(all)).unwrap_err();
+        assert!(e.to_string().contains("g0 is allocated"), "{e}");
+        let none = json!({"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu", "allocationMode": "All",
+            "selectors": [{"cel": {"expression": "device.attributes[\"gpu.cleave.dev\"].type == \"mig\""}}]}}]});
+        let e = a.allocate(&claim(none)).unwrap_err();
+        assert!(e.to_string().contains("no device is selected"), "{e}");
+    }
+
+    #[test]
+    fn admin_access_takes_a_held_device_and_consumes_nothing() {
+        let slices = [slice("a", json!([gpu("g0", 0, false)]), json!(null))];
+        let mut a = Allocator::new(&slices, &[class()], Options::default()).unwrap();
+        a.allocate(&claim(one("gpu"))).unwrap();
+        let admin = json!({"requests": [{"name": "w", "exactly": {"deviceClassName": "gpu", "adminAccess": true}}]});
+        let got = a.allocate(&claim(admin.clone())).unwrap();
+        let r = &got.devices.unwrap().results.unwrap()[0];
+        assert_eq!((r.device.as_str(), r.admin_access), ("g0", Some(true)));
+        assert!(r.share_id.is_none());
+        assert!(a.allocate(&claim(admin)).is_ok(), "admin access again");
+    }
+
+    #[test]
+    fn first_available_backtracks_to_meet_a_constraint() {
+        // a: one device; b: first alternative on NUMA 1 (g1), else any. With a on g0 (NUMA 0)
+        // and a constraint on NUMA, b's first alternative fails and its second gets g2.
+        let slices = [slice(
+            "a",
+            json!([
+                gpu("g0", 0, false),
+                gpu("g1", 1, false),
+                gpu("g2", 0, false)
+            ]),
+            json!(null),
+        )];
+        let mut a = Allocator::new(&slices, &[class()], Options::default()).unwrap();
+        let spec = json!({"requests": [
+            {"name": "a", "exactly": {"deviceClassName": "gpu"}},
+            {"name": "b", "firstAvailable": [
+                {"name": "far", "deviceClassName": "gpu", "selectors": [{"cel": {"expression": "device.attributes[\"resource.kubernetes.io\"].numaNode == 1"}}]},
+                {"name": "any", "deviceClassName": "gpu"}]}],
+            "constraints": [{"requests": ["a", "b"], "matchAttribute": "resource.kubernetes.io/numaNode"}]});
+        let got = a.allocate(&claim(spec)).unwrap();
+        let rs = got.devices.unwrap().results.unwrap();
+        let pairs: Vec<(&str, &str)> = rs
+            .iter()
+            .map(|r| (r.request.as_str(), r.device.as_str()))
+            .collect();
+        // a=g0 fails "far" (g1 is NUMA 1); "any" takes g2 (g0 is held, same NUMA).
+        assert_eq!(pairs, [("a", "g0"), ("b/any", "g2")]);
+    }
+
+    #[test]
+    fn policies_with_valid_values_unknown_capacities_and_taints() {
+        let mut d = gpu("g0", 0, true);
+        d["capacity"]["memory"]["requestPolicy"] =
+            json!({"default": "80Gi", "validValues": ["10Gi", "40Gi", "80Gi"]});
+        d["taints"] = json!([{"key": "gpu.cleave.dev/unhealthy", "effect": "NoSchedule"}]);
+        let slices = [slice("a", json!([d]), json!(null))];
+        let mut a = Allocator::new(&slices, &[class()], Options::default()).unwrap();
+        let share = |mem: &str, tolerate: bool| {
+            let mut e =
+                json!({"deviceClassName": "gpu", "capacity": {"requests": {"memory": mem}}});
+            if tolerate {
+                e["tolerations"] =
+                    json!([{"key": "gpu.cleave.dev/unhealthy", "operator": "Exists"}]);
+            }
+            claim(json!({"requests": [{"name": "r", "exactly": e}]}))
+        };
+        assert!(a.allocate(&share("12Gi", false)).is_err(), "tainted");
+        let got = a.allocate(&share("12Gi", true)).unwrap();
+        let r = &got.devices.unwrap().results.unwrap()[0];
+        assert_eq!(
+            r.consumed_capacity.as_ref().unwrap()["memory"].0,
+            (40u64 << 30).to_string()
+        );
+        let other = claim(
+            json!({"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu",
+            "tolerations": [{"operator": "Exists"}], "capacity": {"requests": {"bandwidth": "1"}}}}]}),
+        );
+        let e = a.allocate(&other).unwrap_err();
+        assert!(
+            e.to_string().contains("publishes no capacity bandwidth"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn class_configs_come_first_then_the_claims() {
+        let mut c = class();
+        c.spec.config = Some(vec![
+            serde_json::from_value(json!({"opaque": {"driver": DRIVER, "parameters": {"k": 1}}}))
+                .unwrap(),
+        ]);
+        let slices = [slice("a", json!([gpu("g0", 0, false)]), json!(null))];
+        let mut a = Allocator::new(&slices, &[c], Options::default()).unwrap();
+        let got = a
+            .allocate(&claim(json!({"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu"}}],
+                "config": [{"requests": ["r"], "opaque": {"driver": DRIVER, "parameters": {"k": 2}}}]})))
+            .unwrap();
+        let cfg = got.devices.unwrap().config.unwrap();
+        let sources: Vec<&str> = cfg.iter().map(|c| c.source.as_str()).collect();
+        assert_eq!(sources, ["FromClass", "FromClaim"]);
+        assert_eq!(cfg[0].requests.as_deref(), Some(&["r".to_owned()][..]));
+    }
 }
