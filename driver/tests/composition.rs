@@ -44,6 +44,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cleave_api::names::DRIVER_NAME;
 use cleave_api::pool::{ConsumableCapacity, PoolDevices};
@@ -445,6 +446,12 @@ impl Drop for Node {
 // ---------------------------------------------------------------------------------------
 // The matrix
 
+/// How many prepared cells had their MPS share limits, their per-claim daemon's recorded
+/// limits and their on-demand MIG instances checked (printed, and each must be > 0).
+static CHECKED_SHARE_LIMITS: AtomicUsize = AtomicUsize::new(0);
+static CHECKED_DAEMON_LIMITS: AtomicUsize = AtomicUsize::new(0);
+static CHECKED_MIG_INSTANCES: AtomicUsize = AtomicUsize::new(0);
+
 /// The device name of the GPU with MIG on.
 const MIG_GPU: &str = "gpu-2";
 
@@ -521,6 +528,31 @@ fn check_state(
             !daemons.is_empty(),
             "{ctx}: an MPS share but no daemon was started"
         );
+        // Each shared device's client limits, as docs/capacity-sharing.md gives them:
+        // floor(consumed SMs × 100 / device SMs), at least 1; the consumed MiB on ordinal 0;
+        // several shares of one device in the claim are summed (docs/sharing.md).
+        let mut summed: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for r in rs.iter().filter(|r| !r.device.contains("-mig-")) {
+            if let Some(c) = &r.consumed_capacity {
+                let e = summed.entry(r.device.as_str()).or_default();
+                e.0 += c.get("multiprocessors").map_or(0, quantity_u64);
+                e.1 += c.get("memory").map_or(0, quantity_u64);
+            }
+        }
+        for (device, (sms, mem)) in summed {
+            let total = capacity(slices, device, "multiprocessors").unwrap();
+            let pct = (sms * 100 / total).clamp(1, 100);
+            assert!(
+                spec.contains(&format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}\"")),
+                "{ctx}: {device} lacks thread percentage {pct}: {spec}"
+            );
+            let mib = mem >> 20;
+            assert!(
+                spec.contains(&format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mib}M\"")),
+                "{ctx}: {device} lacks memory limit {mib}M: {spec}"
+            );
+        }
+        CHECKED_SHARE_LIMITS.fetch_add(1, Ordering::Relaxed);
     } else if per_claim_mps && !partial {
         assert!(
             spec.contains("CUDA_MPS_PIPE_DIRECTORY="),
@@ -530,6 +562,41 @@ fn check_state(
             !daemons.is_empty(),
             "{ctx}: per-claim MPS but no daemon was started"
         );
+        // The daemon got the config's limits (what the fake MPS control recorded).
+        let mps = config
+            .iter()
+            .filter_map(|c| c.opaque.as_ref())
+            .map(|o| &o.parameters.0["sharing"]["mps"])
+            .find(|m| !m.is_null())
+            .cloned()
+            .unwrap_or_default();
+        let lines = node.tools.files.mps_lines();
+        let cmds: Vec<&str> = lines
+            .iter()
+            .filter_map(|l| l.strip_prefix("cmd "))
+            .filter_map(|l| l.split_once(' ').map(|(_, c)| c))
+            .collect();
+        CHECKED_DAEMON_LIMITS.fetch_add(1, Ordering::Relaxed);
+        if let Some(pct) = mps["activeThreadPercentage"].as_u64() {
+            assert!(
+                cmds.iter().any(|c| {
+                    c.strip_prefix("set_default_active_thread_percentage ")
+                        .and_then(|v| v.trim().parse::<f64>().ok())
+                        == Some(pct as f64)
+                }),
+                "{ctx}: no active thread percentage {pct} recorded: {lines:?}"
+            );
+        }
+        if let Some(mem) = mps["pinnedMemoryLimit"]["default"].as_str() {
+            let gib = cleave_api::quantity::Quantity::parse(mem).unwrap().value() >> 30;
+            assert!(
+                cmds.iter().any(|c| {
+                    c.starts_with("set_default_device_pinned_mem_limit ")
+                        && c.trim_end().ends_with(&format!(" {gib}G"))
+                }),
+                "{ctx}: no pinned memory limit {mem} recorded: {lines:?}"
+            );
+        }
     } else if !per_claim_mps && mode.capacity != ConsumableCapacity::Mps {
         assert!(
             !spec.contains("CUDA_MPS"),
@@ -585,6 +652,9 @@ fn check_state(
         .collect();
     let now = node.mig_instances();
     if mode.dynamic_mig {
+        if !mig.is_empty() {
+            CHECKED_MIG_INSTANCES.fetch_add(1, Ordering::Relaxed);
+        }
         let distinct: std::collections::BTreeSet<&str> =
             mig.iter().map(|r| r.device.as_str()).collect();
         assert_eq!(
@@ -801,6 +871,16 @@ fn every_shipped_class_and_example_prepares_in_every_node_mode() {
         no_device.len(),
         refused.len()
     );
+    let checked = [
+        ("MPS share limits", &CHECKED_SHARE_LIMITS),
+        ("per-claim MPS daemon limits", &CHECKED_DAEMON_LIMITS),
+        ("on-demand MIG instances", &CHECKED_MIG_INSTANCES),
+    ];
+    for (what, n) in checked {
+        let n = n.load(Ordering::Relaxed);
+        println!("  prepared cells with {what} checked: {n}");
+        assert!(n > 0, "no prepared cell had its {what} checked");
+    }
     for n in &no_device {
         println!("  left out, its class selects no device on the mode: {n}");
     }
