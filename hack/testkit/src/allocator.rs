@@ -12,7 +12,8 @@
 //!   (a later request or a constraint that cannot be met makes an earlier choice move on);
 //! - `allocationMode: All` takes every selected device and fails when one is not free or none
 //!   exists (API doc: "at least one device must exist"); `ExactCount` defaults to `count: 1`;
-//! - `matchAttribute` constraints (a device without the attribute never matches);
+//! - `matchAttribute` constraints, admin access included (a device without the attribute never
+//!   matches); `distinctAttribute` is refused as input the model does not know;
 //! - `adminAccess`: any selected device, free or not, consuming nothing;
 //! - consumable capacity: every allocation of a device with `allowMultipleAllocations` is a
 //!   share (a `shareID` and `consumedCapacity`): each capacity asked is rounded up to its
@@ -619,7 +620,7 @@ impl Allocator {
             let applies = c.requests.as_ref().is_none_or(|rs| {
                 rs.is_empty() || rs.iter().any(|r| *r == req.parent || *r == req.name)
             });
-            if !applies || req.admin {
+            if !applies {
                 continue;
             }
             let Some(attr) = &c.match_attribute else {
