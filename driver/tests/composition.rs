@@ -68,10 +68,16 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
 
 fn main() -> std::process::ExitCode {
-    cleave_testkit::runner::main(&[(
-        "every_shipped_class_and_example_prepares_in_every_node_mode",
-        every_shipped_class_and_example_prepares_in_every_node_mode,
-    )])
+    cleave_testkit::runner::main(&[
+        (
+            "every_shipped_class_and_example_prepares_in_every_node_mode",
+            every_shipped_class_and_example_prepares_in_every_node_mode,
+        ),
+        (
+            "the_model_on_published_slices_reproduces_the_measured_scheduler_facts",
+            the_model_on_published_slices_reproduces_the_measured_scheduler_facts,
+        ),
+    ])
 }
 
 // ---------------------------------------------------------------------------------------
@@ -888,6 +894,100 @@ fn every_shipped_class_and_example_prepares_in_every_node_mode() {
         println!("  model and prepare disagree: {r}");
     }
     check_expected(&outcomes);
+}
+
+/// What the scheduler facts sheet measured with the upstream allocator on cleave's slices,
+/// reproduced by the model on the slices the controller publishes for one H100 80GB HBM3:
+/// seven 10Gi shares fit (81559Mi published), an unselective MIG claim gets the first MIG
+/// device in publish order (cleave's smallest profile), and after 4g@0 the overlapping
+/// placements and the whole GPU are refused while 3g@4 is allowed.
+fn the_model_on_published_slices_reproduces_the_measured_scheduler_facts() {
+    let classes = shipped_classes();
+    let h100 = |mig: bool| {
+        let profiles = h100_profiles();
+        inventory(vec![h100_gpu(
+            0,
+            if mig {
+                MigState::Enabled {
+                    profiles,
+                    instances: Vec::new(),
+                    memory_slices: 8,
+                }
+            } else {
+                MigState::Disabled { profiles }
+            },
+        )])
+    };
+    let model = |mig: bool, capacity: ConsumableCapacity| {
+        let pool = build_pool(
+            &h100(mig),
+            &PoolOptions {
+                dynamic_mig: mig,
+                consumable_capacity: capacity,
+                ..PoolOptions::default()
+            },
+        );
+        Allocator::new(&published_slices(&pool), &classes, Options::default()).unwrap()
+    };
+    let claim = |requests: Value| -> ResourceClaim {
+        serde_json::from_value(claim_object(
+            "f0000000-0000-4000-8000-000000000000",
+            &json!({ "requests": requests }),
+        ))
+        .unwrap()
+    };
+    // Seven 10Gi shares of an H100's 81559Mi, not eight (each asks 16 of the 132 SMs: a
+    // share that asks no SMs takes the policy default, all of them).
+    let mut m = model(false, ConsumableCapacity::Mps);
+    let share = claim(json!([exactly(
+        "r",
+        "shared.gpu.cleave.dev",
+        json!({"capacity": {"requests": {"memory": "10Gi", "multiprocessors": "16"}}})
+    )]));
+    let fit = (0..9).take_while(|_| m.allocate(&share).is_ok()).count();
+    assert_eq!(fit, 7, "10Gi shares of one H100");
+    // On-demand MIG: an unselective MIG claim gets the first MIG device in publish order,
+    // which cleave makes the smallest profile (docs/architecture.md, "Publish order").
+    let mut m = model(true, ConsumableCapacity::Off);
+    let first = m
+        .device_order()
+        .into_iter()
+        .find(|d| d.contains("-mig-"))
+        .unwrap();
+    let got = m
+        .allocate(&claim(json!([exactly("r", "mig.cleave.dev", json!({}))])))
+        .unwrap();
+    let device = &results(&got)[0].device;
+    assert_eq!(device, &first, "an unselective MIG claim");
+    assert!(device.contains("-1g"), "smallest first: {device}");
+    // Counters: after 4g@0, 3g@0, 2g@2, 1g@0, 7g and the whole GPU are refused; 3g@4 fits.
+    let placement = |profile: &str, start: i64| {
+        claim(json!([exactly(
+            "r",
+            "mig.cleave.dev",
+            json!({"selectors": [{"cel": {"expression": format!(
+                "device.attributes[\"gpu.cleave.dev\"].profile.startsWith(\"{profile}\") && device.attributes[\"gpu.cleave.dev\"].placementStart == {start}"
+            )}}]})
+        )]))
+    };
+    let mut m = model(true, ConsumableCapacity::Off);
+    m.allocate(&placement("4g", 0)).unwrap();
+    for (profile, start) in [("3g", 0), ("2g", 2), ("1g", 0), ("7g", 0)] {
+        let e = m.allocate(&placement(profile, start)).unwrap_err();
+        assert!(
+            e.to_string().contains("counters"),
+            "{profile}@{start} after 4g@0: {e}"
+        );
+    }
+    let e = m
+        .allocate(&claim(json!([exactly("r", "gpu.cleave.dev", json!({}))])))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("counters"),
+        "the whole GPU after 4g@0: {e}"
+    );
+    m.allocate(&placement("3g", 4))
+        .unwrap_or_else(|e| panic!("3g@4 after 4g@0: {e}"));
 }
 
 /// The checked-in table of every cell's outcome (`<cell> => <outcome>`, one a line).
