@@ -35,6 +35,12 @@
 //! per shape, which would test nothing. Every cell's outcome is checked against
 //! `tests/composition-expected.txt` (`CLEAVE_UPDATE_EXPECTED=1` rewrites it: review the diff).
 //!
+//! A second test runs the model on one H100's published slices against what the scheduler
+//! facts sheet measured with the upstream allocator: seven 10Gi shares fit, first-fit MIG
+//! choice, shared counters after 4g@0, and v0.36.2's refusal of `{1g.10gb, 4g.40gb}` on one
+//! parent GPU with shareable on-demand placements (only in that request order, only with the
+//! leak modelled).
+//!
 //! Built with `harness = false`: the binary plays the fake MPS and `nvidia-smi` tools.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -918,17 +924,23 @@ fn the_model_on_published_slices_reproduces_the_measured_scheduler_facts() {
             },
         )])
     };
-    let model = |mig: bool, capacity: ConsumableCapacity| {
-        let pool = build_pool(
-            &h100(mig),
-            &PoolOptions {
-                dynamic_mig: mig,
-                consumable_capacity: capacity,
-                ..PoolOptions::default()
-            },
-        );
-        Allocator::new(&published_slices(&pool), &classes, Options::default()).unwrap()
+    let model_opts =
+        |mig: bool, capacity: ConsumableCapacity, share_mig: bool, options: Options| {
+            let pool = build_pool(
+                &h100(mig),
+                &PoolOptions {
+                    dynamic_mig: mig,
+                    consumable_capacity: capacity,
+                    share_on_demand_mig: share_mig,
+                    ..PoolOptions::default()
+                },
+            );
+            Allocator::new(&published_slices(&pool), &classes, options).unwrap()
+        };
+    let model_with = |mig: bool, capacity: ConsumableCapacity, share_mig: bool| {
+        model_opts(mig, capacity, share_mig, Options::default())
     };
+    let model = |mig: bool, capacity: ConsumableCapacity| model_with(mig, capacity, false);
     let claim = |requests: Value| -> ResourceClaim {
         serde_json::from_value(claim_object(
             "f0000000-0000-4000-8000-000000000000",
@@ -988,6 +1000,48 @@ fn the_model_on_published_slices_reproduces_the_measured_scheduler_facts() {
     );
     m.allocate(&placement("3g", 4))
         .unwrap_or_else(|e| panic!("3g@4 after 4g@0: {e}"));
+    // v0.36.2's defect: {1g.10gb, 4g.40gb} on one parent GPU is refused on a fresh node when
+    // on-demand placements are shareable (the search backtracks over a 1g share and keeps its
+    // counters), allocates on exclusive placements, and in the reverse request order.
+    let pair = |first: &str, second: &str| {
+        let profile = |p: &str| {
+            json!({"selectors": [{"cel": {"expression": format!(
+                "device.attributes[\"gpu.cleave.dev\"].profile == \"{p}\""
+            )}}], "capacity": {"requests": {"memory": "1Gi"}}})
+        };
+        let mut c = claim(json!([
+            exactly("a", "mig.cleave.dev", profile(first)),
+            exactly("b", "mig.cleave.dev", profile(second)),
+        ]));
+        c.spec.devices.as_mut().unwrap().constraints = Some(vec![
+            serde_json::from_value(json!({"matchAttribute": format!("{DRIVER_NAME}/parentUUID")}))
+                .unwrap(),
+        ]);
+        c
+    };
+    let shared = || model_with(true, ConsumableCapacity::Mps, true);
+    let e = shared().allocate(&pair("1g.10gb", "4g.40gb")).unwrap_err();
+    assert!(
+        e.to_string().contains("counters"),
+        "the v0.36.2 refusal: {e}"
+    );
+    // Without the defect (a fixed allocator) it fits: the refusal is the leak's.
+    model_opts(
+        true,
+        ConsumableCapacity::Mps,
+        true,
+        Options {
+            counter_leak: false,
+        },
+    )
+    .allocate(&pair("1g.10gb", "4g.40gb"))
+    .unwrap_or_else(|e| panic!("without the leak: {e}"));
+    shared()
+        .allocate(&pair("4g.40gb", "1g.10gb"))
+        .unwrap_or_else(|e| panic!("the reverse order: {e}"));
+    model_with(true, ConsumableCapacity::Mps, false)
+        .allocate(&pair("1g.10gb", "4g.40gb"))
+        .unwrap_or_else(|e| panic!("exclusive placements: {e}"));
 }
 
 /// The checked-in table of every cell's outcome (`<cell> => <outcome>`, one a line).
