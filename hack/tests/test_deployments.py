@@ -2618,12 +2618,8 @@ def grafana_dashboard_refers_only_to_exported_usage_metrics() -> None:
     assert referenced_metrics(doctored) - exported == {"cleave_kubelet_plugin_no_such_metric"}
 
 COMPOSITION_CLASSES = ROOT / "driver" / "tests" / "fixtures" / "deviceclasses.yaml"
-# The selector shapes the composition matrix's allocator model (driver/tests/composition.rs)
-# understands: the driver, the device type, and optionally shareable devices only.
-MODEL_SELECTOR = re.compile(
-    r'^device\.driver == "gpu\.cleave\.dev" && device\.attributes\["gpu\.cleave\.dev"\]\.type == "(gpu|mig)"'
-    r'( && device\.allowMultipleAllocations == true)?$'
-)
+COMPOSITION_POLICIES = ROOT / "driver" / "tests" / "fixtures" / "chart-claim-policies.yaml"
+COMPOSITION_MODES = ("off", "mps", "time-slicing")
 
 
 def shipped_device_classes() -> list[dict]:
@@ -2634,9 +2630,29 @@ def shipped_device_classes() -> list[dict]:
     return objs
 
 
+def shipped_claim_policies() -> list[dict]:
+    """Per consumableCapacity mode, the chart's ValidatingAdmissionPolicies on ResourceClaims
+    (default values otherwise), labels dropped: what the composition matrix evaluates."""
+    out = []
+    for mode in COMPOSITION_MODES:
+        pols = []
+        for o in render({"consumableCapacity": mode}):
+            if o.get("kind") != "ValidatingAdmissionPolicy":
+                continue
+            rules = o["spec"].get("matchConstraints", {}).get("resourceRules", [])
+            if not any("resourceclaims" in r.get("resources", []) for r in rules):
+                continue
+            o.pop("__template__", None)
+            o["metadata"].pop("labels", None)
+            pols.append(o)
+        out.append({"consumableCapacity": mode, "policies": pols})
+    return out
+
+
 @check
 def composition_matrix_classes_are_the_charts() -> None:
-    """The composition matrix runs every class the chart ships: its fixture is the rendering."""
+    """The composition matrix runs every class the chart ships: its fixture is the rendering.
+    Its allocator model evaluates the selectors with CEL, so any selector is fine."""
     want = shipped_device_classes()
     have = [d for d in yaml.safe_load_all(COMPOSITION_CLASSES.read_text()) if d]
     regenerate = (
@@ -2644,16 +2660,34 @@ def composition_matrix_classes_are_the_charts() -> None:
         "consumableCapacity=mps (DeviceClasses only, labels dropped)"
     )
     assert have == want, f"the composition matrix's classes differ from the chart's; {regenerate}"
-    for c in want:
-        for sel in c["spec"]["selectors"]:
-            expr = " ".join(sel["cel"]["expression"].split())
-            assert MODEL_SELECTOR.match(expr), (
-                f"class {c['metadata']['name']}: selector {expr!r} is outside what the composition "
-                "matrix's allocator model evaluates; teach driver/tests/composition.rs, then this pattern"
-            )
+
+
+@check
+def composition_matrix_admission_policies_are_the_charts() -> None:
+    """The composition matrix decides its admission cells by evaluating the chart's claim
+    policies with CEL: its fixture is the rendering, per consumableCapacity mode."""
+    want = shipped_claim_policies()
+    have = [d for d in yaml.safe_load_all(COMPOSITION_POLICIES.read_text()) if d]
+    assert have == want, (
+        "the composition matrix's admission policies differ from the chart's; regenerate "
+        "driver/tests/fixtures/chart-claim-policies.yaml: CLEAVE_WRITE_POLICY_FIXTURE=1 bash .ci/deployments.sh"
+    )
+
+
+def write_policy_fixture() -> None:
+    head = (
+        "# The chart's ValidatingAdmissionPolicies on ResourceClaims, rendered per consumableCapacity\n"
+        "# mode (other values default, labels dropped), for the composition matrix\n"
+        "# (driver/tests/composition.rs). Generated: CLEAVE_WRITE_POLICY_FIXTURE=1 bash .ci/deployments.sh;\n"
+        "# the deployment checks fail when the rendering differs.\n"
+    )
+    COMPOSITION_POLICIES.write_text(head + yaml.safe_dump_all(shipped_claim_policies(), sort_keys=True))
+    print(f"wrote {COMPOSITION_POLICIES}")
 
 
 if __name__ == "__main__":
+    if os.environ.get("CLEAVE_WRITE_POLICY_FIXTURE") == "1":
+        write_policy_fixture()
     import test_tenancy  # the tenancy checks (hack/tests/test_tenancy.py) join this run
     test_tenancy.register(sys.modules[__name__])
     import test_sharing_shapes  # the claim-shape policy's checks (hack/tests/test_sharing_shapes.py)

@@ -2,8 +2,8 @@
 rendered only with consumableCapacity mps, valid on 1.34, and evaluated with cel-python as the
 API server would on claims and templates: the shapes prepare cannot serve on an MPS-sharing
 node are denied with a message naming the fix; the shapes it serves pass, other drivers'
-classes untouched. The composition matrix (driver/tests/composition.rs, denied_at_admission)
-mirrors the same rules.
+classes untouched. The composition matrix (driver/tests/composition.rs) evaluates the rendered
+policies (fixture driver/tests/fixtures/chart-claim-policies.yaml) on its own claim shapes.
 
 `register(module)` adds the checks to test_deployments' runner; the CEL evaluation is
 test_tenancy's (the same Kubernetes functions, variables in order, failurePolicy Fail).

@@ -9,6 +9,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod admission;
+pub mod allocator;
+pub mod cel_env;
 pub mod child;
 pub mod driver_root;
 pub mod fake_tools;
