@@ -204,7 +204,7 @@ impl World {
     /// Starts node `i`'s plugin with the chart's MPS launcher (`pod`), and waits until it
     /// registered, published its slices and holds its watches.
     pub fn start(&mut self, i: usize) {
-        let n = &mut self.nodes[i];
+        let n = &self.nodes[i];
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -243,6 +243,9 @@ impl World {
             cmd.env("DYNAMIC_MIG", "true");
         }
         let _ = std::fs::remove_file(n.registration_socket());
+        let mark = self.standin.requests().len();
+        let had_slices = self.published(&n.name);
+        let n = &mut self.nodes[i];
         n.child = Some(cmd.spawn().unwrap());
         let name = n.name.clone();
         let reg = n.registration_socket();
@@ -261,7 +264,18 @@ impl World {
                 recs.iter()
                     .any(|r| r.verb == "watch" && r.resource == res && names_node(r, &name))
             };
-            if registered && watching("resourceslices") && self.published(&name) {
+            // A first start counts until its slice creates are recorded (a record follows
+            // the store's change); a restart finds its slices there already.
+            let creates = recs[mark.min(recs.len())..]
+                .iter()
+                .filter(|r| {
+                    r.verb == "create"
+                        && r.resource == "resourceslices"
+                        && !r.query.contains("dryRun")
+                })
+                .count();
+            let created = had_slices || creates >= self.slice_count(&name);
+            if registered && watching("resourceslices") && self.published(&name) && created {
                 return;
             }
             assert!(
@@ -271,6 +285,15 @@ impl World {
             );
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// How many slices of node `name` the stand-in holds.
+    pub fn slice_count(&self, name: &str) -> usize {
+        self.standin
+            .list("resourceslices")
+            .iter()
+            .filter(|s| s.pointer("/spec/nodeName").and_then(|n| n.as_str()) == Some(name))
+            .count()
     }
 
     /// Whether node `name`'s pool is complete in the stand-in: as many slices as each says
