@@ -167,7 +167,7 @@ async fn first_publish_of_an_8_gpu_mig_node_is_valid_in_both_layouts() {
     }
 }
 
-/// The slice watch asks the server for this node's own timeout (240–289 s by its name), not
+/// The slice watch asks the server for this node's own timeout (960–1199 s by its name), not
 /// kube's fixed 290 s that keeps plugins started together renewing in step.
 #[tokio::test]
 async fn slice_watch_uses_the_nodes_jittered_timeout() {

@@ -151,6 +151,10 @@ pub struct StandInOptions {
     pub validate: bool,
     /// Loopback port to listen on; 0 (default) picks a free one.
     pub port: u16,
+    /// Compresses time for watches: each watch ends after its `timeoutSeconds` divided by
+    /// this (default 1, as asked), so a bench sees an hour of watch renewals in a minute
+    /// and scales the counts back. Bookmarks keep `bookmark_interval`.
+    pub watch_time_scale: u32,
     /// The `DRAPartitionableDevices` feature gate (default on). Off, the stand-in drops
     /// `sharedCounters` and `consumesCounters` from ResourceSlices on create and update
     /// (dry runs too), as a gate-off API server does; see [`StandIn::set_partitionable_devices`].
@@ -165,6 +169,7 @@ impl Default for StandInOptions {
             history_limit: 4096,
             validate: true,
             port: 0,
+            watch_time_scale: 1,
             partitionable_devices: true,
         }
     }
@@ -200,6 +205,10 @@ pub struct RequestRecord {
     pub bytes_in: usize,
     /// Response body bytes (for a watch: streamed so far).
     pub bytes_out: usize,
+    /// Stored objects the request walks, as API Priority and Fairness charges it: for a LIST
+    /// or a WATCH starting from the current state, every object of the resource in the
+    /// request's scope (namespace or cluster) whatever its selectors; 0 for anything else.
+    pub scanned: usize,
 }
 
 /// A running stand-in. Dropping it stops the server and every connection and watch task.
@@ -239,6 +248,7 @@ impl StandIn {
             store: Store::new(opts.history_limit),
             version: opts.version,
             bookmark_interval: opts.bookmark_interval,
+            watch_time_scale: opts.watch_time_scale,
             validate: opts.validate,
             records: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),

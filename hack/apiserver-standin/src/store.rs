@@ -249,6 +249,18 @@ impl Store {
         (items, inner.rv)
     }
 
+    /// How many objects of `res` are stored in `namespace` (`None`: in every namespace),
+    /// whatever their labels and fields: what a LIST of that scope walks.
+    pub fn count_in_scope(&self, res: &'static ResourceDef, namespace: Option<&str>) -> usize {
+        let inner = self.lock();
+        let id = res_id(res);
+        inner
+            .objects
+            .keys()
+            .filter(|(r, ns, _)| *r == id && namespace.is_none_or(|want| want == ns))
+            .count()
+    }
+
     /// Creates an object. Fills name from generateName (cut as the API server cuts it), uid, resourceVersion,
     /// creationTimestamp and generation.
     pub fn create(

@@ -1,0 +1,255 @@
+//! What nodes cost the API server: `NODES` (default 20) real plugin processes (the binary
+//! under test, or `BASELINE_PLUGIN`'s) against one API server stand-in, every node with its
+//! Node, its plugin Pod in the release namespace and the chart's MPS launcher (`pod`); one in
+//! four nodes has MIG-enabled GPUs with on-demand MIG. Counts requests by verb and resource
+//! and the objects each LIST walks (as API Priority and Fairness charges it: every object
+//! of the resource in the request's scope, selectors or not).
+//!
+//! Measured in one run: each start (nodes started one after another, so later starts see
+//! more of the cluster), the steady state of all nodes at rest over `STEADY_SECS` (default
+//! 60) real seconds with watch time compressed `TIME_SCALE` (default 120) times by the
+//! stand-in (a watch asking for 960 s ends after 8 s; counts are scaled back to real
+//! hours), a whole-GPU and an on-demand MIG claim's prepare and unprepare, and a restart
+//! with a claim prepared. Projected (computed from the measured per-node figures): 1,000
+//! and 5,000 nodes, beside NVIDIA's GPU plugin (0.0022 requests/s per idle node, 1 GET per
+//! claim). Per-claim MPS and capacity shares need the fake MPS tools of the tests; their
+//! counts are asserted in `tests/mps_pod.rs` and `tests/claim_status.rs`, not measured here.
+//!
+//! Run: `cargo bench -p cleave-kubelet-plugin --bench control_plane` (`NODES`, `TIME_SCALE`,
+//! `STEADY_SECS` to change). Prints PASS/FAIL per target; asserts nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
+
+#[path = "../tests/cost_world/mod.rs"]
+mod cost_world;
+
+use std::time::{Duration, Instant};
+
+use cost_world::{Kind, Tally, World};
+
+const NVIDIA_IDLE_PER_S: f64 = 0.0022;
+
+fn env_num(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "PASS" } else { "FAIL" }
+}
+
+fn main() {
+    let nodes = env_num("NODES", 20).max(2) as usize;
+    let scale = env_num("TIME_SCALE", 120).max(1) as u32;
+    let steady = Duration::from_secs(env_num("STEADY_SECS", 60).max(1));
+    let bin = std::env::var_os("BASELINE_PLUGIN").map_or_else(
+        || std::path::PathBuf::from(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
+        std::path::PathBuf::from,
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(run(&bin, nodes, scale, steady));
+}
+
+async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
+    println!(
+        "control-plane cost: {n} plugin processes ({}), one stand-in, watch time compressed {scale}x",
+        bin.display()
+    );
+    let mut w = World::new(bin, scale);
+    for i in 0..n {
+        w.add_node(if i % 4 == 3 { Kind::Mig } else { Kind::Whole });
+    }
+
+    // Starts, one after another.
+    let mut starts = Vec::new();
+    let t0 = Instant::now();
+    for i in 0..n {
+        let mark = w.standin.requests().len();
+        w.start(i);
+        starts.push(Tally::of(&w.of_node(mark, i)));
+    }
+    println!("started {n} nodes in {:.1} s", t0.elapsed().as_secs_f64());
+    println!("at start, per node (first, middle, last started):");
+    for i in [0, n / 2, n - 1] {
+        println!(
+            "  {} ({:?}): {}",
+            w.nodes[i].name,
+            w.nodes[i].kind,
+            starts[i].line()
+        );
+    }
+    let first_scan = starts[0].scanned;
+    let last_scan = starts[n - 1].scanned;
+
+    // Steady state: everything at rest.
+    let mark = w.standin.requests().len();
+    let t = Instant::now();
+    tokio::time::sleep(steady).await;
+    let real = t.elapsed().as_secs_f64();
+    let at_rest = Tally::of(&w.since(mark));
+    let virtual_hours = real * f64::from(scale) / 3600.0;
+    // Watch renewals ran on compressed time, anything else (a periodic LIST or GET of an
+    // older build) on the wall clock.
+    let watches: usize = at_rest
+        .by_kind
+        .iter()
+        .filter(|(k, _)| k.starts_with("watch "))
+        .map(|(_, n)| n)
+        .sum();
+    let real_hours = real / 3600.0;
+    let per_node_hour =
+        (watches as f64 / virtual_hours + (at_rest.total - watches) as f64 / real_hours) / n as f64;
+    let per_node_s = per_node_hour / 3600.0;
+    println!(
+        "at rest, {real:.0} s real = {:.2} h of watch time (other requests scaled by the wall clock), all {n} nodes: {}",
+        virtual_hours,
+        at_rest.line()
+    );
+    println!(
+        "  per node: {per_node_hour:.2} requests/h ({per_node_s:.5}/s); watch renewals only: {}",
+        at_rest.by_kind.keys().all(|k| k.starts_with("watch "))
+    );
+    let mut by_node: Vec<f64> = (0..n)
+        .map(|i| {
+            let name = &w.nodes[i].name;
+            let recs = w.since(mark);
+            let mine = recs.iter().filter(|r| cost_world::names_node(r, name));
+            let (watch, other): (Vec<_>, Vec<_>) = mine.partition(|r| r.verb == "watch");
+            watch.len() as f64 / virtual_hours + other.len() as f64 / real_hours
+        })
+        .collect();
+    by_node.sort_by(f64::total_cmp);
+    println!(
+        "  per node, least and most: {:.2} and {:.2} requests/h",
+        by_node[0],
+        by_node[n - 1]
+    );
+
+    // Per claim, whole and MIG.
+    let mut claims = Vec::new();
+    for i in [0, 3.min(n - 1)] {
+        let mut dra = cost_world::dra(&w.nodes[i]).await;
+        let claim = w.new_claim(i);
+        let mark = w.standin.requests().len();
+        cost_world::prepare(&mut dra, &claim).await;
+        settle(&w, mark, &claim.name, true);
+        let prep = Tally::of(claim_requests(&w.of_node(mark, i)));
+        let mark = w.standin.requests().len();
+        cost_world::unprepare(&mut dra, &claim).await;
+        settle(&w, mark, &claim.name, false);
+        let unprep = Tally::of(claim_requests(&w.of_node(mark, i)));
+        println!("{:?} claim on {}:", w.nodes[i].kind, w.nodes[i].name);
+        println!("  prepare:   {}", prep.line());
+        println!("  unprepare: {}", unprep.line());
+        claims.push((prep, unprep));
+    }
+
+    // Restart with a claim prepared.
+    let mut dra = cost_world::dra(&w.nodes[1]).await;
+    let claim = w.new_claim(1);
+    let mark = w.standin.requests().len();
+    cost_world::prepare(&mut dra, &claim).await;
+    settle(&w, mark, &claim.name, true);
+    drop(dra);
+    w.stop(1);
+    let mark = w.standin.requests().len();
+    w.start(1);
+    let restart = Tally::of(&w.of_node(mark, 1));
+    println!(
+        "restart of {} with one claim prepared: {}",
+        w.nodes[1].name,
+        restart.line()
+    );
+    let mut dra = cost_world::dra(&w.nodes[1]).await;
+    let mark = w.standin.requests().len();
+    cost_world::unprepare(&mut dra, &claim).await;
+    settle(&w, mark, &claim.name, false);
+    println!(
+        "  unprepare after the restart: {}",
+        Tally::of(claim_requests(&w.of_node(mark, 1))).line()
+    );
+
+    // Projection and targets.
+    println!("projection (per-node figures above x nodes):");
+    println!("  {:<34} {:>14} {:>14}", "", "1,000 nodes", "5,000 nodes");
+    println!(
+        "  {:<34} {:>12.2}/s {:>12.2}/s",
+        "cleave at rest (measured)",
+        per_node_s * 1000.0,
+        per_node_s * 5000.0
+    );
+    println!(
+        "  {:<34} {:>12.2}/s {:>12.2}/s",
+        "NVIDIA GPU plugin at rest",
+        NVIDIA_IDLE_PER_S * 1000.0,
+        NVIDIA_IDLE_PER_S * 5000.0
+    );
+    println!(
+        "  {:<34} {:>14} {:>14}",
+        "objects walked by one start",
+        format!("~{}", project_scan(first_scan, last_scan, n, 1000)),
+        format!("~{}", project_scan(first_scan, last_scan, n, 5000))
+    );
+    println!("targets:");
+    let only_watches = at_rest.by_kind.keys().all(|k| k.starts_with("watch "));
+    println!(
+        "  {} steady state per node <= NVIDIA's {NVIDIA_IDLE_PER_S}/s, watch renewals only: {per_node_s:.5}/s (most renewing node {:.5}/s)",
+        verdict(per_node_s <= NVIDIA_IDLE_PER_S && only_watches),
+        by_node[n - 1] / 3600.0
+    );
+    let claim_reads_ok = claims.iter().all(|(p, u)| {
+        p.reads("resourceclaims") <= 1
+            && p.get("update resourceclaims") + p.get("patch resourceclaims") <= 1
+            && p.total
+                == p.reads("resourceclaims")
+                    + p.get("update resourceclaims")
+                    + p.get("patch resourceclaims")
+            && u.reads("resourceclaims") == 0
+    });
+    println!(
+        "  {} per claim at most 1 read and 1 status write at prepare, no read at unprepare",
+        verdict(claim_reads_ok)
+    );
+    let no_growth_steady =
+        at_rest.scanned == 0 && claims.iter().all(|(p, u)| p.scanned + u.scanned == 0);
+    println!(
+        "  {} no request walking the cluster at rest or per claim (objects walked: {})",
+        verdict(no_growth_steady),
+        at_rest.scanned
+            + claims
+                .iter()
+                .map(|(p, u)| p.scanned + u.scanned)
+                .sum::<usize>()
+    );
+    println!(
+        "  {} no request whose cost grows with the cluster at start: the first node's start walked {first_scan} objects, the {n}th's {last_scan}",
+        verdict(last_scan <= first_scan)
+    );
+}
+
+/// A claim's requests: those of the window less the node's watch renewals (counted at rest).
+fn claim_requests(
+    recs: &[cleave_apiserver_standin::RequestRecord],
+) -> impl Iterator<Item = &cleave_apiserver_standin::RequestRecord> {
+    recs.iter().filter(|r| r.verb != "watch")
+}
+
+/// Waits for the claim status write of a prepare (`want`) or unprepare; a build that
+/// writes none gets a few seconds, then the count goes on without it.
+fn settle(w: &World, mark: usize, name: &str, want: bool) {
+    if !w.wait_status_for(mark, name, want, Duration::from_secs(3)) {
+        println!("  (no claim status write seen for {name} within 3 s)");
+    }
+}
+
+/// Objects one start walks at `nodes` nodes, by a straight line through the first and the
+/// last of `n` measured starts.
+fn project_scan(first: usize, last: usize, n: usize, nodes: usize) -> usize {
+    let per_node = (last.saturating_sub(first)) as f64 / (n - 1) as f64;
+    (first as f64 + per_node * (nodes - 1) as f64).round() as usize
+}
