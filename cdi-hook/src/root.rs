@@ -799,6 +799,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::unnecessary_cast)]
     fn kernel_file_systems_are_known_by_magic() {
         for magic in [
             libc::PROC_SUPER_MAGIC as i64,
