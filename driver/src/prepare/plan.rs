@@ -963,6 +963,28 @@ mod tests {
     }
 
     #[test]
+    fn claims_are_named_namespace_slash_name() {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"namespace": "team-a", "name": "train"},
+            "spec": {}
+        }))
+        .unwrap();
+        assert_eq!(claim_label(&claim), "team-a/train");
+        assert_eq!(claim_label(&ResourceClaim::default()), "/");
+    }
+
+    #[test]
+    fn capacity_is_the_published_memory_rounded_down_to_a_mebibyte() {
+        let mut gpu = crate::prepare::testing::plain_gpu(0);
+        gpu.memory_bytes = (24 << 30) + 12345;
+        let cap = DeviceCapacity::of(&gpu, "gpu-0");
+        assert_eq!(cap.memory_bytes, Some(24 << 30));
+        assert_eq!(cap.device, "gpu-0");
+        assert!(cap.check(24 << 30, 0, "x").is_ok());
+        assert!(cap.check((24 << 30) + 1, 0, "x").is_err());
+    }
+
+    #[test]
     fn capacity_refuses_only_what_exceeds_the_device() {
         let cap = DeviceCapacity {
             device: "gpu-0".to_owned(),
