@@ -773,6 +773,293 @@ mod tests {
         }
     }
 
+    #[test]
+    fn inode_kinds_are_named() {
+        use std::os::unix::fs::FileTypeExt;
+        let (t, r) = root();
+        let base = r.host_path();
+        std::fs::write(base.join("file"), "x").unwrap();
+        symlink("file", base.join("link")).unwrap();
+        let fifo = std::ffi::CString::new(base.join("fifo").as_os_str().as_bytes()).unwrap();
+        rustix::fs::mkfifoat(rustix::fs::CWD, fifo.as_c_str(), rustix::fs::Mode::RWXU).unwrap();
+        let _socket = std::os::unix::net::UnixListener::bind(t.path().join("sock")).unwrap();
+        let meta = |p: &Path| std::fs::symlink_metadata(p).unwrap();
+        assert_eq!(kind_name(&meta(&base.join("usr"))), "a directory");
+        assert_eq!(kind_name(&meta(&base.join("fifo"))), "a FIFO");
+        assert_eq!(kind_name(&meta(&base.join("link"))), "a symlink");
+        assert_eq!(kind_name(&meta(&t.path().join("sock"))), "a socket");
+        assert_eq!(kind_name(&meta(&base.join("file"))), "not a regular file");
+        let null = meta(Path::new("/dev/null"));
+        if null.file_type().is_char_device() {
+            assert_eq!(kind_name(&null), "a character device");
+        }
+        // Reading a directory is refused naming its kind.
+        let e = r.read_config(Path::new("/usr")).unwrap_err().to_string();
+        assert!(e.contains("a directory") && e.contains("/usr"), "{e}");
+    }
+
+    #[test]
+    #[allow(clippy::unnecessary_cast)]
+    fn kernel_file_systems_are_known_by_magic() {
+        for magic in [
+            libc::PROC_SUPER_MAGIC as i64,
+            libc::SYSFS_MAGIC as i64,
+            libc::DEBUGFS_MAGIC as i64,
+            libc::TRACEFS_MAGIC as i64,
+            libc::SECURITYFS_MAGIC as i64,
+            libc::CGROUP_SUPER_MAGIC as i64,
+            libc::CGROUP2_SUPER_MAGIC as i64,
+            libc::BPF_FS_MAGIC as i64,
+            libc::SELINUX_MAGIC as i64,
+            libc::SMACK_MAGIC as i64,
+            libc::DEVPTS_SUPER_MAGIC as i64,
+            libc::NSFS_MAGIC as i64,
+            libc::RDTGROUP_SUPER_MAGIC as i64,
+            0x6265_6570,
+            0xde5e_81e4,
+            0x6165_676c,
+            0x4249_4e4d,
+        ] {
+            assert!(is_kernel_fs(magic), "{magic:#x}");
+        }
+        // ext4, tmpfs, overlayfs, xfs: where images live.
+        for magic in [0xef53_i64, 0x0102_1994, 0x794c_7630, 0x5846_5342] {
+            assert!(!is_kernel_fs(magic), "{magic:#x}");
+        }
+        // A value that does not fit is no known magic.
+        assert!(!is_kernel_fs(u64::MAX));
+    }
+
+    #[test]
+    fn names_must_be_single_components() {
+        let (_t, r) = root();
+        let dir = r.open_dir(Path::new("/usr")).unwrap().unwrap();
+        for bad in ["", ".", "..", "a/b", "/"] {
+            let name = OsStr::new(bad);
+            let e = dir.entry(name).unwrap_err().to_string();
+            assert!(e.contains("not a single file name"), "{bad:?}: {e}");
+            assert!(dir.write(name, b"x", 0o644).is_err(), "{bad:?}");
+            assert!(dir.symlink(name, Path::new("t")).is_err(), "{bad:?}");
+            assert!(dir.create_dir(name).is_err(), "{bad:?}");
+        }
+        for good in ["a", "..a", ".x", "a.."] {
+            assert!(dir.entry(OsStr::new(good)).unwrap().is_none(), "{good:?}");
+        }
+        assert_eq!(
+            tmp_name(OsStr::new("ld.so.conf")),
+            OsString::from(format!(".ld.so.conf.cleave-tmp-{}", std::process::id()))
+        );
+    }
+
+    #[test]
+    fn paths_split_into_directory_and_name() {
+        assert_eq!(
+            split_parent(Path::new("/etc/./ld.so.conf.d/../x.conf")).unwrap(),
+            (PathBuf::from("/etc"), OsString::from("x.conf"))
+        );
+        assert_eq!(
+            split_parent(Path::new("a")).unwrap(),
+            (PathBuf::from("/"), OsString::from("a"))
+        );
+        for p in ["/", "/a/..", "."] {
+            let e = split_parent(Path::new(p)).unwrap_err().to_string();
+            assert!(e.contains("names the container root itself"), "{p}: {e}");
+        }
+        assert_eq!(
+            clean_in_root(Path::new("./a/./b")).unwrap(),
+            Path::new("/a/b")
+        );
+        assert_eq!(clean_in_root(Path::new("/a/..")).unwrap(), Path::new("/"));
+        assert_eq!(
+            components(Path::new("/a/./../b/")),
+            VecDeque::from([
+                OsString::from("a"),
+                OsString::from(".."),
+                OsString::from("b")
+            ])
+        );
+        assert_eq!(escaped(OsStr::new("a\nb")), "a\\nb");
+        assert_eq!(escaped(OsStr::new("a\u{7}")), "a\\u{7}");
+        let bad = OsStr::from_bytes(b"/opt/\xff");
+        let e = config_line(Path::new(bad)).unwrap_err().to_string();
+        assert!(e.contains("not UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn mkdir_all_follows_links_inside_and_refuses_what_is_not_a_directory() {
+        let (_t, r) = root();
+        let base = r.host_path().to_owned();
+        // A dangling absolute link: the directory is made where the container will look.
+        symlink("/opt/real", base.join("usr/lib/alias")).unwrap();
+        let d = r.mkdir_all(Path::new("/usr/lib/alias/sub")).unwrap();
+        assert_eq!(d.in_root, Path::new("/opt/real/sub"));
+        assert_eq!(d.host, base.join("opt/real/sub"));
+        assert!(base.join("opt/real/sub").is_dir());
+        // A relative link with `..`.
+        symlink("../opt", base.join("usr/up")).unwrap();
+        let d = r
+            .mkdir_all(Path::new("/usr/up/real/./sub/../more"))
+            .unwrap();
+        assert_eq!(d.in_root, Path::new("/opt/real/more"));
+        // Existing directories are kept; the root itself is "/".
+        assert_eq!(r.mkdir_all(Path::new("/")).unwrap().in_root, Path::new("/"));
+        assert_eq!(
+            r.mkdir_all(Path::new("/usr/..")).unwrap().in_root,
+            Path::new("/")
+        );
+        // A file on the way.
+        std::fs::write(base.join("usr/file"), "x").unwrap();
+        let e = r
+            .mkdir_all(Path::new("/usr/file/sub"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is not a directory"), "{e}");
+        // A chain of 41 links is refused; 40 are followed (Linux's limit).
+        std::fs::create_dir(base.join("chain")).unwrap();
+        for i in 0..41 {
+            symlink(format!("l{}", i + 1), base.join(format!("chain/l{i}"))).unwrap();
+        }
+        let e = r.mkdir_all(Path::new("/chain/l0")).unwrap_err().to_string();
+        assert!(e.contains("more than 40 symlinks"), "{e}");
+        std::fs::remove_file(base.join("chain/l40")).unwrap();
+        symlink("/target", base.join("chain/l40")).unwrap();
+        assert!(r.mkdir_all(Path::new("/chain/l1")).is_ok());
+        assert!(base.join("target").is_dir());
+    }
+
+    #[test]
+    fn directory_operations_stay_in_their_directory() {
+        use std::os::unix::fs::MetadataExt;
+        let (_t, r) = root();
+        let base = r.host_path().to_owned();
+        let dir = r.mkdir_all(Path::new("/etc")).unwrap();
+        assert_eq!(dir.shown(OsStr::new("x")), Path::new("/etc/x"));
+        // write: the mode asked, the host path returned.
+        let host = dir.write(OsStr::new("a.conf"), b"one\n", 0o600).unwrap();
+        assert_eq!(host, base.join("etc/a.conf"));
+        assert_eq!(std::fs::read_to_string(&host).unwrap(), "one\n");
+        assert_eq!(std::fs::metadata(&host).unwrap().mode() & 0o777, 0o600);
+        // No temporary file is left behind.
+        let names: Vec<_> = dir.list().unwrap().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, [OsString::from("a.conf")]);
+        // symlink: replaces a file, refuses a directory; readlink reads it back.
+        dir.symlink(OsStr::new("a.conf"), Path::new("/lib/t"))
+            .unwrap();
+        assert_eq!(
+            dir.readlink(OsStr::new("a.conf")).unwrap(),
+            Some(PathBuf::from("/lib/t"))
+        );
+        dir.create_dir(OsStr::new("sub")).unwrap();
+        let e = dir
+            .symlink(OsStr::new("sub"), Path::new("/x"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is a directory"), "{e}");
+        assert!(
+            dir.create_dir(OsStr::new("sub")).is_err(),
+            "it must not exist"
+        );
+        // readlink of a file or of nothing is None.
+        dir.write(OsStr::new("plain"), b"p", 0o644).unwrap();
+        assert_eq!(dir.readlink(OsStr::new("plain")).unwrap(), None);
+        assert_eq!(dir.readlink(OsStr::new("absent")).unwrap(), None);
+        // list: sorted, symlinks as symlinks.
+        let listed: Vec<_> = dir
+            .list()
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n.into_string().unwrap(), t.is_symlink(), t.is_dir()))
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                ("a.conf".to_owned(), true, false),
+                ("plain".to_owned(), false, false),
+                ("sub".to_owned(), false, true),
+            ]
+        );
+        // open_regular: files only, a symlink is not followed.
+        assert!(dir.open_regular(OsStr::new("plain")).unwrap().is_some());
+        assert!(dir.open_regular(OsStr::new("sub")).unwrap().is_none());
+        assert!(dir.open_regular(OsStr::new("a.conf")).unwrap().is_none());
+        assert!(dir.open_regular(OsStr::new("absent")).unwrap().is_none());
+        dir.remove_dir(OsStr::new("sub")).unwrap();
+        assert!(!base.join("etc/sub").exists());
+        assert!(dir.remove_dir(OsStr::new("sub")).is_err());
+    }
+
+    #[test]
+    fn root_level_queries() {
+        let (t, r) = root();
+        let base = r.host_path().to_owned();
+        assert_eq!(r.host_of(Path::new("/usr/lib")), base.join("usr/lib"));
+        assert_eq!(r.host_of(Path::new("usr")), base.join("usr"));
+        assert_eq!(in_root(&r, "/"), PathBuf::from("/"));
+        assert_eq!(in_root(&r, "/usr/lib"), PathBuf::from("/usr/lib"));
+        // Not a directory, or missing.
+        std::fs::write(t.path().join("plain"), "x").unwrap();
+        let e = ContainerRoot::new(&t.path().join("plain"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("plain"), "{e}");
+        assert!(ContainerRoot::new(&t.path().join("missing")).is_err());
+        // lookup: a trailing symlink is followed only when asked.
+        symlink("/usr/lib", base.join("l")).unwrap();
+        let followed = r.lookup(Path::new("/l"), true).unwrap().unwrap();
+        assert!(metadata_of(&followed, Path::new("/l")).unwrap().is_dir());
+        let not = r.lookup(Path::new("/l"), false).unwrap().unwrap();
+        assert!(
+            metadata_of(&not, Path::new("/l"))
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert!(r.lookup(Path::new("/missing/x"), true).unwrap().is_none());
+        // open_dir: directories only.
+        std::fs::write(base.join("usr/lib/f"), "x").unwrap();
+        assert!(r.open_dir(Path::new("/usr/lib/f")).unwrap().is_none());
+        assert!(r.open_dir(Path::new("/nope")).unwrap().is_none());
+        assert_eq!(
+            r.open_dir(Path::new("/l")).unwrap().unwrap().in_root,
+            Path::new("/usr/lib")
+        );
+        // is_file, create_if_missing (a dangling link counts as something there).
+        assert!(r.is_file(Path::new("/usr/lib/f")));
+        assert!(!r.is_file(Path::new("/usr/lib")));
+        assert!(!r.is_file(Path::new("/nope")));
+        assert!(r.create_if_missing(Path::new("/etc/new"), b"n").unwrap());
+        assert!(!r.create_if_missing(Path::new("/etc/new"), b"m").unwrap());
+        assert_eq!(std::fs::read_to_string(base.join("etc/new")).unwrap(), "n");
+        symlink("/gone", base.join("etc/dangling")).unwrap();
+        assert!(
+            !r.create_if_missing(Path::new("/etc/dangling"), b"d")
+                .unwrap()
+        );
+        assert!(!base.join("gone").exists());
+        // read_config_id: one file read through two names has one id.
+        symlink("new", base.join("etc/alias")).unwrap();
+        let (a, text) = r.read_config_id(Path::new("/etc/new")).unwrap().unwrap();
+        let (b, _) = r.read_config_id(Path::new("/etc/alias")).unwrap().unwrap();
+        assert_eq!((a, text.as_str()), (b, "n"));
+        assert!(r.read_config_id(Path::new("/etc/none")).unwrap().is_none());
+        // A file of exactly MAX_READ bytes is read; non-UTF-8 is refused.
+        std::fs::write(base.join("etc/max"), vec![b'a'; MAX_READ as usize]).unwrap();
+        assert_eq!(
+            r.read_config(Path::new("/etc/max")).unwrap().unwrap().len() as u64,
+            MAX_READ
+        );
+        std::fs::write(base.join("etc/bin"), [0xff_u8, 0xfe]).unwrap();
+        let e = r
+            .read_config(Path::new("/etc/bin"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not UTF-8"), "{e}");
+        // A duplicated handle for a child names the same directory.
+        let fd = r.handle_for_child().unwrap();
+        let named = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+        assert_eq!(named, base);
+    }
+
     mod fuzz {
         use super::*;
         use proptest::prelude::*;

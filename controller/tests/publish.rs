@@ -96,6 +96,42 @@ fn matches_plan(s: &StandIn, pool: &PoolDevices, layout: SliceLayout) -> bool {
         })
 }
 
+/// Proves that the publisher has handled every watch event the server sent before now and
+/// run every sync those events made due: a foreign edit, which the watch stream delivers
+/// after them, must be seen and reverted. Costs exactly one update, which callers count.
+async fn marker_edit_reverted(
+    s: &StandIn,
+    p: &SlicePublisher,
+    pool: &PoolDevices,
+    layout: SliceLayout,
+) {
+    let syncs = p.status().borrow().syncs;
+    let mut victim = slices(s)
+        .into_iter()
+        .find(|x| x.spec.devices.as_ref().is_some_and(|d| d.len() > 1))
+        .unwrap();
+    victim.spec.devices.as_mut().unwrap().truncate(1);
+    s.put(&victim).unwrap();
+    eventually("the marker edit reverted", || {
+        let st = p.status().borrow().clone();
+        st.published && st.syncs > syncs && matches_plan(s, pool, layout)
+    })
+    .await;
+}
+
+/// `(name, spec)` of each slice: what the publisher decides, without the resourceVersion.
+fn contents(slices: &[ResourceSlice]) -> Vec<(Option<String>, String)> {
+    slices
+        .iter()
+        .map(|x| {
+            (
+                x.metadata.name.clone(),
+                serde_json::to_string(&x.spec).unwrap(),
+            )
+        })
+        .collect()
+}
+
 async fn publish_and_wait(s: &StandIn, stats: &Arc<ApiStats>, pool: PoolDevices) -> SlicePublisher {
     let p = SlicePublisher::start(s.client(), config(stats));
     p.publish(pool);
@@ -210,13 +246,20 @@ async fn restart_with_nothing_changed_makes_zero_writes() {
     let before = slices(&s);
     s.reset_counts();
     let stats2 = ApiStats::new();
-    let p = publish_and_wait(&s, &stats2, pool).await;
-    // Give stray watch events a moment to cause (wrong) writes.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(writes(&s), 0, "{:?}", s.requests());
-    assert_eq!(stats2.writes(), 0);
+    let p = publish_and_wait(&s, &stats2, pool.clone()).await;
+    // Stray watch events (the echo of the first publisher's writes, the relist) had their
+    // chance to cause (wrong) writes once a later foreign edit is seen: its revert is the
+    // only write.
+    marker_edit_reverted(&s, &p, &pool, SliceLayout::SeparateCounterSlices).await;
+    assert_eq!(writes(&s), 1, "{:?}", s.requests());
+    assert_eq!(
+        s.count("update", "resourceslices"),
+        1,
+        "the marker's revert"
+    );
+    assert_eq!(stats2.writes(), 1);
     assert_eq!(s.count("get", "nodes"), 0, "no node GET without creates");
-    assert_eq!(slices(&s), before);
+    assert_eq!(contents(&slices(&s)), contents(&before));
     p.shutdown().await;
 }
 
@@ -226,7 +269,12 @@ async fn one_gpu_mig_change_updates_one_slice() {
         let s = standin(version).await;
         let stats = ApiStats::new();
         let p = publish_and_wait(&s, &stats, on_demand_mig_pool(8)).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The echoes of the first publish are handled before the counting starts.
+        let layout = match version {
+            KubeVersion::V1_34 => SliceLayout::CountersWithDevices,
+            _ => SliceLayout::SeparateCounterSlices,
+        };
+        marker_edit_reverted(&s, &p, &on_demand_mig_pool(8), layout).await;
         s.reset_counts();
         let mut pool = on_demand_mig_pool(8);
         pool.groups[3] = on_demand_mig_group(3, 9);
@@ -282,11 +330,13 @@ async fn foreign_edit_and_deletion_are_restored() {
     let took = eventually("edit reverted", || matches_plan(&s, &pool, layout)).await;
     eprintln!("foreign edit reverted in {took:?}");
 
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A second edit is seen after everything the first one caused: two updates in all.
+    marker_edit_reverted(&s, &p, &pool, layout).await;
     assert_eq!(
         s.count("update", "resourceslices"),
-        1,
-        "an edit costs one update"
+        2,
+        "an edit costs one update: {:?}",
+        s.requests()
     );
     let name = slices(&s)[0].metadata.name.clone().unwrap();
     s.reset_counts();
@@ -296,8 +346,17 @@ async fn foreign_edit_and_deletion_are_restored() {
     })
     .await;
     eprintln!("foreign deletion repaired in {took:?}");
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(writes(&s), 1, "a restore is one create: {:?}", s.requests());
+    marker_edit_reverted(&s, &p, &pool, layout).await;
+    assert_eq!(
+        (
+            s.count("create", "resourceslices") - s.count_dry_runs("create", "resourceslices"),
+            s.count("update", "resourceslices"),
+            s.count("delete", "resourceslices")
+        ),
+        (1, 1, 0),
+        "a restore is one create (and the marker's revert one update): {:?}",
+        s.requests()
+    );
     assert!(slices(&s).iter().all(|x| x.spec.pool.generation == 1));
     assert!(
         slices(&s)
@@ -387,7 +446,8 @@ async fn unavailable_server_is_backed_off_then_recovered() {
     s.reset_counts();
     let started = std::time::Instant::now();
     p.publish(on_demand_mig_pool(2));
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Several backed-off attempts (20, 40, 80 ms …) have failed.
+    eventually("four failed attempts", || p.status().borrow().syncs >= 5).await;
     let st = p.status().borrow().clone();
     assert!(!st.published);
     assert!(
@@ -396,9 +456,9 @@ async fn unavailable_server_is_backed_off_then_recovered() {
     );
     let attempts = s.count("", "resourceslices");
     // Measured after counting, so the window is never underestimated: on a loaded machine
-    // the one-second sleep can last much longer, and the bound must follow the real time.
+    // the wait can last much longer, and the bound must follow the real time.
     let elapsed = started.elapsed();
-    // About 6 attempts of two requests in a second, never a busy loop.
+    // Attempts of two requests each, spaced by the backoff: never a busy loop.
     let most = most_requests(elapsed);
     assert!(
         (2..=most).contains(&attempts),
@@ -500,16 +560,15 @@ async fn unpublishable_pool_is_reported_without_writes() {
         .unwrap()
         .clone();
     assert!(st.last_error.unwrap().contains("planning"));
-    tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(writes(&s), 0);
+    // A good pool afterwards is published, and its sync is the second: the plan error
+    // waited for it (a retry loop, 20 ms at first, would have synced in between).
+    p.publish(whole_gpu_pool(1));
+    let st = p.wait_published(WAIT).await.unwrap();
     assert_eq!(
-        p.status().borrow().syncs,
-        1,
+        st.syncs, 2,
         "a plan error waits for the next publish, no retry loop"
     );
-    // A good pool afterwards is published.
-    p.publish(whole_gpu_pool(1));
-    p.wait_published(WAIT).await.unwrap();
     p.shutdown().await;
 }
 
@@ -566,9 +625,12 @@ async fn counters_dropped_by_the_server_withhold_what_depends_on_them() {
         );
         // No rewrite loop: probes only (dry runs), no writes, for a while.
         let before = writes(&s);
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        let probes = s.count_dry_runs("create", "resourceslices");
+        eventually("two more counter probes", || {
+            s.count_dry_runs("create", "resourceslices") >= probes + 2
+        })
+        .await;
         assert_eq!(writes(&s), before, "{:?}", s.requests());
-        assert!(s.count_dry_runs("create", "resourceslices") >= 2);
 
         // The gate comes on: the next probe sees counters kept and the full pool goes out.
         s.set_partitionable_devices(true);

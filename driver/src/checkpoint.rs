@@ -592,6 +592,14 @@ mod tests {
             matches!(e, CheckpointError::UnsupportedVersion { version: 2, .. }),
             "{e}"
         );
+        // Version 0 never existed: refused as well, although its checksum is right.
+        let zero = text.replacen("\"version\":1", "\"version\":0", 1);
+        fs::write(store.path(), zero).unwrap();
+        let e = store.load().unwrap_err();
+        assert!(
+            matches!(e, CheckpointError::UnsupportedVersion { version: 0, .. }),
+            "{e}"
+        );
     }
 
     #[test]

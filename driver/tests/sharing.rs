@@ -2235,15 +2235,58 @@ fn supervise_config(world: &World, claim: &str, env: &[(&str, &str)]) -> Supervi
 }
 
 /// Runs the supervisor on a thread; returns its outcome and what it streamed.
+/// The supervisor's output, readable while it runs.
+#[derive(Clone, Default)]
+struct SharedOut(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for SharedOut {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl SharedOut {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// Appends `line` to the control daemon's log and waits until the running supervisor has
+/// streamed it to its output: proof that the supervisor watches the daemon now.
+fn log_line_streamed(log: &Path, out: &SharedOut, line: &str) {
+    use std::io::Write as _;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    f.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let started = Instant::now();
+    while !out.text().contains(line) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{line:?} never reached the supervisor's output: {:?}",
+            out.text()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn spawn_supervisor(
     config: SuperviseConfig,
     stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<(Result<SuperviseOutcome, SharingFailure>, Vec<u8>)> {
-    std::thread::spawn(move || {
-        let mut out = Vec::new();
-        let r = supervise(&config, &stop, &mut out);
-        (r, out)
-    })
+) -> (
+    std::thread::JoinHandle<Result<SuperviseOutcome, SharingFailure>>,
+    SharedOut,
+) {
+    let out = SharedOut::default();
+    let mut writer = out.clone();
+    let handle = std::thread::spawn(move || supervise(&config, &stop, &mut writer));
+    (handle, out)
 }
 
 fn supervisor_quits_the_daemon_on_stop_and_notices_its_exit() {
@@ -2253,7 +2296,7 @@ fn supervisor_quits_the_daemon_on_stop_and_notices_its_exit() {
     let pipe = config.pipe_dir.clone();
     let log = config.log_dir.join("control.log");
     let stop = Arc::new(AtomicBool::new(false));
-    let handle = spawn_supervisor(config, Arc::clone(&stop));
+    let (handle, out) = spawn_supervisor(config, Arc::clone(&stop));
     let started = Instant::now();
     while world.started_pids().is_empty() {
         assert!(
@@ -2263,19 +2306,10 @@ fn supervisor_quits_the_daemon_on_stop_and_notices_its_exit() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let pid = world.started_pids()[0];
-    // What the daemon logs reaches the supervisor's output.
-    {
-        use std::io::Write as _;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .unwrap();
-        f.write_all(b"[fake] control daemon log line\n").unwrap();
-    }
-    std::thread::sleep(Duration::from_millis(100));
+    // What the daemon logs reaches the supervisor's output while the daemon runs.
+    log_line_streamed(&log, &out, "[fake] control daemon log line");
     stop.store(true, Ordering::SeqCst);
-    let (outcome, out) = handle.join().unwrap();
+    let outcome = handle.join().unwrap();
     assert_eq!(outcome.unwrap(), SuperviseOutcome::Stopped);
     assert!(wait_dead(pid, Duration::from_secs(5)));
     let pipe_cmds: Vec<String> = world
@@ -2295,12 +2329,13 @@ fn supervisor_quits_the_daemon_on_stop_and_notices_its_exit() {
             .any(|l| l.contains(&format!("devices={GPU_A}"))),
         "the daemon got CUDA_VISIBLE_DEVICES: {pipe_cmds:?}"
     );
-    assert!(String::from_utf8_lossy(&out).contains("control daemon log line"));
+    assert!(out.text().contains("control daemon log line"));
 
     // The daemon quits by itself (the plugin sent quit over the pipe): Exited.
     let config = supervise_config(&world, "sup-b", &[]);
     let stop = Arc::new(AtomicBool::new(false));
-    let (tx_config, handle) = (config.clone(), spawn_supervisor(config, Arc::clone(&stop)));
+    let tx_config = config.clone();
+    let (handle, out) = spawn_supervisor(config, Arc::clone(&stop));
     let started = Instant::now();
     while !tx_config
         .pipe_dir
@@ -2313,7 +2348,12 @@ fn supervisor_quits_the_daemon_on_stop_and_notices_its_exit() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    std::thread::sleep(Duration::from_millis(50));
+    // The supervisor has read the PID and watches the daemon before it quits.
+    log_line_streamed(
+        &tx_config.log_dir.join("control.log"),
+        &out,
+        "[fake] daemon b runs",
+    );
     let quit = Command::new(&tx_config.control_bin)
         .env("CUDA_MPS_PIPE_DIRECTORY", &tx_config.pipe_dir)
         .envs(tx_config.env.iter().map(|(k, v)| (k, v)))
@@ -2326,7 +2366,7 @@ fn supervisor_quits_the_daemon_on_stop_and_notices_its_exit() {
         })
         .unwrap();
     assert!(quit.success());
-    let (outcome, _) = handle.join().unwrap();
+    let outcome = handle.join().unwrap();
     assert_eq!(outcome.unwrap(), SuperviseOutcome::Exited);
     assert!(!stop.load(Ordering::SeqCst));
 }
@@ -2335,7 +2375,8 @@ fn supervisor_reports_a_daemon_that_cannot_start() {
     let world = World::new();
     let config = supervise_config(&world, "sup-bad", &[("FAKE_MPS_FAIL_START", "1")]);
     let stop = Arc::new(AtomicBool::new(false));
-    let (outcome, _) = spawn_supervisor(config, stop).join().unwrap();
+    let (handle, _) = spawn_supervisor(config, stop);
+    let outcome = handle.join().unwrap();
     let err = outcome.unwrap_err().to_string();
     assert!(
         err.contains("claim sup-bad") && err.contains("exited with"),

@@ -90,6 +90,15 @@ async fn wait_some<T>(what: &str, dirs: &NodeDirs, mut f: impl FnMut() -> Option
     }
 }
 
+/// Waits until the plugin has logged `n` retries of its wait for the NVIDIA driver: proof
+/// that the decisions before them (not registering, not publishing) were taken.
+async fn wait_retries(dirs: &NodeDirs, n: usize) {
+    wait_some("retries of the wait for the driver", dirs, || {
+        (dirs.log().matches("waiting for the NVIDIA driver").count() >= n).then_some(())
+    })
+    .await;
+}
+
 fn metric(port: u16, name: &str) -> Option<f64> {
     let (_, text) = http_get(port, "/metrics")?;
     text.lines()
@@ -144,8 +153,9 @@ async fn late_nvidia_driver_is_waited_for_then_published() {
         metric(port, "cleave_kubelet_plugin_nvml_available"),
         Some(0.0)
     );
-    // Several retries later: still alive, not registered, nothing published.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Several retries later (each logs that it waits): still alive, not registered,
+    // nothing published.
+    wait_retries(&dirs, 3).await;
     assert!(
         plugin.child.try_wait().unwrap().is_none(),
         "crashed:\n{}",
@@ -478,7 +488,7 @@ async fn zero_gpus_waits_unless_allowed() {
     })
     .await;
     assert!(body.contains("--allow-no-gpus"), "{body}");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    wait_retries(&dirs, 3).await;
     assert!(!reg_socket(&dirs).exists());
     assert!(slices(&standin).is_empty(), "an empty pool was published");
     // SIGTERM while waiting ends the process cleanly.
@@ -564,7 +574,11 @@ async fn counters_dropped_by_the_api_server_withhold_mig_devices_until_the_gate_
             + s.count("delete", "resourceslices")
     };
     let before = writes(&standin);
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let probes = standin.count_dry_runs("create", "resourceslices");
+    wait_some("two more counter probes", &dirs, || {
+        (standin.count_dry_runs("create", "resourceslices") >= probes + 2).then_some(())
+    })
+    .await;
     assert_eq!(writes(&standin), before);
     assert!(plugin.child.try_wait().unwrap().is_none());
 

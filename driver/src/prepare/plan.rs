@@ -828,3 +828,211 @@ impl NodeDriver {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
+    use serde_json::json;
+
+    fn result(v: serde_json::Value) -> DeviceRequestAllocationResult {
+        let mut base = json!({"request": "r", "driver": "d", "pool": "p", "device": "gpu-0"});
+        base.as_object_mut()
+            .unwrap()
+            .extend(v.as_object().unwrap().clone());
+        serde_json::from_value(base).unwrap()
+    }
+
+    fn share(id: &str, memory: Option<u64>, sms: Option<u32>) -> ShareRecord {
+        ShareRecord {
+            share_id: id.to_owned(),
+            memory_bytes: memory,
+            multiprocessors: sms,
+            ..ShareRecord::default()
+        }
+    }
+
+    #[test]
+    fn shares_are_read_from_share_id_and_consumed_capacity() {
+        assert_eq!(share_of(&result(json!({}))).unwrap(), None);
+        let s = share_of(&result(json!({
+            "shareID": "0f1e2d3c-4b5a",
+            "consumedCapacity": {"memory": "2Gi", "multiprocessors": "20"}
+        })))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s, share("0f1e2d3c-4b5a", Some(2 << 30), Some(20)));
+        // Only what is named is recorded.
+        let s = share_of(&result(
+            json!({"shareID": "a", "consumedCapacity": {"memory": "1Mi"}}),
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s, share("a", Some(1 << 20), None));
+        // More multiprocessors than a u32 holds saturate.
+        let s = share_of(&result(json!({
+            "shareID": "a", "consumedCapacity": {"multiprocessors": "5000000000"}
+        })))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.multiprocessors, Some(u32::MAX));
+        // A 63-character ID is the longest a CDI device name part takes.
+        let longest = "a".repeat(63);
+        assert!(share_of(&result(json!({"shareID": longest}))).is_ok());
+        for bad in ["", "A", "a_b", "a.b", &"a".repeat(64)] {
+            let e = share_of(&result(json!({"shareID": bad}))).unwrap_err();
+            assert!(e.contains("is not a lower-case UUID"), "{bad:?}: {e}");
+        }
+        let e = share_of(&result(
+            json!({"shareID": "a", "consumedCapacity": {"memory": "-1Gi"}}),
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("consumedCapacity.memory") && e.contains("negative"),
+            "{e}"
+        );
+        let e = share_of(&result(
+            json!({"shareID": "a", "consumedCapacity": {"memory": "lots"}}),
+        ))
+        .unwrap_err();
+        assert!(e.contains("consumedCapacity.memory \"lots\""), "{e}");
+    }
+
+    #[test]
+    fn several_shares_of_a_device_are_summed_once_each() {
+        let results = [
+            result(
+                json!({"request": "a", "shareID": "s1", "consumedCapacity": {"memory": "1Gi", "multiprocessors": "10"}}),
+            ),
+            result(json!({"request": "b", "shareID": "s2", "consumedCapacity": {"memory": "2Gi"}})),
+            // The same share again (another request naming it) is not counted twice.
+            result(
+                json!({"request": "b", "shareID": "s1", "consumedCapacity": {"memory": "1Gi", "multiprocessors": "10"}}),
+            ),
+            result(json!({"request": "a", "device": "gpu-1", "adminAccess": true})),
+            // Other drivers and pools are not this plan's.
+            result(json!({"driver": "other", "device": "gpu-2"})),
+            result(json!({"pool": "other", "device": "gpu-3"})),
+        ];
+        let out = allocated_devices(&results, "d", "p").unwrap();
+        assert_eq!(
+            out.iter().map(|a| a.device.as_str()).collect::<Vec<_>>(),
+            ["gpu-0", "gpu-1"]
+        );
+        assert_eq!(out[0].request_names, ["a", "b"]);
+        let s = out[0].share.as_ref().unwrap();
+        assert_eq!(s.share_id, "s1");
+        assert_eq!(s.more_share_ids, ["s2"]);
+        assert_eq!(s.memory_bytes, Some(3 << 30));
+        assert_eq!(s.multiprocessors, Some(10));
+        assert!(!out[0].admin);
+        assert!(out[1].admin && out[1].share.is_none());
+        // Admin access holds only when every result of the device has it.
+        let mixed = [
+            result(json!({"adminAccess": true})),
+            result(json!({"request": "s", "adminAccess": false})),
+        ];
+        assert!(!allocated_devices(&mixed, "d", "p").unwrap()[0].admin);
+        // Whole and shared at once was edited by hand.
+        for pair in [
+            [result(json!({})), result(json!({"shareID": "s1"}))],
+            [result(json!({"shareID": "s1"})), result(json!({}))],
+        ] {
+            let (device, e) = allocated_devices(&pair, "d", "p").err().unwrap();
+            assert_eq!(device, "gpu-0");
+            assert!(e.contains("both whole"), "{e}");
+        }
+        // A bad share names its device.
+        let (device, _) = allocated_devices(
+            &[result(json!({"device": "gpu-7", "shareID": "A"}))],
+            "d",
+            "p",
+        )
+        .err()
+        .unwrap();
+        assert_eq!(device, "gpu-7");
+    }
+
+    #[test]
+    fn sums_of_optional_consumption() {
+        assert_eq!(sum_opt(None, None), None);
+        assert_eq!(sum_opt(Some(2), None), Some(2));
+        assert_eq!(sum_opt(None, Some(3)), Some(3));
+        assert_eq!(sum_opt(Some(2), Some(3)), Some(5));
+        assert_eq!(sum_opt(Some(u64::MAX), Some(3)), Some(u64::MAX));
+    }
+
+    #[test]
+    fn claims_are_named_namespace_slash_name() {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"namespace": "team-a", "name": "train"},
+            "spec": {}
+        }))
+        .unwrap();
+        assert_eq!(claim_label(&claim), "team-a/train");
+        assert_eq!(claim_label(&ResourceClaim::default()), "/");
+    }
+
+    #[test]
+    fn capacity_is_the_published_memory_rounded_down_to_a_mebibyte() {
+        let mut gpu = crate::prepare::testing::plain_gpu(0);
+        gpu.memory_bytes = (24 << 30) + 12345;
+        let cap = DeviceCapacity::of(&gpu, "gpu-0");
+        assert_eq!(cap.memory_bytes, Some(24 << 30));
+        assert_eq!(cap.device, "gpu-0");
+        assert!(cap.check(24 << 30, 0, "x").is_ok());
+        assert!(cap.check((24 << 30) + 1, 0, "x").is_err());
+    }
+
+    #[test]
+    fn capacity_refuses_only_what_exceeds_the_device() {
+        let cap = DeviceCapacity {
+            device: "gpu-0".to_owned(),
+            memory_bytes: Some(10 << 30),
+            multiprocessors: Some(100),
+        };
+        // Exactly the device is allowed; one more byte or SM is not.
+        assert!(cap.check(10 << 30, 100, "x").is_ok());
+        let e = cap.check((10 << 30) + 1, 100, "x").unwrap_err();
+        assert!(
+            e.contains("memory 10240Mi of 10240Mi") && e.contains("device gpu-0"),
+            "{e}"
+        );
+        assert!(!e.contains("multiprocessors"), "{e}");
+        let e = cap.check(0, 101, "x").unwrap_err();
+        assert!(
+            e.contains("multiprocessors 101 of 100") && !e.contains("memory"),
+            "{e}"
+        );
+        let e = cap.check(11 << 30, 101, "x").unwrap_err();
+        assert!(
+            e.contains("memory 11264Mi of 10240Mi and multiprocessors 101 of 100"),
+            "{e}"
+        );
+        assert!(e.contains(OVER_COMMIT_HINT), "{e}");
+        // check_share names the share; check_sum the sum.
+        let e = cap
+            .check_share(&share("s9", Some(11 << 30), None))
+            .unwrap_err();
+        assert!(e.contains("share s9 consumed memory"), "{e}");
+        assert!(cap.check_share(&share("s9", None, Some(100))).is_ok());
+        assert!(cap.check_share(&share("s9", None, Some(101))).is_err());
+        let e = cap.check_sum(0, 200).unwrap_err();
+        assert!(e.contains("add up to multiprocessors 200 of 100"), "{e}");
+        assert!(cap.check_sum(10 << 30, 100).is_ok());
+        // Unknown totals refuse nothing.
+        let unknown = DeviceCapacity {
+            device: "gpu-0".to_owned(),
+            memory_bytes: None,
+            multiprocessors: None,
+        };
+        assert!(unknown.check(u64::MAX, u64::MAX, "x").is_ok());
+        // A share takes the device whole only when it consumed all of both.
+        assert!(cap.taken_whole_by(&share("s", Some(10 << 30), Some(100))));
+        assert!(cap.taken_whole_by(&share("s", Some(11 << 30), Some(101))));
+        assert!(!cap.taken_whole_by(&share("s", Some((10 << 30) - 1), Some(100))));
+        assert!(!cap.taken_whole_by(&share("s", Some(10 << 30), Some(99))));
+        assert!(!cap.taken_whole_by(&share("s", None, Some(100))));
+        assert!(!unknown.taken_whole_by(&share("s", Some(10 << 30), Some(100))));
+    }
+}
