@@ -42,6 +42,10 @@ use cleave_testkit::runner::block_on;
 use common::dra_v1;
 use common::kubelet::{FakeKubelet, KubeletOptions, NAMESPACE, daemon_pod_name};
 use common::node::{CALL_TIMEOUT, DRIVER, mock_lib};
+use common::prom::{
+    chart_pod_monitor_honor_labels, dashboard_queries, operator_scrape_job, prom_query,
+    prometheus_found, start_prometheus, wait_for_series,
+};
 use k8s_openapi::api::resource::v1::DeviceAllocationConfiguration;
 use serde_json::{Value, json};
 
@@ -174,6 +178,8 @@ struct Node {
     plugin: Option<Child>,
     kubelet: Option<FakeKubelet>,
     dra: Option<v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>>,
+    /// Serve metrics on 127.0.0.1 at this port, sampling usage every 500 ms.
+    metrics_port: Option<u16>,
 }
 
 impl Node {
@@ -208,6 +214,7 @@ impl Node {
             plugin: None,
             kubelet: None,
             dra: None,
+            metrics_port: None,
         })
     }
 
@@ -306,7 +313,14 @@ impl Node {
             .env("MPS_LAUNCHER", mode.launcher)
             .env("MPS_DAEMON_IMAGE", "cleave:test")
             .env("POD_NAMESPACE", NAMESPACE)
-            .env("USAGE_INTERVAL", "0")
+            .env(
+                "USAGE_INTERVAL",
+                if self.metrics_port.is_some() {
+                    "500ms"
+                } else {
+                    "0"
+                },
+            )
             .env("MPS_CHECK_INTERVAL_SECS", "1")
             .env("RUST_LOG", "info")
             .envs(self.fakes.env())
@@ -314,6 +328,11 @@ impl Node {
             .stderr(log);
         if mode.dynamic_mig {
             cmd.arg("--dynamic-mig");
+        }
+        if let Some(port) = self.metrics_port {
+            // 24 one-second buckets: recommendations after 12 s.
+            cmd.arg(format!("--metrics-addr=127.0.0.1:{port}"))
+                .env("RIGHTSIZE_WINDOW", "24s");
         }
         let mut child = cmd.spawn().unwrap();
         let reg = self
@@ -497,6 +516,7 @@ enum Kind {
 #[derive(Debug, Clone)]
 struct Placed {
     node: usize,
+    namespace: String,
     kind: Kind,
     name: String,
     uid: String,
@@ -506,7 +526,7 @@ struct Placed {
 impl Placed {
     fn claim(&self) -> v1::Claim {
         v1::Claim {
-            namespace: "default".into(),
+            namespace: self.namespace.clone(),
             name: self.name.clone(),
             uid: self.uid.clone(),
         }
@@ -591,10 +611,18 @@ struct World {
     next: u32,
     /// Every claim scheduled so far.
     placed: Vec<Placed>,
+    /// The namespaces claims are put in, in turn.
+    namespaces: Vec<&'static str>,
 }
 
 impl World {
     async fn start(mode: Mode) -> Self {
+        Self::start_with(mode, &["default"], false).await
+    }
+
+    /// A world whose claims go to `namespaces` in turn, and whose plugins serve metrics
+    /// (each on a port of its own) when `metrics` is set.
+    async fn start_with(mode: Mode, namespaces: &[&'static str], metrics: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
         let names = node_names();
@@ -630,6 +658,9 @@ impl World {
             .map(|n| Node::new(n, namespaced).unwrap())
             .collect();
         for node in &mut nodes {
+            if metrics {
+                node.metrics_port = Some(common::node::free_port());
+            }
             if !mode.dynamic_mig {
                 node.make_static_mig();
             }
@@ -658,6 +689,7 @@ impl World {
             mode,
             next: 0,
             placed: Vec::new(),
+            namespaces: namespaces.to_vec(),
         }
     }
 
@@ -693,6 +725,8 @@ impl World {
                     .to_owned();
                 let device = pick(&published(&self.standin, &node_name))[&kind].clone();
                 let name = format!("{}-{n}", format!("{kind:?}").to_lowercase());
+                let namespace =
+                    self.namespaces[usize::try_from(n).unwrap() % self.namespaces.len()].to_owned();
                 let uid = uuid(n, u32::try_from(node).unwrap() + 1);
                 let configs = if kind == Kind::Mps {
                     vec![mps_config()]
@@ -701,7 +735,7 @@ impl World {
                 };
                 let request = if kind == Kind::Mig { "mig" } else { "gpu" };
                 let mut claim = fixtures::resource_claim(
-                    "default",
+                    &namespace,
                     &name,
                     &uid,
                     DRIVER,
@@ -730,6 +764,7 @@ impl World {
                 self.standin.put(&claim).unwrap();
                 placed.push(Placed {
                     node,
+                    namespace,
                     kind,
                     name,
                     uid,
@@ -806,7 +841,7 @@ impl World {
             .filter_map(|c| match c.kind {
                 Kind::Mps => Some(c.uid.clone()),
                 Kind::Share if self.mode.capacity == "mps" => Some(
-                    cleave_driver::prepare::shared_daemon_key(&c.device, "default"),
+                    cleave_driver::prepare::shared_daemon_key(&c.device, &c.namespace),
                 ),
                 _ => None,
             })
@@ -1192,7 +1227,153 @@ async fn a_lost_node_disturbs_no_other() {
     world.stop().await;
 }
 
-const TESTS: [cleave_testkit::runner::Test; 4] = [
+/// The operator walk of the docs on every node at once: a real Prometheus scrapes each
+/// node's plugin pod through the job the Prometheus Operator generates for the chart's
+/// PodMonitor (release namespace `cleave-system`, one target per plugin pod) while the
+/// claims of two teams' namespaces are prepared on every node. Each claim's series names
+/// its own namespace and its node's pod; the per-namespace counts, the `namespace:*`
+/// recording rule and the dashboard's per-namespace queries add up both teams' claims
+/// over all nodes, each under its own namespace, never the release's.
+async fn the_operator_walk_sees_each_teams_claims_on_every_node() {
+    if !prometheus_found() {
+        cleave_testkit::runner::tool_missing(
+            "prometheus",
+            "CLEAVE_REQUIRE_PROMETHEUS",
+            "prometheus and promtool are not installed (Debian: apt-get install prometheus)",
+        );
+        return;
+    }
+    let mode = Mode {
+        capacity: "mps",
+        launcher: "pod",
+        dynamic_mig: true,
+    };
+    let teams = ["team-a", "team-b"];
+    let mut world = World::start_with(mode, &teams, true).await;
+    let n = world.nodes.len();
+    let claims = world.schedule(&round(mode, n), &[]);
+    world.call(&claims, false).await;
+    let pods: Vec<(u16, String)> = world
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, node)| {
+            (
+                node.metrics_port.unwrap(),
+                format!("cleave-kubelet-plugin-n{i}x7k"),
+            )
+        })
+        .collect();
+    let targets: Vec<(u16, &str)> = pods.iter().map(|(p, n)| (*p, n.as_str())).collect();
+    let prom_dir = world._dir.path().join("prometheus");
+    let (prometheus, port) = start_prometheus(
+        &prom_dir,
+        &operator_scrape_job(&targets, chart_pod_monitor_honor_labels()),
+    );
+    let failure = |world: &World| {
+        format!(
+            "\nprometheus log:\n{}\n{}",
+            std::fs::read_to_string(prom_dir.join("log")).unwrap_or_default(),
+            world.logs()
+        )
+    };
+    let metric = "cleave_kubelet_plugin_claim_allocated_memory_bytes";
+    let queries: Vec<String> = claims
+        .iter()
+        .map(|c| format!(r#"{metric}{{claim="{}"}}"#, c.name))
+        .collect();
+    if let Err(e) = wait_for_series(port, &queries, Duration::from_secs(90)) {
+        panic!("{e}{}", failure(&world));
+    }
+    // Each claim: its own namespace, its node's plugin pod, the operator's job.
+    for c in &claims {
+        let series = prom_query(port, &format!(r#"{metric}{{claim="{}"}}"#, c.name)).unwrap();
+        assert_eq!(series.len(), 1, "{}: {series:?}", c.name);
+        let m = &series[0]["metric"];
+        assert_eq!(m["namespace"], c.namespace.as_str(), "{}: {m}", c.name);
+        assert_eq!(m["pod"], pods[c.node].1.as_str(), "{}: {m}", c.name);
+        assert_eq!(m["job"], "cleave-system/cleave-kubelet-plugin", "{m}");
+    }
+    // Per namespace, over all nodes: as many series as claims, on every node's pod.
+    let count = |query: &str| -> BTreeMap<String, String> {
+        prom_query(port, query)
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["metric"]["namespace"].as_str().unwrap_or("").to_owned(),
+                    s["value"][1].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    };
+    let mut want: BTreeMap<String, String> = BTreeMap::new();
+    for t in teams {
+        let k = claims.iter().filter(|c| c.namespace == t).count();
+        assert!(k >= n, "{t}: {k} claims");
+        want.insert(t.to_owned(), k.to_string());
+    }
+    assert_eq!(count(&format!("count by (namespace) ({metric})")), want);
+    let spread: BTreeMap<String, String> = teams
+        .iter()
+        .map(|t| ((*t).to_owned(), n.to_string()))
+        .collect();
+    assert_eq!(
+        count(&format!(
+            "count by (namespace) (count by (namespace, pod) ({metric}))"
+        )),
+        spread,
+        "each team's claims are on every node's pod"
+    );
+    // The recording rule (claims with a recommendation, after half the 24 s window): one
+    // series per team, over all nodes, none for the release namespace.
+    let started = Instant::now();
+    loop {
+        let rule = count("namespace:cleave_claim_allocated_memory_bytes:sum");
+        if rule.keys().eq(teams.iter()) && rule.values().all(|v| v != "0") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "namespace:cleave_claim_allocated_memory_bytes:sum {rule:?}{}",
+            failure(&world)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The dashboard filtered to one team: its per-namespace queries answer only with that
+    // team's series, and each team gets an answer from some of them.
+    let per_namespace: Vec<String> = dashboard_queries("\u{0}")
+        .into_iter()
+        .filter(|q| q.contains('\u{0}'))
+        .collect();
+    assert!(
+        !per_namespace.is_empty(),
+        "the dashboard has no $namespace query"
+    );
+    for t in teams {
+        let mut answered = 0;
+        for q in &per_namespace {
+            let series = prom_query(port, &q.replace('\u{0}', t)).unwrap();
+            answered += usize::from(!series.is_empty());
+            for s in &series {
+                let got = &s["metric"]["namespace"];
+                assert!(got.is_null() || got == t, "{q} for {t}: {s}");
+            }
+        }
+        assert!(answered > 0, "no per-namespace query answers for {t}");
+    }
+    let exported = prom_query(port, r#"{exported_namespace!=""}"#).unwrap();
+    assert!(
+        exported.is_empty(),
+        "series with exported_namespace: {exported:?}"
+    );
+    drop(prometheus);
+    world.call(&claims, true).await;
+    world.check_clean().await;
+    world.stop().await;
+}
+
+const TESTS: [cleave_testkit::runner::Test; 5] = [
     (
         "shares_mps_and_on_demand_mig_with_daemon_pods_on_every_node",
         || block_on(shares_mps_and_on_demand_mig_with_daemon_pods_on_every_node()),
@@ -1207,6 +1388,10 @@ const TESTS: [cleave_testkit::runner::Test; 4] = [
     ("a_lost_node_disturbs_no_other", || {
         block_on(a_lost_node_disturbs_no_other())
     }),
+    (
+        "the_operator_walk_sees_each_teams_claims_on_every_node",
+        || block_on(the_operator_walk_sees_each_teams_claims_on_every_node()),
+    ),
 ];
 
 fn main() -> std::process::ExitCode {

@@ -13,12 +13,13 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::Path;
+
 use std::time::{Duration, Instant};
 
 use cleave_kubelet_plugin::usage::{Sample, parse_exposition};
 use cleave_testkit::runner::block_on;
 use common::node::*;
+use common::prom::*;
 use common::*;
 
 const P: &str = "cleave_kubelet_plugin_";
@@ -500,170 +501,9 @@ fn usage_recommend_mock_prints_a_plausible_table() {
 const REQUIRE_PROMETHEUS: &str = "CLEAVE_REQUIRE_PROMETHEUS";
 
 /// The chart's recording rules and the Grafana dashboard, from the repository.
-fn repo_file(rel: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
-}
-
-/// Percent-encodes a query for a URL.
-fn url_encode(q: &str) -> String {
-    q.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// Every PromQL query of the dashboard: targets' `expr`, and the metric of each
-/// `label_values(metric, label)` variable query; `$namespace` becomes `namespace` (a regex).
-fn dashboard_queries(namespace: &str) -> Vec<String> {
-    fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
-        match v {
-            serde_json::Value::Object(m) => {
-                for (k, v) in m {
-                    match (k.as_str(), v) {
-                        ("expr", serde_json::Value::String(e)) => out.push(e.clone()),
-                        ("definition", serde_json::Value::String(d)) => {
-                            if let Some(inner) = d
-                                .strip_prefix("label_values(")
-                                .and_then(|r| r.split(',').next())
-                            {
-                                out.push(inner.trim().to_owned());
-                            }
-                        }
-                        _ => walk(v, out),
-                    }
-                }
-            }
-            serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
-            _ => {}
-        }
-    }
-    let text =
-        std::fs::read_to_string(repo_file("deployments/grafana/cleave-dashboard.json")).unwrap();
-    let mut out = Vec::new();
-    walk(&serde_json::from_str(&text).unwrap(), &mut out);
-    out.into_iter()
-        .map(|q| {
-            q.replace("$namespace", namespace)
-                .replace("$__rate_interval", "1m")
-        })
-        .collect()
-}
-
-/// The release namespace of the plugin pods in the Prometheus Operator scrape below, and
-/// the namespaces of the claims: all different, as on a cluster.
-const RELEASE_NAMESPACE: &str = "cleave-system";
+/// The namespaces of the claims: all different from the release's, as on a cluster.
 const CLAIM_NAMESPACES: [(&str, &str); 3] =
     [("mig", "team-a"), ("mps", "team-b"), ("idle", "default")];
-
-/// `honorLabels` of the chart's PodMonitor with default values: the literal in
-/// templates/metrics.yaml, or the value it takes from values.yaml; absent, the operator's
-/// default (false).
-fn chart_pod_monitor_honor_labels() -> bool {
-    let template =
-        std::fs::read_to_string(repo_file("deployments/helm/cleave/templates/metrics.yaml"))
-            .unwrap();
-    let Some(line) = template
-        .lines()
-        .find(|l| l.trim_start().starts_with("honorLabels:"))
-    else {
-        return false;
-    };
-    let value = line.split_once(':').unwrap().1.trim();
-    match value {
-        "true" => true,
-        "false" => false,
-        v if v.contains(".Values.metrics.podMonitor.honorLabels") => {
-            let values: serde_yaml::Value = serde_yaml::from_str(
-                &std::fs::read_to_string(repo_file("deployments/helm/cleave/values.yaml")).unwrap(),
-            )
-            .unwrap();
-            values["metrics"]["podMonitor"]["honorLabels"]
-                .as_bool()
-                .unwrap_or(false)
-        }
-        v => panic!("templates/metrics.yaml: honorLabels {v:?} is neither a literal nor the value"),
-    }
-}
-
-/// The scrape job the Prometheus Operator generates for the chart's PodMonitor (release
-/// `cleave` in `cleave-system`), after its generator for PodMonitors
-/// (prometheus-operator `pkg/prometheus/promcfg.go`, `generatePodMonitorConfig`):
-/// `honor_labels` from the endpoint's `honorLabels`; relabelling that keeps the pods the
-/// selector's labels match and the container port named `metrics`, then sets the target
-/// labels `namespace`, `container` and `pod` from the pod's metadata, `job` to
-/// `<namespace>/<PodMonitor name>` and `endpoint` to the port name. Pod discovery
-/// (`kubernetes_sd_configs`, role pod) is stood in for by a static target carrying the
-/// `__meta_kubernetes_*` labels it would give the plugin pod.
-fn operator_scrape_job(port: u16, honor_labels: bool) -> String {
-    let ns = RELEASE_NAMESPACE;
-    format!(
-        r#"  - job_name: podMonitor/{ns}/cleave-kubelet-plugin/0
-    honor_labels: {honor_labels}
-    scrape_interval: 1s
-    metrics_path: /metrics
-    static_configs:
-      - targets: ['127.0.0.1:{port}']
-        labels:
-          __meta_kubernetes_namespace: {ns}
-          __meta_kubernetes_pod_name: cleave-kubelet-plugin-x7k2p
-          __meta_kubernetes_pod_container_name: plugin
-          __meta_kubernetes_pod_container_port_name: metrics
-          __meta_kubernetes_pod_label_app_kubernetes_io_name: cleave
-          __meta_kubernetes_pod_label_app_kubernetes_io_instance: cleave
-          __meta_kubernetes_pod_label_app_kubernetes_io_component: kubelet-plugin
-    relabel_configs:
-      - source_labels: [job]
-        target_label: __tmp_prometheus_job_name
-      - action: keep
-        source_labels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
-        regex: kubelet-plugin
-      - action: keep
-        source_labels: [__meta_kubernetes_pod_label_app_kubernetes_io_instance]
-        regex: cleave
-      - action: keep
-        source_labels: [__meta_kubernetes_pod_label_app_kubernetes_io_name]
-        regex: cleave
-      - action: keep
-        source_labels: [__meta_kubernetes_pod_container_port_name]
-        regex: metrics
-      - source_labels: [__meta_kubernetes_namespace]
-        target_label: namespace
-      - source_labels: [__meta_kubernetes_pod_container_name]
-        target_label: container
-      - source_labels: [__meta_kubernetes_pod_name]
-        target_label: pod
-      - target_label: job
-        replacement: {ns}/cleave-kubelet-plugin
-      - target_label: endpoint
-        replacement: metrics
-"#
-    )
-}
-
-/// A child process killed and reaped when dropped.
-struct Reaped(std::process::Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Series a Prometheus at `port` returns for `query` (instant), or its error.
-fn prom_query(port: u16, query: &str) -> Result<Vec<serde_json::Value>, String> {
-    let (status, body) =
-        http_get(port, &format!("/api/v1/query?query={}", url_encode(query))).ok_or("no answer")?;
-    let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
-    if status != 200 || v["status"] != "success" {
-        return Err(format!("{status}: {body}"));
-    }
-    Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
-}
 
 /// A real Prometheus scrapes the plugin over the mock with scripted usage and loads the
 /// chart's recording rules; every query of the dashboard returns a series for the claims
@@ -786,31 +626,12 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
     // Prometheus on loopback, scraping the plugin every second through the Prometheus
     // Operator's job for the chart's PodMonitor, with the chart's rules.
     let prom_dir = dirs.path().join("prometheus");
-    std::fs::create_dir_all(&prom_dir).unwrap();
-    let prom_config = prom_dir.join("prometheus.yml");
-    std::fs::write(
-        &prom_config,
-        format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n{}",
-            rules.display(),
-            operator_scrape_job(port, chart_pod_monitor_honor_labels())
+    let (_prometheus, prom_port) = start_prometheus(
+        &prom_dir,
+        &operator_scrape_job(
+            &[(port, "cleave-kubelet-plugin-x7k2p")],
+            chart_pod_monitor_honor_labels(),
         ),
-    )
-    .unwrap();
-    let prom_port = free_port();
-    let prom_log = std::fs::File::create(prom_dir.join("log")).unwrap();
-    let _prometheus = Reaped(
-        std::process::Command::new("prometheus")
-            .arg(format!("--config.file={}", prom_config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                prom_dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(prom_log.try_clone().unwrap())
-            .stderr(prom_log)
-            .spawn()
-            .unwrap(),
     );
     let prom_failure = || {
         format!(

@@ -138,3 +138,4 @@ pub fn claim_ref(ns: &str, name: &str, uid: &str) -> ClaimRef {
 
 pub mod kubelet;
 pub mod node;
+pub mod prom;

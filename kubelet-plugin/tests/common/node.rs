@@ -339,7 +339,8 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// A plain HTTP/1.1 GET; returns (status code, body), or None if nothing listens yet.
+/// A plain HTTP/1.1 GET; returns (status code, body, a chunked body decoded), or None if
+/// nothing listens yet.
 pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     use std::io::{Read as _, Write as _};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -352,8 +353,27 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut text = String::new();
     s.read_to_string(&mut text).unwrap();
     let status = text.split(' ').nth(1)?.parse().ok()?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
-    Some((status, body))
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase()
+            .replace(' ', "")
+            .starts_with("transfer-encoding:chunked")
+    });
+    if !chunked {
+        return Some((status, body.to_owned()));
+    }
+    // Chunks: a hex size line, that many bytes, CRLF; a zero size ends the body.
+    let mut rest = body;
+    let mut out = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some((status, out));
+        }
+        out.push_str(after.get(..size)?);
+        rest = after.get(size..)?.strip_prefix("\r\n")?;
+    }
 }
 
 /// Bound of one DRA call: longer than any start deadline inside it (the kubelet allows 45 s).
