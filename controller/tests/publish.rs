@@ -380,12 +380,18 @@ async fn kubelet_wipe_is_republished_promptly() {
     )
     .await
     .unwrap();
-    let took = eventually("republished", || {
-        matches_plan(&s, &pool, SliceLayout::CountersWithDevices)
-    })
-    .await;
-    eprintln!("republished after a kubelet wipe in {took:?}");
-    assert!(took < Duration::from_secs(2), "{took:?}");
+    // The publisher has no periodic resync (only the counter probe, every 60 s), so a
+    // restore within 30 s is the watch's doing, however loaded the machine; the time it
+    // took is printed, not asserted (a timed test fails under load).
+    let start = Instant::now();
+    while !matches_plan(&s, &pool, SliceLayout::CountersWithDevices) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "not republished 30 s after a kubelet wipe"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!("republished after a kubelet wipe in {:?}", start.elapsed());
     let gens: BTreeSet<i64> = slices(&s).iter().map(|x| x.spec.pool.generation).collect();
     assert_eq!(gens, BTreeSet::from([2]), "generation never goes back");
     p.shutdown().await;
