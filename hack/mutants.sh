@@ -25,7 +25,9 @@
 #
 # Needs: cargo install cargo-mutants --locked  (written against cargo-mutants 27.1.0)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+here=${BASH_SOURCE[0]%/*}
+[[ "$here" == "${BASH_SOURCE[0]}" ]] && here=.
+cd "$here/.."
 
 OUT=${OUT:-target/mutants-out}
 JOBS=${JOBS:-1}
@@ -102,7 +104,7 @@ if [ "${1:-}" = "--table" ]; then
 fi
 
 command -v cargo-mutants >/dev/null || {
-    echo "needs cargo-mutants: cargo install cargo-mutants --locked" >&2
+    echo "cargo-mutants is not installed: cargo install cargo-mutants --locked" >&2
     exit 2
 }
 

@@ -2458,6 +2458,8 @@ FOREIGN_FLAGS = {"--feature-gates", "--set", "--reuse-values", "--target", "--pl
                  "--bench", "--query-gpu", "--set-timeslice", "--features", "--build-arg",
                  "--kube-version", "--kube-api-qps",  # helm template; kube-controller-manager
                  "--field-selector",  # kubectl's
+                 "--jobs",  # cargo-mutants' (docs/architecture.md, hack/mutants.sh)
+                 "--min-request-timeout",  # kube-apiserver's (docs/scale.md)
                  # cleave-cdi-hook's (cdi-hook/src/lib.rs), named in SECURITY.md's hook section
                  "--folder"}
 # Names that look like chart values but are fields of a claim's opaque config (sharing.mps.*).
