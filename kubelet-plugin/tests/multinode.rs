@@ -41,7 +41,7 @@ use cleave_testkit::fake_tools::FakeFiles;
 use cleave_testkit::runner::block_on;
 use common::dra_v1;
 use common::kubelet::{FakeKubelet, KubeletOptions, NAMESPACE, daemon_pod_name};
-use common::node::{CALL_TIMEOUT, DRIVER, mock_lib};
+use common::node::{DRIVER, mock_lib};
 use common::prom::{
     chart_pod_monitor_honor_labels, dashboard_queries, operator_scrape_job, prom_query,
     prometheus_found, start_prometheus, wait_for_series,
@@ -791,28 +791,10 @@ impl World {
             let mut dra = node.dra.clone().expect("node is up");
             calls.push(async move {
                 let errors: Vec<(String, String)> = if unprepare {
-                    let r = tokio::time::timeout(
-                        CALL_TIMEOUT,
-                        dra.node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
-                            claims: list,
-                        }),
-                    )
-                    .await
-                    .unwrap()
-                    .unwrap()
-                    .into_inner();
+                    let r = common::node::unprepare(&mut dra, list).await;
                     r.claims.into_iter().map(|(u, c)| (u, c.error)).collect()
                 } else {
-                    let r = tokio::time::timeout(
-                        CALL_TIMEOUT,
-                        dra.node_prepare_resources(v1::NodePrepareResourcesRequest {
-                            claims: list,
-                        }),
-                    )
-                    .await
-                    .unwrap()
-                    .unwrap()
-                    .into_inner();
+                    let r = common::node::prepare(&mut dra, list).await;
                     r.claims.into_iter().map(|(u, c)| (u, c.error)).collect()
                 };
                 (i, errors)
