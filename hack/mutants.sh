@@ -110,7 +110,10 @@ command -v cargo-mutants >/dev/null || {
 
 modules=("$@")
 [ ${#modules[@]} -gt 0 ] || modules=(hook api-config api-merge plan checkpoint)
-export CARGO_INCREMENTAL=0
+# Incremental builds without debug info: a mutant changes one function, so each rebuild
+# recompiles one crate incrementally and links without DWARF (measured on the driver's unit
+# tests, 2 cores: 5 s instead of 40 s with CARGO_INCREMENTAL=0 and full debug info).
+export CARGO_INCREMENTAL=1 CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_TEST_DEBUG=0
 for m in "${modules[@]}"; do
     args=$(module_args "$m")
     shard=()

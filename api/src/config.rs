@@ -1415,4 +1415,43 @@ mod tests {
             "invalid value: string \"MigConfig\", expected \"GpuConfig\""
         );
     }
+
+    #[test]
+    fn sharing_labels_name_each_strategy_and_exclusive() {
+        assert_eq!(sharing_label(None), "exclusive");
+        assert_eq!(sharing_label(Some(SharingStrategy::Mps)), "mps");
+        assert_eq!(
+            sharing_label(Some(SharingStrategy::TimeSlicing)),
+            "time-slicing"
+        );
+    }
+
+    #[test]
+    fn set_values_win_over_defaults() {
+        let ts = TimeSlicingConfig {
+            interval: Some(TimeSliceInterval::Long),
+        };
+        assert_eq!(ts.interval_or_default(), TimeSliceInterval::Long);
+        assert_eq!(
+            TimeSlicingConfig::default().interval_or_default(),
+            TimeSliceInterval::Default
+        );
+        let mps = MpsConfig {
+            multi_user: Some(true),
+            ..MpsConfig::default()
+        };
+        assert!(mps.multi_user_or_default());
+        assert!(!MpsConfig::default().multi_user_or_default());
+    }
+
+    #[test]
+    fn values_are_described_as_serde_describes_them() {
+        assert_eq!(describe(&json!(1.5)), "floating point `1.5`");
+        assert_eq!(describe(&json!(7)), "integer `7`");
+        assert_eq!(describe(&json!(true)), "boolean `true`");
+        assert_eq!(describe(&json!("x")), "string \"x\"");
+        assert_eq!(describe(&json!([1])), "sequence");
+        assert_eq!(describe(&json!({})), "map");
+        assert_eq!(describe(&Value::Null), "null");
+    }
 }
