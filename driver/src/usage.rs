@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -339,6 +340,8 @@ struct GateInner {
     held: Mutex<usize>,
     /// Signalled when the last hold ends.
     clear: Condvar,
+    /// Rounds waiting for the gate now.
+    waiting: AtomicUsize,
 }
 
 /// A batch's hold on a [`SamplingGate`]; released when dropped.
@@ -376,6 +379,11 @@ impl SamplingGate {
             > 0
     }
 
+    /// How many sampling rounds wait for the gate now.
+    pub fn waiting(&self) -> usize {
+        self.inner.waiting.load(Ordering::SeqCst)
+    }
+
     /// Between two steps of a round: waits while the gate is held (within what is left
     /// of `budget`, which it lowers), then offers the CPU to any thread waiting for it.
     /// Returns how long it waited.
@@ -397,11 +405,13 @@ impl SamplingGate {
         if *held == 0 || budget.is_zero() {
             return Duration::ZERO;
         }
+        self.inner.waiting.fetch_add(1, Ordering::SeqCst);
         let (held, _) = self
             .inner
             .clear
             .wait_timeout_while(held, budget, |n| *n > 0)
             .unwrap_or_else(PoisonError::into_inner);
+        self.inner.waiting.fetch_sub(1, Ordering::SeqCst);
         drop(held);
         started.elapsed()
     }
@@ -1248,13 +1258,17 @@ mod tests {
         let mut sampler = UsageSampler::new(Arc::clone(&source) as Arc<dyn UsageSource>)
             .with_gate(gate.clone(), Duration::from_secs(30));
         let hold = gate.hold();
-        let (started_tx, started_rx) = std::sync::mpsc::channel();
-        let round = std::thread::spawn(move || {
-            started_tx.send(()).unwrap();
-            sampler.sample(&devices)
-        });
-        started_rx.recv().unwrap();
-        std::thread::sleep(Duration::from_millis(50));
+        let waiting = gate.clone();
+        let round = std::thread::spawn(move || sampler.sample(&devices));
+        // The round is blocked on the gate (not merely not yet started) before the check.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while waiting.waiting() == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the round never waited for the gate"
+            );
+            std::thread::yield_now();
+        }
         assert!(
             source.held_at_query.lock().unwrap().is_empty(),
             "no query while the batch runs"
@@ -1269,11 +1283,7 @@ mod tests {
             held.iter().all(|h| !h),
             "every query after the batch: {held:?}"
         );
-        assert!(
-            r.waited >= Duration::from_millis(40),
-            "waited {:?}",
-            r.waited
-        );
+        assert!(r.waited > Duration::ZERO, "the round says it waited");
         assert!(r.waited < Duration::from_secs(30));
     }
 
