@@ -355,7 +355,14 @@ async fn whole_claim_on_a_shared_gpu_is_refused_clearly() {
     let kubelet = world.kubelet(&standin);
     put_share_claim(&standin, "share", SHARES[0].0, "gpu-0", Some(SHARES[0].1));
     put_share_claim(&standin, "whole", "uid-whole", "gpu-0", None);
-    let plugin = Plugin::start(&world.dirs, &world.plugin_options());
+    let port = free_port();
+    let plugin = Plugin::start(
+        &world.dirs,
+        &PluginOptions {
+            metrics_port: Some(port),
+            ..world.plugin_options()
+        },
+    );
     let mut dra = dra_v1(&plugin.dra_socket).await;
     let a = prepare(&mut dra, vec![claim("share", SHARES[0].0)]).await;
     assert_eq!(a.claims[SHARES[0].0].error, "", "{}", world.logs());
@@ -371,6 +378,14 @@ async fn whole_claim_on_a_shared_gpu_is_refused_clearly() {
     assert!(
         note.contains("over-commit") && note.contains("1.36.2"),
         "{event}"
+    );
+    // Counted under the refusal's type, not read back from its message.
+    let (_, metrics) = http_get(port, "/metrics").expect("metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == r#"cleave_kubelet_plugin_prepare_refusals_total{reason="over_commit"} 1"#),
+        "{metrics}"
     );
     let un = unprepare(&mut dra, vec![claim("share", SHARES[0].0)]).await;
     assert_eq!(un.claims[SHARES[0].0].error, "", "{}", world.logs());

@@ -157,6 +157,21 @@ pub enum PrepareError {
         /// What may have caused it.
         hint: String,
     },
+    /// The allocation exceeds its device: a share beyond it, shares summing past it, a
+    /// device prepared for another claim in another way, or an on-demand MIG placement
+    /// overlapping one prepared on the same GPU (the scheduler over-committed it).
+    #[error(
+        "claim {claim}: device {device}: over-commit: {what}; {}",
+        plan::OVER_COMMIT_HINT
+    )]
+    OverCommit {
+        /// `namespace/name`.
+        claim: String,
+        /// Device name.
+        device: String,
+        /// What exceeds what, with the figures.
+        what: String,
+    },
     /// A share (consumable capacity) cannot be prepared as allocated.
     #[error("claim {claim}: device {device}: {reason}")]
     ShareRefused {
@@ -294,6 +309,84 @@ pub enum PrepareError {
         /// The I/O error.
         source: std::io::Error,
     },
+}
+
+/// Why a prepare was refused, as a type: the plugin takes its metric label and whether the
+/// claim's owner gets an Event from it, never from the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// The allocation exceeds its device ([`PrepareError::OverCommit`],
+    /// [`PrepareError::DeviceBusy`]): an old or buggy scheduler, or a mode changed under
+    /// prepared claims.
+    OverCommit,
+    /// The claim itself: no usable UID, an unknown device.
+    Claim,
+    /// The claim is not allocated, or nothing of it to this node.
+    Allocation,
+    /// An opaque config, or a share the device cannot serve as configured.
+    Config,
+    /// The driver root lacks a device node or library the claim's containers need.
+    DriverFiles,
+    /// The driver root holds no driver at all, or cannot be read: the node's setup.
+    DriverRoot,
+    /// Creating, destroying or recreating a MIG instance.
+    Mig,
+    /// Starting or stopping sharing (MPS daemons, time-slicing).
+    Sharing,
+    /// The node's own state: GPU discovery, CDI files, metadata, the checkpoint,
+    /// directories, the boot ID.
+    Node,
+}
+
+impl Refusal {
+    /// The `reason` label of the plugin's `prepare_refusals` metric.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::OverCommit => "over_commit",
+            Self::Claim => "claim",
+            Self::Allocation => "allocation",
+            Self::Config => "config",
+            Self::DriverFiles => "driver_files",
+            Self::DriverRoot => "driver_root",
+            Self::Mig => "mig",
+            Self::Sharing => "sharing",
+            Self::Node => "node",
+        }
+    }
+
+    /// Whether the claim's owner can act on it (fix the config or the claim, ask for
+    /// another device) and so gets a Warning Event on the claim.
+    pub fn actionable(self) -> bool {
+        matches!(
+            self,
+            Self::OverCommit | Self::Claim | Self::Config | Self::DriverFiles
+        )
+    }
+}
+
+impl PrepareError {
+    /// What kind of refusal this is.
+    pub fn refusal(&self) -> Refusal {
+        match self {
+            Self::OverCommit { .. } | Self::DeviceBusy { .. } => Refusal::OverCommit,
+            Self::InvalidClaim { .. } | Self::UnknownDevice { .. } => Refusal::Claim,
+            Self::NotAllocated { .. } | Self::NotForThisNode { .. } => Refusal::Allocation,
+            Self::InvalidConfig { .. } | Self::ShareRefused { .. } => Refusal::Config,
+            Self::MissingDriverFiles { .. } => Refusal::DriverFiles,
+            Self::NoDriverFiles { .. } | Self::DriverRoot(_) => Refusal::DriverRoot,
+            Self::MigCreate { .. }
+            | Self::MigDestroy { .. }
+            | Self::MigRecreate { .. }
+            | Self::StaticMigMissing { .. } => Refusal::Mig,
+            Self::Sharing(_) => Refusal::Sharing,
+            Self::Discovery(_)
+            | Self::Cdi { .. }
+            | Self::Metadata { .. }
+            | Self::Checkpoint(_)
+            | Self::CreateDir { .. }
+            | Self::BootId { .. } => Refusal::Node,
+        }
+    }
 }
 
 /// The answer for one prepared claim, as the kubelet wants it.

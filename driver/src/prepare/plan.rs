@@ -71,7 +71,7 @@ fn share_of(
 }
 
 /// What the refusal of an over-committing allocation tells the operator.
-const OVER_COMMIT_HINT: &str = "the scheduler allocated more of this device than it has (kube-scheduler 1.36.0 and 1.36.1 over-commit shared MIG devices; use 1.36.2 or newer), or the node's mode changed under prepared claims";
+pub(super) const OVER_COMMIT_HINT: &str = "the scheduler allocated more of this device than it has (kube-scheduler 1.36.0 and 1.36.1 over-commit shared MIG devices; use 1.36.2 or newer), or the node's mode changed under prepared claims";
 
 /// Everything the allocation results of one claim say about one device of this pool.
 struct Allocated {
@@ -214,7 +214,7 @@ impl DeviceCapacity {
             return Ok(());
         }
         Err(format!(
-            "over-commit: {what} {} on device {}; {OVER_COMMIT_HINT}",
+            "{what} {} on device {}",
             over.join(" and "),
             self.device
         ))
@@ -258,7 +258,7 @@ fn check_placement_free(
         if placement.overlaps(&mig.placement) {
             tracing::debug!(device, holder, "MIG placement held by a claim");
             return Err(format!(
-                "over-commit: placement start {} size {} overlaps MIG device {other} prepared for {who} on GPU {}; {OVER_COMMIT_HINT}",
+                "placement start {} size {} overlaps MIG device {other} prepared for {who} on GPU {}",
                 mig.placement.start, mig.placement.size, gpu.uuid
             ));
         }
@@ -417,7 +417,11 @@ impl NodeDriver {
             if let Some(s) = ShareRecord::partial(share.as_ref()) {
                 capacity
                     .check_share(s)
-                    .map_err(|reason| refuse(&device, reason))?;
+                    .map_err(|what| PrepareError::OverCommit {
+                        claim: label.to_owned(),
+                        device: device.clone(),
+                        what,
+                    })?;
             }
             let joined = self.check_against_prepared(
                 label,
@@ -437,8 +441,13 @@ impl NodeDriver {
                 .as_ref()
                 .filter(|m| m.created_by_cleave && m.uuid.is_none())
             {
-                check_placement_free(uid, &device, gpu, m, &plan, state)
-                    .map_err(|reason| refuse(&device, reason))?;
+                check_placement_free(uid, &device, gpu, m, &plan, state).map_err(|what| {
+                    PrepareError::OverCommit {
+                        claim: label.to_owned(),
+                        device: device.clone(),
+                        what,
+                    }
+                })?;
             }
 
             let partial = ShareRecord::partial(share.as_ref()).is_some();
@@ -567,10 +576,10 @@ impl NodeDriver {
         capacity: &DeviceCapacity,
         state: &State,
     ) -> Result<Option<MigRecord>, PrepareError> {
-        let refuse = |reason: String| PrepareError::ShareRefused {
+        let over_commit = |what: String| PrepareError::OverCommit {
             claim: label.to_owned(),
             device: device.to_owned(),
-            reason,
+            what,
         };
         let mine = ShareRecord::partial(share);
         let mut joined: Option<MigRecord> = None;
@@ -614,20 +623,20 @@ impl NodeDriver {
                     });
                 }
                 (None, Some(_)) => {
-                    return Err(refuse(format!(
-                        "over-commit: allocated whole, but it is prepared as a share for another claim; {OVER_COMMIT_HINT}"
-                    )));
+                    return Err(over_commit(
+                        "allocated whole, but it is prepared as a share for another claim".into(),
+                    ));
                 }
                 (Some(s), None) => {
-                    return Err(refuse(format!(
-                        "over-commit: allocated as share {}, but it is prepared for another claim alone; {OVER_COMMIT_HINT}",
+                    return Err(over_commit(format!(
+                        "allocated as share {}, but it is prepared for another claim alone",
                         s.share_id
                     )));
                 }
             }
         }
         if mine.is_some() {
-            capacity.check_sum(sum.0, sum.1).map_err(refuse)?;
+            capacity.check_sum(sum.0, sum.1).map_err(over_commit)?;
         }
         Ok(joined)
     }
@@ -1009,7 +1018,19 @@ mod tests {
             e.contains("memory 11264Mi of 10240Mi and multiprocessors 101 of 100"),
             "{e}"
         );
-        assert!(e.contains(OVER_COMMIT_HINT), "{e}");
+        // The refusal built from it says over-commit and gives the hint, typed as such.
+        let refused = PrepareError::OverCommit {
+            claim: "ns/c".into(),
+            device: "gpu-0".into(),
+            what: e,
+        };
+        assert_eq!(refused.refusal(), super::super::Refusal::OverCommit);
+        let text = refused.to_string();
+        assert!(
+            text.starts_with("claim ns/c: device gpu-0: over-commit: x memory 11264Mi")
+                && text.ends_with(OVER_COMMIT_HINT),
+            "{text}"
+        );
         // check_share names the share; check_sum the sum.
         let e = cap
             .check_share(&share("s9", Some(11 << 30), None))

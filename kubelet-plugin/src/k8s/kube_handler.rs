@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cleave_driver::prepare::{NodeDriver, PrepareError};
+use cleave_driver::prepare::NodeDriver;
 use cleave_driver::usage::SamplingGate;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
@@ -283,20 +283,9 @@ impl ClaimHandler for KubeClaimHandler {
                                     .map(PreparedShare::from)
                                     .collect::<Vec<_>>()
                             })
-                            .map_err(|e| {
-                                let actionable = matches!(
-                                    e,
-                                    PrepareError::InvalidConfig { .. }
-                                        | PrepareError::UnknownDevice { .. }
-                                        | PrepareError::InvalidClaim { .. }
-                                        | PrepareError::MissingDriverFiles { .. }
-                                        | PrepareError::ShareRefused { .. }
-                                        | PrepareError::DeviceBusy { .. }
-                                );
-                                ClaimError::Prepare {
-                                    message: e.to_string(),
-                                    actionable,
-                                }
+                            .map_err(|e| ClaimError::Prepare {
+                                message: e.to_string(),
+                                refusal: e.refusal(),
                             });
                         match &result {
                             Ok(devices) => info!(devices = devices.len(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "prepared"),
@@ -313,17 +302,13 @@ impl ClaimHandler for KubeClaimHandler {
         match batch {
             Ok(done) => {
                 for (uid, (result, report, object)) in done {
-                    if let Err(ClaimError::Prepare { message, .. }) = &result
-                        && let Some(m) = &self.metrics
-                    {
-                        m.count_refusal(message);
-                    }
-                    if let Err(ClaimError::Prepare {
-                        message,
-                        actionable: true,
-                    }) = &result
-                    {
-                        self.report(&object, message.clone());
+                    if let Err(ClaimError::Prepare { message, refusal }) = &result {
+                        if let Some(m) = &self.metrics {
+                            m.count_refusal(*refusal);
+                        }
+                        if refusal.actionable() {
+                            self.report(&object, message.clone());
+                        }
                     }
                     // The write starts from the object just read: no second GET.
                     if let (Some(writer), Some(report)) = (&self.status, report) {

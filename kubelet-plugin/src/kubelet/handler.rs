@@ -91,14 +91,14 @@ pub enum ClaimError {
         /// Its condition.
         why: String,
     },
-    /// The driver's prepare failed; `actionable` when the claim's owner can fix it (bad
-    /// config, unknown device, missing driver files), which is also posted as an Event.
+    /// The driver's prepare failed; its [`Refusal`](cleave_driver::prepare::Refusal) says
+    /// why (the metric label) and whether the claim's owner can act on it (an Event).
     #[error("{message}")]
     Prepare {
         /// The driver's error.
         message: String,
-        /// Whether the claim's owner can act on it.
-        actionable: bool,
+        /// What kind of refusal it is.
+        refusal: cleave_driver::prepare::Refusal,
     },
     /// The driver's unprepare failed.
     #[error("{0}")]

@@ -63,8 +63,10 @@ pub struct ObservabilityMetrics {
 /// Labels of `prepare_refusals`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct RefusalLabels {
-    /// `over_commit` (the allocation exceeds its device: an old or buggy scheduler, or a
-    /// mode changed under prepared claims) or `other`.
+    /// [`cleave_driver::prepare::Refusal::label`]: `over_commit` (the allocation exceeds
+    /// its device: an old or buggy scheduler, or a mode changed under prepared claims),
+    /// `claim`, `allocation`, `config`, `driver_files`, `driver_root`, `mig`, `sharing` or
+    /// `node`.
     pub reason: &'static str,
 }
 
@@ -98,7 +100,7 @@ impl ObservabilityMetrics {
         );
         registry.register(
             "prepare_refusals",
-            "Claims whose prepare was refused, by reason: over_commit when the allocation exceeds its device (shares beyond it or summing past it, overlapping MIG placements, a device held by another claim)",
+            "Claims whose prepare was refused, by reason: over_commit (the allocation exceeds its device: shares beyond it or summing past it, overlapping MIG placements, a device held by another claim), claim (no usable UID, an unknown device), allocation (none, or none for this node), config (an invalid or unservable config), driver_files (the driver root lacks a device node or library the containers need), driver_root (no driver there at all), mig (creating or recreating a MIG instance), sharing (starting MPS or time-slicing), node (discovery, CDI, checkpoint)",
             m.refusals.clone(),
         );
         registry.register(
@@ -197,14 +199,13 @@ impl ObservabilityMetrics {
         }
     }
 
-    /// Counts a refused prepare; `over_commit` when the driver's message says so.
-    pub fn count_refusal(&self, message: &str) {
-        let reason = if message.contains("over-commit") {
-            "over_commit"
-        } else {
-            "other"
-        };
-        self.refusals.get_or_create(&RefusalLabels { reason }).inc();
+    /// Counts a refused prepare under its refusal's label.
+    pub fn count_refusal(&self, refusal: cleave_driver::prepare::Refusal) {
+        self.refusals
+            .get_or_create(&RefusalLabels {
+                reason: refusal.label(),
+            })
+            .inc();
     }
 
     /// An observer for [`cleave_controller::PublisherConfig::observer`].
