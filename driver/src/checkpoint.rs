@@ -482,6 +482,21 @@ impl CheckpointStore {
 mod tests {
     use super::*;
 
+    /// Only a missing file is an empty checkpoint: a file that cannot be read is an error
+    /// naming it, never a node with no claims (which would leak every prepared claim).
+    #[test]
+    fn an_unreadable_checkpoint_is_an_error_not_an_empty_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::in_dir(dir.path());
+        assert_eq!(store.load().unwrap(), CheckpointData::default());
+        // A directory where the file should be: the read fails with EISDIR.
+        std::fs::create_dir(&store.path).unwrap();
+        match store.load() {
+            Err(CheckpointError::Read { path, .. }) => assert_eq!(path, store.path),
+            other => panic!("expected a read error, got {other:?}"),
+        }
+    }
+
     #[test]
     fn load_decodes_only_changed_bytes_but_always_sees_the_file() {
         let dir = tempfile::tempdir().unwrap();
