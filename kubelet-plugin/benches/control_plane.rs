@@ -1,9 +1,12 @@
 //! What nodes cost the API server: `NODES` (default 20) real plugin processes (the binary
 //! under test, or `BASELINE_PLUGIN`'s) against one API server stand-in, every node with its
 //! Node, its plugin Pod in the release namespace and the chart's MPS launcher (`pod`); one in
-//! four nodes has MIG-enabled GPUs with on-demand MIG. Counts requests by verb and resource
-//! and the objects each LIST walks (as API Priority and Fairness charges it: every object
-//! of the resource in the request's scope, selectors or not).
+//! four nodes has MIG-enabled GPUs with on-demand MIG. Counts requests by verb and resource,
+//! the objects each LIST (or watch's initial list) walks in the API server's watch cache
+//! (every object of the resource in the request's scope, or only one node's when a
+//! `spec.nodeName` field selector on pods or ResourceSlices is served from the cache's field
+//! index), and the seats API Priority and Fairness charges each request (a list: one per
+//! 100 objects of the resource stored cluster-wide, index or not, clamped to [1, 10]).
 //!
 //! Measured in one run: each start (nodes started one after another, so later starts see
 //! more of the cluster), the steady state of all nodes at rest over `STEADY_SECS` (default
@@ -61,6 +64,8 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
         bin.display()
     );
     let mut w = World::new(bin, scale);
+    // Another build (the previous release) may have no daemon pod watch to wait for.
+    w.pod_watch = std::env::var_os("BASELINE_PLUGIN").is_none();
     for i in 0..n {
         w.add_node(if i % 4 == 3 { Kind::Mig } else { Kind::Whole });
     }
@@ -85,6 +90,26 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
     }
     let first_scan = starts[0].scanned;
     let last_scan = starts[n - 1].scanned;
+    let start_seats = starts.iter().map(|t| t.max_seats).max().unwrap_or(0);
+    println!(
+        "  objects walked: {first_scan} by the first node started, {} by the {}th, {last_scan} by the {n}th; most APF seats of one request: {start_seats}",
+        starts[n / 2].scanned,
+        n / 2 + 1
+    );
+    // APF's estimate of a start LIST at a larger cluster: this run's objects per node of
+    // each listed resource, times the nodes, one seat per 100, at most 10.
+    let per_node: Vec<f64> = ["resourceslices", "pods"]
+        .iter()
+        .map(|r| w.standin.list(r).len() as f64 / n as f64)
+        .collect();
+    let seats_at = |nodes: f64| {
+        per_node
+            .iter()
+            .map(|p| ((p * nodes / 100.0).ceil() as u32).clamp(1, 10))
+            .max()
+            .unwrap_or(1)
+    };
+    let (seats_1000, seats_5000) = (seats_at(1000.0), seats_at(5000.0));
 
     // Steady state: everything at rest.
     let mark = w.standin.requests().len();
@@ -195,6 +220,10 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
         format!("~{}", project_scan(first_scan, last_scan, n, 1000)),
         format!("~{}", project_scan(first_scan, last_scan, n, 5000))
     );
+    println!(
+        "  {:<34} {:>14} {:>14}",
+        "APF seats of one start LIST (est.)", seats_1000, seats_5000
+    );
     println!("targets:");
     let only_watches = at_rest.by_kind.keys().all(|k| k.starts_with("watch "));
     println!(
@@ -226,9 +255,11 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
                 .map(|(p, u)| p.scanned + u.scanned)
                 .sum::<usize>()
     );
+    let restart_seats = restart.max_seats;
     println!(
-        "  {} no request whose cost grows with the cluster at start: the first node's start walked {first_scan} objects, the {n}th's {last_scan}",
-        verdict(last_scan <= first_scan)
+        "  {} no request whose cost grows with the cluster at start: the first node's start walked {first_scan} objects, the {n}th's {last_scan}; at most {} APF seats per request (maximum 10)",
+        verdict(last_scan <= first_scan && start_seats.max(restart_seats) <= 10),
+        start_seats.max(restart_seats)
     );
 }
 
