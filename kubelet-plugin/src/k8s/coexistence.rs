@@ -7,7 +7,8 @@
 //! (`GPUsSharedWithDevicePlugin`, `GPUsSharedWithOtherDriver`); the plugin never refuses to
 //! start, because a disjoint split (the device plugin limited to other GPUs) is legitimate
 //! and not visible from here. Checked once after start-up, from what start-up already read:
-//! the Node as read once at start ([`StartNode`]) and the other drivers' slices the slice
+//! the Node as read once when the process started ([`StartNode`]; resources a device plugin
+//! registers later are not seen until the next start) and the other drivers' slices the slice
 //! publisher's watch brings with its first list (it selects the node only,
 //! [`cleave_controller::SlicePublisher::other_drivers`]), so the check sends no request of
 //! its own but its Events. RBAC: `nodes` `get`, `resourceslices` `list`/`watch` (the
