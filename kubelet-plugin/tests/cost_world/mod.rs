@@ -59,6 +59,8 @@ pub struct Node {
     pub root: PathBuf,
     pub child: Option<Child>,
     pub claims: usize,
+    /// More environment for its plugin (e.g. the fake MPS tools' knobs).
+    pub env: Vec<(String, String)>,
 }
 
 impl Node {
@@ -211,6 +213,7 @@ impl World {
             root,
             child: None,
             claims: 0,
+            env: Vec::new(),
         });
         i
     }
@@ -256,6 +259,7 @@ impl World {
         if n.kind == Kind::Mig {
             cmd.env("DYNAMIC_MIG", "true");
         }
+        cmd.envs(n.env.iter().map(|(k, v)| (k, v)));
         let _ = std::fs::remove_file(n.registration_socket());
         let mark = self.standin.requests().len();
         let had_slices = self.published(&n.name);
