@@ -23,8 +23,8 @@ pub mod yaml;
 pub use backoff::BackoffConfig;
 pub use plan::{PlanError, SliceLayout, SliceSpec, plan_slices};
 pub use publisher::{
-    CounterSupport, Error, PARTITIONABLE_DEVICES_GATE, PublisherConfig, PublisherStatus,
-    SlicePublisher, slices_yaml, uninstall_slices, without_counters,
+    CounterSupport, Error, OtherDrivers, PARTITIONABLE_DEVICES_GATE, PublisherConfig,
+    PublisherStatus, SlicePublisher, slices_yaml, uninstall_slices, without_counters,
 };
 pub use stats::{ApiObserver, ApiStats};
 

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! publish(pool) --watch--> task: plan_slices -> diff(cache, desired) -> delete / update / create
-//!                            ^ cache = list+watch (field selector spec.driver, spec.nodeName)
+//!                            ^ cache = list+watch (field selector spec.nodeName; this driver's kept)
 //! status <--watch--------- task (published, generation, last error)
 //! ```
 //! The cache is fed by `kube::runtime::watcher`, so a restart with nothing changed costs
@@ -12,6 +12,13 @@
 //! after losing the plugin) is seen on the watch and repaired after a short debounce.
 //! Failures are retried with jittered exponential backoff; 409 conflicts re-read the
 //! object and re-plan at once (a few times per sync).
+//!
+//! The watch selects the node only (`spec.nodeName`, the field the API server's watch cache
+//! indexes ResourceSlices by: kubernetes `pkg/registry/resource/resourceslice/strategy.go`,
+//! `Indexers()`), not the driver: its initial list walks the same objects either way, and
+//! the slices of other drivers on this node it brings are kept apart, never written, and
+//! offered through [`SlicePublisher::other_drivers`] (the kubelet plugin's coexistence
+//! check reads them there instead of listing them once more).
 //!
 //! Never publish what the cluster cannot enforce: a pool with shared counters (on-demand
 //! MIG) is safe only if the API server keeps them. With `DRAPartitionableDevices` off it
@@ -186,6 +193,12 @@ impl PublisherConfig {
         }
     }
 
+    /// The watch's selector: this node's slices of every driver (see the module docs).
+    fn watch_selector(&self) -> String {
+        format!("spec.nodeName={}", self.node_name)
+    }
+
+    /// This driver's slices on this node (the uninstall's list).
     fn selector(&self) -> String {
         format!(
             "spec.driver={},spec.nodeName={}",
@@ -323,6 +336,7 @@ type Desired = Option<(u64, Arc<PoolDevices>)>;
 pub struct SlicePublisher {
     desired: watch::Sender<Desired>,
     status: watch::Receiver<PublisherStatus>,
+    others: watch::Receiver<OtherDrivers>,
     stop: watch::Sender<bool>,
     task: Option<tokio::task::JoinHandle<()>>,
     client: Client,
@@ -349,12 +363,16 @@ impl SlicePublisher {
             ..Default::default()
         });
         let (stop_tx, stop_rx) = watch::channel(false);
+        let (others_tx, others_rx) = watch::channel(None);
         let worker = Worker {
             api: Api::all(client.clone()),
             client: client.clone(),
             config: config.clone(),
             cache: BTreeMap::new(),
             staging: None,
+            others: BTreeMap::new(),
+            others_staging: None,
+            others_tx,
             initialized: false,
             deleted: BTreeSet::new(),
             layout: config.layout,
@@ -369,6 +387,7 @@ impl SlicePublisher {
         Self {
             desired: desired_tx,
             status: status_rx,
+            others: others_rx,
             stop: stop_tx,
             task: Some(task),
             client,
@@ -395,6 +414,12 @@ impl SlicePublisher {
     /// Status updates, for readiness probes (`published`) and metrics.
     pub fn status(&self) -> watch::Receiver<PublisherStatus> {
         self.status.clone()
+    }
+
+    /// Other drivers' ResourceSlices on this node, as the watch sees them: `None` until its
+    /// first list is complete, then kept current (no request of its own).
+    pub fn other_drivers(&self) -> watch::Receiver<OtherDrivers> {
+        self.others.clone()
     }
 
     /// Waits until the latest [`publish`](Self::publish) is on the server.
@@ -539,6 +564,9 @@ fn generate_name(node: &str, driver: &str) -> String {
     }
 }
 
+/// Other drivers' slices on the node (`None` before the watch's first list completes).
+pub type OtherDrivers = Option<Arc<Vec<ResourceSlice>>>;
+
 /// Outcome of applying one plan.
 enum Applied {
     Done {
@@ -559,6 +587,11 @@ struct Worker {
     cache: BTreeMap<String, ResourceSlice>,
     /// Objects of a watcher (re)list in progress.
     staging: Option<BTreeMap<String, ResourceSlice>>,
+    /// Other drivers' slices on this node, by name (never written).
+    others: BTreeMap<String, ResourceSlice>,
+    /// Other drivers' slices of a (re)list in progress.
+    others_staging: Option<BTreeMap<String, ResourceSlice>>,
+    others_tx: watch::Sender<OtherDrivers>,
     initialized: bool,
     /// Names we deleted (generated names are never reused): late events are ignored.
     deleted: BTreeSet<String>,
@@ -623,7 +656,7 @@ pub const WATCH_TIMEOUT_SPREAD_SECS: u32 = 240;
 impl Worker {
     async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let cfg = watcher::Config::default()
-            .fields(&self.config.selector())
+            .fields(&self.config.watch_selector())
             .timeout(watch_timeout_secs(&self.config.node_name));
         let mut events = watcher(self.api.clone(), cfg).default_backoff().boxed();
         let mut backoff = Backoff::new(self.config.backoff.clone());
@@ -719,10 +752,40 @@ impl Worker {
     }
 
     /// Applies a watcher event to the cache; true when the cache changed.
+    /// Offers the other drivers' slices as they are now.
+    fn send_others(&self) {
+        let all = self.others.values().cloned().collect();
+        self.others_tx.send_replace(Some(Arc::new(all)));
+    }
+
     fn on_event(&mut self, ev: watcher::Event<ResourceSlice>) -> bool {
         match ev {
             watcher::Event::Init => {
                 self.staging = Some(BTreeMap::new());
+                self.others_staging = Some(BTreeMap::new());
+                false
+            }
+            watcher::Event::InitApply(o) if o.spec.driver != self.config.driver_name => {
+                if let (Some(staging), Some(name)) =
+                    (self.others_staging.as_mut(), o.metadata.name.clone())
+                {
+                    staging.insert(name, o);
+                }
+                false
+            }
+            watcher::Event::Apply(o) if o.spec.driver != self.config.driver_name => {
+                if let Some(name) = o.metadata.name.clone() {
+                    self.others.insert(name, o);
+                    self.send_others();
+                }
+                false
+            }
+            watcher::Event::Delete(o) if o.spec.driver != self.config.driver_name => {
+                if let Some(name) = &o.metadata.name
+                    && self.others.remove(name).is_some()
+                {
+                    self.send_others();
+                }
                 false
             }
             watcher::Event::InitApply(o) => {
@@ -735,6 +798,8 @@ impl Worker {
             }
             watcher::Event::InitDone => {
                 self.config.observe("list", "ok");
+                self.others = self.others_staging.take().unwrap_or_default();
+                self.send_others();
                 let fresh = self.staging.take().unwrap_or_default();
                 let same = fresh.len() == self.cache.len()
                     && fresh

@@ -504,6 +504,70 @@ async fn uninstall_removes_only_our_slices() {
     assert_eq!(s.list("resourceslices").len(), 2);
 }
 
+/// The watch selects the node only: other drivers' slices on the node are offered after
+/// the first list and kept current, never written; other nodes' slices are not seen.
+#[tokio::test]
+async fn other_drivers_slices_on_the_node_are_offered_and_left_alone() {
+    let s = standin(KubeVersion::V1_34).await;
+    let mut other = ResourceSlice {
+        metadata: Default::default(),
+        spec: Default::default(),
+    };
+    other.metadata.name = Some("other-driver".into());
+    other.spec.driver = "other.example.com".into();
+    other.spec.node_name = Some(NODE.into());
+    other.spec.pool.name = NODE.into();
+    other.spec.pool.resource_slice_count = 1;
+    s.put(&other).unwrap();
+    let mut elsewhere = other.clone();
+    elsewhere.metadata.name = Some("other-node".into());
+    elsewhere.spec.node_name = Some("node-b".into());
+    s.put(&elsewhere).unwrap();
+
+    let stats = ApiStats::new();
+    let p = SlicePublisher::start(s.client(), config(&stats));
+    let mut others = p.other_drivers();
+    let first = tokio::time::timeout(WAIT, others.wait_for(Option::is_some))
+        .await
+        .unwrap()
+        .unwrap()
+        .clone()
+        .unwrap();
+    let names: Vec<_> = first
+        .iter()
+        .filter_map(|x| x.metadata.name.clone())
+        .collect();
+    assert_eq!(names, ["other-driver"]);
+    p.publish(whole_gpu_pool(8));
+    p.wait_published(WAIT).await.unwrap();
+    assert_eq!(s.list("resourceslices").len(), 3);
+    assert!(
+        s.requests()
+            .iter()
+            .filter(|r| r.resource == "resourceslices" && r.verb == "list")
+            .all(|r| r.query.contains("spec.nodeName%3Dnode-a")
+                && !r.query.contains("spec.driver")),
+        "{:?}",
+        s.requests()
+    );
+    // Its deletion is seen on the watch; our slices are not disturbed.
+    let writes_before = writes(&s);
+    let api: Api<ResourceSlice> = Api::all(s.client());
+    api.delete("other-driver", &DeleteParams::default())
+        .await
+        .unwrap();
+    tokio::time::timeout(
+        WAIT,
+        others.wait_for(|o| o.as_ref().is_some_and(|v| v.is_empty())),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(writes(&s), writes_before + 1, "only the test's delete");
+    assert_eq!(slices(&s).len(), 1);
+    p.shutdown().await;
+}
+
 #[tokio::test]
 async fn shutdown_keeps_slices() {
     let s = standin(KubeVersion::V1_34).await;

@@ -1,24 +1,31 @@
 //! What nodes cost the API server: `NODES` (default 20) real plugin processes (the binary
 //! under test, or `BASELINE_PLUGIN`'s) against one API server stand-in, every node with its
 //! Node, its plugin Pod in the release namespace and the chart's MPS launcher (`pod`); one in
-//! four nodes has MIG-enabled GPUs with on-demand MIG. Counts requests by verb and resource
-//! and the objects each LIST walks (as API Priority and Fairness charges it: every object
-//! of the resource in the request's scope, selectors or not).
+//! four nodes has MIG-enabled GPUs with on-demand MIG. Counts requests by verb and resource,
+//! the objects each LIST (or watch's initial list) walks in the API server's watch cache
+//! (every object of the resource in the request's scope, or only one node's when a
+//! `spec.nodeName` field selector on pods or ResourceSlices is served from the cache's field
+//! index), and the seats API Priority and Fairness charges each request (a list: one per
+//! 100 objects of the resource stored cluster-wide, index or not, clamped to [1, 10]).
 //!
 //! Measured in one run: each start (nodes started one after another, so later starts see
 //! more of the cluster), the steady state of all nodes at rest over `STEADY_SECS` (default
 //! 60) real seconds with watch time compressed `TIME_SCALE` (default 120) times by the
 //! stand-in (a watch asking for 960 s ends after 8 s; counts are scaled back to real
 //! hours), a whole-GPU and an on-demand MIG claim's prepare and unprepare, and a restart
-//! with a claim prepared. Projected (computed from the measured per-node figures): 1,000
-//! and 5,000 nodes, beside NVIDIA's GPU plugin (0.0022 requests/s per idle node, 1 GET per
-//! claim). Per-claim MPS and capacity shares need the fake MPS tools of the tests; their
-//! counts are asserted in `tests/mps_pod.rs` and `tests/claim_status.rs`, not measured here.
+//! with a claim prepared; then, on the third node (which runs the fake MPS tools of the
+//! tests, played by this bench binary, and the chart's `consumableCapacity: mps`), with a
+//! fake kubelet running its daemon pods, a per-claim MPS claim's and a capacity share's
+//! prepare and unprepare (the fake kubelet's own requests are not counted). Projected
+//! (computed from the measured per-node figures): 1,000 and 5,000 nodes, beside NVIDIA's GPU
+//! plugin (0.0022 requests/s per idle node, 1 GET per claim).
 //!
 //! Run: `cargo bench -p cleave-kubelet-plugin --bench control_plane` (`NODES`, `TIME_SCALE`,
 //! `STEADY_SECS` to change). Prints PASS/FAIL per target; asserts nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
+#[path = "../tests/common/mod.rs"]
+mod common;
 #[path = "../tests/cost_world/mod.rs"]
 mod cost_world;
 
@@ -40,7 +47,12 @@ fn verdict(ok: bool) -> &'static str {
 }
 
 fn main() {
-    let nodes = env_num("NODES", 20).max(2) as usize;
+    // The fake MPS tools' wrappers run this binary (`<bench> __fake <tool> ...`).
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = cleave_testkit::runner::play_fake_tool(&args) {
+        std::process::exit(code);
+    }
+    let nodes = env_num("NODES", 20).max(3) as usize;
     let scale = env_num("TIME_SCALE", 120).max(1) as u32;
     let steady = Duration::from_secs(env_num("STEADY_SECS", 60).max(1));
     let bin = std::env::var_os("BASELINE_PLUGIN").map_or_else(
@@ -61,9 +73,27 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
         bin.display()
     );
     let mut w = World::new(bin, scale);
+    // Another build (the previous release) may have no daemon pod watch to wait for.
+    w.pod_watch = std::env::var_os("BASELINE_PLUGIN").is_none();
     for i in 0..n {
         w.add_node(if i % 4 == 3 { Kind::Mig } else { Kind::Whole });
     }
+    // The third node can run MPS daemons: the fake tools under its driver root, their
+    // knobs, and capacity shares as the chart publishes them.
+    let fakes = cleave_testkit::fake_tools::FakeFiles::in_dir(&w.nodes[MPS_NODE].root);
+    cleave_testkit::fake_tools::install_wrappers(
+        &w.nodes[MPS_NODE].root.join("driver-root/usr/bin"),
+    )
+    .unwrap();
+    let tool_env: Vec<(String, String)> = fakes
+        .env()
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+    w.nodes[MPS_NODE].env = tool_env.clone();
+    w.nodes[MPS_NODE]
+        .env
+        .push(("CONSUMABLE_CAPACITY".into(), "mps".into()));
 
     // Starts, one after another.
     let mut starts = Vec::new();
@@ -85,6 +115,26 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
     }
     let first_scan = starts[0].scanned;
     let last_scan = starts[n - 1].scanned;
+    let start_seats = starts.iter().map(|t| t.max_seats).max().unwrap_or(0);
+    println!(
+        "  objects walked: {first_scan} by the first node started, {} by the {}th, {last_scan} by the {n}th; most APF seats of one request: {start_seats}",
+        starts[n / 2].scanned,
+        n / 2 + 1
+    );
+    // APF's estimate of a start LIST at a larger cluster: this run's objects per node of
+    // each listed resource, times the nodes, one seat per 100, at most 10.
+    let per_node: Vec<f64> = ["resourceslices", "pods"]
+        .iter()
+        .map(|r| w.standin.list(r).len() as f64 / n as f64)
+        .collect();
+    let seats_at = |nodes: f64| {
+        per_node
+            .iter()
+            .map(|p| ((p * nodes / 100.0).ceil() as u32).clamp(1, 10))
+            .max()
+            .unwrap_or(1)
+    };
+    let (seats_1000, seats_5000) = (seats_at(1000.0), seats_at(5000.0));
 
     // Steady state: everything at rest.
     let mark = w.standin.requests().len();
@@ -174,6 +224,11 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
         Tally::of(claim_requests(&w.of_node(mark, 1))).line()
     );
 
+    // Per-claim MPS and a capacity share, with the pod launcher.
+    let sharing = sharing_claims(&mut w, &tool_env).await;
+    // Whatever fake MPS daemon a stopped pod left behind.
+    fakes.kill_started();
+
     // Projection and targets.
     println!("projection (per-node figures above x nodes):");
     println!("  {:<34} {:>14} {:>14}", "", "1,000 nodes", "5,000 nodes");
@@ -195,6 +250,10 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
         format!("~{}", project_scan(first_scan, last_scan, n, 1000)),
         format!("~{}", project_scan(first_scan, last_scan, n, 5000))
     );
+    println!(
+        "  {:<34} {:>14} {:>14}",
+        "APF seats of one start LIST (est.)", seats_1000, seats_5000
+    );
     println!("targets:");
     let only_watches = at_rest.by_kind.keys().all(|k| k.starts_with("watch "));
     println!(
@@ -215,6 +274,20 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
         "  {} per claim at most 1 read and 1 status write at prepare, no read at unprepare",
         verdict(claim_reads_ok)
     );
+    let sharing_ok = !sharing.is_empty()
+        && sharing.iter().all(|(_, p, u)| {
+            p.reads("resourceclaims") <= 1
+                && p.get("update resourceclaims") + p.get("patch resourceclaims") <= 1
+                && p.get("create pods") <= 1
+                && p.get("list pods") + p.get("get pods") == 0
+                && u.reads("resourceclaims") == 0
+                && u.get("delete pods") <= 1
+                && p.scanned + u.scanned == 0
+        });
+    println!(
+        "  {} per-claim MPS and share (pod launcher): at most 1 claim read, 1 status write and 1 daemon pod create at prepare, 1 pod delete and no read at unprepare, no LIST or pod GET",
+        verdict(sharing_ok)
+    );
     let no_growth_steady =
         at_rest.scanned == 0 && claims.iter().all(|(p, u)| p.scanned + u.scanned == 0);
     println!(
@@ -226,10 +299,164 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
                 .map(|(p, u)| p.scanned + u.scanned)
                 .sum::<usize>()
     );
+    let restart_seats = restart.max_seats;
     println!(
-        "  {} no request whose cost grows with the cluster at start: the first node's start walked {first_scan} objects, the {n}th's {last_scan}",
-        verdict(last_scan <= first_scan)
+        "  {} no request whose cost grows with the cluster at start: the first node's start walked {first_scan} objects, the {n}th's {last_scan}; at most {} APF seats per request (maximum 10)",
+        verdict(last_scan <= first_scan && start_seats.max(restart_seats) <= 10),
+        start_seats.max(restart_seats)
     );
+}
+
+/// The node that runs MPS daemons (a whole-GPU node).
+const MPS_NODE: usize = 2;
+
+/// Whether `r` is the fake kubelet's (its pod LIST across namespaces, its pod status
+/// patches), not the plugin's.
+fn kubelet_request(r: &cleave_apiserver_standin::RequestRecord) -> bool {
+    r.resource == "pods" && (r.path == "/api/v1/pods" || r.path.ends_with("/status"))
+}
+
+/// Prepares and unprepares a per-claim MPS claim and a capacity share on [`MPS_NODE`], with a
+/// fake kubelet running their daemon pods, and prints each one's requests. Empty when one
+/// failed (printed).
+async fn sharing_claims(
+    w: &mut World,
+    tool_env: &[(String, String)],
+) -> Vec<(String, Tally, Tally)> {
+    use cleave_apiserver_standin::fixtures;
+    let i = MPS_NODE;
+    let name = w.nodes[i].name.clone();
+    let root = w.nodes[i].root.clone();
+    std::fs::create_dir_all(root.join("pod-logs")).unwrap();
+    // The fake kubelet runs every pod bound to the node: the plugin's own pod there gets a
+    // command that idles until the kubelet stops it.
+    let plugin_pod = format!("cleave-kubelet-plugin-{i:04}");
+    let mut pod = w
+        .standin
+        .get("pods", cost_world::NAMESPACE, &plugin_pod)
+        .unwrap();
+    pod["spec"]["containers"][0]["command"] = serde_json::json!(["sleep", "600"]);
+    w.standin.put(&pod).unwrap();
+    let _kubelet = common::kubelet::FakeKubelet::start(
+        w.standin.config(),
+        &name,
+        &root.join("kubelet"),
+        std::path::Path::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin")),
+        &root.join("pod-logs"),
+        common::kubelet::KubeletOptions {
+            env: tool_env.to_vec(),
+            ..Default::default()
+        },
+    );
+    let driver = cleave_api::names::DRIVER_NAME;
+    let mps = fixtures::opaque_config(
+        "FromClaim",
+        &["gpu"],
+        driver,
+        serde_json::json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 50}}}),
+    );
+    let mut out = Vec::new();
+    for (what, device, share) in [
+        ("per-claim MPS claim", "gpu-5", false),
+        (
+            "capacity share (the namespace's first of the GPU)",
+            "gpu-6",
+            true,
+        ),
+    ] {
+        let claim_name = format!("{}-{name}", if share { "share" } else { "mps" });
+        let uid = format!(
+            "00000000-0000-4000-8000-0000000000{}",
+            if share { "b2" } else { "a1" }
+        );
+        let configs = if share { Vec::new() } else { vec![mps.clone()] };
+        let mut claim = fixtures::resource_claim(
+            "default",
+            &claim_name,
+            &uid,
+            driver,
+            &name,
+            &[("gpu", device)],
+            &configs,
+        );
+        if share {
+            for r in claim
+                .status
+                .as_mut()
+                .and_then(|s| s.allocation.as_mut())
+                .and_then(|a| a.devices.as_mut())
+                .and_then(|d| d.results.as_mut())
+                .unwrap()
+            {
+                r.share_id = Some("5a000000-0000-4000-8000-00000000000a".into());
+                r.consumed_capacity = Some(
+                    serde_json::from_value(
+                        serde_json::json!({"memory": "20Gi", "multiprocessors": "44"}),
+                    )
+                    .unwrap(),
+                );
+            }
+        }
+        w.standin.put(&claim).unwrap();
+        let c = cleave_kubelet_plugin::proto::dra::v1::Claim {
+            namespace: "default".into(),
+            name: claim_name.clone(),
+            uid: uid.clone(),
+        };
+        let mut dra = cost_world::dra(&w.nodes[i]).await;
+        let mark = w.standin.requests().len();
+        let r = dra
+            .node_prepare_resources(
+                cleave_kubelet_plugin::proto::dra::v1::NodePrepareResourcesRequest {
+                    claims: vec![c.clone()],
+                },
+            )
+            .await;
+        let error = match &r {
+            Ok(r) => r
+                .get_ref()
+                .claims
+                .get(&uid)
+                .map(|c| c.error.clone())
+                .unwrap_or_default(),
+            Err(e) => e.to_string(),
+        };
+        if !error.is_empty() {
+            println!("{what} on {name}: prepare failed: {error}");
+            return Vec::new();
+        }
+        settle(w, mark, &claim_name, true);
+        let prep = Tally::of(claim_requests(&w.of_node(mark, i)).filter(|r| !kubelet_request(r)));
+        let mark = w.standin.requests().len();
+        let r = dra
+            .node_unprepare_resources(
+                cleave_kubelet_plugin::proto::dra::v1::NodeUnprepareResourcesRequest {
+                    claims: vec![c],
+                },
+            )
+            .await;
+        let error = match &r {
+            Ok(r) => r
+                .get_ref()
+                .claims
+                .get(&uid)
+                .map(|c| c.error.clone())
+                .unwrap_or_default(),
+            Err(e) => e.to_string(),
+        };
+        if !error.is_empty() {
+            println!("{what} on {name}: unprepare failed: {error}");
+            return Vec::new();
+        }
+        settle(w, mark, &claim_name, false);
+        let unprep = Tally::of(claim_requests(&w.of_node(mark, i)).filter(|r| !kubelet_request(r)));
+        println!("{what} on {name} (pod launcher):");
+        println!("  prepare:   {}", prep.line());
+        println!("  unprepare: {}", unprep.line());
+        out.push((what.to_owned(), prep, unprep));
+    }
+    out
 }
 
 /// A claim's requests: those of the window less the node's watch renewals (counted at rest).

@@ -24,7 +24,7 @@ use cleave_driver::prepare::NodeDriver;
 use tracing::{info, warn};
 
 use crate::args::RunArgs;
-use crate::k8s::events::{EventReporter, Severity};
+use crate::k8s::events::{EventReporter, Severity, StartNode};
 use crate::kubelet::registration::RegistrationState;
 use crate::metrics::{HealthState, Heartbeat, Metrics};
 use crate::node::node_lock::NodeLock;
@@ -68,7 +68,7 @@ pub(crate) const REASON_COUNTERS_DROPPED: &str = "PartitionableDevicesDisabled";
 async fn report_counter_support(
     client: &kube::Client,
     events: &EventReporter,
-    node_name: &str,
+    start_node: &StartNode,
     degraded: &tokio::sync::watch::Sender<Option<String>>,
     status: &cleave_controller::PublisherStatus,
 ) {
@@ -89,7 +89,7 @@ async fn report_counter_support(
             "{} devices withheld: the API server drops shared counters (enable the {PARTITIONABLE_DEVICES_GATE} feature gate)",
             status.withdrawn_devices
         )));
-        let node = crate::k8s::events::node_reference(client, node_name).await;
+        let node = start_node.reference(client).await;
         events
             .publish(
                 &node,
@@ -191,11 +191,15 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let events = EventReporter::new(client.clone(), args.node_name.clone());
     let mps_events = events.clone();
+    // The one Node GET of the start: the publisher, the daemon pods' owner, the coexistence
+    // check and the Node's Events all take what it read.
+    let start_node = StartNode::read(&client, &args.node_name).await;
     let ctx = StartContext {
         client: client.clone(),
         metrics: metrics.clone(),
         blocker,
         events: events.clone(),
+        node: start_node,
     };
     let plugin = tokio::select! {
         s = signals.recv() => {
@@ -210,7 +214,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let coexistence = tokio::spawn(crate::k8s::coexistence::check_and_report(
         client,
-        args.node_name.clone(),
+        ctx.node.clone(),
         args.kubelet.driver_name.clone(),
         plugin
             .driver
@@ -219,6 +223,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|g| g.uuid.clone())
             .collect(),
+        plugin.publisher.other_drivers(),
         events,
     ));
     let mut registration = plugin.server.registration_state();
@@ -242,7 +247,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     // on the start-up retry schedule's longest wait.
     if let Some(reason) = plugin.driver_wait.clone() {
         let reason = format!("NVIDIA driver not ready: {reason}");
-        crate::start::driver_not_ready_event(&args, &ctx, &reason, &mut None).await;
+        crate::start::driver_not_ready_event(&ctx, &reason, &mut None).await;
         ctx.blocker.send_replace(Some(reason));
     }
     let mut driver_check = tokio::time::interval(std::time::Duration::from_millis(
@@ -268,6 +273,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut daemon = Daemon {
         args: &args,
         blocker: &ctx.blocker,
+        start_node: &ctx.node,
         plugin,
         metrics,
         taint_client,
@@ -316,6 +322,8 @@ struct Daemon<'a> {
     args: &'a RunArgs,
     /// Why the plugin is not ready (the driver root without driver).
     blocker: &'a Blocker,
+    /// The Node as read at start (the reference of its Events).
+    start_node: &'a StartNode,
     plugin: RunningPlugin,
     metrics: Option<Arc<Metrics>>,
     /// The client the taint checks and the counter Events use.
@@ -446,7 +454,7 @@ impl Daemon<'_> {
                 report_counter_support(
                     &self.taint_client,
                     &self.counter_events,
-                    &self.args.node_name,
+                    self.start_node,
                     &self.degraded_tx,
                     &s,
                 )

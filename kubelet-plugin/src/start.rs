@@ -48,7 +48,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::args::{KubeletArgs, MpsLauncherKind, RunArgs};
-use crate::k8s::events::{EventReporter, Severity};
+use crate::k8s::events::{EventReporter, Severity, StartNode};
 use crate::k8s::kube_handler::{KubeClaimHandler, release_orphaned_claims};
 use crate::kubelet::server::{PluginConfig, PluginServer, ServerError};
 use crate::metrics::Metrics;
@@ -141,6 +141,7 @@ pub(crate) async fn sharing_manager(
     args: &RunArgs,
     driver: &DriverConfig,
     client: &kube::Client,
+    node: &StartNode,
 ) -> anyhow::Result<SharingManager> {
     let config = sharing_config(args, driver);
     if args.mps.mps_launcher == MpsLauncherKind::Process {
@@ -160,6 +161,7 @@ pub(crate) async fn sharing_manager(
         &namespace,
         mps.pod_name.as_deref(),
         &args.node_name,
+        node.uid(),
     )
     .await
     .context("finding the owner of MPS daemon pods")?;
@@ -267,16 +269,20 @@ pub(crate) async fn start_with_metrics(
         .await?
         .context("loading NVML")?,
     );
-    Ok(start_with_backend(args, client, metrics, backend).await?)
+    let node = StartNode::read(&client, &args.node_name).await;
+    Ok(start_with_backend(args, client, metrics, backend, &node).await?)
 }
 
 /// [`start_with_metrics`] on an already loaded backend (see [`start_when_possible`],
-/// which retries while NVML or the checkpoint is not usable).
+/// which retries while NVML or the checkpoint is not usable). `node` is the Node as read
+/// once at start: its UID goes to the slice publisher and the daemon pods' owner, so neither
+/// reads it again.
 pub(crate) async fn start_with_backend(
     args: &RunArgs,
     client: kube::Client,
     metrics: Option<Arc<Metrics>>,
     backend: Arc<dyn GpuBackend>,
+    node: &StartNode,
 ) -> Result<RunningPlugin, StartError> {
     let plugin = plugin_config(&args.kubelet);
     plugin
@@ -291,7 +297,7 @@ pub(crate) async fn start_with_backend(
 
     let mut config = driver_config(args, &plugin);
     config.cdi_hook = install_cdi_hook(args, &config.state_dir)?;
-    let sharing = Arc::new(sharing_manager(args, &config, &client).await?);
+    let sharing = Arc::new(sharing_manager(args, &config, &client, node).await?);
     let (driver, instance_lock) = {
         let backend = Arc::clone(&backend);
         let state_dir = plugin.data_dir();
@@ -356,6 +362,8 @@ pub(crate) async fn start_with_backend(
     );
     let mut publisher_config =
         PublisherConfig::new(plugin.driver_name.clone(), args.node_name.clone());
+    // The UID as read at start; the publisher reads the Node itself only without one.
+    publisher_config.node_uid = node.uid();
     publisher_config.counter_probe_interval =
         std::time::Duration::from_secs(args.lifecycle.counter_probe_interval_secs.max(1));
     if let Some(m) = &metrics {
@@ -393,7 +401,7 @@ pub(crate) async fn start_with_backend(
     report_silent_gpus(
         &client,
         &events,
-        &args.node_name,
+        node,
         &inventory,
         args.driver.dynamic_mig,
         &driver,
@@ -526,7 +534,7 @@ pub(crate) const REASON_MIG_PROFILES_UNREADABLE: &str = "MIGProfilesUnreadable";
 async fn report_silent_gpus(
     client: &kube::Client,
     events: &EventReporter,
-    node_name: &str,
+    start_node: &StartNode,
     inventory: &cleave_driver::model::NodeInventory,
     dynamic_mig: bool,
     driver: &NodeDriver,
@@ -564,7 +572,7 @@ async fn report_silent_gpus(
             gpus.join(", ")
         );
         warn!(gpus = %gpus.join(", "), "{note}");
-        let node = crate::k8s::events::node_reference(client, node_name).await;
+        let node = start_node.reference(client).await;
         events
             .publish(&node, Severity::Warning, event_reason, "Publish", &note)
             .await;
@@ -679,6 +687,8 @@ pub(crate) struct StartContext {
     pub blocker: Arc<Blocker>,
     /// Events about the Node.
     pub events: EventReporter,
+    /// The Node as read once at start.
+    pub node: StartNode,
 }
 
 impl std::fmt::Debug for StartContext {
@@ -733,7 +743,7 @@ pub(crate) async fn start_when_possible(
                         let reason = StartError::DriverNotReady(e).to_string();
                         let delay = backoff.next_delay();
                         warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "waiting for the NVIDIA driver; not registering or publishing");
-                        driver_not_ready_event(args, ctx, &reason, &mut last_driver_reason).await;
+                        driver_not_ready_event(ctx, &reason, &mut last_driver_reason).await;
                         ctx.blocker.send_replace(Some(reason));
                         tokio::time::sleep(delay).await;
                         continue;
@@ -741,7 +751,8 @@ pub(crate) async fn start_when_possible(
                 }
             }
         };
-        match start_with_backend(args, ctx.client.clone(), ctx.metrics.clone(), b).await {
+        match start_with_backend(args, ctx.client.clone(), ctx.metrics.clone(), b, &ctx.node).await
+        {
             Ok(p) => {
                 if let Some(m) = lm {
                     m.checkpoint_healthy.set(1);
@@ -767,8 +778,7 @@ pub(crate) async fn start_when_possible(
                 let delay = backoff.next_delay();
                 warn!(error = %error, recovery = %command, retry_in_ms = delay.as_millis() as u64, "checkpoint unreadable; not registering, not serving prepares, retrying");
                 if last_checkpoint_reason.as_deref() != Some(reason.as_str()) {
-                    let node =
-                        crate::k8s::events::node_reference(&ctx.client, &args.node_name).await;
+                    let node = ctx.node.reference(&ctx.client).await;
                     let note = format!(
                         "checkpoint {reason}. Recovery, after making sure no pod on this node uses a claim of this driver: {command} (the plugin stays not ready and picks the fix up on its next retry)"
                     );
@@ -794,7 +804,6 @@ pub(crate) async fn start_when_possible(
 /// Posts a Warning Event on the Node for a driver-not-ready reason, once per distinct
 /// reason (a retry loop must not flood the Node's events).
 pub(crate) async fn driver_not_ready_event(
-    args: &RunArgs,
     ctx: &StartContext,
     reason: &str,
     last: &mut Option<String>,
@@ -802,7 +811,7 @@ pub(crate) async fn driver_not_ready_event(
     if last.as_deref() == Some(reason) {
         return;
     }
-    let node = crate::k8s::events::node_reference(&ctx.client, &args.node_name).await;
+    let node = ctx.node.reference(&ctx.client).await;
     let note = format!(
         "{reason} (the plugin stays not ready and publishes no device until this is fixed; it looks again with backoff)"
     );

@@ -205,10 +205,15 @@ pub struct RequestRecord {
     pub bytes_in: usize,
     /// Response body bytes (for a watch: streamed so far).
     pub bytes_out: usize,
-    /// Stored objects the request walks, as API Priority and Fairness charges it: for a LIST
-    /// or a WATCH starting from the current state, every object of the resource in the
-    /// request's scope (namespace or cluster) whatever its selectors; 0 for anything else.
+    /// Stored objects the request walks in the watch cache: for a LIST or a WATCH starting
+    /// from the current state, every object of the resource in the request's scope
+    /// (namespace or cluster), or only those of one node when its field selector pins
+    /// `spec.nodeName` of pods or ResourceSlices (the upstream field index); 0 for anything else.
     pub scanned: usize,
+    /// Seats API Priority and Fairness charges it: for a LIST or a WATCH starting from the
+    /// current state, ceil(cluster-wide stored objects of the resource / 100) clamped to
+    /// [1, 10], index or not; 1 for anything else.
+    pub seats: u32,
 }
 
 /// A running stand-in. Dropping it stops the server and every connection and watch task.

@@ -128,6 +128,16 @@ impl Selector {
         Ok(Selector { reqs })
     }
 
+    /// The value `key` must equal (`key=v` or `key==v`), if the selector pins it: what the
+    /// API server's watch cache matches against a field index
+    /// (`fields.Selector.RequiresExactMatch`, used by `storage.SelectionPredicate.MatcherIndex`).
+    pub fn required_value(&self, key: &str) -> Option<&str> {
+        self.reqs.iter().find_map(|r| match r {
+            Req::Eq(k, v) if k == key => Some(v.as_str()),
+            _ => None,
+        })
+    }
+
     fn matches_with(&self, get: impl Fn(&str) -> Option<String>) -> bool {
         self.reqs.iter().all(|r| match r {
             Req::Eq(k, v) => get(k).unwrap_or_default() == *v,
@@ -198,6 +208,16 @@ mod tests {
                 .matches_fields(&obj)
         );
         assert!(Selector::parse("").unwrap().matches_fields(&obj));
+    }
+
+    #[test]
+    fn required_value_is_an_equality_only() {
+        let s = Selector::parse("spec.driver=d,spec.nodeName==n1").unwrap();
+        assert_eq!(s.required_value("spec.nodeName"), Some("n1"));
+        assert_eq!(s.required_value("spec.driver"), Some("d"));
+        assert_eq!(s.required_value("spec.pool"), None);
+        let ne = Selector::parse("spec.nodeName!=n1").unwrap();
+        assert_eq!(ne.required_value("spec.nodeName"), None);
     }
 
     #[test]

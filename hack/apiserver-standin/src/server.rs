@@ -310,9 +310,12 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
         Target::Unknown => ("unknown", ""),
     };
 
-    let scanned = match &target {
-        Target::Api(route) => scanned_by(&shared, verb, route, &params),
-        _ => 0,
+    let (scanned, seats) = match &target {
+        Target::Api(route) => (
+            scanned_by(&shared, verb, route, &params),
+            seats_of(&shared, verb, route, &params),
+        ),
+        _ => (0, 1),
     };
 
     let latency = shared.latency_ms.load(Ordering::Relaxed);
@@ -370,37 +373,85 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
             bytes_in: body.len(),
             bytes_out,
             scanned,
+            seats,
         },
         stream_bytes: stream,
     });
     Ok(resp)
 }
 
-/// Objects a request walks as API Priority and Fairness charges it: a LIST, or a WATCH that
-/// starts with the current state (no `resourceVersion`, `0`, or `sendInitialEvents=true`),
-/// walks every object of its resource in its scope (namespace or cluster), whatever its
-/// selectors; a GET or a WATCH from a resourceVersion walks none. Upstream, the list work
-/// estimator charges by the count of stored objects of the resource, selectors or not
-/// (k8s.io/apiserver/pkg/util/flowcontrol/request/list_work_estimator.go,
-/// `seatsBasedOnObjectCount`: `numStored` for lists from the watch cache, `numStored + limit`
-/// with selectors from etcd; a watch without `sendInitialEvents` costs the minimum). That
-/// count is cluster-wide for the resource, so the namespace figure here is a lower bound.
-fn scanned_by(shared: &Shared, verb: &str, route: &Route, params: &Params) -> usize {
-    let initial_state = match verb {
+/// Resources whose watch cache keeps a field index, and the indexed field. Upstream:
+/// kubernetes `pkg/registry/core/pod/strategy.go` (`Indexers()` =
+/// `storage.FieldIndex("spec.nodeName")`, `MatchPod`'s `IndexFields`) and
+/// `pkg/registry/resource/resourceslice/strategy.go` (`Indexers()` =
+/// `storage.FieldIndex(resource.ResourceSliceSelectorNodeName)`, `Match`'s `IndexFields`).
+const FIELD_INDEXES: &[(&str, &str)] = &[
+    ("pods", "spec.nodeName"),
+    ("resourceslices", "spec.nodeName"),
+];
+
+/// Objects per seat and the default maximum seats of API Priority and Fairness's list work
+/// estimator (k8s.io/apiserver/pkg/util/flowcontrol/request/config.go: `objectsPerSeat`,
+/// `maximumListSeatsDefault`; the minimum is 1).
+const OBJECTS_PER_SEAT: usize = 100;
+const MAXIMUM_LIST_SEATS: u32 = 10;
+
+/// Whether the request starts from the current state: a LIST, or a WATCH with no
+/// `resourceVersion`, `0`, or `sendInitialEvents=true`.
+fn initial_state(verb: &str, params: &Params) -> bool {
+    match verb {
         "list" => true,
         "watch" => {
             params.flag("sendInitialEvents")
                 || matches!(params.get("resourceVersion").unwrap_or_default(), "" | "0")
         }
         _ => false,
-    };
-    if initial_state {
-        shared
-            .store
-            .count_in_scope(route.res, route.namespace.as_deref())
-    } else {
-        0
     }
+}
+
+/// Objects a request walks in the API server's watch cache: a LIST, or a WATCH that starts
+/// with the current state, walks every object of its resource in its scope (namespace or
+/// cluster), except when its field selector pins an indexed field (`spec.nodeName` of pods
+/// and ResourceSlices, [`FIELD_INDEXES`]): the cacher then serves it from that index
+/// (k8s.io/apiserver/pkg/storage/cacher: `pred.MatcherIndex` -> `watchCache.ByIndex`) and
+/// it walks only the objects with that value in the scope. A GET or a WATCH from a
+/// resourceVersion walks none.
+fn scanned_by(shared: &Shared, verb: &str, route: &Route, params: &Params) -> usize {
+    if !initial_state(verb, params) {
+        return 0;
+    }
+    let namespace = route.namespace.as_deref();
+    let indexed = FIELD_INDEXES
+        .iter()
+        .find(|(res, _)| *res == route.res.plural)
+        .and_then(|(_, field)| {
+            let fields = Selector::parse(params.get("fieldSelector").unwrap_or_default()).ok()?;
+            fields.required_value(field).map(|v| (*field, v.to_owned()))
+        });
+    match indexed {
+        Some((field, value)) => shared
+            .store
+            .count_in_scope_with(route.res, namespace, field, &value),
+        None => shared.store.count_in_scope(route.res, namespace),
+    }
+}
+
+/// Seats API Priority and Fairness charges the request, as its list work estimator does for
+/// a list served from the watch cache (k8s.io/apiserver/pkg/util/flowcontrol/request/
+/// list_work_estimator.go, `seatsBasedOnObjectCount`): ceil(stored objects of the resource,
+/// cluster-wide, / 100), clamped to [1, 10], whatever the selectors or an index (upstream:
+/// "TODO: For resources that implement indexes at the watchcache level, we need to adjust
+/// the cost accordingly"). Lists and watches starting from the current state; 1 for
+/// anything else.
+fn seats_of(shared: &Shared, verb: &str, route: &Route, params: &Params) -> u32 {
+    if !initial_state(verb, params) {
+        return 1;
+    }
+    let stored = shared.store.count_in_scope(route.res, None);
+    let seats = stored.div_ceil(OBJECTS_PER_SEAT);
+    u32::try_from(seats)
+        .unwrap_or(u32::MAX)
+        .clamp(1, MAXIMUM_LIST_SEATS)
 }
 
 fn parse_body(body: &[u8]) -> Result<Value, ApiError> {

@@ -261,6 +261,32 @@ impl Store {
             .count()
     }
 
+    /// How many objects of `res` in `namespace` (`None`: every namespace) have the string
+    /// `value` at the dotted `field` path: what a LIST served from a field index walks.
+    pub fn count_in_scope_with(
+        &self,
+        res: &'static ResourceDef,
+        namespace: Option<&str>,
+        field: &str,
+        value: &str,
+    ) -> usize {
+        let inner = self.lock();
+        let id = res_id(res);
+        inner
+            .objects
+            .iter()
+            .filter(|((r, ns, _), obj)| {
+                *r == id
+                    && namespace.is_none_or(|want| want == ns)
+                    && field
+                        .split('.')
+                        .try_fold(*obj, |cur, seg| cur.get(seg))
+                        .and_then(Value::as_str)
+                        == Some(value)
+            })
+            .count()
+    }
+
     /// Creates an object. Fills name from generateName (cut as the API server cuts it), uid, resourceVersion,
     /// creationTimestamp and generation.
     pub fn create(

@@ -6,17 +6,22 @@
 //! Findings are warnings in the log and Warning Events on the Node
 //! (`GPUsSharedWithDevicePlugin`, `GPUsSharedWithOtherDriver`); the plugin never refuses to
 //! start, because a disjoint split (the device plugin limited to other GPUs) is legitimate
-//! and not visible from here. Checked once after start-up. RBAC: `nodes` `get`,
-//! `resourceslices` `list` (a field selector on the node only, not on the driver), events.
+//! and not visible from here. Checked once after start-up, from what start-up already read:
+//! the Node as read once when the process started ([`StartNode`]; resources a device plugin
+//! registers later are not seen until the next start) and the other drivers' slices the slice
+//! publisher's watch brings with its first list (it selects the node only,
+//! [`cleave_controller::SlicePublisher::other_drivers`]), so the check sends no request of
+//! its own but its Events. RBAC: `nodes` `get`, `resourceslices` `list`/`watch` (the
+//! publisher's), events.
 
 use std::collections::BTreeSet;
 
+use cleave_controller::OtherDrivers;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use kube::api::ListParams;
 use tracing::{info, warn};
 
-use crate::k8s::events::{EventReporter, Severity, node_reference};
+use crate::k8s::events::{EventReporter, Severity, StartNode};
 
 /// Event reason: the Node advertises NVIDIA device-plugin resources.
 pub(crate) const REASON_DEVICE_PLUGIN: &str = "GPUsSharedWithDevicePlugin";
@@ -121,29 +126,43 @@ pub(crate) fn other_drivers(
         .collect()
 }
 
-/// Reads the Node and this node's ResourceSlices and returns what shares our GPUs.
+/// Looks at the Node (as read at start, else read now) and at the other drivers' slices on
+/// this node (waits for the publisher's first list), and returns what shares our GPUs.
 pub(crate) async fn check(
     client: &kube::Client,
-    node_name: &str,
+    node: &StartNode,
     our_driver: &str,
     uuids: &[String],
+    mut other_slices: tokio::sync::watch::Receiver<OtherDrivers>,
 ) -> Vec<Finding> {
     let mut findings = Vec::new();
-    let nodes: kube::Api<Node> = kube::Api::all(client.clone());
-    match nodes.get(node_name).await {
-        Ok(node) => {
-            let r = device_plugin_resources(&node);
+    let node_name = node.name.as_str();
+    let read = match &node.node {
+        Some(n) => Ok(n.as_ref().clone()),
+        None => {
+            let nodes: kube::Api<Node> = kube::Api::all(client.clone());
+            nodes.get(node_name).await
+        }
+    };
+    match read {
+        Ok(n) => {
+            let r = device_plugin_resources(&n);
             if !r.is_empty() {
                 findings.push(Finding::DevicePlugin(r));
             }
         }
         Err(e) => warn!(node = node_name, error = %e, "coexistence check: reading the Node"),
     }
-    let slices: kube::Api<ResourceSlice> = kube::Api::all(client.clone());
-    let lp = ListParams::default().fields(&format!("spec.nodeName={node_name}"));
-    match slices.list(&lp).await {
-        Ok(list) => findings.extend(other_drivers(&list.items, our_driver, uuids)),
-        Err(e) => warn!(node = node_name, error = %e, "coexistence check: listing ResourceSlices"),
+    let listed = other_slices
+        .wait_for(Option::is_some)
+        .await
+        .map(|s| s.clone().unwrap_or_default());
+    match listed {
+        Ok(slices) => findings.extend(other_drivers(&slices, our_driver, uuids)),
+        Err(_) => warn!(
+            node = node_name,
+            "coexistence check: the slice publisher stopped before its first list"
+        ),
     }
     findings
 }
@@ -151,17 +170,18 @@ pub(crate) async fn check(
 /// [`check`], then logs each finding and posts it as a Warning Event on the Node.
 pub(crate) async fn check_and_report(
     client: kube::Client,
-    node_name: String,
+    start_node: StartNode,
     our_driver: String,
     uuids: Vec<String>,
+    other_slices: tokio::sync::watch::Receiver<OtherDrivers>,
     events: EventReporter,
 ) {
-    let findings = check(&client, &node_name, &our_driver, &uuids).await;
+    let findings = check(&client, &start_node, &our_driver, &uuids, other_slices).await;
     if findings.is_empty() {
         info!("no other manager of this node's GPUs found");
         return;
     }
-    let node = node_reference(&client, &node_name).await;
+    let node = start_node.reference(&client).await;
     for f in findings {
         let message = f.message(&our_driver);
         warn!(reason = f.reason(), "{message}");

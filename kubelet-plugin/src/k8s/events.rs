@@ -205,6 +205,52 @@ pub(crate) async fn node_reference(client: &kube::Client, name: &str) -> ObjectR
     }
 }
 
+/// This node's Node object, read once at start (one GET for everything start-up needs: the
+/// slice publisher's owner UID, the daemon pods' owner, the coexistence check's capacity and
+/// the reference of the Node's Events). `node` is `None` when that GET failed; each user
+/// then reads the Node itself as it would without this (and fails or logs as before).
+#[derive(Debug, Clone)]
+pub(crate) struct StartNode {
+    /// The node's name.
+    pub name: String,
+    /// The Node as read at start, if it could be read.
+    pub node: Option<std::sync::Arc<Node>>,
+}
+
+impl StartNode {
+    /// Reads the Node `name` (one GET); a failure is logged and leaves `node` empty.
+    pub(crate) async fn read(client: &kube::Client, name: &str) -> Self {
+        let nodes: kube::Api<Node> = kube::Api::all(client.clone());
+        let node = match nodes.get(name).await {
+            Ok(node) => Some(std::sync::Arc::new(node)),
+            Err(e) => {
+                warn!(node = name, error = %e, "reading this node's Node at start; each user reads it again");
+                None
+            }
+        };
+        Self {
+            name: name.to_owned(),
+            node,
+        }
+    }
+
+    /// The Node's UID, if it was read and has one.
+    pub(crate) fn uid(&self) -> Option<String> {
+        self.node
+            .as_ref()
+            .and_then(|n| n.metadata.uid.clone())
+            .filter(|u| !u.is_empty())
+    }
+
+    /// A reference to the Node for Events: from what was read, else [`node_reference`].
+    pub(crate) async fn reference(&self, client: &kube::Client) -> ObjectReference {
+        match &self.node {
+            Some(node) => node.object_ref(&()),
+            None => node_reference(client, &self.name).await,
+        }
+    }
+}
+
 /// A reference to any object already read (e.g. a `ResourceClaim`).
 pub(crate) fn object_reference<K: kube::Resource<DynamicType = ()>>(obj: &K) -> ObjectReference {
     obj.object_ref(&())
@@ -297,6 +343,31 @@ mod tests {
         assert_eq!(ev["note"], "hello");
         let forged = events.iter().find(|e| e["reason"] == "Forged").unwrap();
         assert_eq!(forged["note"], "a\\nb\\u{1b}[31m");
+    }
+
+    #[tokio::test]
+    async fn the_node_is_read_once_and_its_reference_needs_no_other_read() {
+        crate::install_crypto_provider();
+        let standin = cleave_apiserver_standin::StandIn::start(Default::default())
+            .await
+            .unwrap();
+        standin
+            .put(&cleave_apiserver_standin::fixtures::node("n1"))
+            .unwrap();
+        let client = standin.client();
+        let node = StartNode::read(&client, "n1").await;
+        let uid = node.uid().unwrap();
+        let reference = node.reference(&client).await;
+        assert_eq!(reference.uid.as_deref(), Some(uid.as_str()));
+        assert_eq!(reference.name.as_deref(), Some("n1"));
+        assert_eq!(standin.count("get", "nodes"), 1);
+        // A Node that cannot be read: no UID, and the reference reads it again.
+        let missing = StartNode::read(&client, "n2").await;
+        assert!(missing.node.is_none() && missing.uid().is_none());
+        let reference = missing.reference(&client).await;
+        assert_eq!(reference.name.as_deref(), Some("n2"));
+        assert_eq!(reference.uid, None);
+        assert_eq!(standin.count("get", "nodes"), 3);
     }
 
     /// A node name of 253 characters (the longest a Node may have).

@@ -936,13 +936,14 @@ pub(crate) struct DaemonPodParent {
 }
 
 /// Finds the owner of the daemon pods: the controller of the plugin's own pod (its
-/// DaemonSet) when `pod_name` is given and has one, else the Node; and the plugin pod's
-/// image pull secrets.
+/// DaemonSet) when `pod_name` is given and has one, else the Node (its UID from `node_uid`,
+/// the Node as read at start, or else one GET); and the plugin pod's image pull secrets.
 pub(crate) async fn resolve_parent(
     client: &kube::Client,
     namespace: &str,
     pod_name: Option<&str>,
     node_name: &str,
+    node_uid: Option<String>,
 ) -> anyhow::Result<DaemonPodParent> {
     let mut image_pull_secrets = Vec::new();
     let me = match pod_name {
@@ -994,17 +995,23 @@ pub(crate) async fn resolve_parent(
             "this plugin's pod has no controller; the Node owns MPS daemon pods"
         );
     }
-    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
-    let node = nodes
-        .get(node_name)
-        .await
-        .with_context(|| format!("reading node {node_name}"))?;
+    let uid = match node_uid {
+        Some(uid) => uid,
+        None => {
+            let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+            let node = nodes
+                .get(node_name)
+                .await
+                .with_context(|| format!("reading node {node_name}"))?;
+            node.metadata.uid.unwrap_or_default()
+        }
+    };
     Ok(DaemonPodParent {
         owner: OwnerReference {
             api_version: "v1".into(),
             kind: "Node".into(),
             name: node_name.to_owned(),
-            uid: node.metadata.uid.unwrap_or_default(),
+            uid,
             controller: None,
             block_owner_deletion: None,
         },

@@ -47,6 +47,9 @@ pub struct World {
     pub nodes: Vec<Node>,
     /// Watches end after their `timeoutSeconds` divided by this.
     pub time_scale: u32,
+    /// Whether a start also waits for the daemon pod watch (the pod launcher of this
+    /// build; an older build has none).
+    pub pod_watch: bool,
 }
 
 /// One simulated node: its plugin process and directories.
@@ -56,6 +59,8 @@ pub struct Node {
     pub root: PathBuf,
     pub child: Option<Child>,
     pub claims: usize,
+    /// More environment for its plugin (e.g. the fake MPS tools' knobs).
+    pub env: Vec<(String, String)>,
 }
 
 impl Node {
@@ -106,12 +111,16 @@ pub fn names_node(rec: &RequestRecord, name: &str) -> bool {
     rec.path.contains(name) || rec.query.contains(name)
 }
 
-/// Requests counted by `verb resource`, with the objects the LISTs among them scanned.
+/// Requests counted by `verb resource`, with the objects the LISTs among them walked (the
+/// stand-in serves a `spec.nodeName` LIST of pods or slices from the field index, as the API
+/// server's watch cache does) and the most seats API Priority and Fairness would charge one
+/// of them.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Tally {
     pub by_kind: BTreeMap<String, usize>,
     pub scanned: usize,
     pub total: usize,
+    pub max_seats: u32,
 }
 
 impl Tally {
@@ -123,6 +132,7 @@ impl Tally {
                 .or_default() += 1;
             t.scanned += r.scanned;
             t.total += 1;
+            t.max_seats = t.max_seats.max(r.seats);
         }
         t
     }
@@ -142,7 +152,12 @@ impl Tally {
         if parts.is_empty() {
             "none".into()
         } else {
-            format!("{} (objects scanned: {})", parts.join(", "), self.scanned)
+            format!(
+                "{} (objects walked: {}; most APF seats of one request: {})",
+                parts.join(", "),
+                self.scanned,
+                self.max_seats
+            )
         }
     }
 }
@@ -161,6 +176,7 @@ impl World {
             dir: tempfile::tempdir().unwrap(),
             nodes: Vec::new(),
             time_scale,
+            pod_watch: true,
         }
     }
 
@@ -197,6 +213,7 @@ impl World {
             root,
             child: None,
             claims: 0,
+            env: Vec::new(),
         });
         i
     }
@@ -242,6 +259,7 @@ impl World {
         if n.kind == Kind::Mig {
             cmd.env("DYNAMIC_MIG", "true");
         }
+        cmd.envs(n.env.iter().map(|(k, v)| (k, v)));
         let _ = std::fs::remove_file(n.registration_socket());
         let mark = self.standin.requests().len();
         let had_slices = self.published(&n.name);
@@ -260,8 +278,10 @@ impl World {
             }
             let registered = std::os::unix::net::UnixStream::connect(&reg).is_ok();
             let recs = self.standin.requests();
+            // This start's watches (a restart's old ones do not count).
             let watching = |res: &str| {
-                recs.iter()
+                recs[mark.min(recs.len())..]
+                    .iter()
                     .any(|r| r.verb == "watch" && r.resource == res && names_node(r, &name))
             };
             // A first start counts until its slice creates are recorded (a record follows
@@ -275,7 +295,9 @@ impl World {
                 })
                 .count();
             let created = had_slices || creates >= self.slice_count(&name);
-            if registered && watching("resourceslices") && self.published(&name) && created {
+            let pods = !self.pod_watch || watching("pods");
+            if registered && watching("resourceslices") && pods && self.published(&name) && created
+            {
                 return;
             }
             assert!(
