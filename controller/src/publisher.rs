@@ -751,13 +751,13 @@ impl Worker {
         debug!("ResourceSlice publisher stopped");
     }
 
-    /// Applies a watcher event to the cache; true when the cache changed.
     /// Offers the other drivers' slices as they are now.
     fn send_others(&self) {
         let all = self.others.values().cloned().collect();
         self.others_tx.send_replace(Some(Arc::new(all)));
     }
 
+    /// Applies a watcher event to the cache; true when the cache changed.
     fn on_event(&mut self, ev: watcher::Event<ResourceSlice>) -> bool {
         match ev {
             watcher::Event::Init => {
