@@ -651,6 +651,14 @@ mod tests {
         r.path_in_root(&h, Path::new(p)).unwrap()
     }
 
+    /// A directory shows as its path in the root (the host path and handle stay out of logs).
+    #[test]
+    fn a_dir_debugs_as_its_path_in_the_root() {
+        let (_t, r) = root();
+        let d = r.open_dir(Path::new("/usr/lib")).unwrap().unwrap();
+        assert_eq!(format!("{d:?}"), r#"Dir { in_root: "/usr/lib" }"#);
+    }
+
     #[test]
     fn clean_refuses_climbing_out() {
         assert_eq!(
