@@ -25,6 +25,20 @@ use pathrs::{Handle, InodeType, Root, RootRef};
 
 use crate::error::{HookError, Result};
 
+/// Every file the hook reads: close-on-exec (the hook runs `ldconfig`) and non-blocking, so a
+/// FIFO can never block the hook should a type check before the open ever be wrong.
+const READ_FLAGS: OpenFlags = OpenFlags::O_RDONLY
+    .union(OpenFlags::O_NONBLOCK)
+    .union(OpenFlags::O_CLOEXEC);
+/// A directory the hook lists.
+const LIST_FLAGS: OpenFlags = OpenFlags::O_RDONLY
+    .union(OpenFlags::O_DIRECTORY)
+    .union(OpenFlags::O_CLOEXEC);
+/// The temporary file a write creates: it must be new (never one planted at its name).
+const CREATE_FLAGS: OpenFlags = OpenFlags::O_WRONLY
+    .union(OpenFlags::O_EXCL)
+    .union(OpenFlags::O_CLOEXEC);
+
 /// Linux gives up after 40 symlinks in one lookup; so does the directory walk.
 const MAX_SYMLINKS: usize = 40;
 
@@ -133,7 +147,7 @@ fn read_handle(h: &Handle, shown: &Path) -> Result<String> {
     // The handle pins the inode checked above; O_NONBLOCK in case the type check is ever
     // wrong, so a FIFO can never block the hook.
     let f = h
-        .reopen(OpenFlags::O_RDONLY | OpenFlags::O_NONBLOCK | OpenFlags::O_CLOEXEC)
+        .reopen(READ_FLAGS)
         .map_err(|e| HookError::pathrs("opening", shown, e))?;
     let mut buf = Vec::new();
     f.take(MAX_READ + 1)
@@ -284,7 +298,7 @@ impl Dir {
     pub fn list(&self) -> Result<Vec<(OsString, std::fs::FileType)>> {
         let f = self
             .handle
-            .reopen(OpenFlags::O_RDONLY | OpenFlags::O_DIRECTORY | OpenFlags::O_CLOEXEC)
+            .reopen(LIST_FLAGS)
             .map_err(|e| HookError::pathrs("opening", &self.in_root, e))?;
         let dir = rustix::fs::Dir::read_from(&f)
             .map_err(|e| HookError::io("listing", &self.in_root, e.into()))?;
@@ -316,7 +330,7 @@ impl Dir {
         if !metadata_of(&h, &shown)?.is_file() {
             return Ok(None);
         }
-        h.reopen(OpenFlags::O_RDONLY | OpenFlags::O_NONBLOCK | OpenFlags::O_CLOEXEC)
+        h.reopen(READ_FLAGS)
             .map(Some)
             .map_err(|e| HookError::pathrs("opening", shown, e))
     }
@@ -332,11 +346,7 @@ impl Dir {
         let _ = at.remove_file(&tmp);
         let result = (|| -> Result<()> {
             let mut f = at
-                .create_file(
-                    &tmp,
-                    OpenFlags::O_WRONLY | OpenFlags::O_EXCL | OpenFlags::O_CLOEXEC,
-                    &Permissions::from_mode(mode),
-                )
+                .create_file(&tmp, CREATE_FLAGS, &Permissions::from_mode(mode))
                 .map_err(|e| HookError::pathrs("creating", &shown, e))?;
             f.write_all(contents)
                 .map_err(|e| HookError::io("writing", &shown, e))?;
@@ -649,6 +659,35 @@ mod tests {
     fn in_root(r: &ContainerRoot, p: &str) -> PathBuf {
         let h = r.lookup(Path::new(p), true).unwrap().unwrap();
         r.path_in_root(&h, Path::new(p)).unwrap()
+    }
+
+    /// What the hook opens for reading is close-on-exec and non-blocking.
+    #[test]
+    fn read_handles_are_close_on_exec_and_non_blocking() {
+        let (t, r) = root();
+        std::fs::write(t.path().join("rootfs/usr/lib/f.conf"), "x").unwrap();
+        let d = r.open_dir(Path::new("/usr/lib")).unwrap().unwrap();
+        let f = d.open_regular(OsStr::new("f.conf")).unwrap().unwrap();
+        let fd = rustix::io::fcntl_getfd(&f).unwrap();
+        assert!(fd.contains(rustix::io::FdFlags::CLOEXEC), "{fd:?}");
+        let fl = rustix::fs::fcntl_getfl(&f).unwrap();
+        assert!(fl.contains(rustix::fs::OFlags::NONBLOCK), "{fl:?}");
+        assert!(READ_FLAGS.contains(OpenFlags::O_NONBLOCK | OpenFlags::O_CLOEXEC));
+        assert!(LIST_FLAGS.contains(OpenFlags::O_DIRECTORY | OpenFlags::O_CLOEXEC));
+        assert!(CREATE_FLAGS.contains(OpenFlags::O_EXCL | OpenFlags::O_CLOEXEC));
+    }
+
+    /// Only a missing name is absent: a lookup that fails otherwise is an error.
+    #[test]
+    fn a_lookup_failing_for_another_reason_is_an_error() {
+        let (_t, r) = root();
+        let d = r.open_dir(Path::new("/usr/lib")).unwrap().unwrap();
+        assert!(d.entry(OsStr::new("absent")).unwrap().is_none());
+        let long = "a".repeat(300);
+        match d.entry(OsStr::new(&long)) {
+            Err(e) => assert!(e.to_string().contains("looking up"), "{e}"),
+            Ok(h) => panic!("a 300-byte name was looked up as {h:?}"),
+        }
     }
 
     /// A directory shows as its path in the root (the host path and handle stay out of logs).
