@@ -294,6 +294,20 @@ impl Dir {
         readlink_handle(&h, &self.shown(name)).map(Some)
     }
 
+    /// Creates the directory `name` (mode 0755) unless something of that name appeared
+    /// since the caller looked (a race with the container's processes): the caller looks
+    /// it up again. `shown` names it in errors.
+    fn create_dir_if_absent(&self, name: &OsStr, shown: &Path) -> Result<()> {
+        match self
+            .at()
+            .create(name, &InodeType::Directory(Permissions::from_mode(0o755)))
+        {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == pathrs::error::ErrorKind::OsError(Some(libc::EEXIST)) => Ok(()),
+            Err(e) => Err(HookError::pathrs("creating directory", shown, e)),
+        }
+    }
+
     /// The names in this directory with their types (a symlink is reported as a symlink).
     pub fn list(&self) -> Result<Vec<(OsString, std::fs::FileType)>> {
         let f = self
@@ -527,17 +541,7 @@ impl ContainerRoot {
                             current.display()
                         ))
                     })?;
-                    match RootRef::from_fd(parent.handle.as_fd())
-                        .create(&c, &InodeType::Directory(Permissions::from_mode(0o755)))
-                    {
-                        Ok(()) => {}
-                        Err(e)
-                            if e.kind()
-                                == pathrs::error::ErrorKind::OsError(Some(libc::EEXIST)) => {}
-                        Err(e) => {
-                            return Err(HookError::pathrs("creating directory", candidate, e));
-                        }
-                    }
+                    parent.create_dir_if_absent(&c, &candidate)?;
                     current = candidate;
                 }
                 Some(h) => {
@@ -688,6 +692,29 @@ mod tests {
             Err(e) => assert!(e.to_string().contains("looking up"), "{e}"),
             Ok(h) => panic!("a 300-byte name was looked up as {h:?}"),
         }
+    }
+
+    /// A directory that appeared meanwhile is fine; any other failure to create is an error.
+    #[test]
+    fn creating_a_directory_tolerates_only_its_existence() {
+        let (t, r) = root();
+        let d = r.open_dir(Path::new("/usr")).unwrap().unwrap();
+        let shown = Path::new("/usr/lib");
+        d.create_dir_if_absent(OsStr::new("lib"), shown).unwrap();
+        d.create_dir_if_absent(OsStr::new("new"), Path::new("/usr/new"))
+            .unwrap();
+        assert!(t.path().join("rootfs/usr/new").is_dir());
+        // In a directory removed under the handle the kernel refuses with ENOENT.
+        let gone = r.mkdir_all(Path::new("/usr/gone")).unwrap();
+        std::fs::remove_dir(t.path().join("rootfs/usr/gone")).unwrap();
+        let e = gone
+            .create_dir_if_absent(OsStr::new("x"), Path::new("/usr/gone/x"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("creating directory") && e.contains("/usr/gone/x"),
+            "{e}"
+        );
     }
 
     /// A directory shows as its path in the root (the host path and handle stay out of logs).
