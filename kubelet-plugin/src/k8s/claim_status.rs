@@ -29,6 +29,13 @@
 //! and no read at unprepare. The objects are kept only for prepared claims and claims with a
 //! write pending, and dropped once the unprepare's write is done.
 //!
+//! Writes stand aside for the node's own work: none starts while a prepare or unprepare batch
+//! runs or within [`SETTLE`] after one ended (the kubelet often sends the next batch at once:
+//! another pod's claims, or the unprepare of a pod that failed to start), unless it has waited
+//! [`MAX_DEFER`] already. Wishes for one claim made meanwhile replace each other, so a claim
+//! unprepared before its entries were written costs no write at all (its object from the
+//! prepare shows none of our entries).
+//!
 //! Failed writes are retried with exponential back-off (from [`INITIAL_BACKOFF`] up to
 //! [`MAX_BACKOFF`], at most [`MAX_ATTEMPTS`] tries); a newer wish for the same claim (a
 //! health change, the unprepare) replaces the one being retried. A claim that is gone, or
@@ -62,6 +69,11 @@ pub(crate) const INITIAL_BACKOFF: Duration = Duration::from_millis(200);
 pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Tries of one write before it is given up (logged and counted).
 pub(crate) const MAX_ATTEMPTS: u32 = 10;
+/// Quiet time after a prepare or unprepare batch before a status write starts: a write
+/// (here and in the API server) would compete with the kubelet's next call for the CPU.
+pub(crate) const SETTLE: Duration = Duration::from_millis(20);
+/// The longest a due write waits for a quiet node (under a steady stream of batches).
+pub(crate) const MAX_DEFER: Duration = Duration::from_secs(1);
 
 /// Where the writer reports what its writes did (the metrics registry implements it).
 pub(crate) trait StatusObserver: Send + Sync + std::fmt::Debug {
@@ -122,7 +134,65 @@ enum Job {
 /// Writes this node's `status.devices` entries in the background; cheap to clone.
 #[derive(Clone, Debug)]
 pub(crate) struct ClaimStatusWriter {
-    tx: mpsc::UnboundedSender<Job>,
+    /// Each wish with when it was made (its write is due from then).
+    tx: mpsc::UnboundedSender<(Job, Instant)>,
+    activity: Arc<Activity>,
+}
+
+/// The node's prepare and unprepare batches as the writer sees them: how many run now and
+/// when the last one ended. Batches never wake the writer: it looks again when it planned to.
+#[derive(Debug, Default)]
+struct Activity {
+    state: std::sync::Mutex<ActivityState>,
+}
+
+#[derive(Debug, Default)]
+struct ActivityState {
+    running: usize,
+    last_end: Option<Instant>,
+}
+
+impl Activity {
+    fn state(&self) -> std::sync::MutexGuard<'_, ActivityState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `None` when the node is quiet at `now` (no batch runs, none ended within [`SETTLE`]);
+    /// else when to look again: [`SETTLE`] after the last batch ended, or from `now` while
+    /// one runs.
+    fn quiet_at(&self, now: Instant) -> Option<Instant> {
+        let st = self.state();
+        if st.running > 0 {
+            return Some(now + SETTLE);
+        }
+        st.last_end.map(|end| end + SETTLE).filter(|at| *at > now)
+    }
+
+    /// When to look again at a write due at `due` (it may start once that is not after
+    /// `now`): when it is due and the node is quiet, never later than [`MAX_DEFER`] after
+    /// `due`.
+    fn write_at(&self, due: Instant, now: Instant) -> Instant {
+        self.quiet_at(now)
+            .map_or(due, |quiet| due.max(quiet))
+            .min(due + MAX_DEFER)
+    }
+}
+
+/// A batch's mark on the writer's [`Activity`]; the batch ends when it is dropped.
+#[derive(Debug)]
+#[must_use = "the batch ends when the guard is dropped"]
+pub(crate) struct BatchGuard {
+    activity: Arc<Activity>,
+}
+
+impl Drop for BatchGuard {
+    fn drop(&mut self) {
+        let mut st = self.activity.state();
+        st.running = st.running.saturating_sub(1);
+        st.last_end = Some(Instant::now());
+    }
 }
 
 /// Identity of the writer: whose entries are whose.
@@ -144,29 +214,42 @@ impl ClaimStatusWriter {
         observer: Option<Arc<dyn StatusObserver>>,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
+        let activity = Arc::new(Activity::default());
         let worker = Worker {
             client,
             config,
             health,
             observer,
+            activity: Arc::clone(&activity),
             claims: BTreeMap::new(),
             pending: BTreeMap::new(),
             known: BTreeMap::new(),
         };
         tokio::spawn(worker.run(rx));
-        Self { tx }
+        Self { tx, activity }
+    }
+
+    /// Marks a prepare or unprepare batch as running until the guard is dropped: writes wait
+    /// for it and [`SETTLE`] after it. Hand the batch's reports over before dropping it.
+    pub(crate) fn batch(&self) -> BatchGuard {
+        self.activity.state().running += 1;
+        BatchGuard {
+            activity: Arc::clone(&self.activity),
+        }
     }
 
     /// Writes the entries of a claim that was prepared (or whose state changed); returns at
     /// once. `read` is the claim as the caller just read it (same UID): the first write
     /// starts from it instead of reading the claim again.
     pub(crate) fn prepared(&self, report: ClaimStatusReport, read: Option<ResourceClaim>) {
-        let _ = self.tx.send(Job::Set(report, read.map(Box::new)));
+        let _ = self
+            .tx
+            .send((Job::Set(report, read.map(Box::new)), Instant::now()));
     }
 
     /// Removes the entries of a claim that was unprepared; returns at once.
     pub(crate) fn unprepared(&self, claim: ClaimRef) {
-        let _ = self.tx.send(Job::Clear(claim));
+        let _ = self.tx.send((Job::Clear(claim), Instant::now()));
     }
 }
 
@@ -183,6 +266,8 @@ struct Worker {
     config: WriterConfig,
     health: Option<Arc<DeviceHealth>>,
     observer: Option<Arc<dyn StatusObserver>>,
+    /// The node's batches: writes start when it is quiet.
+    activity: Arc<Activity>,
     /// Prepared claims: their reports and the entries last asked for (health changes
     /// rewrite the claims whose entries differ).
     claims: BTreeMap<String, (ClaimStatusReport, Vec<AllocatedDeviceStatus>)>,
@@ -195,13 +280,24 @@ struct Worker {
 }
 
 impl Worker {
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Job>) {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<(Job, Instant)>) {
         let mut health_changes = self.health.as_ref().map(|h| h.subscribe());
         loop {
+            let now = Instant::now();
             let next_due = self.pending.values().map(|p| p.due).min();
+            let write_at = next_due.map(|due| self.activity.write_at(due, now));
+            let quiet_at = self.activity.quiet_at(now);
+            // With writes waiting on a busy node, new wishes stay in the channel (receiving
+            // each would wake this task beside the batch that sent it) until this task looks
+            // again, when the node may be quiet or a write is due.
+            let listen = write_at.is_none() || quiet_at.is_none();
+            let wake = match (write_at, quiet_at) {
+                (Some(write), Some(quiet)) => Some(write.min(quiet)),
+                (write, _) => write,
+            };
             tokio::select! {
-                job = rx.recv() => match job {
-                    Some(job) => self.take(job),
+                job = rx.recv(), if listen => match job {
+                    Some((job, made)) => self.take(job, made),
                     None => break,
                 },
                 changed = async {
@@ -217,16 +313,26 @@ impl Worker {
                     }
                 }
                 () = async {
-                    match next_due {
-                        Some(due) => tokio::time::sleep_until(due).await,
+                    match wake {
+                        Some(at) => tokio::time::sleep_until(at).await,
                         None => std::future::pending().await,
                     }
-                } => self.write_due().await,
+                } => {
+                    // The wishes made meanwhile first: a later one replaces an earlier one.
+                    loop {
+                        match rx.try_recv() {
+                            Ok((job, made)) => self.take(job, made),
+                            Err(mpsc::error::TryRecvError::Empty) => break,
+                            Err(mpsc::error::TryRecvError::Disconnected) => return,
+                        }
+                    }
+                    self.write_due().await;
+                }
             }
         }
     }
 
-    fn take(&mut self, job: Job) {
+    fn take(&mut self, job: Job, made: Instant) {
         match job {
             Job::Set(report, read) => {
                 let claim = report.claim.clone();
@@ -238,23 +344,30 @@ impl Worker {
                 let want = entries(&self.config, &report, self.health.as_deref());
                 self.claims
                     .insert(claim.uid.clone(), (report, want.clone()));
-                self.schedule(claim, Some(want));
+                self.schedule(claim, Some(want), made);
             }
             Job::Clear(claim) => {
                 self.claims.remove(&claim.uid);
-                self.schedule(claim, None);
+                self.schedule(claim, None, made);
             }
         }
     }
 
-    fn schedule(&mut self, claim: ClaimRef, want: Option<Vec<AllocatedDeviceStatus>>) {
+    /// Makes `want` the claim's pending write, due from `made` (a newer wish replaces an
+    /// older one and its back-off).
+    fn schedule(
+        &mut self,
+        claim: ClaimRef,
+        want: Option<Vec<AllocatedDeviceStatus>>,
+        made: Instant,
+    ) {
         self.pending.insert(
             claim.uid.clone(),
             Pending {
                 claim,
                 want,
                 attempts: 0,
-                due: Instant::now(),
+                due: made,
             },
         );
     }
@@ -271,7 +384,7 @@ impl Worker {
         }
         for (claim, want) in changed {
             debug!(namespace = %claim.namespace, name = %claim.name, "device health changed; rewriting claim status");
-            self.schedule(claim, Some(want));
+            self.schedule(claim, Some(want), Instant::now());
         }
     }
 
@@ -287,6 +400,11 @@ impl Worker {
             let Some(p) = self.pending.get(&uid) else {
                 continue;
             };
+            // Not yet due, or a batch started meanwhile: it waits for a quiet node.
+            let now = Instant::now();
+            if self.activity.write_at(p.due, now) > now {
+                continue;
+            }
             let claim = p.claim.clone();
             let want = p.want.clone();
             let base = self.known.remove(&uid);
@@ -737,6 +855,107 @@ mod tests {
             devices(&standin).is_empty() && claim_requests(&standin).1 == 1
         })
         .await;
+        assert_eq!(claim_requests(&standin), (0, 1, 0));
+    }
+
+    /// A write starts when it is due if the node is quiet, [`SETTLE`] after the last batch
+    /// ended, and while batches run it is looked at again every [`SETTLE`] and starts at most
+    /// [`MAX_DEFER`] late.
+    #[test]
+    fn writes_start_on_a_quiet_node_or_at_most_max_defer_late() {
+        let activity = Arc::new(Activity::default());
+        let due = Instant::now();
+        let now = due + Duration::from_millis(1);
+        assert_eq!(activity.write_at(due, now), due, "no batch yet");
+        let writer = ClaimStatusWriter {
+            tx: mpsc::unbounded_channel().0,
+            activity: Arc::clone(&activity),
+        };
+        let batch = writer.batch();
+        let nested = writer.batch();
+        assert_eq!(activity.write_at(due, now), now + SETTLE, "a batch runs");
+        let late = due + MAX_DEFER;
+        assert_eq!(activity.write_at(due, late), late, "waited long enough");
+        drop(batch);
+        assert_eq!(activity.write_at(due, now), now + SETTLE, "one still runs");
+        drop(nested);
+        let end = activity.state().last_end.unwrap();
+        assert!(end >= due);
+        assert_eq!(activity.write_at(due, end), end + SETTLE, "settling");
+        let later = end + SETTLE + Duration::from_millis(5);
+        assert_eq!(
+            activity.write_at(later, later),
+            later,
+            "due after the node settled"
+        );
+        let long_ago = due.checked_sub(MAX_DEFER).unwrap();
+        assert_eq!(activity.write_at(long_ago, end), due, "capped");
+    }
+
+    /// Records what each write did and when it finished.
+    #[derive(Debug, Default)]
+    struct Seen(std::sync::Mutex<Vec<(&'static str, Instant)>>);
+
+    impl StatusObserver for Seen {
+        fn status_write(&self, result: &'static str) {
+            self.0.lock().unwrap().push((result, Instant::now()));
+        }
+    }
+
+    /// A write waits for the batch that asked for it and [`SETTLE`] after it; a claim
+    /// unprepared before its entries were written costs no request at all.
+    #[tokio::test]
+    async fn writes_wait_for_the_batch_and_a_quick_unprepare_costs_nothing() {
+        let standin = cleave_apiserver_standin::StandIn::start(Default::default())
+            .await
+            .unwrap();
+        let claim = cleave_apiserver_standin::fixtures::resource_claim(
+            "ns",
+            "c",
+            "u",
+            "gpu.cleave.dev",
+            "node-a",
+            &[("gpu", "gpu-0")],
+            &[],
+        );
+        standin.put(&claim).unwrap();
+        let read: ResourceClaim = standin.get_as("resourceclaims", "ns", "c").unwrap();
+        let seen = Arc::new(Seen::default());
+        let writer = ClaimStatusWriter::start(
+            standin.client(),
+            config(),
+            None,
+            Some(Arc::clone(&seen) as Arc<dyn StatusObserver>),
+        );
+        standin.reset_counts();
+
+        // Prepared and unprepared in two batches in a row: nothing to write.
+        let batch = writer.batch();
+        writer.prepared(report(true), Some(read.clone()));
+        drop(batch);
+        let batch = writer.batch();
+        writer.unprepared(report(true).claim);
+        drop(batch);
+        wait_for("the coalesced wish", || !seen.0.lock().unwrap().is_empty()).await;
+        assert_eq!(seen.0.lock().unwrap()[0].0, "unchanged");
+        assert_eq!(claim_requests(&standin), (0, 0, 0));
+
+        // Prepared and left prepared: written once the batch has ended and settled.
+        let read: ResourceClaim = standin.get_as("resourceclaims", "ns", "c").unwrap();
+        standin.reset_counts();
+        let batch = writer.batch();
+        writer.prepared(report(true), Some(read));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let ended = Instant::now();
+        drop(batch);
+        wait_for("the entry written", || seen.0.lock().unwrap().len() == 2).await;
+        let (result, at) = seen.0.lock().unwrap()[1];
+        assert_eq!(result, "ok");
+        assert!(
+            at >= ended + SETTLE,
+            "written {:?} after the batch",
+            at - ended
+        );
         assert_eq!(claim_requests(&standin), (0, 1, 0));
     }
 

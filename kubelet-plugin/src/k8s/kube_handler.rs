@@ -88,7 +88,8 @@ impl KubeClaimHandler {
     }
 
     /// Writes each prepared claim's `status.devices` entries through `writer` (after the
-    /// kubelet's answer, never before) and removes them at unprepare.
+    /// kubelet's answer, never before, and once the node has settled) and removes them at
+    /// unprepare.
     pub(crate) fn with_status(mut self, writer: Option<ClaimStatusWriter>) -> Self {
         self.status = writer;
         self
@@ -218,6 +219,8 @@ impl KubeClaimHandler {
 impl ClaimHandler for KubeClaimHandler {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
         let _sampling_waits = self.sampling_gate.as_ref().map(SamplingGate::hold);
+        // Status writes wait until the batch is answered and the node has settled.
+        let _status_waits = self.status.as_ref().map(ClaimStatusWriter::batch);
         // Collected first: a closure held across the await is not `Send` for every lifetime.
         let reads: Vec<_> = claims.iter().map(|c| self.fetch(c)).collect();
         let fetched = bounded_in_order(reads).await;
@@ -332,6 +335,7 @@ impl ClaimHandler for KubeClaimHandler {
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, UnprepareResult> {
         let _sampling_waits = self.sampling_gate.as_ref().map(SamplingGate::hold);
+        let _status_waits = self.status.as_ref().map(ClaimStatusWriter::batch);
         let driver = Arc::clone(&self.driver);
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
         let parent = tracing::Span::current();
