@@ -1813,3 +1813,48 @@ fn admin_access_reaches_static_mig_devices_but_never_creates_one() {
     assert!(plan[0].admin_access && !mig.created_by_cleave);
     assert_eq!(mig.uuid.as_deref(), Some(stat.uuid.as_str()));
 }
+
+#[test]
+fn shares_of_one_device_whose_sum_exceeds_it_are_refused() {
+    let node = node_with_mode(false, vec![plain_gpu(0)], ConsumableCapacity::TimeSlicing);
+    let share = |uid: &str, id: &str, consumed: &[(&str, &str)]| {
+        as_share(node_claim(uid, &[("part", "gpu-0")]), 0, id, consumed)
+    };
+    // The L4 of the fixture: 24Gi, 58 multiprocessors.
+    node.driver
+        .prepare(&share(
+            UID_A,
+            "s-1",
+            &[("memory", "16Gi"), ("multiprocessors", "40")],
+        ))
+        .unwrap();
+    for (consumed, over) in [
+        (
+            &[("memory", "16Gi")][..],
+            "add up to memory 32768Mi of 24576Mi",
+        ),
+        (
+            &[("memory", "1Gi"), ("multiprocessors", "40")][..],
+            "add up to multiprocessors 80 of 58",
+        ),
+    ] {
+        let e = node
+            .driver
+            .prepare(&share(UID_B, "s-2", consumed))
+            .unwrap_err();
+        assert!(
+            matches!(&e, PrepareError::OverCommit { device, what, .. }
+                if device == "gpu-0" && what.contains(over)),
+            "{e}"
+        );
+    }
+    // What is left of the device is served.
+    node.driver
+        .prepare(&share(
+            UID_B,
+            "s-2",
+            &[("memory", "8Gi"), ("multiprocessors", "18")],
+        ))
+        .unwrap();
+    assert_eq!(node.checkpoint().claims.len(), 2);
+}
