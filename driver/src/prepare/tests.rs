@@ -1858,3 +1858,107 @@ fn shares_of_one_device_whose_sum_exceeds_it_are_refused() {
         .unwrap();
     assert_eq!(node.checkpoint().claims.len(), 2);
 }
+
+#[test]
+fn a_time_slice_interval_on_a_share_applies_unless_another_claim_holds_the_gpus() {
+    let node = node_with_mode(
+        false,
+        vec![plain_gpu(0), plain_gpu(1)],
+        ConsumableCapacity::TimeSlicing,
+    );
+    let share = |uid: &str, device: &str, interval: &str| {
+        with_config(
+            as_share(
+                node_claim(uid, &[("part", device)]),
+                0,
+                "s-1",
+                &[("memory", "1Gi")],
+            ),
+            "FromClaim",
+            DRIVER,
+            &["part"],
+            json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                   "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}),
+        )
+    };
+    let applied = |claim: &ResourceClaim| {
+        plan_of(&node, claim).unwrap()[0].config.as_ref().map(|c| {
+            serde_json::to_value(&c.config).unwrap()["sharing"]["timeSlicing"]["interval"].clone()
+        })
+    };
+    // The first share to ask sets the GPU's interval.
+    let first = share(UID_A, "gpu-0", "Long");
+    assert_eq!(applied(&first), Some(json!("Long")));
+    node.driver.prepare(&first).unwrap();
+    // Another claim asking another interval on that GPU keeps the GPU's (not applied).
+    assert_eq!(applied(&share(UID_B, "gpu-0", "Short")), None);
+    // The same interval, or another GPU, is applied.
+    assert_eq!(applied(&share(UID_B, "gpu-0", "Long")), Some(json!("Long")));
+    assert_eq!(
+        applied(&share(UID_B, "gpu-1", "Short")),
+        Some(json!("Short"))
+    );
+    // The claim's own record never blocks it (a repeated plan of the same claim).
+    assert_eq!(
+        applied(&share(UID_A, "gpu-0", "Short")),
+        Some(json!("Short"))
+    );
+}
+
+#[test]
+fn a_share_joins_the_mig_instance_of_another_share_of_its_device() {
+    let node = node_with_mode(true, vec![mig_gpu(0)], ConsumableCapacity::TimeSlicing);
+    let share = |uid: &str, id: &str| {
+        as_share(
+            node_claim(uid, &[("part", "gpu-0-mig-3g20gb-4")]),
+            0,
+            id,
+            &[("memory", "1Gi")],
+        )
+    };
+    node.driver.prepare(&share(UID_A, "s-1")).unwrap();
+    let theirs = node.checkpoint().claims[UID_A].devices[0]
+        .mig
+        .clone()
+        .unwrap();
+    // Even while the other claim's record carries a recreation intent, the joining share
+    // records none of its own (the intent is the other claim's).
+    node.driver
+        .lock()
+        .data
+        .claims
+        .get_mut(UID_A)
+        .unwrap()
+        .devices[0]
+        .mig
+        .as_mut()
+        .unwrap()
+        .creating_in_boot = Some("11111111-2222-3333-4444-555555555555".into());
+    let plan = plan_of(&node, &share(UID_B, "s-2")).unwrap();
+    let mig = plan[0].mig.as_ref().unwrap();
+    assert_eq!(mig.uuid, theirs.uuid);
+    assert_eq!(mig.creating_in_boot, None);
+    // The instance serves both shares: nothing more is created.
+    node.driver
+        .lock()
+        .data
+        .claims
+        .get_mut(UID_A)
+        .unwrap()
+        .devices[0]
+        .mig
+        .as_mut()
+        .unwrap()
+        .creating_in_boot = None;
+    node.fake.clear_calls();
+    node.driver.prepare(&share(UID_B, "s-2")).unwrap();
+    assert_eq!(node.fake.mutations(), []);
+    assert_eq!(
+        node.checkpoint().claims[UID_B].devices[0]
+            .mig
+            .as_ref()
+            .unwrap()
+            .uuid,
+        theirs.uuid
+    );
+}
