@@ -1962,3 +1962,22 @@ fn a_share_joins_the_mig_instance_of_another_share_of_its_device() {
         theirs.uuid
     );
 }
+
+#[test]
+fn a_whole_mig_gpu_without_a_full_size_profile_is_refused() {
+    let mut gpu = mig_gpu(0);
+    if let MigState::Enabled { profiles, .. } = &mut gpu.mig {
+        profiles.retain(|p| p.name != "7g.40gb");
+    }
+    let node = Node::new(true, vec![gpu]);
+    let e = node
+        .driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap_err();
+    assert!(
+        matches!(&e, PrepareError::UnknownDevice { device, reason, .. }
+            if device == "gpu-0" && reason.contains("no full-size profile")),
+        "{e}"
+    );
+    assert_eq!(node.fake.mutations(), []);
+}
