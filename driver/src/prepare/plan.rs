@@ -1056,4 +1056,26 @@ mod tests {
         assert!(!cap.taken_whole_by(&share("s", None, Some(100))));
         assert!(!unknown.taken_whole_by(&share("s", Some(10 << 30), Some(100))));
     }
+
+    #[test]
+    fn a_gpu_has_only_the_mig_instances_it_lists() {
+        use crate::backend::GpuBackend;
+        use crate::prepare::testing::{FakeBackend, gpu_uuid, inventory, mig_gpu, plain_gpu};
+        let fake = FakeBackend::new(inventory(vec![mig_gpu(0)]));
+        let inst = fake
+            .add_instance(
+                &gpu_uuid(0),
+                19,
+                crate::model::Placement { start: 3, size: 1 },
+            )
+            .unwrap();
+        let gpu = fake.inventory().unwrap().gpus[0].clone();
+        assert!(gpu_has_instance(&gpu, &inst.uuid));
+        assert!(!gpu_has_instance(
+            &gpu,
+            "MIG-00000000-0000-0000-0000-000000000000"
+        ));
+        assert!(!gpu_has_instance(&mig_gpu(0), &inst.uuid));
+        assert!(!gpu_has_instance(&plain_gpu(0), &inst.uuid));
+    }
 }

@@ -13,6 +13,7 @@ use super::*;
 use crate::cdi;
 use crate::checkpoint::{CHECKPOINT_FILE, ClaimRecord, DeviceKind};
 use crate::model::{GpuInfo, MigState, Placement};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const UID_A: &str = "aaaaaaaa-0000-4000-8000-000000000001";
 const UID_B: &str = "bbbbbbbb-0000-4000-8000-000000000002";
@@ -1530,4 +1531,453 @@ fn device_metadata_of_mig_devices_and_of_a_failed_prepare() {
             .join(format!("{DRIVER}_metadata_{UID_A}_gpu.json"))
             .exists()
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Plan rules for shares, admin access and MIG placements (each kills mutants of plan.rs
+// that the tests above let survive).
+
+/// A node whose plugin runs with `--consumable-capacity mode`.
+fn node_with_mode(dynamic: bool, gpus: Vec<GpuInfo>, mode: ConsumableCapacity) -> Node {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Arc::new(FakeBackend::new(inventory(gpus)));
+    let mut config = config_in(dir.path(), dynamic);
+    config.consumable_capacity = mode;
+    let driver = NodeDriver::start(config, fake.clone()).unwrap();
+    fake.clear_calls();
+    Node { dir, fake, driver }
+}
+
+/// The claim's allocation result `index`, to edit.
+fn result_mut(
+    claim: &mut ResourceClaim,
+    index: usize,
+) -> &mut k8s_openapi::api::resource::v1::DeviceRequestAllocationResult {
+    &mut claim
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .and_then(|d| d.results.as_mut())
+        .unwrap()[index]
+}
+
+/// Makes allocation result `index` the share `id` that consumed `consumed` (capacity, quantity).
+fn as_share(
+    mut claim: ResourceClaim,
+    index: usize,
+    id: &str,
+    consumed: &[(&str, &str)],
+) -> ResourceClaim {
+    let r = result_mut(&mut claim, index);
+    r.share_id = Some(id.to_owned());
+    r.consumed_capacity = Some(
+        consumed
+            .iter()
+            .map(|(k, v)| {
+                (
+                    (*k).to_owned(),
+                    k8s_openapi::apimachinery::pkg::api::resource::Quantity((*v).to_owned()),
+                )
+            })
+            .collect(),
+    );
+    claim
+}
+
+/// Makes allocation result `index` one with admin access.
+fn as_admin(mut claim: ResourceClaim, index: usize) -> ResourceClaim {
+    result_mut(&mut claim, index).admin_access = Some(true);
+    claim
+}
+
+/// The plan of `claim` against the node's state now (nothing is prepared).
+fn plan_of(node: &Node, claim: &ResourceClaim) -> Planned {
+    let uid = claim.metadata.uid.as_deref().unwrap();
+    let state = node.driver.lock();
+    Planned(
+        node.driver
+            .plan(claim, &plan::claim_label(claim), uid, &state),
+    )
+}
+
+/// A plan or its refusal ([`plan::PlannedDevice`] has no `Debug` for `Result::unwrap`).
+struct Planned(Result<Vec<plan::PlannedDevice>, PrepareError>);
+
+impl Planned {
+    fn unwrap(self) -> Vec<plan::PlannedDevice> {
+        self.0.unwrap_or_else(|e| panic!("refused: {e}"))
+    }
+
+    fn unwrap_err(self) -> PrepareError {
+        match self.0 {
+            Ok(plan) => panic!("planned {} devices", plan.len()),
+            Err(e) => e,
+        }
+    }
+}
+
+const MPS_CONFIG: &str = r#"{"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+    "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 30}}}"#;
+
+#[test]
+fn a_share_on_a_node_with_consumable_capacity_off_is_refused() {
+    let claim = as_share(
+        node_claim(UID_A, &[("part", "gpu-0")]),
+        0,
+        "s-1",
+        &[("memory", "2Gi")],
+    );
+    let node = Node::new(false, vec![plain_gpu(0)]);
+    let e = node.driver.prepare(&claim).unwrap_err();
+    assert!(
+        matches!(&e, PrepareError::ShareRefused { device, reason, .. }
+            if device == "gpu-0" && reason.contains("allocated as share s-1")
+                && reason.contains("--consumable-capacity off")),
+        "{e}"
+    );
+    assert!(node.checkpoint().claims.is_empty());
+    // With admin access the share is not refused (admin access never shares).
+    plan_of(&node, &as_admin(claim.clone(), 0)).unwrap();
+    // A node that shares plans it.
+    let node = node_with_mode(false, vec![plain_gpu(0)], ConsumableCapacity::TimeSlicing);
+    plan_of(&node, &claim).unwrap();
+}
+
+#[test]
+fn a_share_that_consumed_the_whole_device_is_held_whole() {
+    let node = node_with_mode(false, vec![plain_gpu(0)], ConsumableCapacity::TimeSlicing);
+    let claim = node_claim(UID_A, &[("part", "gpu-0")]);
+    let all = as_share(
+        claim.clone(),
+        0,
+        "s-1",
+        &[("memory", "24Gi"), ("multiprocessors", "58")],
+    );
+    let plan = plan_of(&node, &all).unwrap();
+    assert!(plan[0].share.as_ref().unwrap().whole);
+    let part = as_share(
+        claim,
+        0,
+        "s-1",
+        &[("memory", "2Gi"), ("multiprocessors", "58")],
+    );
+    let plan = plan_of(&node, &part).unwrap();
+    assert!(!plan[0].share.as_ref().unwrap().whole);
+    // A share with admin access is held as the whole device.
+    let plan = plan_of(&node, &as_admin(part, 0)).unwrap();
+    assert!(plan[0].share.as_ref().unwrap().whole);
+}
+
+#[test]
+fn a_claim_with_partial_mps_shares_of_two_devices_is_refused() {
+    let gpus = vec![plain_gpu(0), plain_gpu(1)];
+    let node = node_with_mode(false, gpus.clone(), ConsumableCapacity::Mps);
+    let one = as_share(
+        node_claim(UID_A, &[("a", "gpu-0"), ("b", "gpu-1")]),
+        0,
+        "s-1",
+        &[("memory", "1Gi")],
+    );
+    // One partial share (beside a whole device) is served.
+    let plan = plan_of(&node, &one).unwrap();
+    assert_eq!(plan.len(), 2);
+    let two = as_share(one, 1, "s-2", &[("memory", "1Gi")]);
+    let e = plan_of(&node, &two).unwrap_err();
+    assert!(
+        matches!(&e, PrepareError::ShareRefused { device, reason, .. }
+            if device == "gpu-1"
+                && reason.contains("partial MPS shares of several devices (gpu-0, gpu-1)")),
+        "{e}"
+    );
+    // Shares that are not served by MPS daemons may span devices.
+    let node = node_with_mode(false, gpus, ConsumableCapacity::TimeSlicing);
+    assert_eq!(plan_of(&node, &two).unwrap().len(), 2);
+}
+
+#[test]
+fn an_mps_share_beside_a_device_with_its_own_mps_daemon_is_refused() {
+    let node = node_with_mode(
+        false,
+        vec![plain_gpu(0), plain_gpu(1)],
+        ConsumableCapacity::Mps,
+    );
+    let claim = as_share(
+        node_claim(UID_A, &[("part", "gpu-0"), ("solo", "gpu-1")]),
+        0,
+        "s-1",
+        &[("memory", "1Gi")],
+    );
+    let mps = with_config(
+        claim.clone(),
+        "FromClaim",
+        DRIVER,
+        &["solo"],
+        serde_json::from_str(MPS_CONFIG).unwrap(),
+    );
+    let e = plan_of(&node, &mps).unwrap_err();
+    assert!(
+        matches!(&e, PrepareError::ShareRefused { device, reason, .. }
+            if device == "gpu-0"
+                && reason.contains("device gpu-1 with its own MPS daemon")),
+        "{e}"
+    );
+    // A whole device time-sliced beside the share has no daemon of its own.
+    let ts = with_config(
+        claim,
+        "FromClaim",
+        DRIVER,
+        &["solo"],
+        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+               "sharing": {"strategy": "TimeSlicing"}}),
+    );
+    assert_eq!(plan_of(&node, &ts).unwrap().len(), 2);
+}
+
+#[test]
+fn an_mps_config_on_a_partial_share_becomes_its_client_limits() {
+    let node = node_with_mode(false, vec![plain_gpu(0)], ConsumableCapacity::Mps);
+    let claim = with_config(
+        as_share(
+            node_claim(UID_A, &[("part", "gpu-0")]),
+            0,
+            "s-1",
+            &[("memory", "2Gi")],
+        ),
+        "FromClaim",
+        DRIVER,
+        &["part"],
+        serde_json::from_str(MPS_CONFIG).unwrap(),
+    );
+    let plan = plan_of(&node, &claim).unwrap();
+    assert_eq!(
+        plan[0].share.as_ref().unwrap().client_thread_percentage,
+        Some(30)
+    );
+    // Folded into the share: not applied again as the device's own config.
+    assert!(plan[0].config.is_none());
+}
+
+#[test]
+fn on_demand_mig_placements_on_different_gpus_never_overlap() {
+    let node = Node::new(true, vec![mig_gpu(0), mig_gpu(1)]);
+    // The same placement on another GPU, held by another claim.
+    node.driver
+        .prepare(&node_claim(UID_A, &[("a", "gpu-0-mig-3g20gb-4")]))
+        .unwrap();
+    node.driver
+        .prepare(&node_claim(UID_B, &[("b", "gpu-1-mig-3g20gb-4")]))
+        .unwrap();
+    // The same placement on two GPUs, in one claim.
+    node.driver
+        .prepare(&node_claim(
+            UID_C,
+            &[("a", "gpu-0-mig-1g5gb-0"), ("b", "gpu-1-mig-1g5gb-0")],
+        ))
+        .unwrap();
+    assert_eq!(node.fake.mutations().len(), 4);
+    assert_eq!(node.checkpoint().claims.len(), 3);
+}
+
+#[test]
+fn admin_access_reaches_static_mig_devices_but_never_creates_one() {
+    let node = Node::new(true, vec![mig_gpu(0)]);
+    let stat = node
+        .fake
+        .add_instance(&gpu_uuid(0), 9, Placement { start: 4, size: 4 })
+        .unwrap();
+    let node = node.restart();
+    let claim = as_admin(
+        node_claim(
+            UID_A,
+            &[
+                ("on-demand", "gpu-0-mig-1g5gb-0"),
+                ("static", "gpu-0-mig-3g20gb-4"),
+            ],
+        ),
+        0,
+    );
+    let e = plan_of(&node, &claim).unwrap_err();
+    assert!(
+        matches!(&e, PrepareError::ShareRefused { device, reason, .. }
+            if device == "gpu-0-mig-1g5gb-0"
+                && reason.contains("on-demand MIG placement that no claim has created")),
+        "{e}"
+    );
+    let plan = plan_of(
+        &node,
+        &as_admin(node_claim(UID_A, &[("static", "gpu-0-mig-3g20gb-4")]), 0),
+    )
+    .unwrap();
+    let mig = plan[0].mig.as_ref().unwrap();
+    assert!(plan[0].admin_access && !mig.created_by_cleave);
+    assert_eq!(mig.uuid.as_deref(), Some(stat.uuid.as_str()));
+}
+
+#[test]
+fn shares_of_one_device_whose_sum_exceeds_it_are_refused() {
+    let node = node_with_mode(false, vec![plain_gpu(0)], ConsumableCapacity::TimeSlicing);
+    let share = |uid: &str, id: &str, consumed: &[(&str, &str)]| {
+        as_share(node_claim(uid, &[("part", "gpu-0")]), 0, id, consumed)
+    };
+    // The L4 of the fixture: 24Gi, 58 multiprocessors.
+    node.driver
+        .prepare(&share(
+            UID_A,
+            "s-1",
+            &[("memory", "16Gi"), ("multiprocessors", "40")],
+        ))
+        .unwrap();
+    for (consumed, over) in [
+        (
+            &[("memory", "16Gi")][..],
+            "add up to memory 32768Mi of 24576Mi",
+        ),
+        (
+            &[("memory", "1Gi"), ("multiprocessors", "40")][..],
+            "add up to multiprocessors 80 of 58",
+        ),
+    ] {
+        let e = node
+            .driver
+            .prepare(&share(UID_B, "s-2", consumed))
+            .unwrap_err();
+        assert!(
+            matches!(&e, PrepareError::OverCommit { device, what, .. }
+                if device == "gpu-0" && what.contains(over)),
+            "{e}"
+        );
+    }
+    // What is left of the device is served.
+    node.driver
+        .prepare(&share(
+            UID_B,
+            "s-2",
+            &[("memory", "8Gi"), ("multiprocessors", "18")],
+        ))
+        .unwrap();
+    assert_eq!(node.checkpoint().claims.len(), 2);
+}
+
+#[test]
+fn a_time_slice_interval_on_a_share_applies_unless_another_claim_holds_the_gpus() {
+    let node = node_with_mode(
+        false,
+        vec![plain_gpu(0), plain_gpu(1)],
+        ConsumableCapacity::TimeSlicing,
+    );
+    let share = |uid: &str, device: &str, interval: &str| {
+        with_config(
+            as_share(
+                node_claim(uid, &[("part", device)]),
+                0,
+                "s-1",
+                &[("memory", "1Gi")],
+            ),
+            "FromClaim",
+            DRIVER,
+            &["part"],
+            json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                   "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}),
+        )
+    };
+    let applied = |claim: &ResourceClaim| {
+        plan_of(&node, claim).unwrap()[0].config.as_ref().map(|c| {
+            serde_json::to_value(&c.config).unwrap()["sharing"]["timeSlicing"]["interval"].clone()
+        })
+    };
+    // The first share to ask sets the GPU's interval.
+    let first = share(UID_A, "gpu-0", "Long");
+    assert_eq!(applied(&first), Some(json!("Long")));
+    node.driver.prepare(&first).unwrap();
+    // Another claim asking another interval on that GPU keeps the GPU's (not applied).
+    assert_eq!(applied(&share(UID_B, "gpu-0", "Short")), None);
+    // The same interval, or another GPU, is applied.
+    assert_eq!(applied(&share(UID_B, "gpu-0", "Long")), Some(json!("Long")));
+    assert_eq!(
+        applied(&share(UID_B, "gpu-1", "Short")),
+        Some(json!("Short"))
+    );
+    // The claim's own record never blocks it (a repeated plan of the same claim).
+    assert_eq!(
+        applied(&share(UID_A, "gpu-0", "Short")),
+        Some(json!("Short"))
+    );
+}
+
+#[test]
+fn a_share_joins_the_mig_instance_of_another_share_of_its_device() {
+    let node = node_with_mode(true, vec![mig_gpu(0)], ConsumableCapacity::TimeSlicing);
+    let share = |uid: &str, id: &str| {
+        as_share(
+            node_claim(uid, &[("part", "gpu-0-mig-3g20gb-4")]),
+            0,
+            id,
+            &[("memory", "1Gi")],
+        )
+    };
+    node.driver.prepare(&share(UID_A, "s-1")).unwrap();
+    let theirs = node.checkpoint().claims[UID_A].devices[0]
+        .mig
+        .clone()
+        .unwrap();
+    // Even while the other claim's record carries a recreation intent, the joining share
+    // records none of its own (the intent is the other claim's).
+    node.driver
+        .lock()
+        .data
+        .claims
+        .get_mut(UID_A)
+        .unwrap()
+        .devices[0]
+        .mig
+        .as_mut()
+        .unwrap()
+        .creating_in_boot = Some("11111111-2222-3333-4444-555555555555".into());
+    let plan = plan_of(&node, &share(UID_B, "s-2")).unwrap();
+    let mig = plan[0].mig.as_ref().unwrap();
+    assert_eq!(mig.uuid, theirs.uuid);
+    assert_eq!(mig.creating_in_boot, None);
+    // The instance serves both shares: nothing more is created.
+    node.driver
+        .lock()
+        .data
+        .claims
+        .get_mut(UID_A)
+        .unwrap()
+        .devices[0]
+        .mig
+        .as_mut()
+        .unwrap()
+        .creating_in_boot = None;
+    node.fake.clear_calls();
+    node.driver.prepare(&share(UID_B, "s-2")).unwrap();
+    assert_eq!(node.fake.mutations(), []);
+    assert_eq!(
+        node.checkpoint().claims[UID_B].devices[0]
+            .mig
+            .as_ref()
+            .unwrap()
+            .uuid,
+        theirs.uuid
+    );
+}
+
+#[test]
+fn a_whole_mig_gpu_without_a_full_size_profile_is_refused() {
+    let mut gpu = mig_gpu(0);
+    if let MigState::Enabled { profiles, .. } = &mut gpu.mig {
+        profiles.retain(|p| p.name != "7g.40gb");
+    }
+    let node = Node::new(true, vec![gpu]);
+    let e = node
+        .driver
+        .prepare(&node_claim(UID_A, &[("gpu", "gpu-0")]))
+        .unwrap_err();
+    assert!(
+        matches!(&e, PrepareError::UnknownDevice { device, reason, .. }
+            if device == "gpu-0" && reason.contains("no full-size profile")),
+        "{e}"
+    );
+    assert_eq!(node.fake.mutations(), []);
 }
