@@ -234,6 +234,9 @@ pub struct RunningPlugin {
     pub usage: Option<crate::node::usage::UsageMonitor>,
     /// Held by every prepare and unprepare batch; usage sampling waits at it meanwhile.
     pub sampling_gate: cleave_driver::usage::SamplingGate,
+    /// The claim status writer (`None` with `--claim-device-status=false`): flushed at
+    /// shutdown.
+    pub(crate) status_writer: Option<crate::k8s::claim_status::ClaimStatusWriter>,
 }
 
 impl std::fmt::Debug for RunningPlugin {
@@ -431,7 +434,7 @@ pub(crate) async fn start_with_backend(
     });
     let handler = Arc::new(
         KubeClaimHandler::new(client, Arc::clone(&driver), node_lock.clone())
-            .with_status(status_writer)
+            .with_status(status_writer.clone())
             .with_health(health.clone(), &plugin.driver_name)
             .with_events(events)
             .with_metrics(metrics.as_ref().map(|m| m.observability.clone()))
@@ -453,6 +456,7 @@ pub(crate) async fn start_with_backend(
         bare_gpu_instances,
         usage,
         sampling_gate,
+        status_writer,
     })
 }
 
@@ -587,10 +591,28 @@ impl RunningPlugin {
             let _ = tokio::task::spawn_blocking(move || u.stop()).await;
         }
         let stopped = self.server.shutdown().await;
+        // No batch runs any more: what the writer still holds is written now, once, so a
+        // claim's entries do not wait for the next start (which would read the claim again).
+        if let Some(writer) = &self.status_writer {
+            match writer.flush(STATUS_FLUSH_TIMEOUT).await {
+                Some(0) => {}
+                Some(left) => warn!(
+                    left,
+                    "claim status writes still failing at shutdown; the next start writes them"
+                ),
+                None => warn!(
+                    timeout_s = STATUS_FLUSH_TIMEOUT.as_secs(),
+                    "claim status writes not done at shutdown; the next start writes them"
+                ),
+            }
+        }
         self.publisher.shutdown().await;
         stopped.context("stopping the plugin servers")
     }
 }
+
+/// How long shutdown waits for the claim status writes still pending.
+const STATUS_FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Event reason: the checkpoint cannot be read.
 pub(crate) const REASON_CHECKPOINT_UNREADABLE: &str = "CheckpointUnreadable";

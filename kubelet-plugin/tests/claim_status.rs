@@ -244,10 +244,30 @@ async fn nothing_is_written_when_turned_off() {
     let mut dra = dra_v1(&plugin.dra_socket).await;
     let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
     assert_eq!(r.claims["uid-whole"].error, "");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A writer flushes what it holds at shutdown (`pending_writes_are_written_at_shutdown`):
+    // once the plugin has exited, a write that was to come would be there.
+    drop(dra);
+    assert!(plugin.terminate().success());
     assert!(entries(&standin, "whole").is_empty());
     assert_eq!(standin.count("update", "resourceclaims"), 0);
+}
+
+/// The entries of a claim prepared just before SIGTERM are on the server when the plugin has
+/// exited: shutdown flushes what the writer still holds (the flush itself, while a batch
+/// still runs: the unit test `a_flush_writes_at_once_even_while_a_batch_runs`).
+async fn pending_writes_are_written_at_shutdown() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-0")], &[]);
+    let plugin = Plugin::start(&dirs, &PluginOptions::default());
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(&mut dra, vec![claim("whole", "uid-whole")]).await;
+    assert_eq!(r.claims["uid-whole"].error, "");
+    drop(dra);
     assert!(plugin.terminate().success());
+    let written = entries(&standin, "whole");
+    assert_eq!(written.len(), 1, "{written:?}\n{}", dirs.log());
+    assert_eq!(condition(&written[0], "Ready")["status"], "True");
 }
 
 /// `(claim GETs, claim status writes, 409 answers)` the stand-in served since its counts
@@ -380,6 +400,9 @@ fn main() -> std::process::ExitCode {
         }),
         ("nothing_is_written_when_turned_off", || {
             block_on(nothing_is_written_when_turned_off())
+        }),
+        ("pending_writes_are_written_at_shutdown", || {
+            block_on(pending_writes_are_written_at_shutdown())
         }),
         ("one_read_and_one_write_per_claim", || {
             block_on(one_read_and_one_write_per_claim())

@@ -36,6 +36,9 @@
 //! unprepared before its entries were written costs no write at all (its object from the
 //! prepare shows none of our entries).
 //!
+//! At shutdown the plugin flushes the writer ([`ClaimStatusWriter::flush`]): every pending
+//! write is tried once at once, so entries do not wait for the next start.
+//!
 //! Failed writes are retried with exponential back-off (from [`INITIAL_BACKOFF`] up to
 //! [`MAX_BACKOFF`], at most [`MAX_ATTEMPTS`] tries); a newer wish for the same claim (a
 //! health change, the unprepare) replaces the one being retried. A claim that is gone, or
@@ -136,6 +139,8 @@ enum Job {
 pub(crate) struct ClaimStatusWriter {
     /// Each wish with when it was made (its write is due from then).
     tx: mpsc::UnboundedSender<(Job, Instant)>,
+    /// Flush requests, each answered with how many writes are still pending after it.
+    flush_tx: mpsc::UnboundedSender<tokio::sync::oneshot::Sender<usize>>,
     activity: Arc<Activity>,
 }
 
@@ -206,7 +211,7 @@ pub(crate) struct WriterConfig {
 
 impl ClaimStatusWriter {
     /// Starts the writer task on the current runtime; it ends when every clone of the
-    /// writer is dropped (pending writes are abandoned then).
+    /// writer is dropped (pending writes are abandoned then: [`Self::flush`] first).
     pub(crate) fn start(
         client: kube::Client,
         config: WriterConfig,
@@ -214,6 +219,7 @@ impl ClaimStatusWriter {
         observer: Option<Arc<dyn StatusObserver>>,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
+        let (flush_tx, flush_rx) = mpsc::unbounded_channel();
         let activity = Arc::new(Activity::default());
         let worker = Worker {
             client,
@@ -225,8 +231,21 @@ impl ClaimStatusWriter {
             pending: BTreeMap::new(),
             known: BTreeMap::new(),
         };
-        tokio::spawn(worker.run(rx));
-        Self { tx, activity }
+        tokio::spawn(worker.run(rx, flush_rx));
+        Self {
+            tx,
+            flush_tx,
+            activity,
+        }
+    }
+
+    /// Writes every pending wish now, once, without waiting for a quiet node or a retry's
+    /// back-off (for shutdown, after the last batch). Returns how many are still pending
+    /// (their write failed), or `None` when the writer is gone or `timeout` passed first.
+    pub(crate) async fn flush(&self, timeout: Duration) -> Option<usize> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.flush_tx.send(reply).ok()?;
+        tokio::time::timeout(timeout, answer).await.ok()?.ok()
     }
 
     /// Marks a prepare or unprepare batch as running until the guard is dropped: writes wait
@@ -280,7 +299,11 @@ struct Worker {
 }
 
 impl Worker {
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<(Job, Instant)>) {
+    async fn run(
+        mut self,
+        mut rx: mpsc::UnboundedReceiver<(Job, Instant)>,
+        mut flush_rx: mpsc::UnboundedReceiver<tokio::sync::oneshot::Sender<usize>>,
+    ) {
         let mut health_changes = self.health.as_ref().map(|h| h.subscribe());
         loop {
             let now = Instant::now();
@@ -296,6 +319,14 @@ impl Worker {
                 (write, _) => write,
             };
             tokio::select! {
+                Some(reply) = flush_rx.recv() => {
+                    // Every wish sent before the flush, then each pending write once.
+                    while let Ok((job, made)) = rx.try_recv() {
+                        self.take(job, made);
+                    }
+                    self.write_due(true).await;
+                    let _ = reply.send(self.pending.len());
+                }
                 job = rx.recv(), if listen => match job {
                     Some((job, made)) => self.take(job, made),
                     None => break,
@@ -326,7 +357,7 @@ impl Worker {
                             Err(mpsc::error::TryRecvError::Disconnected) => return,
                         }
                     }
-                    self.write_due().await;
+                    self.write_due(false).await;
                 }
             }
         }
@@ -388,12 +419,13 @@ impl Worker {
         }
     }
 
-    async fn write_due(&mut self) {
+    /// Writes what is due on a quiet node; `now_all`: every pending wish, at once.
+    async fn write_due(&mut self, now_all: bool) {
         let now = Instant::now();
         let due: Vec<String> = self
             .pending
             .iter()
-            .filter(|(_, p)| p.due <= now)
+            .filter(|(_, p)| now_all || p.due <= now)
             .map(|(uid, _)| uid.clone())
             .collect();
         for uid in due {
@@ -402,7 +434,7 @@ impl Worker {
             };
             // Not yet due, or a batch started meanwhile: it waits for a quiet node.
             let now = Instant::now();
-            if self.activity.write_at(p.due, now) > now {
+            if !now_all && self.activity.write_at(p.due, now) > now {
                 continue;
             }
             let claim = p.claim.clone();
@@ -869,6 +901,7 @@ mod tests {
         assert_eq!(activity.write_at(due, now), due, "no batch yet");
         let writer = ClaimStatusWriter {
             tx: mpsc::unbounded_channel().0,
+            flush_tx: mpsc::unbounded_channel().0,
             activity: Arc::clone(&activity),
         };
         let batch = writer.batch();
@@ -957,6 +990,41 @@ mod tests {
             at - ended
         );
         assert_eq!(claim_requests(&standin), (0, 1, 0));
+    }
+
+    /// A flush (at shutdown) writes what is pending at once, without waiting for the batch
+    /// that still runs or for [`SETTLE`], and says nothing is left.
+    #[tokio::test]
+    async fn a_flush_writes_at_once_even_while_a_batch_runs() {
+        let standin = cleave_apiserver_standin::StandIn::start(Default::default())
+            .await
+            .unwrap();
+        let claim = cleave_apiserver_standin::fixtures::resource_claim(
+            "ns",
+            "c",
+            "u",
+            "gpu.cleave.dev",
+            "node-a",
+            &[("gpu", "gpu-0")],
+            &[],
+        );
+        standin.put(&claim).unwrap();
+        let read: ResourceClaim = standin.get_as("resourceclaims", "ns", "c").unwrap();
+        let seen = Arc::new(Seen::default());
+        let writer = ClaimStatusWriter::start(
+            standin.client(),
+            config(),
+            None,
+            Some(Arc::clone(&seen) as Arc<dyn StatusObserver>),
+        );
+        standin.reset_counts();
+        // Held: without the flush the write would wait for it (up to MAX_DEFER).
+        let batch = writer.batch();
+        writer.prepared(report(true), Some(read));
+        assert_eq!(writer.flush(Duration::from_secs(30)).await, Some(0));
+        assert_eq!(seen.0.lock().unwrap()[0].0, "ok");
+        assert_eq!(claim_requests(&standin), (0, 1, 0));
+        drop(batch);
     }
 
     #[test]
