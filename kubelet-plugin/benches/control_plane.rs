@@ -413,15 +413,7 @@ async fn sharing_claims(
                 },
             )
             .await;
-        let error = match &r {
-            Ok(r) => r
-                .get_ref()
-                .claims
-                .get(&uid)
-                .map(|c| c.error.clone())
-                .unwrap_or_default(),
-            Err(e) => e.to_string(),
-        };
+        let error = answer_error(&r, |a| a.claims.get(&uid).map(|c| c.error.clone()));
         if !error.is_empty() {
             println!("{what} on {name}: prepare failed: {error}");
             return Vec::new();
@@ -436,15 +428,7 @@ async fn sharing_claims(
                 },
             )
             .await;
-        let error = match &r {
-            Ok(r) => r
-                .get_ref()
-                .claims
-                .get(&uid)
-                .map(|c| c.error.clone())
-                .unwrap_or_default(),
-            Err(e) => e.to_string(),
-        };
+        let error = answer_error(&r, |a| a.claims.get(&uid).map(|c| c.error.clone()));
         if !error.is_empty() {
             println!("{what} on {name}: unprepare failed: {error}");
             return Vec::new();
@@ -479,4 +463,15 @@ fn settle(w: &World, mark: usize, name: &str, want: bool) {
 fn project_scan(first: usize, last: usize, n: usize, nodes: usize) -> usize {
     let per_node = (last.saturating_sub(first)) as f64 / (n - 1) as f64;
     (first as f64 + per_node * (nodes - 1) as f64).round() as usize
+}
+
+/// The claim's error in a DRA answer (`error_of` picks it), or the call's own error.
+fn answer_error<T>(
+    r: &Result<tonic::Response<T>, tonic::Status>,
+    error_of: impl Fn(&T) -> Option<String>,
+) -> String {
+    match r {
+        Ok(r) => error_of(r.get_ref()).unwrap_or_default(),
+        Err(e) => e.to_string(),
+    }
 }

@@ -935,10 +935,14 @@ mod tests {
         }
     }
 
-    /// A write waits for the batch that asked for it and [`SETTLE`] after it; a claim
-    /// unprepared before its entries were written costs no request at all.
-    #[tokio::test]
-    async fn writes_wait_for_the_batch_and_a_quick_unprepare_costs_nothing() {
+    /// A writer over a stand-in that holds the claim `ns/c` (UID `u`), the claim as read,
+    /// and what the writer reported.
+    async fn writer_with_claim() -> (
+        cleave_apiserver_standin::StandIn,
+        ClaimStatusWriter,
+        ResourceClaim,
+        Arc<Seen>,
+    ) {
         let standin = cleave_apiserver_standin::StandIn::start(Default::default())
             .await
             .unwrap();
@@ -960,6 +964,14 @@ mod tests {
             None,
             Some(Arc::clone(&seen) as Arc<dyn StatusObserver>),
         );
+        (standin, writer, read, seen)
+    }
+
+    /// A write waits for the batch that asked for it and [`SETTLE`] after it; a claim
+    /// unprepared before its entries were written costs no request at all.
+    #[tokio::test]
+    async fn writes_wait_for_the_batch_and_a_quick_unprepare_costs_nothing() {
+        let (standin, writer, read, seen) = writer_with_claim().await;
         standin.reset_counts();
 
         // Prepared and unprepared in two batches in a row: nothing to write.
@@ -996,27 +1008,7 @@ mod tests {
     /// that still runs or for [`SETTLE`], and says nothing is left.
     #[tokio::test]
     async fn a_flush_writes_at_once_even_while_a_batch_runs() {
-        let standin = cleave_apiserver_standin::StandIn::start(Default::default())
-            .await
-            .unwrap();
-        let claim = cleave_apiserver_standin::fixtures::resource_claim(
-            "ns",
-            "c",
-            "u",
-            "gpu.cleave.dev",
-            "node-a",
-            &[("gpu", "gpu-0")],
-            &[],
-        );
-        standin.put(&claim).unwrap();
-        let read: ResourceClaim = standin.get_as("resourceclaims", "ns", "c").unwrap();
-        let seen = Arc::new(Seen::default());
-        let writer = ClaimStatusWriter::start(
-            standin.client(),
-            config(),
-            None,
-            Some(Arc::clone(&seen) as Arc<dyn StatusObserver>),
-        );
+        let (standin, writer, read, seen) = writer_with_claim().await;
         standin.reset_counts();
         // Held: without the flush the write would wait for it (up to MAX_DEFER).
         let batch = writer.batch();
