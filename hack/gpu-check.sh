@@ -173,7 +173,7 @@ no_such_command
         sed -i -E \
             -e "s#$dir#<DIR>#g" \
             -e 's#^\[[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:.]+ #[<TIME> #' \
-            -e 's#^(\[<TIME> [A-Za-z ]+) +[0-9]+\]#\1 <PID>]#' \
+            -e 's#^(\[<TIME> [A-Za-z]+( [A-Za-z]+)*) +[0-9]+\]#\1 <PID>]#' \
             -e 's#^(GPU [0-9]+: ).* \(UUID:#\1<NAME> (UUID:#' \
             "$f"
     done
