@@ -98,6 +98,7 @@ fn main() {
                     mig_profile: Some("1g.10gb".into()),
                 },
                 pids: Vec::new(),
+                pods: Vec::new(),
             });
         }
     }

@@ -132,6 +132,9 @@ pub struct ClaimDevice {
     /// Host PIDs known to be the claim's on this device (an MPS claim's server, a share's
     /// processes); empty when unknown. Only MPS claims and shares use them.
     pub pids: Vec<u32>,
+    /// UIDs of the pods on this node that consume the claim: a process whose cgroup names
+    /// one of them is the claim's. Empty when unknown.
+    pub pods: Vec<String>,
 }
 
 impl ClaimDevice {
@@ -850,6 +853,7 @@ mod tests {
                 mig_profile: None,
             },
             pids: Vec::new(),
+            pods: Vec::new(),
         }
     }
 
@@ -876,6 +880,7 @@ mod tests {
             sharing: Some(SharingStrategy::TimeSlicing),
             share_id: Some(format!("share-{uid}")),
             pids: pids.to_vec(),
+            pods: Vec::new(),
             ..whole(uid, gpu)
         }
     }

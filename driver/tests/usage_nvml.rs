@@ -42,6 +42,7 @@ fn device(uid: &str, kind: Holding, gpu: &str, mig: Option<MigRef>, pids: &[u32]
         mig,
         allocated: Allocation::default(),
         pids: pids.to_vec(),
+        pods: Vec::new(),
     }
 }
 

@@ -982,6 +982,7 @@ fn usage_child(iterations: usize) {
                         mig_profile: Some("1g.10gb".into()),
                     },
                     pids: Vec::new(),
+                    pods: Vec::new(),
                 });
             }
         }

@@ -270,6 +270,7 @@ pub(crate) fn claim_devices(
                 } else {
                     pids.clone()
                 },
+                pods: Vec::new(),
             });
         }
     }

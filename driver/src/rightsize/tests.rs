@@ -71,6 +71,7 @@ fn whole(uid: &str) -> ClaimDevice {
             mig_profile: None,
         },
         pids: Vec::new(),
+        pods: Vec::new(),
     }
 }
 
@@ -98,6 +99,7 @@ fn mps(uid: &str, pids: &[u32]) -> ClaimDevice {
         kind: Holding::Mps,
         sharing: Some(SharingStrategy::Mps),
         pids: pids.to_vec(),
+        pods: Vec::new(),
         ..whole(uid)
     }
 }
@@ -108,6 +110,7 @@ fn share(uid: &str, pids: &[u32], gib: u64, sms: u32) -> ClaimDevice {
         sharing: Some(SharingStrategy::Mps),
         share_id: Some(format!("share-{uid}")),
         pids: pids.to_vec(),
+        pods: Vec::new(),
         allocated: Allocation {
             memory_bytes: gib * GIB,
             sms: Some(sms),

@@ -188,6 +188,7 @@ pub(crate) fn run(library: &std::path::Path, control: &std::path::Path) -> anyho
                         mig_profile: Some(profile.name.clone()),
                     },
                     pids: Vec::new(),
+                    pods: Vec::new(),
                 });
             }
             None => {
@@ -223,6 +224,7 @@ pub(crate) fn run(library: &std::path::Path, control: &std::path::Path) -> anyho
                     } else {
                         Vec::new()
                     },
+                    pods: Vec::new(),
                 });
             }
         }

@@ -197,6 +197,7 @@ fn mock_claims(
             } else {
                 Vec::new()
             },
+            pods: Vec::new(),
         });
     }
     Ok((devices, script))

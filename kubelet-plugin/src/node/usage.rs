@@ -548,6 +548,7 @@ mod tests {
                 mig_profile: None,
             },
             pids: Vec::new(),
+            pods: Vec::new(),
         }
     }
 
