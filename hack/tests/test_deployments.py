@@ -2589,7 +2589,21 @@ def dashboard_queries(node: Any) -> list[str]:
 
 
 def referenced_metrics(dash: dict) -> set[str]:
-    return set(re.findall(r"\bcleave_[a-z0-9_]+", "\n".join(dashboard_queries(dash))))
+    """The plugin's metric names a dashboard's queries use (recorded names left out)."""
+    return set(re.findall(r"(?<![:\w])cleave_[a-z0-9_]+", "\n".join(dashboard_queries(dash))))
+
+
+RULE_FILES = [CHART / "files" / "rightsizing-rules.yaml", CHART / "files" / "spend-rules.yaml"]
+
+
+def recorded_names() -> set[str]:
+    """Every `record:` name of the chart's rule files."""
+    return {r["record"] for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"]
+            for r in g["rules"] if "record" in r}
+
+
+def referenced_records(dash: dict) -> set[str]:
+    return set(re.findall(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", "\n".join(dashboard_queries(dash))))
 
 
 @check
@@ -2605,6 +2619,10 @@ def grafana_dashboard_refers_only_to_exported_usage_metrics() -> None:
     assert used, "the dashboard refers to no cleave_ metric"
     unknown = used - exported
     assert not unknown, f"dashboard refers to metrics the plugin does not export: {sorted(unknown)}"
+    records = referenced_records(dash)
+    assert records, "the dashboard uses no recording rule"
+    unrecorded = records - recorded_names()
+    assert not unrecorded, f"dashboard uses recorded series no chart rule records: {sorted(unrecorded)}"
     # Every panel has a unique id and, unless a row, targets with distinct refIds.
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), f"duplicate panel ids: {ids}"
@@ -2618,6 +2636,14 @@ def grafana_dashboard_refers_only_to_exported_usage_metrics() -> None:
     doctored = json.loads(json.dumps(dash))
     doctored["panels"][1]["targets"][0]["expr"] = "sum(cleave_kubelet_plugin_no_such_metric)"
     assert referenced_metrics(doctored) - exported == {"cleave_kubelet_plugin_no_such_metric"}
+
+@check
+def prometheus_rule_carries_both_rule_files() -> None:
+    rule = one(render({"metrics": {"prometheusRule": {"enabled": True}}}), "PrometheusRule")
+    want = [g for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"]]
+    assert rule["spec"]["groups"] == want, [g["name"] for g in rule["spec"]["groups"]]
+    assert {g["name"] for g in want} == {"cleave-rightsizing", "cleave-spend"}, [g["name"] for g in want]
+
 
 COMPOSITION_CLASSES = ROOT / "driver" / "tests" / "fixtures" / "deviceclasses.yaml"
 COMPOSITION_POLICIES = ROOT / "driver" / "tests" / "fixtures" / "chart-claim-policies.yaml"

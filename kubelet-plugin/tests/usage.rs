@@ -652,6 +652,9 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
             "namespace:cleave_claim_allocated_memory_bytes:sum",
             "namespace:cleave_claim_recommended_memory_bytes:sum",
             "namespace_recommendation_change:cleave_claim_devices:count",
+            "namespace_labels:cleave_gpus_used:sum",
+            "namespace_labels:cleave_gpu_hours_held:1d",
+            "namespace_labels:cleave_gpu_hours_recommended:7d",
             // 5 GiB and 42.5 % of 60 SMs, with 20 % headroom: 6 GiB and 31 SMs.
             r#"cleave_kubelet_plugin_claim_recommendation_info{claim="mig",recommendation="mig",profile="2g.20gb",change="smaller"}"#,
             r#"cleave_kubelet_plugin_claim_recommendation_info{claim="idle",recommendation="release"}"#,
@@ -725,6 +728,8 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
         "namespace:cleave_claim_allocated_memory_bytes:sum",
         "namespace:cleave_claim_recommended_memory_bytes:sum",
         "namespace_recommendation_change:cleave_claim_devices:count",
+        "namespace_labels:cleave_gpus_held:sum",
+        "namespace_labels:cleave_gpu_hours_used:7d",
     ] {
         let got = namespaces(rule);
         assert!(

@@ -24,7 +24,8 @@ pub fn url_encode(q: &str) -> String {
 }
 
 /// Every PromQL query of the dashboard: targets' `expr`, and the metric of each
-/// `label_values(metric, label)` variable query; `$namespace` becomes `namespace` (a regex).
+/// `label_values(metric, label)` variable query; `$namespace` becomes `namespace` (a regex),
+/// `$by` (the spend panels' grouping) `namespace`.
 pub fn dashboard_queries(namespace: &str) -> Vec<String> {
     fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
         match v {
@@ -56,6 +57,7 @@ pub fn dashboard_queries(namespace: &str) -> Vec<String> {
         .map(|q| {
             q.replace("$namespace", namespace)
                 .replace("$__rate_interval", "1m")
+                .replace("$by", "namespace")
         })
         .collect()
 }
@@ -188,16 +190,29 @@ pub fn prometheus_found() -> bool {
 }
 
 /// Starts Prometheus on loopback in `dir` with `scrape_configs` (one or more jobs) and the
-/// chart's recording rules, evaluated and scraped every second; its log is `dir/log`.
+/// chart's recording rules, evaluated and scraped every second; its log is `dir/log`. The
+/// spend rules' group interval (one minute, which their GPU-hours figures assume) is made
+/// one second here, so that they answer within the test: their values are then not hours.
 pub fn start_prometheus(dir: &Path, scrape_configs: &str) -> (Reaped, u16) {
     let rules = repo_file("deployments/helm/cleave/files/rightsizing-rules.yaml");
     std::fs::create_dir_all(dir).unwrap();
+    let spend_text =
+        std::fs::read_to_string(repo_file("deployments/helm/cleave/files/spend-rules.yaml"))
+            .unwrap();
+    assert!(spend_text.contains("    interval: 1m\n"), "{spend_text}");
+    let spend = dir.join("spend-rules.yaml");
+    std::fs::write(
+        &spend,
+        spend_text.replace("    interval: 1m\n", "    interval: 1s\n"),
+    )
+    .unwrap();
     let config = dir.join("prometheus.yml");
     std::fs::write(
         &config,
         format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n{scrape_configs}",
-            rules.display()
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\n  - {}\nscrape_configs:\n{scrape_configs}",
+            rules.display(),
+            spend.display()
         ),
     )
     .unwrap();
