@@ -514,6 +514,10 @@ pub(crate) struct UsageCommandArgs {
     /// the GPUs the recommendations would need.
     #[arg(long)]
     pub recommend: bool,
+    /// Print GPUs held, used and recommended per group instead: `namespace`, or a pod label
+    /// key the plugin copies onto claim series (its allowlist; `team` reads `label_team`).
+    #[arg(long, value_name = "LABEL", conflicts_with = "recommend")]
+    pub by: Option<String>,
 }
 
 /// Parses `500ms`, `10s`, `5m`, `1h` or a bare number of seconds.

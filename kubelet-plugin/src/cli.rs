@@ -106,7 +106,7 @@ fn run(cli: &mut Cli) -> anyhow::Result<ExitCode> {
         Command::Usage(args) => {
             #[cfg(feature = "mock")]
             if let Some(m) = &usage_mock {
-                print!("{}", m.run(args.recommend)?);
+                print!("{}", m.run(args.recommend, args.by.as_deref())?);
                 return Ok(ExitCode::SUCCESS);
             }
             print!("{}", crate::node::usage::run_command(args)?);

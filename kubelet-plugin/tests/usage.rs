@@ -434,6 +434,28 @@ fn usage_mock_prints_a_table() {
     ] {
         assert!(text.contains(part), "{part} missing in\n{text}");
     }
+    // Grouped by namespace: each of the two namespaces with its two claim devices.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+        .args(["usage", "--by", "namespace", "--mock", "h100-80gb-x8"])
+        .env_remove("MOCK_NVML_CONFIG")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with("NAMESPACE") && lines[0].contains("GPUS HELD"),
+        "{text}"
+    );
+    for ns in ["team-a", "team-b"] {
+        let row: Vec<&str> = lines
+            .iter()
+            .find(|l| l.split_whitespace().next() == Some(ns))
+            .unwrap_or_else(|| panic!("no {ns} row in\n{text}"))
+            .split_whitespace()
+            .collect();
+        assert_eq!(row[1], "2", "{ns}: {text}");
+    }
 }
 
 /// `usage --recommend --mock` prints a recommendation per scripted claim with its reason,

@@ -21,7 +21,7 @@ use cleave_driver::usage::{
 use super::set_env;
 use crate::metrics::Metrics;
 use crate::node::usage::UsageRounds;
-use crate::node::usage::command::{parse_exposition, render};
+use crate::node::usage::command::{Sample, parse_exposition, render};
 
 /// The mock try's scratch files; the mock's environment must be set (by
 /// [`UsageTry::prepare_env`]) while the process is single-threaded.
@@ -60,18 +60,21 @@ impl UsageTry {
     }
 
     /// The try's table: the scripted day's recommendations with `recommend`, else two
-    /// rounds 200 ms apart.
-    pub(crate) fn run(&self, recommend: bool) -> anyhow::Result<String> {
+    /// rounds 200 ms apart, per claim device or grouped by `by`.
+    pub(crate) fn run(&self, recommend: bool, by: Option<&str>) -> anyhow::Result<String> {
         if recommend {
-            super::recommend_try::run(&self.library, &self.control())
-        } else {
-            self.rounds(Duration::from_millis(200))
+            return super::recommend_try::run(&self.library, &self.control());
         }
+        let scrapes = self.rounds(Duration::from_millis(200))?;
+        Ok(match by {
+            Some(by) => crate::node::usage::by_command::render(&scrapes, by),
+            None => render(&scrapes, SystemTime::now()),
+        })
     }
 
     /// Creates the MIG devices, scripts usage, takes two rounds `interval` apart and
-    /// renders them.
-    fn rounds(&self, interval: Duration) -> anyhow::Result<String> {
+    /// returns their expositions, parsed.
+    fn rounds(&self, interval: Duration) -> anyhow::Result<Vec<Vec<Sample>>> {
         let backend = cleave_driver::nvml::NvmlBackend::open(Some(&self.library))
             .context("loading the mock NVML library")?;
         let inventory = backend.inventory().context("reading the mock's GPUs")?;
@@ -110,7 +113,7 @@ impl UsageTry {
                 .apply_round("mock-node", &r, &gpus, now, SystemTime::now());
             scrapes.push(parse_exposition(&metrics.encode())?);
         }
-        Ok(render(&scrapes, SystemTime::now()))
+        Ok(scrapes)
     }
 }
 

@@ -32,6 +32,7 @@ use tracing::{debug, info, warn};
 
 use crate::node::usage::metrics::UsageMetrics;
 
+pub(crate) mod by_command;
 pub(crate) mod command;
 pub(crate) mod metrics;
 pub(crate) mod recommend;
@@ -485,6 +486,9 @@ pub(crate) fn spawn_idle_events(
 pub(crate) fn run_command(args: &crate::args::UsageCommandArgs) -> anyhow::Result<String> {
     if args.recommend {
         recommend_command::run_live(&args.metrics_addr)
+    } else if let Some(by) = &args.by {
+        let scrapes = command::scrape_all(args)?;
+        Ok(by_command::render(&scrapes, by))
     } else {
         command::run_live(args)
     }

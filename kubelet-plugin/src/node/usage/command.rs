@@ -303,6 +303,11 @@ fn ago(secs: f64) -> String {
 
 /// Runs `usage` against the running plugin.
 pub(crate) fn run_live(args: &UsageCommandArgs) -> anyhow::Result<String> {
+    Ok(render(&scrape_all(args)?, SystemTime::now()))
+}
+
+/// `--scrapes` scrapes of the running plugin, `--every` apart, parsed.
+pub(crate) fn scrape_all(args: &UsageCommandArgs) -> anyhow::Result<Vec<Vec<Sample>>> {
     let mut scrapes = Vec::new();
     for n in 0..args.scrapes {
         if n > 0 {
@@ -311,7 +316,7 @@ pub(crate) fn run_live(args: &UsageCommandArgs) -> anyhow::Result<String> {
         let text = scrape(&args.metrics_addr)?;
         scrapes.push(parse_exposition(&text)?);
     }
-    Ok(render(&scrapes, SystemTime::now()))
+    Ok(scrapes)
 }
 
 #[cfg(test)]
