@@ -304,6 +304,8 @@ pub struct UsageSampler {
     max_wait: Duration,
     /// Where host processes' `<pid>/cgroup` files are read.
     proc_root: PathBuf,
+    /// Whether the unreadable proc root was logged.
+    blind_warned: bool,
 }
 
 impl fmt::Debug for UsageSampler {
@@ -322,6 +324,9 @@ struct RoundCache {
     mps_processes: HashMap<String, Result<Vec<ProcessMemory>, String>>,
     /// Pod of each host PID NVML named this round (read from its cgroup once).
     pods: PodResolver,
+    /// A device listed processes none of whose cgroups could be read (the proc root is
+    /// not the host's).
+    blind: bool,
     process_util: HashMap<String, Result<Option<Vec<ProcessUtilization>>, String>>,
     calls: Calls,
 }
@@ -491,6 +496,7 @@ impl UsageSampler {
             gate: None,
             max_wait: Duration::ZERO,
             proc_root: PathBuf::from("/proc"),
+            blind_warned: false,
         }
     }
 
@@ -528,6 +534,10 @@ impl UsageSampler {
             .iter()
             .map(|d| self.sample_one(d, &mut cache))
             .collect();
+        if cache.blind && !self.blind_warned {
+            self.blind_warned = true;
+            warn!(proc_root = %self.proc_root.display(), "cannot read the cgroup of any GPU process: shares and MPS claims known by their pods are not attributable (does the plugin run in the host's PID namespace?)");
+        }
         let mut live: Vec<GpmTarget> = cache.gpm.keys().cloned().collect();
         live.sort();
         self.source.gpm_retain(&live);
@@ -557,6 +567,9 @@ impl UsageSampler {
             src.memory(&device_uuid)
         });
         let memory_total = memory.as_ref().ok().map(|m| m.total);
+        // Known by its pods only, on a device whose processes' cgroups cannot be read: the
+        // claim's processes cannot be told apart (not "uses nothing").
+        let mut blind = false;
         let (memory_used, memory_source) = if !d.attributes_by_process() {
             match &memory {
                 Ok(m) => (Some(m.used), MemorySource::Device),
@@ -569,6 +582,15 @@ impl UsageSampler {
             (None, MemorySource::NotAttributable)
         } else {
             match self.device_processes(&device_uuid, c) {
+                Ok((plain, mps))
+                    if d.pids.is_empty()
+                        && !(plain.is_empty() && mps.is_empty())
+                        && !plain.iter().chain(&mps).any(|p| c.pods.readable(p.pid)) =>
+                {
+                    blind = true;
+                    c.blind = true;
+                    (None, MemorySource::NotAttributable)
+                }
                 Ok((plain, mps)) => {
                     // The union of both lists, each PID once (the plain list first).
                     let mut seen = std::collections::BTreeSet::new();
@@ -598,7 +620,9 @@ impl UsageSampler {
             }
         };
         let mut sm_occupancy = None;
-        let activity = if d.attributes_by_process() {
+        let activity = if blind {
+            Activity::NotAttributable
+        } else if d.attributes_by_process() {
             self.process_activity(d, c, &mut errors)
         } else {
             let target = d.gpm_target();
@@ -1230,6 +1254,33 @@ mod tests {
         let r = s.sample(&[share_of_pods("a", "GPU-s", &[POD_A])]);
         assert_eq!(r.samples[0].activity, Activity::NotAttributable);
         assert_eq!(r.samples[0].memory_used, Some(3 << 30));
+    }
+
+    /// A proc root that shows none of the GPU's processes (not the host's PID namespace):
+    /// a share known by its pods is not attributable, not idle; one known by PIDs still is.
+    #[test]
+    fn an_unreadable_proc_root_makes_pod_shares_not_attributable() {
+        let root = proc_root(&[]);
+        let fake = Arc::new(FakeUsage::default());
+        fake.set(
+            "GPU-s",
+            FakeUsageDevice {
+                mps_processes: vec![(100, 3 << 30)],
+                process_util: Some(vec![(100, 70)]),
+                ..FakeUsageDevice::default()
+            },
+        );
+        let mut s = UsageSampler::new(fake).with_proc_root(root.path().to_path_buf());
+        let r = s.sample(&[
+            share_of_pods("a", "GPU-s", &[POD_A]),
+            share("b", "GPU-s", &[100]),
+        ]);
+        assert_eq!(
+            (r.samples[0].memory_source, r.samples[0].activity),
+            (MemorySource::NotAttributable, Activity::NotAttributable)
+        );
+        assert_eq!(r.samples[1].memory_used, Some(3 << 30));
+        assert_eq!(r.samples[1].activity.percent(), Some(70.0));
     }
 
     /// A share on a MIG device: memory by pod from the MIG device's lists; activity is

@@ -46,7 +46,8 @@ pub fn pod_of_cgroup_file(text: &str) -> Option<String> {
 #[derive(Debug, Default)]
 pub struct PodResolver {
     proc_root: PathBuf,
-    seen: HashMap<u32, Option<String>>,
+    /// Per PID: `None` when its file could not be read, else the pod it names, if any.
+    seen: HashMap<u32, Option<Option<String>>>,
 }
 
 impl PodResolver {
@@ -58,18 +59,25 @@ impl PodResolver {
         }
     }
 
+    fn lookup(&mut self, pid: u32) -> &Option<Option<String>> {
+        let root = &self.proc_root;
+        self.seen.entry(pid).or_insert_with(|| {
+            let file: PathBuf = root.join(pid.to_string()).join("cgroup");
+            std::fs::read_to_string(file)
+                .ok()
+                .map(|t| pod_of_cgroup_file(&t))
+        })
+    }
+
     /// The UID of the pod `pid` runs in.
     pub fn pod_of(&mut self, pid: u32) -> Option<&str> {
-        let root = &self.proc_root;
-        self.seen
-            .entry(pid)
-            .or_insert_with(|| {
-                let file: PathBuf = root.join(pid.to_string()).join("cgroup");
-                std::fs::read_to_string(file)
-                    .ok()
-                    .and_then(|t| pod_of_cgroup_file(&t))
-            })
-            .as_deref()
+        self.lookup(pid).as_ref().and_then(|p| p.as_deref())
+    }
+
+    /// Whether the cgroup file of `pid` could be read (the process is visible under the
+    /// proc root: same PID namespace, still running).
+    pub fn readable(&mut self, pid: u32) -> bool {
+        self.lookup(pid).is_some()
     }
 
     /// How many PIDs were read.
@@ -154,6 +162,7 @@ mod tests {
         let mut r = PodResolver::new(dir.path());
         assert_eq!(r.pod_of(4242), Some(UID));
         assert_eq!(r.pod_of(4343), None, "no such PID");
+        assert!(r.readable(4242) && !r.readable(4343));
         std::fs::remove_dir_all(&p).unwrap();
         assert_eq!(r.pod_of(4242), Some(UID), "cached for the round");
         assert_eq!(r.resolved(), 2);
