@@ -19,8 +19,13 @@
 #   PLUGIN                   cleave-kubelet-plugin binary for the NVML discovery check
 #                            (default: target/debug/cleave-kubelet-plugin when it exists;
 #                            skipped otherwise)
+#   USAGE_PROBE              driver example that asks NVML every query usage attribution uses
+#                            (compute processes, MPS clients, per-process utilization, memory,
+#                            utilization; default: target/debug/examples/usage_probe, built
+#                            with `cargo build -p cleave-driver --example usage_probe`;
+#                            skipped when missing)
 #   CHECK_TIMEOUT            seconds allowed per command (default 30)
-#   SKIP_NVML                non-empty: skip the NVML discovery check
+#   SKIP_NVML                non-empty: skip the NVML discovery and usage-probe checks
 #
 # Exit status: 0 when the fakes answered exactly like the real tools (after normalising
 # timestamps, PIDs, paths and product names), 1 when they differ (the diff is printed and kept
@@ -228,6 +233,17 @@ if [[ -x "$plugin" && -z "${SKIP_NVML:-}" ]]; then
     cat "$out/nvml/compare.txt" >&2
 else
     echo "gpu-check: NVML discovery skipped (no cleave-kubelet-plugin at $plugin; set PLUGIN)" >&2
+fi
+
+# The NVML queries usage attribution makes, on the real machine only (read-only).
+probe="${USAGE_PROBE:-$repo/target/debug/examples/usage_probe}"
+if [[ -x "$probe" && -z "${SKIP_NVML:-}" ]]; then
+    mkdir -p "$out/nvml"
+    timeout "$timeout_s" "$probe" >"$out/nvml/usage-probe.txt" 2>&1 || nvml_status=1
+    echo "gpu-check: NVML usage queries:" >&2
+    cat "$out/nvml/usage-probe.txt" >&2
+else
+    echo "gpu-check: NVML usage queries skipped (no usage_probe at $probe; set USAGE_PROBE)" >&2
 fi
 
 status=0

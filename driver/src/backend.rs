@@ -253,6 +253,15 @@ pub trait UsageSource: Send + Sync {
     /// Compute processes on a GPU or MIG device with their memory.
     fn processes(&self, device_uuid: &str) -> Result<Vec<ProcessMemory>, BackendError>;
 
+    /// Processes with an MPS compute context on a GPU or MIG device (the CUDA clients of
+    /// an MPS server, which the compute-process list does not show: it lists the server),
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v3`. Sources that know no MPS clients
+    /// answer an empty list.
+    fn mps_processes(&self, device_uuid: &str) -> Result<Vec<ProcessMemory>, BackendError> {
+        let _ = device_uuid;
+        Ok(Vec::new())
+    }
+
     /// Per-process SM utilization samples newer than `since_us` on a whole GPU; `None`
     /// where NVML does not support it (MIG-enabled GPUs, before Maxwell).
     fn process_utilization(

@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -24,6 +25,10 @@ use tracing::warn;
 use crate::backend::{
     BackendError, GpmReading, GpmTarget, MemoryUse, ProcessMemory, ProcessUtilization, UsageSource,
 };
+
+pub mod owner;
+
+use owner::PodResolver;
 
 /// Every usage metric the kubelet plugin exports, full names as scraped (the plugin's
 /// registry prefix `cleave_kubelet_plugin` included). The Grafana dashboard
@@ -153,6 +158,21 @@ impl ClaimDevice {
     fn attributes_by_process(&self) -> bool {
         matches!(self.kind, Holding::Mps | Holding::Share)
     }
+
+    /// Whether anything tells this claim's processes apart: host PIDs or pod UIDs.
+    fn knows_processes(&self) -> bool {
+        !self.pids.is_empty() || !self.pods.is_empty()
+    }
+
+    /// Whether host process `pid` is the claim's: a known PID, or one whose cgroup names
+    /// one of the claim's pods.
+    fn owns(&self, pid: u32, pods: &mut PodResolver) -> bool {
+        self.pids.contains(&pid)
+            || (!self.pods.is_empty()
+                && pods
+                    .pod_of(pid)
+                    .is_some_and(|uid| self.pods.iter().any(|p| p == uid)))
+    }
 }
 
 /// Where a compute-activity figure comes from (the `source` label).
@@ -216,9 +236,13 @@ impl Activity {
 pub enum MemorySource {
     /// The device's own memory counters (GPU or MIG device).
     Device,
-    /// The sum over the claim's processes.
+    /// The sum over the claim's processes, all listed by
+    /// `nvmlDeviceGetComputeRunningProcesses_v3`.
     Processes,
-    /// Not attributable to the claim (a share whose processes are unknown).
+    /// The sum over the claim's processes, some or all of them MPS clients listed by
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v3`.
+    MpsClients,
+    /// Not attributable to the claim (a share whose processes and pods are unknown).
     NotAttributable,
     /// The query failed.
     Unavailable,
@@ -278,6 +302,10 @@ pub struct UsageSampler {
     gate: Option<SamplingGate>,
     /// The most one round waits at the gate.
     max_wait: Duration,
+    /// Where host processes' `<pid>/cgroup` files are read.
+    proc_root: PathBuf,
+    /// Whether the unreadable proc root was logged.
+    blind_warned: bool,
 }
 
 impl fmt::Debug for UsageSampler {
@@ -293,6 +321,12 @@ struct RoundCache {
     utilization: HashMap<String, Result<Option<u32>, String>>,
     gpm: HashMap<GpmTarget, Result<GpmReading, String>>,
     processes: HashMap<String, Result<Vec<ProcessMemory>, String>>,
+    mps_processes: HashMap<String, Result<Vec<ProcessMemory>, String>>,
+    /// Pod of each host PID NVML named this round (read from its cgroup once).
+    pods: PodResolver,
+    /// A device listed processes none of whose cgroups could be read (the proc root is
+    /// not the host's).
+    blind: bool,
     process_util: HashMap<String, Result<Option<Vec<ProcessUtilization>>, String>>,
     calls: Calls,
 }
@@ -461,7 +495,16 @@ impl UsageSampler {
             process_seen_us: HashMap::new(),
             gate: None,
             max_wait: Duration::ZERO,
+            proc_root: PathBuf::from("/proc"),
+            blind_warned: false,
         }
+    }
+
+    /// This sampler, reading processes' cgroups under `proc_root` (default `/proc`) to
+    /// find the pod each GPU process runs in ([`owner`]).
+    pub fn with_proc_root(mut self, proc_root: PathBuf) -> Self {
+        self.proc_root = proc_root;
+        self
     }
 
     /// This sampler, waiting before each query while `gate` is held, at most `max_wait`
@@ -484,12 +527,17 @@ impl UsageSampler {
                     waited: Duration::ZERO,
                 },
             },
+            pods: PodResolver::new(&self.proc_root),
             ..RoundCache::default()
         };
         let samples = devices
             .iter()
             .map(|d| self.sample_one(d, &mut cache))
             .collect();
+        if cache.blind && !self.blind_warned {
+            self.blind_warned = true;
+            warn!(proc_root = %self.proc_root.display(), "cannot read the cgroup of any GPU process: shares and MPS claims known by their pods are not attributable (does the plugin run in the host's PID namespace?)");
+        }
         let mut live: Vec<GpmTarget> = cache.gpm.keys().cloned().collect();
         live.sort();
         self.source.gpm_retain(&live);
@@ -519,6 +567,9 @@ impl UsageSampler {
             src.memory(&device_uuid)
         });
         let memory_total = memory.as_ref().ok().map(|m| m.total);
+        // Known by its pods only, on a device whose processes' cgroups cannot be read: the
+        // claim's processes cannot be told apart (not "uses nothing").
+        let mut blind = false;
         let (memory_used, memory_source) = if !d.attributes_by_process() {
             match &memory {
                 Ok(m) => (Some(m.used), MemorySource::Device),
@@ -527,19 +578,40 @@ impl UsageSampler {
                     (None, MemorySource::Unavailable)
                 }
             }
-        } else if d.pids.is_empty() {
+        } else if !d.knows_processes() {
             (None, MemorySource::NotAttributable)
         } else {
-            match cached(&mut c.processes, &mut c.calls, &device_uuid, || {
-                src.processes(&device_uuid)
-            }) {
-                Ok(list) => {
-                    let used = list
+            match self.device_processes(&device_uuid, c) {
+                Ok((plain, mps))
+                    if d.pids.is_empty()
+                        && !(plain.is_empty() && mps.is_empty())
+                        && !plain.iter().chain(&mps).any(|p| c.pods.readable(p.pid)) =>
+                {
+                    blind = true;
+                    c.blind = true;
+                    (None, MemorySource::NotAttributable)
+                }
+                Ok((plain, mps)) => {
+                    // The union of both lists, each PID once (the plain list first).
+                    let mut seen = std::collections::BTreeSet::new();
+                    let mut used = 0;
+                    let mut from_mps = false;
+                    for (p, is_mps) in plain
                         .iter()
-                        .filter(|p| d.pids.contains(&p.pid))
-                        .filter_map(|p| p.used)
-                        .sum();
-                    (Some(used), MemorySource::Processes)
+                        .map(|p| (p, false))
+                        .chain(mps.iter().map(|p| (p, true)))
+                    {
+                        if seen.insert(p.pid) && d.owns(p.pid, &mut c.pods) {
+                            used += p.used.unwrap_or(0);
+                            from_mps |= is_mps;
+                        }
+                    }
+                    let source = if from_mps {
+                        MemorySource::MpsClients
+                    } else {
+                        MemorySource::Processes
+                    };
+                    (Some(used), source)
                 }
                 Err(e) => {
                     errors.push(e);
@@ -548,7 +620,9 @@ impl UsageSampler {
             }
         };
         let mut sm_occupancy = None;
-        let activity = if d.attributes_by_process() {
+        let activity = if blind {
+            Activity::NotAttributable
+        } else if d.attributes_by_process() {
             self.process_activity(d, c, &mut errors)
         } else {
             let target = d.gpm_target();
@@ -598,15 +672,35 @@ impl UsageSampler {
         }
     }
 
+    /// The compute processes and the MPS clients of a GPU or MIG device, each list asked
+    /// for once per round.
+    fn device_processes(
+        &self,
+        device_uuid: &String,
+        c: &mut RoundCache,
+    ) -> Result<(Vec<ProcessMemory>, Vec<ProcessMemory>), String> {
+        let src = &self.source;
+        let plain = cached(&mut c.processes, &mut c.calls, device_uuid, || {
+            src.processes(device_uuid)
+        })?;
+        let mps = cached(&mut c.mps_processes, &mut c.calls, device_uuid, || {
+            src.mps_processes(device_uuid)
+        })?;
+        Ok((plain, mps))
+    }
+
     /// Activity of an MPS claim or share: the sum of its processes' SM utilization, where
-    /// NVML reports it per process (whole GPUs not in MIG mode) and the processes are known.
+    /// NVML reports it per process (whole GPUs not in MIG mode) and the processes are known
+    /// (by PID or by pod). Where the claim's processes are MPS clients but the samples name
+    /// no MPS client of the GPU (NVML may report the MPS server only: unverified), the
+    /// activity is not attributable rather than a false zero.
     fn process_activity(
         &self,
         d: &ClaimDevice,
         c: &mut RoundCache,
         errors: &mut Vec<String>,
     ) -> Activity {
-        if d.pids.is_empty() || d.mig.is_some() {
+        if !d.knows_processes() || d.mig.is_some() {
             return Activity::NotAttributable;
         }
         let gpu = d.gpu_uuid.clone();
@@ -616,11 +710,25 @@ impl UsageSampler {
             src.process_utilization(&gpu, since)
         }) {
             Ok(Some(list)) => {
+                let clients: Vec<u32> = match self.device_processes(&gpu, c) {
+                    Ok((_, mps)) => mps.iter().map(|p| p.pid).collect(),
+                    Err(e) => {
+                        errors.push(e);
+                        return Activity::Unavailable;
+                    }
+                };
+                let mine_are_clients = clients.iter().any(|&pid| d.owns(pid, &mut c.pods));
+                if mine_are_clients
+                    && !list.is_empty()
+                    && !list.iter().any(|p| clients.contains(&p.pid))
+                {
+                    return Activity::NotAttributable;
+                }
                 // The newest sample per process; a process without a sample since the
                 // last round had no utilization (nvml.h: samples are only kept for
                 // processes with non-zero utilization).
                 let mut newest: BTreeMap<u32, &ProcessUtilization> = BTreeMap::new();
-                for p in list.iter().filter(|p| d.pids.contains(&p.pid)) {
+                for p in list.iter().filter(|p| d.owns(p.pid, &mut c.pods)) {
                     let e = newest.entry(p.pid).or_insert(p);
                     if p.timestamp_us > e.timestamp_us {
                         *e = p;
@@ -1041,6 +1149,168 @@ mod tests {
             fake.calls()
                 .contains(&"process_util GPU-s since 1000".to_owned())
         );
+    }
+
+    const POD_A: &str = "0f6b2c1e-7a3d-4c55-9e21-8b1d2f3a4c5d";
+    const POD_B: &str = "9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d";
+
+    /// A proc root whose PIDs run in the given pods (`None`: a host process).
+    fn proc_root(pids: &[(u32, Option<&str>)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (pid, pod) in pids {
+            let p = dir.path().join(pid.to_string());
+            std::fs::create_dir(&p).unwrap();
+            let line = match pod {
+                Some(uid) => format!(
+                    "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{pid}.scope\n",
+                    uid.replace('-', "_")
+                ),
+                None => "0::/system.slice/containerd.service\n".to_owned(),
+            };
+            std::fs::write(p.join("cgroup"), line).unwrap();
+        }
+        dir
+    }
+
+    fn share_of_pods(uid: &str, gpu: &str, pods: &[&str]) -> ClaimDevice {
+        ClaimDevice {
+            pods: pods.iter().map(|p| (*p).to_owned()).collect(),
+            ..share(uid, gpu, &[])
+        }
+    }
+
+    /// Shares of two pods on one GPU, their processes MPS clients, beside a per-claim MPS
+    /// claim known by its server's PID: each gets its own memory and activity; a host
+    /// process is nobody's.
+    #[test]
+    fn shares_attribute_by_pod_cgroup_and_mps_clients() {
+        let root = proc_root(&[
+            (100, Some(POD_A)),
+            (400, Some(POD_A)),
+            (200, Some(POD_B)),
+            (300, None),
+        ]);
+        let fake = Arc::new(FakeUsage::default());
+        fake.set(
+            "GPU-s",
+            FakeUsageDevice {
+                used: 50 << 30,
+                total: 80 << 30,
+                processes: vec![(900, 1 << 30), (300, 4 << 30)],
+                mps_processes: vec![(100, 3 << 30), (400, 2 << 30), (200, 5 << 30)],
+                process_util: Some(vec![(100, 20), (400, 10), (200, 15), (900, 40), (300, 30)]),
+                ..FakeUsageDevice::default()
+            },
+        );
+        let mut s = UsageSampler::new(fake.clone()).with_proc_root(root.path().to_path_buf());
+        let r = s.sample(&[
+            share_of_pods("a", "GPU-s", &[POD_A]),
+            share_of_pods("b", "GPU-s", &[POD_B]),
+            ClaimDevice {
+                kind: Holding::Mps,
+                sharing: Some(SharingStrategy::Mps),
+                ..share("c", "GPU-s", &[900])
+            },
+            share_of_pods("d", "GPU-s", &["11111111-2222-4333-8444-555555555555"]),
+        ]);
+        let got: Vec<_> = r
+            .samples
+            .iter()
+            .map(|s| (s.memory_used, s.memory_source, s.activity.percent()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (Some(5 << 30), MemorySource::MpsClients, Some(30.0)),
+                (Some(5 << 30), MemorySource::MpsClients, Some(15.0)),
+                (Some(1 << 30), MemorySource::Processes, Some(40.0)),
+                (Some(0), MemorySource::Processes, Some(0.0)),
+            ]
+        );
+        assert!(r.samples.iter().all(|s| s.errors.is_empty()));
+        // Each list asked for once for the GPU, however many shares.
+        let calls = fake.calls();
+        for call in ["processes GPU-s", "mps_processes GPU-s"] {
+            assert_eq!(calls.iter().filter(|c| *c == call).count(), 1, "{calls:?}");
+        }
+    }
+
+    /// Where the samples name no MPS client (only the server), a share of MPS clients is
+    /// not attributable rather than idle; its memory still is.
+    #[test]
+    fn mps_clients_without_their_own_samples_are_not_attributable() {
+        let root = proc_root(&[(100, Some(POD_A))]);
+        let fake = Arc::new(FakeUsage::default());
+        fake.set(
+            "GPU-s",
+            FakeUsageDevice {
+                processes: vec![(900, 1 << 30)],
+                mps_processes: vec![(100, 3 << 30)],
+                process_util: Some(vec![(900, 70)]),
+                ..FakeUsageDevice::default()
+            },
+        );
+        let mut s = UsageSampler::new(fake).with_proc_root(root.path().to_path_buf());
+        let r = s.sample(&[share_of_pods("a", "GPU-s", &[POD_A])]);
+        assert_eq!(r.samples[0].activity, Activity::NotAttributable);
+        assert_eq!(r.samples[0].memory_used, Some(3 << 30));
+    }
+
+    /// A proc root that shows none of the GPU's processes (not the host's PID namespace):
+    /// a share known by its pods is not attributable, not idle; one known by PIDs still is.
+    #[test]
+    fn an_unreadable_proc_root_makes_pod_shares_not_attributable() {
+        let root = proc_root(&[]);
+        let fake = Arc::new(FakeUsage::default());
+        fake.set(
+            "GPU-s",
+            FakeUsageDevice {
+                mps_processes: vec![(100, 3 << 30)],
+                process_util: Some(vec![(100, 70)]),
+                ..FakeUsageDevice::default()
+            },
+        );
+        let mut s = UsageSampler::new(fake).with_proc_root(root.path().to_path_buf());
+        let r = s.sample(&[
+            share_of_pods("a", "GPU-s", &[POD_A]),
+            share("b", "GPU-s", &[100]),
+        ]);
+        assert_eq!(
+            (r.samples[0].memory_source, r.samples[0].activity),
+            (MemorySource::NotAttributable, Activity::NotAttributable)
+        );
+        assert_eq!(r.samples[1].memory_used, Some(3 << 30));
+        assert_eq!(r.samples[1].activity.percent(), Some(70.0));
+    }
+
+    /// A share on a MIG device: memory by pod from the MIG device's lists; activity is
+    /// not attributable (no per-process utilization in MIG mode).
+    #[test]
+    fn shares_on_a_mig_device_get_memory_by_pod() {
+        let root = proc_root(&[(100, Some(POD_A)), (200, Some(POD_B))]);
+        let fake = Arc::new(FakeUsage::default());
+        fake.set(
+            "MIG-1",
+            FakeUsageDevice {
+                total: 10 << 30,
+                mps_processes: vec![(100, 1 << 30), (200, 2 << 30)],
+                ..FakeUsageDevice::default()
+            },
+        );
+        let on_mig = |uid: &str, pod: &str| ClaimDevice {
+            mig: Some(MigRef {
+                uuid: "MIG-1".into(),
+                gi: 3,
+                ci: 0,
+            }),
+            ..share_of_pods(uid, "GPU-m", &[pod])
+        };
+        let mut s = UsageSampler::new(fake).with_proc_root(root.path().to_path_buf());
+        let r = s.sample(&[on_mig("a", POD_A), on_mig("b", POD_B)]);
+        assert_eq!(r.samples[0].memory_used, Some(1 << 30));
+        assert_eq!(r.samples[1].memory_used, Some(2 << 30));
+        assert_eq!(r.samples[1].memory_source, MemorySource::MpsClients);
+        assert_eq!(r.samples[0].activity, Activity::NotAttributable);
     }
 
     #[test]

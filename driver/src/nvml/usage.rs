@@ -182,18 +182,22 @@ impl UsageSource for NvmlUsage {
             .map_err(|e| {
                 super::wrapper_err("nvmlDeviceGetComputeRunningProcesses_v3", device_uuid, e)
             })?;
-        Ok(list
-            .into_iter()
-            .map(|p| ProcessMemory {
-                pid: p.pid,
-                used: match p.used_gpu_memory {
-                    UsedGpuMemory::Used(b) => Some(b),
-                    UsedGpuMemory::Unavailable => None,
-                },
-                gi: p.gpu_instance_id,
-                ci: p.compute_instance_id,
-            })
-            .collect())
+        Ok(list.into_iter().map(process_memory).collect())
+    }
+
+    fn mps_processes(&self, device_uuid: &str) -> Result<Vec<ProcessMemory>, BackendError> {
+        match self.device(device_uuid)?.mps_running_compute_processes() {
+            Ok(list) => Ok(list.into_iter().map(process_memory).collect()),
+            // A driver or device without the call has no MPS clients to tell apart.
+            Err(e) if unsupported(&e) || matches!(e, NvmlError::FailedToLoadSymbol(_)) => {
+                Ok(Vec::new())
+            }
+            Err(e) => Err(super::wrapper_err(
+                "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+                device_uuid,
+                e,
+            )),
+        }
     }
 
     fn process_utilization(
@@ -220,5 +224,17 @@ impl UsageSource for NvmlUsage {
                 e,
             )),
         }
+    }
+}
+
+fn process_memory(p: nvml_wrapper::struct_wrappers::device::ProcessInfo) -> ProcessMemory {
+    ProcessMemory {
+        pid: p.pid,
+        used: match p.used_gpu_memory {
+            UsedGpuMemory::Used(b) => Some(b),
+            UsedGpuMemory::Unavailable => None,
+        },
+        gi: p.gpu_instance_id,
+        ci: p.compute_instance_id,
     }
 }

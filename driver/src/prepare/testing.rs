@@ -693,6 +693,8 @@ pub struct FakeUsageDevice {
     pub gpm: Option<crate::backend::GpmActivity>,
     /// Compute processes `(pid, used bytes)`.
     pub processes: Vec<(u32, u64)>,
+    /// MPS clients `(pid, bytes)` (`nvmlDeviceGetMPSComputeRunningProcesses_v3`).
+    pub mps_processes: Vec<(u32, u64)>,
     /// Per-process SM utilization `(pid, percent)`, all stamped 1000 µs; `None`: not
     /// supported.
     pub process_util: Option<Vec<(u32, u32)>>,
@@ -808,6 +810,24 @@ impl crate::backend::UsageSource for FakeUsage {
         Ok(self
             .device(uuid)?
             .processes
+            .into_iter()
+            .map(|(pid, used)| crate::backend::ProcessMemory {
+                pid,
+                used: Some(used),
+                gi: None,
+                ci: None,
+            })
+            .collect())
+    }
+
+    fn mps_processes(
+        &self,
+        uuid: &str,
+    ) -> Result<Vec<crate::backend::ProcessMemory>, BackendError> {
+        self.log(format!("mps_processes {uuid}"));
+        Ok(self
+            .device(uuid)?
+            .mps_processes
             .into_iter()
             .map(|(pid, used)| crate::backend::ProcessMemory {
                 pid,

@@ -2102,21 +2102,66 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
 }
 
 /// The scripted processes a device handle sees: all of its GPU's for a GPU handle (nvml.h:
-/// aggregate information in MIG mode), those of the MIG device for a MIG handle.
-fn processes_of(c: &Call, d: Dev) -> Vec<Process> {
-    match d {
-        Dev::Gpu(g) => c.hooks.usage.processes_on(g, None).copied().collect(),
-        Dev::Mig { gpu, gi, ci, .. } => c
-            .hooks
-            .usage
-            .processes_on(gpu, Some((gi, ci)))
-            .copied()
-            .collect(),
-    }
+/// aggregate information in MIG mode), those of the MIG device for a MIG handle; MPS
+/// clients (`mps`) or plain compute processes.
+fn processes_of(c: &Call, d: Dev, mps: bool) -> Vec<Process> {
+    let mig = match d {
+        Dev::Gpu(_) => None,
+        Dev::Mig { gi, ci, .. } => Some((gi, ci)),
+    };
+    c.hooks
+        .usage
+        .processes_on(d.gpu(), mig)
+        .filter(|p| p.mps == mps)
+        .copied()
+        .collect()
 }
 
-/// `nvmlDeviceGetComputeRunningProcesses_v3`: `*infoCount` too small (0 to ask) returns
-/// INSUFFICIENT_SIZE with the count needed, SUCCESS when none run (nvml.h).
+/// Fills an `nvmlProcessInfo_t` list the way nvml.h says for
+/// `nvmlDeviceGetComputeRunningProcesses_v3` and `nvmlDeviceGetMPSComputeRunningProcesses_v3`:
+/// `*infoCount` too small (0 to ask) returns INSUFFICIENT_SIZE with the count needed,
+/// SUCCESS when none run.
+fn fill_processes(
+    c: &Call,
+    device: nvmlDevice_t,
+    info_count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+    mps: bool,
+) -> Result<(), nvmlReturn_t> {
+    let d = c.dev(device)?;
+    let room = read_u32(info_count)?;
+    let list = processes_of(c, d, mps);
+    let n = list.len() as u32;
+    if room < n {
+        put(info_count, n)?;
+        return Err(rc::INSUFFICIENT_SIZE);
+    }
+    if n > 0 && infos.is_null() {
+        return Err(rc::INVALID_ARGUMENT);
+    }
+    let mig_mode = mig_enabled(c, d.gpu())?;
+    for (i, p) in list.iter().enumerate() {
+        let (gi, ci) = match p.mig {
+            Some(ids) if mig_mode => ids,
+            _ => (NO_ID, NO_ID),
+        };
+        // SAFETY: `infos` is non-null and, by the NVML contract, valid for `room` >= n
+        // entries.
+        put(
+            unsafe { infos.add(i) },
+            nvmlProcessInfo_t {
+                pid: p.pid,
+                usedGpuMemory: p.used_mib * MIB,
+                gpuInstanceId: gi,
+                computeInstanceId: ci,
+            },
+        )?;
+    }
+    put(info_count, n)
+}
+
+/// `nvmlDeviceGetComputeRunningProcesses_v3`: the scripted plain compute processes
+/// ([`fill_processes`]).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     device: nvmlDevice_t,
@@ -2125,36 +2170,21 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
 ) -> nvmlReturn_t {
     entry(|| {
         let c = Call::begin("nvmlDeviceGetComputeRunningProcesses_v3")?;
-        let d = c.dev(device)?;
-        let room = read_u32(info_count)?;
-        let list = processes_of(&c, d);
-        let n = list.len() as u32;
-        if room < n {
-            put(info_count, n)?;
-            return Err(rc::INSUFFICIENT_SIZE);
-        }
-        if n > 0 && infos.is_null() {
-            return Err(rc::INVALID_ARGUMENT);
-        }
-        let mig_mode = mig_enabled(&c, d.gpu())?;
-        for (i, p) in list.iter().enumerate() {
-            let (gi, ci) = match p.mig {
-                Some(ids) if mig_mode => ids,
-                _ => (NO_ID, NO_ID),
-            };
-            // SAFETY: `infos` is non-null and, by the NVML contract, valid for `room` >= n
-            // entries.
-            put(
-                unsafe { infos.add(i) },
-                nvmlProcessInfo_t {
-                    pid: p.pid,
-                    usedGpuMemory: p.used_mib * MIB,
-                    gpuInstanceId: gi,
-                    computeInstanceId: ci,
-                },
-            )?;
-        }
-        put(info_count, n)
+        fill_processes(&c, device, info_count, infos, false)
+    })
+}
+
+/// `nvmlDeviceGetMPSComputeRunningProcesses_v3`: the scripted MPS clients (`process ...
+/// mps` lines), same struct and protocol as the plain list ([`fill_processes`]).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    info_count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    entry(|| {
+        let c = Call::begin("nvmlDeviceGetMPSComputeRunningProcesses_v3")?;
+        fill_processes(&c, device, info_count, infos, true)
     })
 }
 

@@ -18,6 +18,7 @@
 //! gpm 0 7 12 6                                   # GPM on GPU instance 7 of GPU 0
 //! process 0 4242 1024 60                         # PID 4242 on GPU 0: 1 GiB, 60 % SM
 //! process 0 7 0 4343 512 10                      # PID 4343 on GPU 0, GI 7, CI 0
+//! process 0 4444 2048 30 mps                     # PID 4444: an MPS client on GPU 0
 //! # comment
 //! ```
 //!
@@ -68,7 +69,9 @@ pub struct Usage {
     /// `gpm <gpu> [<gi>] <SM activity %> <SM occupancy %>`: GPM metrics of a GPU or GPU
     /// instance.
     pub gpm: Vec<(u32, Option<u32>, f64, f64)>,
-    /// `process <gpu> [<gi> <ci>] <pid> <MiB> <SM %>`: a compute process.
+    /// `process <gpu> [<gi> <ci>] <pid> <MiB> <SM %> [mps]`: a compute process, or with
+    /// `mps` an MPS client (listed by `nvmlDeviceGetMPSComputeRunningProcesses_v3`, not by
+    /// `nvmlDeviceGetComputeRunningProcesses_v3`).
     pub processes: Vec<Process>,
 }
 
@@ -85,6 +88,8 @@ pub struct Process {
     pub used_mib: u64,
     /// SM utilization, percent.
     pub sm_percent: u32,
+    /// An MPS client rather than a plain compute process.
+    pub mps: bool,
 }
 
 impl Usage {
@@ -159,8 +164,14 @@ fn parse_usage(kw: &str, rest: &[&str], u: &mut Usage) -> bool {
             pid: n(pid)?,
             used_mib: n(mib)?,
             sm_percent: ipct(sm)?,
+            mps: false,
         })
     }
+    // A trailing `mps` marks a process line as an MPS client.
+    let (rest, mps) = match rest {
+        [head @ .., "mps"] if kw == "process" => (head, true),
+        _ => (rest, false),
+    };
     match (kw, rest) {
         ("memory", [g, mib]) => n(g).zip(n(mib)).map(|(g, m)| u.memory.push((g, None, m))),
         ("memory", [g, gi, ci, mib]) => match (n(g), n(gi), n(ci), n(mib)) {
@@ -193,10 +204,10 @@ fn parse_usage(kw: &str, rest: &[&str], u: &mut Usage) -> bool {
             _ => None,
         },
         ("process", [g, pid, mib, sm]) => {
-            process(g, None, pid, mib, sm).map(|p| u.processes.push(p))
+            process(g, None, pid, mib, sm).map(|p| u.processes.push(Process { mps, ..p }))
         }
         ("process", [g, gi, ci, pid, mib, sm]) => {
-            process(g, Some((gi, ci)), pid, mib, sm).map(|p| u.processes.push(p))
+            process(g, Some((gi, ci)), pid, mib, sm).map(|p| u.processes.push(Process { mps, ..p }))
         }
         _ => None,
     }
@@ -455,7 +466,7 @@ mod tests {
     fn parses_usage_lines() {
         let h = parse(
             "memory 0 30720\nmemory 0 7 0 2048\nutil 1 85 40\nutil 2 10\ngpm 0 35.5 20\ngpm 0 7 12 6\n\
-             process 1 4242 1024 60\nprocess 0 7 0 4343 512 10\n\
+             process 1 4242 1024 60\nprocess 0 7 0 4343 512 10\nprocess 0 4444 256 5 mps\n\
              gpm 0 101 0\nutil 0 x\nprocess 0 1 2\nmemory 0 1 2\n",
             "ctl",
             false,
@@ -464,8 +475,9 @@ mod tests {
         assert_eq!(u.memory, [(0, None, 30720), (0, Some((7, 0)), 2048)]);
         assert_eq!(u.util, [(1, 85, 40), (2, 10, 0)]);
         assert_eq!(u.gpm, [(0, None, 35.5, 20.0), (0, Some(7), 12.0, 6.0)]);
-        assert_eq!(u.processes.len(), 2);
+        assert_eq!(u.processes.len(), 3);
         assert_eq!(u.processes[1].mig, Some((7, 0)));
+        assert!(u.processes[2].mps && !u.processes[0].mps && !u.processes[1].mps);
         // Bad lines (out of range, wrong arity) are ignored, not read as fail rules.
         assert!(h.fails.is_empty(), "{:?}", h.fails);
         assert_eq!(u.memory_mib(0, None), 30720);
@@ -475,7 +487,7 @@ mod tests {
             "sum of processes without a memory line"
         );
         assert_eq!(u.memory_mib(0, Some((7, 0))), 2048);
-        assert_eq!(u.processes_on(0, None).count(), 1);
+        assert_eq!(u.processes_on(0, None).count(), 2);
         assert_eq!(u.gpm_of(0, Some(7)), (12.0, 6.0));
         assert_eq!(u.gpm_of(3, None), (0.0, 0.0));
         assert_eq!(u.util_of(1), (85, 40));

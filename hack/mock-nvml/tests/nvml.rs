@@ -1080,6 +1080,54 @@ fn child_usage() {
     ));
     assert_eq!(d1.memory_info().unwrap().used, 0);
     assert!(d1.running_compute_processes().unwrap().is_empty());
+    assert!(d0.mps_running_compute_processes().unwrap().is_empty());
+    // MPS clients: listed by the MPS call only, same struct and INSUFFICIENT_SIZE protocol.
+    std::fs::write(
+        &ctl,
+        format!("{base}process 0 5151 512 30 mps\nprocess 0 5252 256 0 mps\n"),
+    )
+    .unwrap();
+    unsafe {
+        let mut count = 0;
+        let r = n.lib().nvmlDeviceGetMPSComputeRunningProcesses_v3(
+            d0.handle(),
+            &mut count,
+            std::ptr::null_mut(),
+        );
+        assert_eq!((r, count), (rc::INSUFFICIENT_SIZE, 2));
+        let mut infos: [nvmlProcessInfo_t; 2] = mem::zeroed();
+        let mut count = 2;
+        let r = n.lib().nvmlDeviceGetMPSComputeRunningProcesses_v3(
+            d0.handle(),
+            &mut count,
+            infos.as_mut_ptr(),
+        );
+        assert_eq!((r, count), (0, 2));
+        assert_eq!((infos[0].pid, infos[0].usedGpuMemory), (5151, 512 * MIB));
+        assert_eq!(infos[1].gpuInstanceId, u32::MAX, "no GI outside MIG mode");
+    }
+    let clients = d0.mps_running_compute_processes().unwrap();
+    assert_eq!(
+        clients.iter().map(|p| p.pid).collect::<Vec<_>>(),
+        [5151, 5252]
+    );
+    assert_eq!(
+        d0.running_compute_processes()
+            .unwrap()
+            .iter()
+            .map(|p| p.pid)
+            .collect::<Vec<_>>(),
+        [4242, 4343],
+        "the plain list has no MPS client"
+    );
+    assert!(
+        d0.process_utilization_stats(None)
+            .unwrap()
+            .iter()
+            .any(|s| s.pid == 5151 && s.sm_util == 30),
+        "clients have per-process samples"
+    );
+    std::fs::write(&ctl, format!("{base}gpm 0 35.5 20\n")).unwrap();
     // GPM on the whole GPU: the figures scripted at the second sample.
     assert!(d0.gpm_support().unwrap());
     let got = gpm_pair(&n, &ctl, &format!("{base}gpm 0 50 25\n"), || {
