@@ -73,6 +73,51 @@ impl ClaimDevices for NodeDriver {
     }
 }
 
+/// Claim devices with their consuming pods (`pods`) filled from this node's pod index.
+/// The index (one watch on the node's pods) is started and read only when a round has a
+/// capacity share or MPS claim (whose processes are attributed by pod) or claim series
+/// carry pod labels; whole GPUs and MIG devices alone never start it.
+pub(crate) struct WithPods {
+    inner: Arc<dyn ClaimDevices>,
+    pods: Arc<crate::k8s::node_pods::NodePods>,
+    always: bool,
+}
+
+impl WithPods {
+    /// `inner`'s devices with `pods` from `pods`; `always`: for every round (pod labels on).
+    pub(crate) fn new(
+        inner: Arc<dyn ClaimDevices>,
+        pods: Arc<crate::k8s::node_pods::NodePods>,
+        always: bool,
+    ) -> Self {
+        Self {
+            inner,
+            pods,
+            always,
+        }
+    }
+}
+
+impl ClaimDevices for WithPods {
+    fn claim_devices(&self) -> Vec<ClaimDevice> {
+        let mut devices = self.inner.claim_devices();
+        let needed = self.always
+            || devices
+                .iter()
+                .any(|d| matches!(d.kind, Holding::Mps | Holding::Share));
+        if needed && !devices.is_empty() {
+            crate::k8s::node_pods::fill_pods(&mut devices, &self.pods.index());
+        }
+        devices
+    }
+    fn gpus(&self) -> Vec<(String, u64, Option<u32>)> {
+        self.inner.gpus()
+    }
+    fn inventory(&self) -> Option<cleave_driver::model::NodeInventory> {
+        self.inner.inventory()
+    }
+}
+
 /// Sampler, idle tracker and the once-per-idle-period bookkeeping, without a thread (the
 /// monitor's thread, the `usage --mock` command and the bench drive it).
 #[derive(Debug)]
