@@ -221,9 +221,9 @@ pub(crate) fn check_label_keys(keys: &[String]) -> Result<(), String> {
 /// This node's pod index, kept by one watch started on first use.
 pub(crate) struct NodePods {
     index: Arc<Mutex<PodIndex>>,
-    pods: Api<Pod>,
+    /// Where the watch lists from and runs (`None`: a fixed index, for tests).
+    source: Option<(Api<Pod>, Handle)>,
     node: String,
-    runtime: Handle,
     task: OnceLock<tokio::task::AbortHandle>,
 }
 
@@ -249,24 +249,42 @@ impl NodePods {
     pub(crate) fn new(client: kube::Client, node: &str, runtime: Handle) -> Self {
         Self {
             index: Arc::new(Mutex::new(PodIndex::new(node))),
-            pods: Api::all(client),
+            source: Some((Api::all(client), runtime)),
             node: node.to_owned(),
-            runtime,
             task: OnceLock::new(),
         }
+    }
+
+    /// A fixed `index`, with no watch behind it.
+    #[cfg(test)]
+    pub(crate) fn fixed(index: PodIndex) -> Self {
+        Self {
+            node: index.node.clone(),
+            index: Arc::new(Mutex::new(index)),
+            source: None,
+            task: OnceLock::new(),
+        }
+    }
+
+    /// Whether the watch was started.
+    #[cfg(test)]
+    pub(crate) fn started(&self) -> bool {
+        self.task.get().is_some()
     }
 
     /// The index as the watch last left it (empty until its first list), starting the
     /// watch on the first call.
     pub(crate) fn index(&self) -> MutexGuard<'_, PodIndex> {
-        self.task.get_or_init(|| {
-            let task = self.runtime.spawn(run(
-                Arc::clone(&self.index),
-                self.pods.clone(),
-                self.node.clone(),
-            ));
-            task.abort_handle()
-        });
+        if let Some((pods, runtime)) = &self.source {
+            self.task.get_or_init(|| {
+                let task = runtime.spawn(run(
+                    Arc::clone(&self.index),
+                    pods.clone(),
+                    self.node.clone(),
+                ));
+                task.abort_handle()
+            });
+        }
         self.index
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
