@@ -72,7 +72,7 @@ PLUGIN_FLAGS = {
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--mps-pipe-root", "--namespace", "--pod-name",
     "--usage-interval", "--idle-threshold", "--idle-after", "--idle-events",
-    "--rightsize-window", "--rightsize-headroom", "--rightsize-events",
+    "--rightsize-window", "--rightsize-headroom", "--rightsize-events", "--claim-pod-labels",
     "--allow-no-gpus", "--disable-health-checks", "--device-taints", "--additional-xids-to-ignore",
     "--xids-to-check", "--xid-unhealthy-duration", "--lost-gpu-check-interval",
     "--sysfs-root", "--claim-device-status", "--device-metadata",
@@ -90,7 +90,10 @@ RBAC = {
     ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:update"},
     ("", "nodes"): {"get"},
     ("events.k8s.io", "events"): {"create", "patch"},
+    # Usage sampling (on by default): this node's pods, NODE_PODS_RBAC_RULES.
+    ("", "pods"): {"list", "watch"},
 }
+NODE_PODS_SRC = ROOT / "kubelet-plugin" / "src" / "k8s" / "node_pods.rs"
 # The namespaced Role of the MPS pod launcher (release namespace only): (apiGroup, resource) -> verbs.
 MPS_POD_RBAC = {("", "pods"): {"get", "list", "watch", "create", "delete"}}
 MPS_POD_SRC = ROOT / "kubelet-plugin" / "src" / "k8s" / "mps_pod.rs"
@@ -971,6 +974,10 @@ def rbac_is_exactly_what_the_code_calls() -> None:
     if "kube::runtime::events" in plugin_src and "Recorder" in plugin_src:
         for k, v in RECORDER_RULES.items():
             need.setdefault(k, set()).update(v)
+    m = re.search(r"const NODE_PODS_RBAC_RULES: [^=]*=\s*&\[(.*?)\];", NODE_PODS_SRC.read_text(), re.S)
+    assert m, f"{NODE_PODS_SRC.relative_to(ROOT)}: NODE_PODS_RBAC_RULES not found"
+    for group, res, verbs in re.findall(r'\(\s*"([^"]*)",\s*"([^"]+)",\s*&\[([^\]]*)\],?\s*\)', m.group(1)):
+        need.setdefault((group, res), set()).update(re.findall(r'"([^"]+)"', verbs))
     role = one(render(), "ClusterRole")
     got: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:

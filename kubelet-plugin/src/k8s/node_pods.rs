@@ -19,6 +19,13 @@ use kube::api::Api;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use tokio::runtime::Handle;
 
+/// API calls of the pod index, cluster-wide but selected by `spec.nodeName` (the chart's
+/// ClusterRole, with usage sampling on): `(apiGroup, resource, verbs)`. Read by
+/// `hack/tests/test_deployments.py`, which checks the chart against it.
+#[allow(dead_code)]
+pub(crate) const NODE_PODS_RBAC_RULES: &[(&str, &str, &[&str])] =
+    &[("", "pods", &["list", "watch"])];
+
 /// What the index keeps of one pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PodEntry {
