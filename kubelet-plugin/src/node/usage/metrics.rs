@@ -58,10 +58,13 @@ impl PodLabelSource for crate::k8s::node_pods::NodePods {
     }
 }
 
+/// The `--claim-pod-labels` keys and the source of their values.
+type KeysAndSource = (Vec<String>, std::sync::Arc<dyn PodLabelSource>);
+
 /// The `--claim-pod-labels` keys and where their values come from; empty: no extra labels.
 #[derive(Default)]
 pub(crate) struct ClaimPodLabels {
-    inner: std::sync::RwLock<Option<(Vec<String>, std::sync::Arc<dyn PodLabelSource>)>>,
+    inner: std::sync::RwLock<Option<KeysAndSource>>,
 }
 
 impl std::fmt::Debug for ClaimPodLabels {
