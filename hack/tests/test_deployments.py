@@ -1061,10 +1061,15 @@ def mps_role_is_least_privilege_in_the_release_namespace() -> None:
         pod_sa = one(objs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"]
         assert pod_sa == sa["metadata"]["name"], pod_sa
         cluster = role_rules(one(objs, "ClusterRole"))
-        assert ("", "pods") not in cluster, f"pods must not be granted cluster-wide: {cluster[('', 'pods')]}"
+        # Cluster-wide, pods are only read: the usage pod index (list/watch, node-selected).
+        assert cluster.get(("", "pods"), set()) <= {"list", "watch"}, \
+            f"pods must not be written or read by name cluster-wide: {cluster[('', 'pods')]}"
         for o in objs:
             if o["kind"] in {"Role", "RoleBinding", "ServiceAccount", "DaemonSet"}:
                 assert o["metadata"].get("namespace") == ns, f"{o['kind']} outside the release namespace"
+    # Usage sampling off: no pod read cluster-wide either.
+    cluster = role_rules(one(render({"usage": {"interval": "0"}}), "ClusterRole"))
+    assert ("", "pods") not in cluster, f"pods granted cluster-wide with usage off: {cluster[('', 'pods')]}"
     # rbac.create=false: neither the cluster nor the namespaced RBAC objects.
     objs = render({"rbac": {"create": False}})
     assert not [o["kind"] for o in objs if o["kind"] in {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}]

@@ -904,6 +904,24 @@ async fn claim_series_carry_the_consuming_pods_labels() {
             && find(s, "claim_idle", &[("claim", "whole"), ("label_team", "ml")]).is_some()
     })
     .await;
+    // One LIST and watches of this node's pods (no kubelet runs here: all the plugin's),
+    // all namespaces, selected by node.
+    let pod_requests: Vec<_> = standin
+        .requests()
+        .into_iter()
+        .filter(|r| r.path == "/api/v1/pods")
+        .collect();
+    assert_eq!(
+        pod_requests.iter().filter(|r| r.verb == "list").count(),
+        1,
+        "{pod_requests:?}"
+    );
+    assert!(
+        pod_requests.iter().all(|r| r
+            .query
+            .contains(&format!("fieldSelector=spec.nodeName%3D{NODE}"))),
+        "{pod_requests:?}"
+    );
     standin.delete("pods", "default", "direct").unwrap();
     wait_until("the label of the deleted pod to go", &dirs, port, |s| {
         find(
