@@ -72,7 +72,7 @@ PLUGIN_FLAGS = {
     "--mps-launcher", "--mps-check-interval-secs", "--mps-daemon-image", "--mps-daemon-image-pull-policy", "--mps-daemon-priority-class",
     "--mps-daemon-service-account", "--kubelet-root-dir", "--mps-pipe-root", "--namespace", "--pod-name",
     "--usage-interval", "--idle-threshold", "--idle-after", "--idle-events",
-    "--rightsize-window", "--rightsize-headroom", "--rightsize-events",
+    "--rightsize-window", "--rightsize-headroom", "--rightsize-events", "--claim-pod-labels",
     "--allow-no-gpus", "--disable-health-checks", "--device-taints", "--additional-xids-to-ignore",
     "--xids-to-check", "--xid-unhealthy-duration", "--lost-gpu-check-interval",
     "--sysfs-root", "--claim-device-status", "--device-metadata",
@@ -90,7 +90,10 @@ RBAC = {
     ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:update"},
     ("", "nodes"): {"get"},
     ("events.k8s.io", "events"): {"create", "patch"},
+    # Usage sampling (on by default): this node's pods, NODE_PODS_RBAC_RULES.
+    ("", "pods"): {"list", "watch"},
 }
+NODE_PODS_SRC = ROOT / "kubelet-plugin" / "src" / "k8s" / "node_pods.rs"
 # The namespaced Role of the MPS pod launcher (release namespace only): (apiGroup, resource) -> verbs.
 MPS_POD_RBAC = {("", "pods"): {"get", "list", "watch", "create", "delete"}}
 MPS_POD_SRC = ROOT / "kubelet-plugin" / "src" / "k8s" / "mps_pod.rs"
@@ -971,6 +974,10 @@ def rbac_is_exactly_what_the_code_calls() -> None:
     if "kube::runtime::events" in plugin_src and "Recorder" in plugin_src:
         for k, v in RECORDER_RULES.items():
             need.setdefault(k, set()).update(v)
+    m = re.search(r"const NODE_PODS_RBAC_RULES: [^=]*=\s*&\[(.*?)\];", NODE_PODS_SRC.read_text(), re.S)
+    assert m, f"{NODE_PODS_SRC.relative_to(ROOT)}: NODE_PODS_RBAC_RULES not found"
+    for group, res, verbs in re.findall(r'\(\s*"([^"]*)",\s*"([^"]+)",\s*&\[([^\]]*)\],?\s*\)', m.group(1)):
+        need.setdefault((group, res), set()).update(re.findall(r'"([^"]+)"', verbs))
     role = one(render(), "ClusterRole")
     got: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
@@ -1054,10 +1061,15 @@ def mps_role_is_least_privilege_in_the_release_namespace() -> None:
         pod_sa = one(objs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"]
         assert pod_sa == sa["metadata"]["name"], pod_sa
         cluster = role_rules(one(objs, "ClusterRole"))
-        assert ("", "pods") not in cluster, f"pods must not be granted cluster-wide: {cluster[('', 'pods')]}"
+        # Cluster-wide, pods are only read: the usage pod index (list/watch, node-selected).
+        assert cluster.get(("", "pods"), set()) <= {"list", "watch"}, \
+            f"pods must not be written or read by name cluster-wide: {cluster[('', 'pods')]}"
         for o in objs:
             if o["kind"] in {"Role", "RoleBinding", "ServiceAccount", "DaemonSet"}:
                 assert o["metadata"].get("namespace") == ns, f"{o['kind']} outside the release namespace"
+    # Usage sampling off: no pod read cluster-wide either.
+    cluster = role_rules(one(render({"usage": {"interval": "0"}}), "ClusterRole"))
+    assert ("", "pods") not in cluster, f"pods granted cluster-wide with usage off: {cluster[('', 'pods')]}"
     # rbac.create=false: neither the cluster nor the namespaced RBAC objects.
     objs = render({"rbac": {"create": False}})
     assert not [o["kind"] for o in objs if o["kind"] in {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}]

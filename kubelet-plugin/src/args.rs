@@ -422,6 +422,27 @@ pub struct UsageArgs {
     /// smaller than what it holds (or release), once per window per change.
     #[arg(long, env = "RIGHTSIZE_EVENTS")]
     pub rightsize_events: bool,
+    /// Pod label keys (comma-separated, at most 8, e.g. `team,model`) copied onto every
+    /// `claim_*` series as `label_<key>` (characters outside `[a-zA-Z0-9_]` as `_`), valued
+    /// from the pods consuming the claim (the first by UID when they disagree); empty: none.
+    #[arg(long, env = "CLAIM_POD_LABELS", default_value = "", value_parser = parse_pod_label_keys)]
+    pub claim_pod_labels: PodLabelKeys,
+}
+
+/// The `--claim-pod-labels` keys.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodLabelKeys(pub Vec<String>);
+
+/// Parses `--claim-pod-labels`: comma-separated label keys, checked.
+fn parse_pod_label_keys(value: &str) -> Result<PodLabelKeys, String> {
+    let keys: Vec<String> = value
+        .split(',')
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(str::to_owned)
+        .collect();
+    crate::k8s::node_pods::check_label_keys(&keys)?;
+    Ok(PodLabelKeys(keys))
 }
 
 impl Default for UsageArgs {
@@ -434,6 +455,7 @@ impl Default for UsageArgs {
             rightsize_window: std::time::Duration::from_secs(24 * 3600),
             rightsize_headroom: 20.0,
             rightsize_events: false,
+            claim_pod_labels: PodLabelKeys::default(),
         }
     }
 }

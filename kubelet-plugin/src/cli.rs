@@ -230,6 +230,31 @@ mod tests {
     }
 
     #[test]
+    fn claim_pod_labels_parse_and_bad_keys_are_refused() {
+        let run = |v: &str| {
+            Cli::try_parse_from(["x", "run", "--node-name", "n1", "--claim-pod-labels", v])
+        };
+        let Command::Run(a) = run("team, example.com/model").unwrap().command else {
+            panic!()
+        };
+        assert_eq!(
+            a.usage.claim_pod_labels.0,
+            vec!["team", "example.com/model"]
+        );
+        let Command::Run(a) = Cli::try_parse_from(["x", "run", "--node-name", "n1"])
+            .unwrap()
+            .command
+        else {
+            panic!()
+        };
+        assert!(a.usage.claim_pod_labels.0.is_empty());
+        let err = run("team,-bad").unwrap_err().to_string();
+        assert!(err.contains("\"-bad\" is not a valid label key"), "{err}");
+        let err = run("a,b,c,d,e,f,g,h,i").unwrap_err().to_string();
+        assert!(err.contains("at most 8"), "{err}");
+    }
+
+    #[test]
     fn usage_flags_parse_and_bad_ones_name_the_fix() {
         let cli = Cli::try_parse_from(["x", "run", "--node-name", "n1"]).unwrap();
         let Command::Run(a) = cli.command else {

@@ -413,6 +413,7 @@ pub(crate) async fn start_with_backend(
     let sampling_gate = cleave_driver::usage::SamplingGate::new();
     let usage = start_usage(
         args,
+        &client,
         backend.as_ref(),
         &driver,
         metrics.as_ref(),
@@ -465,6 +466,7 @@ pub(crate) async fn start_with_backend(
 /// `--idle-events`. Without `--metrics-addr` the rounds still feed idle detection.
 fn start_usage(
     args: &RunArgs,
+    client: &kube::Client,
     backend: &dyn GpuBackend,
     driver: &Arc<NodeDriver>,
     metrics: Option<&Arc<Metrics>>,
@@ -488,7 +490,27 @@ fn start_usage(
         crate::node::usage::spawn_idle_events(events.clone(), rx);
         tx
     });
-    let inputs: Arc<dyn crate::node::usage::ClaimDevices> = Arc::clone(driver) as _;
+    // This node's pods: which consume each claim (a share's or MPS claim's `pods`) and
+    // their `--claim-pod-labels`; the watch starts on first need.
+    let node_pods = Arc::new(crate::k8s::node_pods::NodePods::new(
+        client.clone(),
+        &args.node_name,
+        tokio::runtime::Handle::current(),
+    ));
+    let keys = args.usage.claim_pod_labels.0.clone();
+    if !keys.is_empty() {
+        let source: Arc<dyn crate::node::usage::metrics::PodLabelSource> =
+            Arc::clone(&node_pods) as _;
+        usage_metrics
+            .pod_labels
+            .set(keys.clone(), Arc::clone(&source));
+        if let Some(m) = metrics {
+            m.rightsize.pod_labels.set(keys.clone(), source);
+        }
+    }
+    let inputs: Arc<dyn crate::node::usage::ClaimDevices> = Arc::new(
+        crate::node::usage::WithPods::new(Arc::clone(driver) as _, node_pods, !keys.is_empty()),
+    );
     match crate::node::usage::UsageMonitor::start(
         crate::node::usage::MonitorConfig {
             interval: args.usage.usage_interval,

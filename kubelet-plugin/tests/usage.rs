@@ -826,6 +826,148 @@ fn usage_without_a_plugin_names_the_flag() {
     );
 }
 
+/// A pod in `default` on `node` consuming the claim `claim`: named directly, or (with
+/// `templated`) made from a template and named in the pod's status.
+fn claim_pod(
+    name: &str,
+    uid: &str,
+    node: &str,
+    claim: &str,
+    templated: bool,
+    team: &str,
+) -> k8s_openapi::api::core::v1::Pod {
+    use k8s_openapi::api::core::v1::{
+        Container, Pod, PodResourceClaim, PodResourceClaimStatus, PodSpec, PodStatus,
+    };
+    Pod {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("default".into()),
+            uid: Some(uid.into()),
+            labels: Some([("team".to_owned(), team.to_owned())].into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.into()),
+            containers: vec![Container {
+                name: "app".into(),
+                ..Default::default()
+            }],
+            resource_claims: Some(vec![PodResourceClaim {
+                name: "gpu".into(),
+                resource_claim_name: (!templated).then(|| claim.to_owned()),
+                resource_claim_template_name: templated.then(|| "tmpl".to_owned()),
+            }]),
+            ..Default::default()
+        }),
+        status: templated.then(|| PodStatus {
+            resource_claim_statuses: Some(vec![PodResourceClaimStatus {
+                name: "gpu".into(),
+                resource_claim_name: Some(claim.into()),
+            }]),
+            ..Default::default()
+        }),
+    }
+}
+
+/// `--claim-pod-labels team,example.com/model`: the claim series carry `label_team` (from
+/// this node's pod consuming the claim, directly or through a template; a pod of another
+/// node consuming the same claim name is not seen) and `label_example_com_model` (""), and
+/// the label follows the pod's deletion.
+async fn claim_series_carry_the_consuming_pods_labels() {
+    let dirs = NodeDirs::new();
+    let standin = start_standin(&dirs).await;
+    let config = dirs.path().join("mixed.yaml");
+    std::fs::write(&config, MIXED).unwrap();
+    // The other node's pod sorts first by UID: seen, it would win.
+    for pod in [
+        claim_pod("elsewhere", "uid-pod-0", "node-b", "whole", false, "other"),
+        claim_pod("direct", "uid-pod-1", NODE, "whole", false, "ml"),
+        claim_pod("from-template", "uid-pod-2", NODE, "made", true, "infra"),
+    ] {
+        standin.put(&pod).unwrap();
+    }
+    let port = free_port();
+    let plugin = Plugin::start(
+        &dirs,
+        &PluginOptions {
+            metrics_port: Some(port),
+            env: vec![
+                ("MOCK_NVML_CONFIG", config.display().to_string()),
+                ("MOCK_NVML_MIG", String::new()),
+                ("USAGE_INTERVAL", "200ms".into()),
+                ("CLAIM_POD_LABELS", "team,example.com/model".into()),
+            ],
+            ..PluginOptions::default()
+        },
+    );
+    put_claim(&standin, "whole", "uid-whole", &[("gpu", "gpu-1")], &[]);
+    put_claim(&standin, "made", "uid-made", &[("gpu", "gpu-2")], &[]);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let r = prepare(
+        &mut dra,
+        vec![claim("whole", "uid-whole"), claim("made", "uid-made")],
+    )
+    .await;
+    for uid in ["uid-whole", "uid-made"] {
+        assert_eq!(r.claims[uid].error, "", "{uid}: {}", dirs.log());
+    }
+    wait_until("the pods' team labels", &dirs, port, |s| {
+        find(
+            s,
+            "claim_allocated_info",
+            &[
+                ("claim", "whole"),
+                ("label_team", "ml"),
+                ("label_example_com_model", ""),
+            ],
+        ) == Some(1.0)
+            && find(
+                s,
+                "claim_allocated_memory_bytes",
+                &[("claim", "made"), ("label_team", "infra")],
+            )
+            .is_some()
+            && find(s, "claim_idle", &[("claim", "whole"), ("label_team", "ml")]).is_some()
+    })
+    .await;
+    // One LIST and watches of this node's pods (no kubelet runs here: all the plugin's),
+    // all namespaces, selected by node.
+    let pod_requests: Vec<_> = standin
+        .requests()
+        .into_iter()
+        .filter(|r| r.path == "/api/v1/pods")
+        .collect();
+    assert_eq!(
+        pod_requests.iter().filter(|r| r.verb == "list").count(),
+        1,
+        "{pod_requests:?}"
+    );
+    assert!(
+        pod_requests.iter().all(|r| r
+            .query
+            .contains(&format!("fieldSelector=spec.nodeName%3D{NODE}"))),
+        "{pod_requests:?}"
+    );
+    standin.delete("pods", "default", "direct").unwrap();
+    wait_until("the label of the deleted pod to go", &dirs, port, |s| {
+        find(
+            s,
+            "claim_allocated_info",
+            &[("claim", "whole"), ("label_team", "")],
+        ) == Some(1.0)
+            && find(
+                s,
+                "claim_allocated_info",
+                &[("claim", "whole"), ("label_team", "ml")],
+            )
+            .is_none()
+    })
+    .await;
+    drop(dra);
+    assert!(plugin.terminate().success());
+}
+
 fn main() -> std::process::ExitCode {
     cleave_testkit::runner::main(&[
         (
@@ -836,6 +978,9 @@ fn main() -> std::process::ExitCode {
             "prometheus_scrapes_the_plugin_and_every_dashboard_query_answers",
             || block_on(prometheus_scrapes_the_plugin_and_every_dashboard_query_answers()),
         ),
+        ("claim_series_carry_the_consuming_pods_labels", || {
+            block_on(claim_series_carry_the_consuming_pods_labels())
+        }),
         ("sampling_waits_while_a_prepare_batch_runs", || {
             block_on(sampling_waits_while_a_prepare_batch_runs())
         }),

@@ -7,3 +7,4 @@ pub(crate) mod coexistence;
 pub(crate) mod events;
 pub(crate) mod kube_handler;
 pub(crate) mod mps_pod;
+pub(crate) mod node_pods;

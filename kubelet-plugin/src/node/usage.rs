@@ -74,6 +74,51 @@ impl ClaimDevices for NodeDriver {
     }
 }
 
+/// Claim devices with their consuming pods (`pods`) filled from this node's pod index.
+/// The index (one watch on the node's pods) is started and read only when a round has a
+/// capacity share or MPS claim (whose processes are attributed by pod) or claim series
+/// carry pod labels; whole GPUs and MIG devices alone never start it.
+pub(crate) struct WithPods {
+    inner: Arc<dyn ClaimDevices>,
+    pods: Arc<crate::k8s::node_pods::NodePods>,
+    always: bool,
+}
+
+impl WithPods {
+    /// `inner`'s devices with `pods` from `pods`; `always`: for every round (pod labels on).
+    pub(crate) fn new(
+        inner: Arc<dyn ClaimDevices>,
+        pods: Arc<crate::k8s::node_pods::NodePods>,
+        always: bool,
+    ) -> Self {
+        Self {
+            inner,
+            pods,
+            always,
+        }
+    }
+}
+
+impl ClaimDevices for WithPods {
+    fn claim_devices(&self) -> Vec<ClaimDevice> {
+        let mut devices = self.inner.claim_devices();
+        let needed = self.always
+            || devices
+                .iter()
+                .any(|d| matches!(d.kind, Holding::Mps | Holding::Share));
+        if needed && !devices.is_empty() {
+            crate::k8s::node_pods::fill_pods(&mut devices, &self.pods.index());
+        }
+        devices
+    }
+    fn gpus(&self) -> Vec<(String, u64, Option<u32>)> {
+        self.inner.gpus()
+    }
+    fn inventory(&self) -> Option<cleave_driver::model::NodeInventory> {
+        self.inner.inventory()
+    }
+}
+
 /// Sampler, idle tracker and the once-per-idle-period bookkeeping, without a thread (the
 /// monitor's thread, the `usage --mock` command and the bench drive it).
 #[derive(Debug)]
@@ -615,6 +660,101 @@ mod tests {
             !text.contains("c-uid-a") && !text.contains(r#""ns""#),
             "{text}"
         );
+    }
+
+    /// This node's pods: `u-b` and `u-a` consume the share claim `c-s` (labels `team`),
+    /// `u-x` another claim.
+    fn node_pods() -> Arc<crate::k8s::node_pods::NodePods> {
+        use k8s_openapi::api::core::v1::{Pod, PodResourceClaim, PodSpec};
+        let pod = |uid: &str, claim: &str, team: &str| Pod {
+            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                uid: Some(uid.into()),
+                namespace: Some("ns".into()),
+                labels: Some([("team".to_owned(), team.to_owned())].into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some("n1".into()),
+                resource_claims: Some(vec![PodResourceClaim {
+                    name: "gpu".into(),
+                    resource_claim_name: Some(claim.into()),
+                    resource_claim_template_name: None,
+                }]),
+                ..Default::default()
+            }),
+            status: None,
+        };
+        let mut index = crate::k8s::node_pods::PodIndex::new("n1");
+        index.apply(&pod("u-b", "c-s", "blue"));
+        index.apply(&pod("u-a", "c-s", "red"));
+        index.apply(&pod("u-x", "c-other", "green"));
+        Arc::new(crate::k8s::node_pods::NodePods::fixed(index))
+    }
+
+    /// Claim devices of `devices` (fixed).
+    struct Fixed(Vec<ClaimDevice>);
+
+    impl ClaimDevices for Fixed {
+        fn claim_devices(&self) -> Vec<ClaimDevice> {
+            self.0.clone()
+        }
+        fn gpus(&self) -> Vec<(String, u64, Option<u32>)> {
+            Vec::new()
+        }
+    }
+
+    fn share(uid: &str) -> ClaimDevice {
+        ClaimDevice {
+            kind: Holding::Share,
+            share_id: Some("s1".into()),
+            ..whole(uid)
+        }
+    }
+
+    #[test]
+    fn a_shares_claim_device_gets_the_uids_of_its_pods() {
+        let pods = node_pods();
+        let with = WithPods::new(Arc::new(Fixed(vec![share("s"), whole("w")])), pods, false);
+        let devices = with.claim_devices();
+        assert_eq!(devices[0].pods, vec!["u-a".to_owned(), "u-b".to_owned()]);
+        assert!(devices[1].pods.is_empty(), "no pod consumes c-w");
+    }
+
+    #[test]
+    fn whole_gpus_alone_do_not_start_the_pod_watch() {
+        let pods = node_pods();
+        let with = WithPods::new(Arc::new(Fixed(vec![whole("w")])), Arc::clone(&pods), false);
+        with.claim_devices();
+        assert!(!pods.started());
+    }
+
+    /// `--claim-pod-labels team,model`: every claim series carries `label_team` and
+    /// `label_model`, from the first consuming pod by UID ("" when none or absent).
+    #[test]
+    fn claim_series_carry_the_allowlisted_pod_labels() {
+        let src = Arc::new(Util::default());
+        *src.0.lock().unwrap() = 30;
+        let mut r = UsageRounds::new(src, IdlePolicy::default());
+        let mut registry =
+            prometheus_client::registry::Registry::with_prefix("cleave_kubelet_plugin");
+        let usage = metrics::UsageMetrics::register(&mut registry);
+        let pods = node_pods();
+        usage
+            .pod_labels
+            .set(vec!["team".into(), "model".into()], pods.clone() as _);
+        let with = WithPods::new(Arc::new(Fixed(vec![share("s"), whole("w")])), pods, true);
+        let now = Instant::now();
+        let round = r.round(&with.claim_devices(), now);
+        usage.apply_round("n1", &round, &[], now, SystemTime::now());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            r#"cleave_kubelet_plugin_claim_allocated_memory_bytes{namespace="ns",claim="c-s",device="gpu-0",gpu="GPU-0",kind="share",sharing="exclusive",pool="n1",share="s1",label_team="red",label_model=""}"#,
+            r#"cleave_kubelet_plugin_claim_allocated_memory_bytes{namespace="ns",claim="c-w",device="gpu-0",gpu="GPU-0",kind="gpu",sharing="exclusive",pool="n1",share="",label_team="",label_model=""}"#,
+            r#"cleave_kubelet_plugin_claim_idle{namespace="ns",claim="c-s",label_team="red",label_model=""}"#,
+        ] {
+            assert!(text.contains(line), "{line} not in\n{text}");
+        }
     }
 
     #[test]

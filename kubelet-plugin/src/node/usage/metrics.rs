@@ -40,6 +40,66 @@ pub(crate) struct ClaimDeviceLabels {
     pub pool: String,
     /// `shareID` of a capacity share; empty otherwise.
     pub share: String,
+    /// `label_<key>` per `--claim-pod-labels` key: the consuming pods' label (see
+    /// [`ClaimPodLabels`]); none without the flag.
+    #[prometheus(flatten)]
+    pub pod: Vec<(String, String)>,
+}
+
+/// Where the `label_<key>` values of a claim come from (the node's pod index).
+pub(crate) trait PodLabelSource: Send + Sync {
+    /// The values of `keys` for the claim `name` in `namespace`, in order ("" when unknown).
+    fn values(&self, namespace: &str, name: &str, keys: &[String]) -> Vec<String>;
+}
+
+impl PodLabelSource for crate::k8s::node_pods::NodePods {
+    fn values(&self, namespace: &str, name: &str, keys: &[String]) -> Vec<String> {
+        self.index().label_values(namespace, name, keys)
+    }
+}
+
+/// The `--claim-pod-labels` keys and the source of their values.
+type KeysAndSource = (Vec<String>, std::sync::Arc<dyn PodLabelSource>);
+
+/// The `--claim-pod-labels` keys and where their values come from; empty: no extra labels.
+#[derive(Default)]
+pub(crate) struct ClaimPodLabels {
+    inner: std::sync::RwLock<Option<KeysAndSource>>,
+}
+
+impl std::fmt::Debug for ClaimPodLabels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimPodLabels").finish_non_exhaustive()
+    }
+}
+
+impl ClaimPodLabels {
+    /// Labels claim series with `keys` from `source` from now on.
+    pub(crate) fn set(&self, keys: Vec<String>, source: std::sync::Arc<dyn PodLabelSource>) {
+        *self
+            .inner
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((keys, source));
+    }
+
+    /// `(label_<key>, value)` of every key for `claim`; empty without keys.
+    pub(crate) fn of(&self, claim: &cleave_driver::model::ClaimRef) -> Vec<(String, String)> {
+        let inner = self
+            .inner
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some((keys, source)) = inner.as_ref() else {
+            return Vec::new();
+        };
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let values = source.values(&claim.namespace, &claim.name, keys);
+        keys.iter()
+            .zip(values.into_iter().chain(std::iter::repeat(String::new())))
+            .map(|(k, v)| (crate::k8s::node_pods::metric_label_name(k), v))
+            .collect()
+    }
 }
 
 /// The `namespace` and `claim` label values of `claim`: its namespace and name, or (with
@@ -69,7 +129,14 @@ impl ClaimDeviceLabels {
             sharing: sharing_label(d.sharing),
             pool: pool.to_owned(),
             share: d.share_id.clone().unwrap_or_default(),
+            pod: Vec::new(),
         }
+    }
+
+    /// These labels with the claim's `label_<key>` labels.
+    pub(crate) fn with_pod(mut self, pod: Vec<(String, String)>) -> Self {
+        self.pod = pod;
+        self
     }
 }
 
@@ -100,6 +167,9 @@ pub(crate) struct IdleLabels {
     pub namespace: String,
     /// Claim name.
     pub claim: String,
+    /// `label_<key>` per `--claim-pod-labels` key.
+    #[prometheus(flatten)]
+    pub pod: Vec<(String, String)>,
 }
 
 /// Labels of the per-GPU series.
@@ -138,6 +208,8 @@ pub struct UsageMetrics {
     written: Mutex<Written>,
     /// Claims are labelled by UID only (`--metrics-claim-labels=uid-only`).
     uid_only: std::sync::atomic::AtomicBool,
+    /// `label_<key>` labels of the claim series (`--claim-pod-labels`).
+    pub(crate) pod_labels: std::sync::Arc<ClaimPodLabels>,
 }
 
 fn i64_of(v: u64) -> i64 {
@@ -239,7 +311,8 @@ impl UsageMetrics {
         let mut next = Written::default();
         for s in samples {
             let d = &s.device;
-            let labels = ClaimDeviceLabels::of(pool, d, uid_only);
+            let labels =
+                ClaimDeviceLabels::of(pool, d, uid_only).with_pod(self.pod_labels.of(&d.claim));
             self.allocated_memory
                 .get_or_create(&labels)
                 .set(i64_of(d.allocated.memory_bytes));
@@ -278,7 +351,11 @@ impl UsageMetrics {
         }
         for st in idle {
             let (namespace, claim) = claim_label_values(&st.claim, uid_only);
-            let l = IdleLabels { namespace, claim };
+            let l = IdleLabels {
+                namespace,
+                claim,
+                pod: self.pod_labels.of(&st.claim),
+            };
             self.idle.get_or_create(&l).set(i64::from(st.idle));
             if let Some(since) = st.below_since {
                 let at = wall

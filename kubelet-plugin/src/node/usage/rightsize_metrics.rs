@@ -81,6 +81,8 @@ pub struct RightsizeMetrics {
     written: Mutex<Written>,
     /// Claims are labelled by UID only (`--metrics-claim-labels=uid-only`).
     uid_only: std::sync::atomic::AtomicBool,
+    /// `label_<key>` labels of the claim series (`--claim-pod-labels`).
+    pub(crate) pod_labels: std::sync::Arc<super::metrics::ClaimPodLabels>,
 }
 
 fn i64_of(v: u64) -> i64 {
@@ -170,7 +172,8 @@ impl RightsizeMetrics {
         let mut next = Written::default();
         let uid_only = self.uid_only.load(std::sync::atomic::Ordering::Relaxed);
         for e in &outcome.entries {
-            let labels = super::metrics::ClaimDeviceLabels::of(pool, &e.device, uid_only);
+            let labels = super::metrics::ClaimDeviceLabels::of(pool, &e.device, uid_only)
+                .with_pod(self.pod_labels.of(&e.device.claim));
             let st = &e.stats;
             let rec = &e.recommendation;
             let shape = rec.advice.shape();
