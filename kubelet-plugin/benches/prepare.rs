@@ -1146,6 +1146,7 @@ fn usage_child(iterations: usize) {
                     oversized: None,
                     rightsize_metrics: Some(std::sync::Arc::clone(&metrics.rightsize)),
                     gate: gate.then(|| plugin.sampling_gate.clone()),
+                    proc_root: "/proc".into(),
                 },
                 plugin.backend.usage_source().unwrap(),
                 std::sync::Arc::new(Fixed {

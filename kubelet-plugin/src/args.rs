@@ -427,6 +427,11 @@ pub struct UsageArgs {
     /// from the pods consuming the claim (the first by UID when they disagree); empty: none.
     #[arg(long, env = "CLAIM_POD_LABELS", default_value = "", value_parser = parse_pod_label_keys)]
     pub claim_pod_labels: PodLabelKeys,
+    /// The host's process tree, read to tie GPU processes to pods (their cgroups) and MPS
+    /// daemons to their servers: the host's `/proc`, as the plugin runs in the host PID
+    /// namespace. Tests point it at a tree of their own.
+    #[arg(long, env = "PROC_ROOT", default_value = "/proc", hide = true)]
+    pub proc_root: std::path::PathBuf,
 }
 
 /// The `--claim-pod-labels` keys.
@@ -456,6 +461,7 @@ impl Default for UsageArgs {
             rightsize_headroom: 20.0,
             rightsize_events: false,
             claim_pod_labels: PodLabelKeys::default(),
+            proc_root: std::path::PathBuf::from("/proc"),
         }
     }
 }

@@ -536,6 +536,7 @@ fn start_usage(
             }),
             rightsize_metrics: metrics.map(|m| Arc::clone(&m.rightsize)),
             gate: Some(gate.clone()),
+            proc_root: args.usage.proc_root.clone(),
         },
         source,
         inputs,

@@ -762,7 +762,286 @@ async fn per_claim_mps_works_under_a_long_kubelet_root() {
     drop(kubelet);
 }
 
-const TESTS: [cleave_testkit::runner::Test; 6] = [
+/// A pod of `namespace` on this node consuming claim `claim` directly, labelled `team`.
+fn consumer_pod(namespace: &str, name: &str, uid: &str, claim: &str, team: &str) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid, "labels": {"team": team}},
+        "spec": {"nodeName": NODE, "containers": [{"name": "app"}],
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]},
+    }))
+    .unwrap()
+}
+
+/// Writes `<proc>/<pid>/cgroup` as a container of pod `pod_uid` has it on a cgroup v2 node
+/// with the systemd driver (the pod UID's dashes as underscores in the slice name).
+fn container_cgroup(proc: &std::path::Path, pid: u32, pod_uid: &str) {
+    let dir = proc.join(pid.to_string());
+    std::fs::create_dir_all(&dir).unwrap();
+    let slice = pod_uid.replace('-', "_");
+    std::fs::write(
+        dir.join("cgroup"),
+        format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{slice}.slice/cri-containerd-{pid:064x}.scope\n"
+        ),
+    )
+    .unwrap();
+}
+
+/// Capacity shares of two namespaces on one GPU and a per-claim MPS claim beside them,
+/// measured through the binary: each share's memory and activity come from its own MPS
+/// clients (NVML's MPS-client list, tied to the claim by the client's pod cgroup and the
+/// pod's claims), the pods' team labels are on the series, the idle share gets `ClaimIdle`
+/// while its busy neighbour does not, and `usage` and `usage --by team` show them apart.
+async fn shares_and_an_mps_claim_are_measured_by_their_pods() {
+    let world = World::new();
+    let standin = start_standin(&world.dirs).await;
+    let (a, b) = (SHARES[0], SHARES[1]);
+    put_share_claim_in(&standin, "team-a", "share-a", a.0, "gpu-0", Some(a.1));
+    put_share_claim_in(&standin, "team-b", "share-b", b.0, "gpu-0", Some(b.1));
+    put_allocated(
+        &standin,
+        "mps-class",
+        "uid-mps-class",
+        &[("gpu", "gpu-1", Some(SHARES[2].1), WHOLE.0, WHOLE.1, false)],
+        mps_class_config(&["gpu"]),
+    );
+    let pods = [
+        (
+            "team-a",
+            "trainer",
+            "aaaaaaaa-0000-4000-8000-000000000001",
+            "share-a",
+            "alpha",
+            4101,
+        ),
+        (
+            "team-b",
+            "notebook",
+            "bbbbbbbb-0000-4000-8000-000000000002",
+            "share-b",
+            "beta",
+            4102,
+        ),
+        (
+            "default",
+            "server",
+            "cccccccc-0000-4000-8000-000000000003",
+            "mps-class",
+            "gamma",
+            4103,
+        ),
+    ];
+    let proc = world.dirs.path().join("proc");
+    for (ns, name, uid, claim, team, pid) in pods {
+        standin
+            .put(&consumer_pod(ns, name, uid, claim, team))
+            .unwrap();
+        container_cgroup(&proc, pid, uid);
+    }
+    // A host process on GPU 0 that no pod runs: nobody's.
+    std::fs::create_dir_all(proc.join("4200")).unwrap();
+    std::fs::write(proc.join("4200/cgroup"), "0::/system.slice/sshd.service\n").unwrap();
+    // The busy share's client: 3 GiB at 40 %; the idle one's: 1 GiB at 0 %; the MPS
+    // claim's: 2 GiB at 25 %, all MPS clients; the host process 5 GiB at 90 %.
+    let control = world.dirs.path().join("mock-control");
+    std::fs::write(
+        &control,
+        "process 0 4101 3072 40 mps\nprocess 0 4102 1024 0 mps\nprocess 1 4103 2048 25 mps\nprocess 0 4200 5120 90\n",
+    )
+    .unwrap();
+    let port = free_port();
+    let mut options = world.plugin_options();
+    options
+        .env
+        .retain(|(k, _)| !matches!(*k, "MPS_LAUNCHER" | "MPS_DAEMON_IMAGE"));
+    options.env.extend([
+        ("MPS_LAUNCHER", "process".into()),
+        ("MOCK_NVML_CONTROL", control.display().to_string()),
+        ("PROC_ROOT", proc.display().to_string()),
+        ("USAGE_INTERVAL", "200ms".into()),
+        ("IDLE_THRESHOLD", "5".into()),
+        ("IDLE_AFTER", "1s".into()),
+        ("IDLE_EVENTS", "true".into()),
+        ("CLAIM_POD_LABELS", "team".into()),
+    ]);
+    options.metrics_port = Some(port);
+    let plugin = Plugin::start(&world.dirs, &options);
+    let mut dra = dra_v1(&plugin.dra_socket).await;
+    let in_ns = |ns: &str, name: &str, uid: &str| {
+        let mut c = claim(name, uid);
+        c.namespace = ns.to_owned();
+        c
+    };
+    let claims = vec![
+        in_ns("team-a", "share-a", a.0),
+        in_ns("team-b", "share-b", b.0),
+        claim("mps-class", "uid-mps-class"),
+    ];
+    let answer = prepare(&mut dra, claims.clone()).await;
+    for c in &claims {
+        assert_eq!(
+            answer.claims[&c.uid].error,
+            "",
+            "{}\n{}",
+            c.uid,
+            world.logs()
+        );
+    }
+    const GIB: f64 = 1073741824.0;
+    type Samples = Vec<cleave_kubelet_plugin::usage::Sample>;
+    let scrape = || -> Samples {
+        let (status, text) = http_get(port, "/metrics").unwrap();
+        assert_eq!(status, 200);
+        cleave_kubelet_plugin::usage::parse_exposition(&text).unwrap()
+    };
+    let find = |s: &Samples, name: &str, labels: &[(&str, &str)]| {
+        let full = format!("cleave_kubelet_plugin_{name}");
+        s.iter()
+            .find(|(n, l, _)| {
+                *n == full
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|x| x.2)
+    };
+    let want = |s: &Samples| {
+        find(
+            s,
+            "claim_used_memory_bytes",
+            &[
+                ("claim", "share-a"),
+                ("namespace", "team-a"),
+                ("label_team", "alpha"),
+            ],
+        ) == Some(3.0 * GIB)
+            && find(
+                s,
+                "claim_used_memory_bytes",
+                &[
+                    ("claim", "share-b"),
+                    ("namespace", "team-b"),
+                    ("label_team", "beta"),
+                ],
+            ) == Some(GIB)
+            && find(
+                s,
+                "claim_used_memory_bytes",
+                &[("claim", "mps-class"), ("label_team", "gamma")],
+            ) == Some(2.0 * GIB)
+            && find(
+                s,
+                "claim_compute_activity_percent",
+                &[("claim", "share-a"), ("source", "process_sm_utilization")],
+            ) == Some(40.0)
+            && find(
+                s,
+                "claim_compute_activity_percent",
+                &[("claim", "share-b"), ("source", "process_sm_utilization")],
+            ) == Some(0.0)
+            && find(s, "claim_idle", &[("claim", "share-b")]) == Some(1.0)
+    };
+    let started = std::time::Instant::now();
+    let mut last = scrape();
+    while !want(&last) {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "shares not measured apart after 60 s; last scrape:\n{}\n{}",
+            last.iter()
+                .filter(|(n, _, _)| n.contains("_claim_"))
+                .map(|(n, l, v)| format!("{n}{l:?} {v}"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            world.logs()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        last = scrape();
+    }
+    // The busy share is not idle; the host process counted for no claim.
+    assert_eq!(
+        find(&last, "claim_idle", &[("claim", "share-a")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        find(
+            &last,
+            "claim_activity_attributable",
+            &[("claim", "share-a")]
+        ),
+        Some(1.0)
+    );
+    let found = standin
+        .wait_for(
+            "events.events.k8s.io",
+            std::time::Duration::from_secs(30),
+            |evs| {
+                evs.iter()
+                    .any(|e| e["reason"] == "ClaimIdle" && e["regarding"]["name"] == "share-b")
+            },
+        )
+        .await
+        .unwrap_or_else(|evs| panic!("no ClaimIdle Event for share-b: {evs:?}\n{}", world.logs()));
+    assert!(
+        !found
+            .iter()
+            .any(|e| e["reason"] == "ClaimIdle" && e["regarding"]["name"] == "share-a"),
+        "{found:?}"
+    );
+    // `usage` shows each share's own memory; `usage --by team` each team apart.
+    let usage = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cleave-kubelet-plugin"))
+            .args([
+                "usage",
+                "--scrapes",
+                "1",
+                "--metrics-addr",
+                &format!("127.0.0.1:{port}"),
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let table = usage(&[]);
+    let row = |text: &str, first: &str| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(first))
+            .unwrap_or_else(|| panic!("no {first} row in\n{text}"))
+            .to_owned()
+    };
+    assert!(
+        row(&table, "team-a/share-a").contains("3.0 GiB, 40.0% process_sm_utilization"),
+        "{table}"
+    );
+    assert!(
+        row(&table, "team-b/share-b").contains("1.0 GiB, 0.0% process_sm_utilization"),
+        "{table}"
+    );
+    assert!(
+        row(&table, "default/mps-class").contains("2.0 GiB, 25.0% process_sm_utilization"),
+        "{table}"
+    );
+    let by_team = usage(&["--by", "team"]);
+    for (team, used) in [("alpha", "0.40"), ("beta", "0.00")] {
+        let r = row(&by_team, team);
+        let cols: Vec<&str> = r.split_whitespace().collect();
+        assert_eq!((cols[1], cols[3]), ("1", used), "{by_team}");
+    }
+    drop(dra);
+    assert!(plugin.terminate().success());
+}
+
+const TESTS: [cleave_testkit::runner::Test; 7] = [
+    ("shares_and_an_mps_claim_are_measured_by_their_pods", || {
+        block_on(shares_and_an_mps_claim_are_measured_by_their_pods())
+    }),
     (
         "three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared",
         || block_on(three_shares_of_one_gpu_use_one_daemon_until_the_last_is_unprepared()),

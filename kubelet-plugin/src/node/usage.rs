@@ -131,6 +131,8 @@ pub struct UsageRounds {
     rightsizer: Option<recommend::Rightsizer>,
     /// Batches go first (see [`Self::with_gate`]); with the most a round waits.
     gate: Option<(cleave_driver::usage::SamplingGate, Duration)>,
+    /// The host's `/proc` (see [`Self::with_proc_root`]).
+    proc_root: std::path::PathBuf,
 }
 
 impl UsageRounds {
@@ -142,6 +144,7 @@ impl UsageRounds {
             reported: BTreeSet::new(),
             rightsizer: None,
             gate: None,
+            proc_root: std::path::PathBuf::from("/proc"),
         }
     }
 
@@ -154,6 +157,14 @@ impl UsageRounds {
     ) -> Self {
         self.sampler = self.sampler.with_gate(gate.clone(), max_wait);
         self.gate = Some((gate, max_wait));
+        self
+    }
+
+    /// These rounds, reading processes under `proc_root` (the host's `/proc`): their
+    /// cgroups name the pod each GPU process runs in, their parents an MPS daemon's server.
+    pub fn with_proc_root(mut self, proc_root: std::path::PathBuf) -> Self {
+        self.sampler = self.sampler.with_proc_root(proc_root.clone());
+        self.proc_root = proc_root;
         self
     }
 
@@ -260,6 +271,8 @@ pub struct MonitorConfig {
     /// before each NVML query and between its later steps: at most one interval in its
     /// sampling and one outside it (`None`: rounds run straight through).
     pub gate: Option<cleave_driver::usage::SamplingGate>,
+    /// The host's `/proc` (`--proc-root`).
+    pub proc_root: std::path::PathBuf,
 }
 
 /// The sampling thread; stopped when dropped.
@@ -285,7 +298,8 @@ impl UsageMonitor {
             .name("cleave-usage".into())
             .spawn(move || {
                 lower_own_priority();
-                let mut rounds = UsageRounds::new(source, config.policy);
+                let mut rounds = UsageRounds::new(source, config.policy)
+                    .with_proc_root(config.proc_root.clone());
                 if let Some(gate) = config.gate.clone() {
                     rounds = rounds.with_gate(gate, config.interval);
                 }
@@ -317,7 +331,7 @@ impl UsageMonitor {
                             .map_or(Duration::ZERO, |g| g.pause(&mut budget))
                     };
                     let mut waited = pause();
-                    let devices = with_mps_servers(inputs.claim_devices());
+                    let devices = with_mps_servers(inputs.claim_devices(), &config.proc_root);
                     let wall = SystemTime::now();
                     let inventory = config.rightsize.and_then(|_| inputs.inventory());
                     let r = rounds.round_with(&devices, now, wall, inventory.as_ref());
@@ -438,15 +452,18 @@ fn lower_own_nice() {
 }
 
 /// Adds to every MPS claim device's PIDs (its control daemon) the daemon's descendants
-/// (the MPS server and anything it started), read from `/proc`.
-pub(crate) fn with_mps_servers(mut devices: Vec<ClaimDevice>) -> Vec<ClaimDevice> {
+/// (the MPS server and anything it started), read from `proc_root` (the host's `/proc`).
+pub(crate) fn with_mps_servers(
+    mut devices: Vec<ClaimDevice>,
+    proc_root: &std::path::Path,
+) -> Vec<ClaimDevice> {
     if !devices
         .iter()
         .any(|d| d.kind == Holding::Mps && !d.pids.is_empty())
     {
         return devices;
     }
-    let children = process_children(std::path::Path::new("/proc"));
+    let children = process_children(proc_root);
     for d in devices.iter_mut().filter(|d| d.kind == Holding::Mps) {
         d.pids = descendants(&children, &d.pids);
     }
