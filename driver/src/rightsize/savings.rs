@@ -205,9 +205,6 @@ impl Merge {
     pub fn describe(&self) -> String {
         let on = self.gpus.join(", ");
         match self.needed {
-            0 => format!(
-                "shares on {on} would need no GPU after right-sizing (idle, or moving to MIG devices or whole GPUs)"
-            ),
             1 => format!("shares on {on} would fit on 1 GPU after right-sizing"),
             n => format!("shares on {on} would fit on {n} GPUs after right-sizing"),
         }
@@ -215,14 +212,15 @@ impl Merge {
 }
 
 /// Per GPU product, the capacity shares and MPS claims on whole GPUs with MIG mode off
-/// (`devices[i]` with `recs[i]`) packed first fit in their recommended shapes; a
-/// [`Merge`] for each product where that takes fewer GPUs than they are on now.
+/// (`devices[i]` with `recs[i]`) that stay shares, packed first fit in their recommended
+/// shapes; a [`Merge`] for each product where that takes fewer GPUs than they are on now.
 ///
 /// Shares on MIG devices and GPUs in MIG mode are left out (a share is never moved onto a
-/// MIG-mode GPU, nor a MIG device onto a share's GPU). A released claim takes no room; a
-/// claim recommended a share takes the share; a pending or not attributable one takes
-/// what it holds (nothing is saved that was not measured); one recommended a MIG profile
-/// or a whole GPU leaves the shares' GPUs (the node's [`Savings`] counts it).
+/// MIG-mode GPU, nor a MIG device onto a share's GPU). A claim recommended a share takes
+/// the share (an MPS claim, which holds its GPU, would ask for a capacity share instead);
+/// a pending or not attributable one takes what it holds (nothing is saved that was not
+/// measured). A released claim, and one recommended a MIG profile or a whole GPU, leaves
+/// the group: its own advice says so, and the node's [`Savings`] counts it.
 pub fn merges(
     inventory: &NodeInventory,
     devices: &[ClaimDevice],
@@ -245,7 +243,6 @@ pub fn merges(
         let g = groups
             .entry(gpu.product_name.as_str())
             .or_insert_with(|| (BTreeMap::new(), Vec::new(), gpu.memory_bytes, gpu_sms));
-        g.0.entry(d.gpu_uuid.as_str()).or_insert(d.device.as_str());
         let shape = match &r.advice {
             Advice::Release | Advice::Shape(Shape::Mig { .. } | Shape::WholeGpu { .. }) => None,
             Advice::Shape(Shape::Share { memory_bytes, sms }) => {
@@ -257,6 +254,7 @@ pub fn merges(
             )),
         };
         if let Some(shape) = shape {
+            g.0.entry(d.gpu_uuid.as_str()).or_insert(d.device.as_str());
             g.1.push(shape);
         }
     }

@@ -786,14 +786,24 @@ fn shares_spread_over_gpus_are_merged_where_they_fit_on_fewer() {
         share_on(3, small()),
     ]);
     assert_eq!(merges(&inv, &devices, &recs)[0].needed, 2);
-    // Idle: released, no GPU needed.
+    // A released share leaves the group (its own advice frees its GPU): the other two
+    // still fit on one.
     let (devices, recs) = split(vec![
         share_on(0, Advice::Release),
-        share_on(2, Advice::Release),
+        share_on(2, small()),
+        share_on(3, small()),
     ]);
     let m = merges(&inv, &devices, &recs);
-    assert_eq!(m[0].needed, 0);
-    assert!(m[0].describe().contains("would need no GPU"), "{m:?}");
+    assert_eq!(m[0].gpus, vec!["gpu-2".to_owned(), "gpu-3".to_owned()]);
+    assert_eq!(m[0].needed, 1);
+    // Released or moving to a MIG profile: nothing left to merge.
+    let mig = Advice::Shape(Shape::Mig {
+        profile: "1g.10gb".into(),
+        memory_bytes: 9856 * MIB,
+        sms: 16,
+    });
+    let (devices, recs) = split(vec![share_on(0, Advice::Release), share_on(2, mig)]);
+    assert_eq!(merges(&inv, &devices, &recs), Vec::new());
 }
 
 #[test]

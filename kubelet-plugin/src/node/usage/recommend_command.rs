@@ -71,6 +71,16 @@ pub(crate) fn table(rows: &[Row], savings: &[(String, u64, u64)]) -> String {
     out
 }
 
+/// The node's "merge into fewer GPUs" lines, under the table (from an in-process round:
+/// the GPUs' capacity is not among the exported series).
+pub(crate) fn merge_lines(pool: &str, merges: &[cleave_driver::rightsize::Merge]) -> String {
+    let mut out = String::new();
+    for m in merges {
+        let _ = writeln!(out, "node {pool}: {} ({})", m.describe(), m.product);
+    }
+    out
+}
+
 #[cfg(feature = "mock")]
 fn holds(d: &ClaimDevice) -> String {
     let mut s = gib(d.allocated.memory_bytes);
@@ -277,4 +287,24 @@ pub(crate) fn run_live(addr: &str) -> anyhow::Result<String> {
     let samples = super::command::parse_exposition(&text)?;
     let (rows, nodes) = rows_of_scrape(&samples);
     Ok(table(&rows, &nodes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cleave_driver::rightsize::Merge;
+
+    #[test]
+    fn the_recommend_table_names_shares_to_merge() {
+        let m = Merge {
+            product: "NVIDIA H100 80GB HBM3".into(),
+            gpus: vec!["gpu-0".into(), "gpu-1".into(), "gpu-2".into()],
+            needed: 1,
+        };
+        assert_eq!(
+            merge_lines("node-a", &[m]),
+            "node node-a: shares on gpu-0, gpu-1, gpu-2 would fit on 1 GPU after right-sizing (NVIDIA H100 80GB HBM3)\n"
+        );
+        assert_eq!(merge_lines("node-a", &[]), "");
+    }
 }
