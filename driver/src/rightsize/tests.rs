@@ -859,3 +859,52 @@ fn shares_on_mig_gpus_are_not_mixed_with_shares_on_whole_gpus() {
     let (w, rw) = (whole("w"), share_on(0, small()).1);
     assert_eq!(merges(&inv, &[w], &[rw]), Vec::new());
 }
+
+/// From a day of samples: three shares known by their pods, each on its own GPU and using
+/// a sliver of it, are recommended small shares that fit on one GPU.
+#[test]
+fn shares_sized_from_their_windows_are_merged() {
+    let inv = share_node();
+    let devices: Vec<ClaimDevice> = [0u32, 2, 3]
+        .iter()
+        .map(|&minor| ClaimDevice {
+            gpu_uuid: format!("GPU-{minor}"),
+            device: format!("gpu-{minor}"),
+            ..pod_share(&format!("m{minor}"), 40, 66)
+        })
+        .collect();
+    let mut store = WindowStore::in_memory(WindowConfig::default());
+    let mut end = T0;
+    for i in 0..DAY / ROUND {
+        end = T0 + i * ROUND;
+        let samples: Vec<DeviceSample> = devices
+            .iter()
+            .map(|d| sample(d, Some(4 * GIB), Some(10.0)))
+            .collect();
+        store.observe(end, &devices, &samples);
+    }
+    let policy = RightsizePolicy::default();
+    let recs: Vec<Recommendation> = devices
+        .iter()
+        .map(|d| {
+            recommend(
+                d,
+                &store.stats(&WindowKey::of(d), end),
+                &inv,
+                SHARE_NODE,
+                &policy,
+            )
+        })
+        .collect();
+    assert!(recs.iter().all(|r| r.advice.kind() == "share"), "{recs:?}");
+    let m = merges(&inv, &devices, &recs);
+    assert_eq!(m.len(), 1);
+    assert_eq!(
+        m[0].describe(),
+        "shares on gpu-0, gpu-2, gpu-3 would fit on 1 GPU after right-sizing"
+    );
+    assert_eq!(
+        savings(&inv, &devices, &recs),
+        Savings { held: 3, needed: 1 }
+    );
+}
