@@ -505,7 +505,7 @@ fn usage_recommend_mock_prints_a_plausible_table() {
         ),
         (
             "team-d/batch-mps-pod",
-            &["not attributable", "--mps-launcher=pod"][..],
+            &["not attributable", "no host PID and no consuming pod"][..],
         ),
     ] {
         let line = row(claim);

@@ -288,14 +288,35 @@ pub fn figures(device: &ClaimDevice, st: &WindowStats) -> String {
     out
 }
 
-/// Why a claim device's usage is not attributable to it.
-fn not_attributable_reason(device: &ClaimDevice) -> String {
-    match device.kind {
-        Holding::Mps if device.pids.is_empty() => "not attributable: the claim's MPS daemon runs in a pod (--mps-launcher=pod), so its processes are unknown on the host and NVML's per-process figures cannot be tied to the claim".into(),
-        Holding::Share if device.pids.is_empty() => "not attributable: a capacity share; its processes talk to the device's one MPS server and NVML does not tell which share a process belongs to".into(),
-        _ if device.mig.is_some() => "not attributable: NVML reports no per-process SM utilization on MIG-enabled GPUs".into(),
-        _ => "not attributable: NVML gives no figure that belongs to this claim alone".into(),
+/// Why a claim device's usage is not attributable to it, for the cases the usage sampler
+/// leaves unattributed (`crate::usage`, "Which process is whose" in the usage docs).
+fn not_attributable_reason(device: &ClaimDevice, st: &WindowStats) -> String {
+    let by_process = matches!(device.kind, Holding::Mps | Holding::Share);
+    let what = match device.kind {
+        Holding::Share => "a capacity share",
+        _ => "an MPS claim",
+    };
+    if by_process && device.pids.is_empty() && device.pods.is_empty() {
+        return format!(
+            "not attributable: {what} with no host PID and no consuming pod known on this node, so no GPU process can be tied to it (NVML does not say which claim an MPS client serves)"
+        );
     }
+    if by_process && device.mig.is_some() {
+        return format!(
+            "not attributable: {what} on a MIG device; NVML reports no per-process SM utilization on MIG-enabled GPUs, so its activity cannot be told apart (its memory is attributed)"
+        );
+    }
+    if by_process && device.pids.is_empty() && st.memory_not_attributable > 0 {
+        return format!(
+            "not attributable: {what} known by its pods only, and the plugin could not read the cgroup of any process on the device (it needs the host's PID namespace)"
+        );
+    }
+    if by_process {
+        return format!(
+            "not attributable: the activity of {what}: NVML's per-process SM samples named only the MPS server, not its MPS clients, or the driver gave no per-process utilization; its memory is attributed"
+        );
+    }
+    "not attributable: NVML gives no figure that belongs to this claim alone".into()
 }
 
 /// The GPU a device is on.
@@ -394,7 +415,7 @@ pub fn recommend(
     let activity_unknown = st.activity_not_attributable > st.activity_samples;
     if memory_unknown || activity_unknown {
         let reason = if st.memory_not_attributable > 0 || st.activity_not_attributable > 0 {
-            not_attributable_reason(device)
+            not_attributable_reason(device, st)
         } else {
             "not attributable: NVML answered no memory figure for the device in the window".into()
         };

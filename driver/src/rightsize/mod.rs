@@ -7,7 +7,8 @@
 //!
 //! - [`window`]: the bounded window per claim device and its estimator;
 //! - [`advice`]: the recommendation and its reason in words;
-//! - [`savings`]: GPUs held against GPUs needed, packed first fit;
+//! - [`savings`]: GPUs held against GPUs needed, packed first fit, and the capacity shares
+//!   that would fit on fewer GPUs ([`Merge`]);
 //! - [`WindowStore`]: the windows of the prepared claims, kept across plugin restarts in a
 //!   small versioned state file beside the checkpoint (written atomically; a claim's window
 //!   goes when the claim is unprepared).
@@ -29,7 +30,7 @@ use crate::usage::{ClaimDevice, DeviceSample};
 pub use advice::{
     Advice, Change, DEFAULT_HEADROOM, NodeModes, Recommendation, RightsizePolicy, Shape, recommend,
 };
-pub use savings::{Savings, savings};
+pub use savings::{Merge, Savings, merges, savings};
 pub use window::{BUCKETS, MIN_SEEN_BUCKETS, UsageWindow, WindowConfig, WindowStats};
 
 /// Every right-sizing metric the kubelet plugin exports (full names as scraped).

@@ -122,7 +122,9 @@ fn share(uid: &str, pids: &[u32], gib: u64, sms: u32) -> ClaimDevice {
 
 /// One round's sample as the sampler would give it.
 fn sample(d: &ClaimDevice, used: Option<u64>, activity: Option<f64>) -> DeviceSample {
-    let attributable = !(matches!(d.kind, Holding::Mps | Holding::Share) && d.pids.is_empty());
+    let attributable = !(matches!(d.kind, Holding::Mps | Holding::Share)
+        && d.pids.is_empty()
+        && d.pods.is_empty());
     let source = match d.kind {
         Holding::Mps | Holding::Share => ActivitySource::ProcessSmUtilization,
         _ => ActivitySource::GpmSmActivity,
@@ -305,10 +307,23 @@ fn mps_claims_get_a_share_where_the_node_serves_one_and_say_so_where_not() {
     assert!(r.served);
     let needs = r.needs.as_deref().unwrap();
     assert!(needs.contains("--consumable-capacity"), "{needs}");
-    // An MPS daemon in a pod: not attributable, nothing guessed.
+    // Neither its daemon's PID nor its pods known: not attributable, nothing guessed.
     let (_, r) = advise(&mps("q", &[]), f, MIG_NODE);
     assert_eq!(r.advice, Advice::NotAttributable);
-    has(&r, &["not attributable", "--mps-launcher=pod"]);
+    has(
+        &r,
+        &[
+            "not attributable: an MPS claim",
+            "no host PID and no consuming pod",
+        ],
+    );
+    // Its daemon in a pod, its pods known: sized like any other.
+    let by_pod = ClaimDevice {
+        pods: vec!["pod-q".into()],
+        ..mps("q", &[])
+    };
+    let (_, r) = advise(&by_pod, f, MIG_NODE);
+    assert_eq!(r.advice.shape().and_then(Shape::profile), Some("3g.40gb"));
 }
 
 #[test]
@@ -337,7 +352,101 @@ fn shares_are_resized_when_attributable_and_not_guessed_otherwise() {
     );
     assert_eq!(st.memory_samples, 0);
     assert_eq!(r.advice, Advice::NotAttributable);
-    has(&r, &["capacity share", "which share"]);
+    has(
+        &r,
+        &[
+            "a capacity share",
+            "no host PID and no consuming pod known on this node",
+        ],
+    );
+}
+
+/// A share known by its pods only (the plugin's usual case).
+fn pod_share(uid: &str, gib: u64, sms: u32) -> ClaimDevice {
+    ClaimDevice {
+        pods: vec![format!("pod-{uid}")],
+        ..share(uid, &[], gib, sms)
+    }
+}
+
+const SHARE_NODE: NodeModes = NodeModes {
+    dynamic_mig: false,
+    consumable_capacity: ConsumableCapacity::Mps,
+};
+
+#[test]
+fn shares_known_by_their_pods_get_shares_in_published_steps_or_release() {
+    let (_, r) = advise(
+        &pod_share("a", 20, 66),
+        |_| (Some(4 * GIB), Some(10.0)),
+        SHARE_NODE,
+    );
+    // 4 GiB x 1.2 = 4915.2 MiB, up to the next 1 MiB step; 10% of 132 SMs x 1.2 = 15.84.
+    let Advice::Shape(Shape::Share { memory_bytes, sms }) = r.advice else {
+        panic!("{r:?}");
+    };
+    assert_eq!(memory_bytes % crate::pool::MEMORY_STEP_BYTES, 0);
+    assert_eq!((memory_bytes, sms), (4916 * MIB, 16));
+    assert_eq!(r.change, Change::Smaller);
+    has(&r, &["oversized", "process_sm_utilization"]);
+    let (_, r) = advise(
+        &pod_share("idle", 20, 66),
+        |_| (Some(GIB), Some(0.0)),
+        SHARE_NODE,
+    );
+    assert_eq!(r.advice, Advice::Release);
+    assert_eq!(r.change, Change::Release);
+}
+
+/// A day of rounds of `d`, each sample made by `f`.
+fn advise_samples(d: &ClaimDevice, f: impl Fn(&ClaimDevice) -> DeviceSample) -> Recommendation {
+    let mut store = WindowStore::in_memory(WindowConfig::default());
+    let mut end = T0;
+    for i in 0..DAY / ROUND {
+        end = T0 + i * ROUND;
+        store.observe(end, std::slice::from_ref(d), &[f(d)]);
+    }
+    let st = store.stats(&WindowKey::of(d), end);
+    recommend(d, &st, &node(), SHARE_NODE, &RightsizePolicy::default())
+}
+
+#[test]
+fn what_stays_unattributable_says_why() {
+    // Known by its pods, but no process's cgroup readable: memory and activity unknown.
+    let r = advise_samples(&pod_share("blind", 20, 66), |d| DeviceSample {
+        memory_used: None,
+        memory_source: MemorySource::NotAttributable,
+        activity: Activity::NotAttributable,
+        ..sample(d, None, None)
+    });
+    assert_eq!(r.advice, Advice::NotAttributable);
+    has(&r, &["known by its pods only", "could not read the cgroup"]);
+    // Per-process samples naming only the MPS server: activity unknown, memory known.
+    let r = advise_samples(&pod_share("server", 20, 66), |d| DeviceSample {
+        activity: Activity::NotAttributable,
+        ..sample(d, Some(4 * GIB), None)
+    });
+    assert_eq!(r.advice, Advice::NotAttributable);
+    has(
+        &r,
+        &["named only the MPS server", "its memory is attributed"],
+    );
+    // On a MIG device: no per-process utilization there.
+    let on_mig = ClaimDevice {
+        gpu_uuid: "GPU-1".into(),
+        mig: Some(MigRef {
+            uuid: "MIG-s".into(),
+            gi: 1,
+            ci: 0,
+        }),
+        ..pod_share("mig", 10, 16)
+    };
+    let r = advise_samples(&on_mig, |d| DeviceSample {
+        activity: Activity::NotAttributable,
+        ..sample(d, Some(GIB), None)
+    });
+    assert_eq!(r.advice, Advice::NotAttributable);
+    has(&r, &["on a MIG device", "MIG-enabled GPUs"]);
 }
 
 #[test]
@@ -610,4 +719,192 @@ fn savings_pack_recommendations_first_fit() {
         needs: None,
     };
     assert_eq!(savings(&inv, &eight, &vec![pending; 8]).needed, 8);
+}
+
+/// GPUs 0, 2 and 3 with MIG off, GPU 1 with MIG on.
+fn share_node() -> NodeInventory {
+    NodeInventory {
+        gpus: vec![gpu(0, false), gpu(1, true), gpu(2, false), gpu(3, false)],
+        ..node()
+    }
+}
+
+/// A share on GPU `minor` and its recommendation.
+fn share_on(minor: u32, advice: Advice) -> (ClaimDevice, Recommendation) {
+    let d = ClaimDevice {
+        gpu_uuid: format!("GPU-{minor}"),
+        device: format!("gpu-{minor}"),
+        ..pod_share(&format!("s{minor}-{}", advice.kind()), 40, 66)
+    };
+    let r = Recommendation {
+        advice,
+        change: Change::Smaller,
+        served: true,
+        reason: String::new(),
+        needs: None,
+    };
+    (d, r)
+}
+
+fn small() -> Advice {
+    Advice::Shape(Shape::Share {
+        memory_bytes: 10 * GIB,
+        sms: 20,
+    })
+}
+
+fn split(v: Vec<(ClaimDevice, Recommendation)>) -> (Vec<ClaimDevice>, Vec<Recommendation>) {
+    v.into_iter().unzip()
+}
+
+#[test]
+fn shares_spread_over_gpus_are_merged_where_they_fit_on_fewer() {
+    let inv = share_node();
+    let (devices, recs) = split(vec![
+        share_on(0, small()),
+        share_on(2, small()),
+        share_on(3, small()),
+    ]);
+    let m = merges(&inv, &devices, &recs);
+    assert_eq!(
+        m,
+        vec![Merge {
+            product: inv.gpus[0].product_name.clone(),
+            gpus: vec!["gpu-0".into(), "gpu-2".into(), "gpu-3".into()],
+            needed: 1,
+        }]
+    );
+    assert_eq!(
+        m[0].describe(),
+        "shares on gpu-0, gpu-2, gpu-3 would fit on 1 GPU after right-sizing"
+    );
+    // Pending counts as what it holds (40 GiB, 66 SMs): two of them do not fit one H100
+    // (79.6 GiB), so three shares need two GPUs.
+    let (devices, recs) = split(vec![
+        share_on(0, Advice::Pending),
+        share_on(2, Advice::NotAttributable),
+        share_on(3, small()),
+    ]);
+    assert_eq!(merges(&inv, &devices, &recs)[0].needed, 2);
+    // A released share leaves the group (its own advice frees its GPU): the other two
+    // still fit on one.
+    let (devices, recs) = split(vec![
+        share_on(0, Advice::Release),
+        share_on(2, small()),
+        share_on(3, small()),
+    ]);
+    let m = merges(&inv, &devices, &recs);
+    assert_eq!(m[0].gpus, vec!["gpu-2".to_owned(), "gpu-3".to_owned()]);
+    assert_eq!(m[0].needed, 1);
+    // Released or moving to a MIG profile: nothing left to merge.
+    let mig = Advice::Shape(Shape::Mig {
+        profile: "1g.10gb".into(),
+        memory_bytes: 9856 * MIB,
+        sms: 16,
+    });
+    let (devices, recs) = split(vec![share_on(0, Advice::Release), share_on(2, mig)]);
+    assert_eq!(merges(&inv, &devices, &recs), Vec::new());
+}
+
+#[test]
+fn shares_that_need_their_gpus_are_not_merged() {
+    let inv = share_node();
+    let big = || {
+        Advice::Shape(Shape::Share {
+            memory_bytes: 50 * GIB,
+            sms: 40,
+        })
+    };
+    let (devices, recs) = split(vec![share_on(0, big()), share_on(2, big())]);
+    assert_eq!(merges(&inv, &devices, &recs), Vec::new());
+    // Room in memory but not in SMs: 3 x 50 SMs of 132.
+    let busy = || {
+        Advice::Shape(Shape::Share {
+            memory_bytes: 5 * GIB,
+            sms: 50,
+        })
+    };
+    let (devices, recs) = split(vec![
+        share_on(0, busy()),
+        share_on(2, busy()),
+        share_on(3, busy()),
+    ]);
+    assert_eq!(merges(&inv, &devices, &recs)[0].needed, 2);
+    // Already on one GPU: nothing to merge.
+    let (devices, recs) = split(vec![share_on(0, small()), share_on(0, small())]);
+    assert_eq!(merges(&inv, &devices, &recs), Vec::new());
+}
+
+#[test]
+fn shares_on_mig_gpus_are_not_mixed_with_shares_on_whole_gpus() {
+    let inv = share_node();
+    // A share on a MIG device of GPU 1 (MIG mode on), and one recorded on GPU 1 itself.
+    let (on_mig, r1) = share_on(1, small());
+    let on_mig = ClaimDevice {
+        mig: Some(MigRef {
+            uuid: "MIG-x".into(),
+            gi: 1,
+            ci: 0,
+        }),
+        ..on_mig
+    };
+    let (on_mig_gpu, r2) = share_on(1, small());
+    let (a, ra) = share_on(0, small());
+    let (b, rb) = share_on(2, small());
+    let m = merges(&inv, &[on_mig, on_mig_gpu, a, b], &[r1, r2, ra, rb]);
+    assert_eq!(m.len(), 1);
+    assert_eq!(m[0].gpus, vec!["gpu-0".to_owned(), "gpu-2".to_owned()]);
+    assert_eq!(m[0].needed, 1);
+    // Whole GPUs and MIG devices are never part of it.
+    let (w, rw) = (whole("w"), share_on(0, small()).1);
+    assert_eq!(merges(&inv, &[w], &[rw]), Vec::new());
+}
+
+/// From a day of samples: three shares known by their pods, each on its own GPU and using
+/// a sliver of it, are recommended small shares that fit on one GPU.
+#[test]
+fn shares_sized_from_their_windows_are_merged() {
+    let inv = share_node();
+    let devices: Vec<ClaimDevice> = [0u32, 2, 3]
+        .iter()
+        .map(|&minor| ClaimDevice {
+            gpu_uuid: format!("GPU-{minor}"),
+            device: format!("gpu-{minor}"),
+            ..pod_share(&format!("m{minor}"), 40, 66)
+        })
+        .collect();
+    let mut store = WindowStore::in_memory(WindowConfig::default());
+    let mut end = T0;
+    for i in 0..DAY / ROUND {
+        end = T0 + i * ROUND;
+        let samples: Vec<DeviceSample> = devices
+            .iter()
+            .map(|d| sample(d, Some(4 * GIB), Some(10.0)))
+            .collect();
+        store.observe(end, &devices, &samples);
+    }
+    let policy = RightsizePolicy::default();
+    let recs: Vec<Recommendation> = devices
+        .iter()
+        .map(|d| {
+            recommend(
+                d,
+                &store.stats(&WindowKey::of(d), end),
+                &inv,
+                SHARE_NODE,
+                &policy,
+            )
+        })
+        .collect();
+    assert!(recs.iter().all(|r| r.advice.kind() == "share"), "{recs:?}");
+    let m = merges(&inv, &devices, &recs);
+    assert_eq!(m.len(), 1);
+    assert_eq!(
+        m[0].describe(),
+        "shares on gpu-0, gpu-2, gpu-3 would fit on 1 GPU after right-sizing"
+    );
+    assert_eq!(
+        savings(&inv, &devices, &recs),
+        Savings { held: 3, needed: 1 }
+    );
 }

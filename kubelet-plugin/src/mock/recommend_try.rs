@@ -22,7 +22,7 @@ use cleave_driver::usage::{
 use crate::metrics::Metrics;
 use crate::node::usage::UsageRounds;
 use crate::node::usage::recommend::{RightsizeConfig, Rightsizer};
-use crate::node::usage::recommend_command::{rows_of, table};
+use crate::node::usage::recommend_command::{merge_lines, rows_of, table};
 
 /// The mock node's YAML: the profile's product, half its GPUs in MIG mode.
 pub(crate) fn mixed_node(profile: &str) -> anyhow::Result<String> {
@@ -268,12 +268,14 @@ pub(crate) fn run(library: &std::path::Path, control: &std::path::Path) -> anyho
     let last = last.context("no round")?;
     let outcome = last.rightsize.clone().unwrap_or_default();
     metrics.rightsize.apply("mock-node", &outcome);
-    Ok(table(
+    let mut out = table(
         &rows_of(&outcome),
         &[(
             "mock-node".into(),
             outcome.savings.held as u64,
             outcome.savings.needed as u64,
         )],
-    ))
+    );
+    out.push_str(&merge_lines("mock-node", &outcome.merges));
+    Ok(out)
 }

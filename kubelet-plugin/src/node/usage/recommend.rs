@@ -10,8 +10,8 @@ use std::time::SystemTime;
 
 use cleave_driver::model::NodeInventory;
 use cleave_driver::rightsize::{
-    Advice, Change, NodeModes, Recommendation, RightsizePolicy, Savings, WindowConfig, WindowKey,
-    WindowStats, WindowStore, recommend, savings,
+    Advice, Change, Merge, NodeModes, Recommendation, RightsizePolicy, Savings, WindowConfig,
+    WindowKey, WindowStats, WindowStore, merges, recommend, savings,
 };
 use cleave_driver::usage::{ClaimDevice, ClaimRef, DeviceSample};
 use tracing::warn;
@@ -57,6 +57,8 @@ pub struct RightsizeOutcome {
     pub entries: Vec<RightsizeEntry>,
     /// GPUs held against GPUs needed.
     pub savings: Savings,
+    /// Capacity shares and MPS claims that would fit on fewer GPUs, per product.
+    pub merges: Vec<Merge>,
     /// Claims that turned oversized in this round (once per window per change).
     pub newly_oversized: Vec<OversizedNotice>,
 }
@@ -148,6 +150,7 @@ impl Rightsizer {
             .collect();
         let recs: Vec<Recommendation> = entries.iter().map(|e| e.recommendation.clone()).collect();
         let savings = savings(inventory, devices, &recs);
+        let merges = merges(inventory, devices, &recs);
         let window = self.config.window.window_seconds;
         let mut newly_oversized = Vec::new();
         self.told
@@ -180,6 +183,7 @@ impl Rightsizer {
         RightsizeOutcome {
             entries,
             savings,
+            merges,
             newly_oversized,
         }
     }

@@ -71,6 +71,16 @@ pub(crate) fn table(rows: &[Row], savings: &[(String, u64, u64)]) -> String {
     out
 }
 
+/// The node's "merge into fewer GPUs" lines, under the table (from an in-process round:
+/// the GPUs' capacity is not among the exported series).
+pub(crate) fn merge_lines(pool: &str, merges: &[cleave_driver::rightsize::Merge]) -> String {
+    let mut out = String::new();
+    for m in merges {
+        let _ = writeln!(out, "node {pool}: {} ({})", m.describe(), m.product);
+    }
+    out
+}
+
 #[cfg(feature = "mock")]
 fn holds(d: &ClaimDevice) -> String {
     let mut s = gib(d.allocated.memory_bytes);
@@ -246,9 +256,10 @@ pub(crate) fn rows_of_scrape(samples: &[Sample]) -> (Vec<Row>, Vec<(String, u64,
             );
             let why = match (r("recommendation").as_str(), r("change").as_str()) {
                 ("pending", _) => "pending: less than half the window seen".into(),
-                ("not_attributable", _) => match a.kind.as_str() {
-                    "mps" => "not attributable: the claim's MPS daemon runs in a pod; its processes are unknown on the host".into(),
-                    "share" => "not attributable: NVML does not tell which share of the device a process belongs to".into(),
+                // The series do not say which case it was; the memory figure narrows it.
+                ("not_attributable", _) => match (a.kind.as_str(), a.peak) {
+                    ("mps" | "share", Some(_)) => "not attributable: its activity (on a MIG device NVML reports no per-process SM utilization; elsewhere its per-process samples named only the MPS server); its memory is attributed".into(),
+                    ("mps" | "share", None) => "not attributable: no process on the device could be tied to it (no host PID or consuming pod known on this node, or the plugin could not read the processes' cgroups)".into(),
                     _ => "not attributable: NVML gives no figure that belongs to this claim alone".into(),
                 },
                 ("release", _) => format!("idle: release: {figures}"),
@@ -277,4 +288,84 @@ pub(crate) fn run_live(addr: &str) -> anyhow::Result<String> {
     let samples = super::command::parse_exposition(&text)?;
     let (rows, nodes) = rows_of_scrape(&samples);
     Ok(table(&rows, &nodes))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use cleave_driver::rightsize::Merge;
+
+    #[test]
+    fn the_recommend_table_names_shares_to_merge() {
+        let m = Merge {
+            product: "NVIDIA H100 80GB HBM3".into(),
+            gpus: vec!["gpu-0".into(), "gpu-1".into(), "gpu-2".into()],
+            needed: 1,
+        };
+        assert_eq!(
+            merge_lines("node-a", &[m]),
+            "node node-a: shares on gpu-0, gpu-1, gpu-2 would fit on 1 GPU after right-sizing (NVIDIA H100 80GB HBM3)\n"
+        );
+        assert_eq!(merge_lines("node-a", &[]), "");
+    }
+
+    /// From a scrape, a not attributable share's reason follows what the series tell.
+    #[test]
+    fn scraped_unattributable_shares_say_what_is_missing() {
+        let labels = |claim: &str, extra: &[(&str, &str)]| {
+            let mut l: BTreeMap<String, String> = [
+                ("namespace", "team-a"),
+                ("claim", claim),
+                ("device", "gpu-0"),
+                ("kind", "share"),
+            ]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+            l.remove("");
+            l
+        };
+        let rec = [
+            ("recommendation", "not_attributable"),
+            ("change", "unknown"),
+        ];
+        let samples: Vec<Sample> = vec![
+            (
+                format!("{P}claim_allocated_info"),
+                labels("known-memory", &[]),
+                1.0,
+            ),
+            (
+                format!("{P}claim_recommendation_info"),
+                labels("known-memory", &rec),
+                1.0,
+            ),
+            (
+                format!("{P}claim_window_peak_memory_bytes"),
+                labels("known-memory", &[]),
+                4.0 * 1024.0 * 1024.0 * 1024.0,
+            ),
+            (
+                format!("{P}claim_allocated_info"),
+                labels("blind", &[]),
+                1.0,
+            ),
+            (
+                format!("{P}claim_recommendation_info"),
+                labels("blind", &rec),
+                1.0,
+            ),
+        ];
+        let (rows, _) = rows_of_scrape(&samples);
+        let why = |claim: &str| {
+            rows.iter()
+                .find(|r| r.claim == format!("team-a/{claim}"))
+                .map(|r| r.why.clone())
+                .unwrap()
+        };
+        assert!(why("known-memory").contains("its memory is attributed"));
+        assert!(why("blind").contains("no host PID or consuming pod"));
+    }
 }
