@@ -878,6 +878,9 @@ async fn startup_and_memory(standin: &StandIn, dir: &Path, bin: &Path, n: usize)
 const USAGE_CHILD: &str = "CLEAVE_PREPARE_BENCH_USAGE_CHILD";
 const USAGE_NODE: &str = "bench-usage-node";
 
+/// Capacity shares the attribution part samples.
+const SHARES_SAMPLED: usize = 50;
+
 /// 8 MIG-enabled H100s (sampled) and one whole H100 (prepared).
 const USAGE_MOCK: &str = "name: bench-usage\ngpus:\n  - product: h100-80gb\n    count: 8\n    migEnabled: true\n  - product: h100-80gb\n    migEnabled: false\n";
 
@@ -987,6 +990,52 @@ fn usage_child(iterations: usize) {
             }
         }
     }
+    // 50 capacity shares on the whole H100, each with one MPS client in a pod of its own
+    // (a cgroup file under a process tree of the bench's, as a node with the systemd cgroup
+    // driver has it): what attribution reads each round.
+    let whole_index = gpus.len() - 1;
+    let share_proc = dir.path().join("proc");
+    let shares: Vec<ClaimDevice> = (0..SHARES_SAMPLED)
+        .map(|n| {
+            let pid = 50_000 + n as u32;
+            let pod = format!("5e000000-0000-4000-8000-{n:012}");
+            let cgroup = share_proc.join(pid.to_string());
+            std::fs::create_dir_all(&cgroup).unwrap();
+            std::fs::write(
+                cgroup.join("cgroup"),
+                format!(
+                    "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{pid:064x}.scope\n",
+                    pod.replace('-', "_")
+                ),
+            )
+            .unwrap();
+            script.push_str(&format!(
+                "process {whole_index} {pid} {} {} mps\n",
+                256 + n * 10,
+                n % 40
+            ));
+            ClaimDevice {
+                claim: ClaimRef {
+                    uid: format!("uid-share-{n}"),
+                    namespace: format!("team-{}", n % 5),
+                    name: format!("share-{n}"),
+                },
+                device: format!("gpu-{whole_index}"),
+                kind: Holding::Share,
+                sharing: Some(cleave_driver::usage::SharingStrategy::Mps),
+                share_id: Some(format!("5a000000-0000-4000-8000-{n:012}")),
+                gpu_uuid: gpus[whole_index].0.clone(),
+                mig: None,
+                allocated: Allocation {
+                    memory_bytes: 1 << 30,
+                    sms: Some(2),
+                    mig_profile: None,
+                },
+                pids: Vec::new(),
+                pods: vec![pod],
+            }
+        })
+        .collect();
     std::fs::write(&control, script).unwrap();
     let whole = format!("gpu-{}", gpus.len() - 1);
     cleave_kubelet_plugin::install_crypto_provider();
@@ -1186,6 +1235,76 @@ fn usage_child(iterations: usize) {
             }
         }
         let rss_after = own_rss_kib();
+        // Attribution: the 50 shares sampled every 100 ms (gated), without their pods (no
+        // process is tied to them, nothing read under /proc) and with them (each round
+        // reads the MPS-client list and the cgroup of each client), alternating in blocks.
+        let without_pods: Vec<ClaimDevice> = shares
+            .iter()
+            .cloned()
+            .map(|mut d| {
+                d.pods.clear();
+                d
+            })
+            .collect();
+        let sampled_shares = |devices: &[ClaimDevice]| {
+            cleave_kubelet_plugin::usage::UsageMonitor::start(
+                cleave_kubelet_plugin::usage::MonitorConfig {
+                    interval: Duration::from_millis(100),
+                    policy: cleave_driver::usage::IdlePolicy::default(),
+                    pool: USAGE_NODE.into(),
+                    rightsize: Some(rightsize),
+                    rightsize_state: None,
+                    oversized: None,
+                    rightsize_metrics: Some(std::sync::Arc::clone(&metrics.rightsize)),
+                    gate: Some(plugin.sampling_gate.clone()),
+                    proc_root: share_proc.clone(),
+                },
+                plugin.backend.usage_source().unwrap(),
+                std::sync::Arc::new(Fixed {
+                    devices: devices.to_vec(),
+                    gpus: gpus.clone(),
+                    inventory: inventory.clone(),
+                }),
+                std::sync::Arc::clone(&metrics.usage),
+                None,
+            )
+            .unwrap()
+        };
+        let mut attr_off = Vec::with_capacity(iterations);
+        let mut attr_on = Vec::with_capacity(iterations);
+        while attr_on.len() < iterations {
+            let monitor = sampled_shares(&without_pods);
+            for _ in 0..BLOCK {
+                attr_off.push(cycle(&mut dra).await);
+            }
+            monitor.stop();
+            let monitor = sampled_shares(&shares);
+            for _ in 0..BLOCK {
+                attr_on.push(cycle(&mut dra).await);
+            }
+            monitor.stop();
+        }
+        let rss_shares = own_rss_kib();
+        // One round over the 50 shares with attribution, and what it found.
+        let mut share_rounds = cleave_kubelet_plugin::usage::UsageRounds::new(
+            plugin.backend.usage_source().unwrap(),
+            cleave_driver::usage::IdlePolicy::default(),
+        )
+        .with_proc_root(share_proc.clone());
+        let mut share_round_times = Vec::new();
+        let mut attributed = 0;
+        for i in 0..21 {
+            let t = Instant::now();
+            let r = share_rounds.round(&shares, Instant::now());
+            if i > 0 {
+                share_round_times.push(t.elapsed());
+            }
+            attributed = r
+                .samples
+                .iter()
+                .filter(|s| s.memory_used.is_some())
+                .count();
+        }
         plugin.shutdown().await.unwrap();
         standin.shutdown().await;
         let (o50, o99) = (percentile(&mut off, 0.5), percentile(&mut off, 0.99));
@@ -1259,6 +1378,36 @@ fn usage_child(iterations: usize) {
             "  resident memory of the bench process (plugin, sampler, and the in-process stand-in, with its bounded change history of claim versions): {rss_before} KiB before sampling, {rss_after} KiB after {} prepare cycles with sampling (+{} KiB)",
             iterations,
             rss_after.saturating_sub(rss_before)
+        );
+        let (f50, f99) = (
+            percentile(&mut attr_off, 0.5),
+            percentile(&mut attr_off, 0.99),
+        );
+        let (t50, t99) = (percentile(&mut attr_on, 0.5), percentile(&mut attr_on, 0.99));
+        println!(
+            "attribution of {SHARES_SAMPLED} capacity shares (one MPS client each, by pod cgroup), sampled every 100 ms, gated; {iterations} samples each"
+        );
+        println!("  {:<52} {:>9} {:>9}", "", "p50 ms", "p99 ms");
+        for (what, p50, p99) in [
+            ("prepare, shares sampled without their pods", f50, f99),
+            ("prepare, shares sampled with attribution", t50, t99),
+        ] {
+            println!("  {what:<52} {:>9.3} {:>9.3}", ms(p50), ms(p99));
+        }
+        println!(
+            "  ratio with/without attribution (alternating blocks of {BLOCK}): p50 {:.2}x, p99 {:.2}x (target: within the sampler gate's budget, p99 within 1.1x)",
+            t50.as_secs_f64() / f50.as_secs_f64(),
+            t99.as_secs_f64() / f99.as_secs_f64()
+        );
+        println!(
+            "  {:<52} {:>9.3} {:>9.3}",
+            format!("one round over the {SHARES_SAMPLED} shares ({attributed} attributed)"),
+            ms(percentile(&mut share_round_times, 0.5)),
+            ms(percentile(&mut share_round_times, 0.99))
+        );
+        println!(
+            "  resident memory after the attribution blocks: {rss_shares} KiB (+{} KiB over the MIG sampling above)",
+            rss_shares.saturating_sub(rss_after)
         );
     });
 }

@@ -15,11 +15,10 @@
 //! `SCHED_IDLE` alone did not keep the sampler out of prepare's way (`docs/architecture.md`,
 //! "Cost of sampling").
 //!
-//! MPS claims: the driver records the host PID of the claim's control daemon (process
-//! launcher); the MPS server that runs the claim's kernels is a child of it, so the PIDs
-//! the sampler looks for are the daemon and its descendants, read from `/proc`. A daemon
-//! run in a pod (`--mps-launcher=pod`) has no host PID in the record: its activity and
-//! memory are reported as not attributable.
+//! MPS claims and capacity shares: a GPU process is the claim's when its cgroup names a pod
+//! that consumes the claim ([`WithPods`] fills each device's pods from this node's pod
+//! index), or when it is the claim's control daemon (process launcher) or a descendant of
+//! it (the MPS server), read from the host's `/proc` (`--proc-root`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
