@@ -1184,7 +1184,8 @@ fn usage_child(iterations: usize) {
         // Prepare with the 56 devices sampled every 100 ms in the background: as SCHED_IDLE
         // with usage windows, without the sampling gate (the previous release) and with it
         // (this release), then sampling off again, all in this run.
-        let sampled = |gate: bool| {
+        // `devices` sampled every 100 ms, at the gate or not, reading processes under `proc`.
+        let monitor = |devices: &[ClaimDevice], gate: bool, proc: &Path| {
             cleave_kubelet_plugin::usage::UsageMonitor::start(
                 cleave_kubelet_plugin::usage::MonitorConfig {
                     interval: Duration::from_millis(100),
@@ -1195,11 +1196,11 @@ fn usage_child(iterations: usize) {
                     oversized: None,
                     rightsize_metrics: Some(std::sync::Arc::clone(&metrics.rightsize)),
                     gate: gate.then(|| plugin.sampling_gate.clone()),
-                    proc_root: "/proc".into(),
+                    proc_root: proc.to_path_buf(),
                 },
                 plugin.backend.usage_source().unwrap(),
                 std::sync::Arc::new(Fixed {
-                    devices: devices.clone(),
+                    devices: devices.to_vec(),
                     gpus: gpus.clone(),
                     inventory: inventory.clone(),
                 }),
@@ -1208,6 +1209,7 @@ fn usage_child(iterations: usize) {
             )
             .unwrap()
         };
+        let sampled = |gate: bool| monitor(&devices, gate, Path::new("/proc"));
         // Off, ungated, gated and off again alternate in blocks of ten cycles, so that
         // whatever else the machine does meanwhile falls on all alike; the two off sets
         // against each other show how far p99 moves with nothing changed.
@@ -1246,30 +1248,7 @@ fn usage_child(iterations: usize) {
                 d
             })
             .collect();
-        let sampled_shares = |devices: &[ClaimDevice]| {
-            cleave_kubelet_plugin::usage::UsageMonitor::start(
-                cleave_kubelet_plugin::usage::MonitorConfig {
-                    interval: Duration::from_millis(100),
-                    policy: cleave_driver::usage::IdlePolicy::default(),
-                    pool: USAGE_NODE.into(),
-                    rightsize: Some(rightsize),
-                    rightsize_state: None,
-                    oversized: None,
-                    rightsize_metrics: Some(std::sync::Arc::clone(&metrics.rightsize)),
-                    gate: Some(plugin.sampling_gate.clone()),
-                    proc_root: share_proc.clone(),
-                },
-                plugin.backend.usage_source().unwrap(),
-                std::sync::Arc::new(Fixed {
-                    devices: devices.to_vec(),
-                    gpus: gpus.clone(),
-                    inventory: inventory.clone(),
-                }),
-                std::sync::Arc::clone(&metrics.usage),
-                None,
-            )
-            .unwrap()
-        };
+        let sampled_shares = |devices: &[ClaimDevice]| monitor(devices, true, &share_proc);
         let mut attr_off = Vec::with_capacity(iterations);
         let mut attr_on = Vec::with_capacity(iterations);
         while attr_on.len() < iterations {

@@ -807,17 +807,7 @@ impl crate::backend::UsageSource for FakeUsage {
 
     fn processes(&self, uuid: &str) -> Result<Vec<crate::backend::ProcessMemory>, BackendError> {
         self.log(format!("processes {uuid}"));
-        Ok(self
-            .device(uuid)?
-            .processes
-            .into_iter()
-            .map(|(pid, used)| crate::backend::ProcessMemory {
-                pid,
-                used: Some(used),
-                gi: None,
-                ci: None,
-            })
-            .collect())
+        Ok(process_memory(self.device(uuid)?.processes))
     }
 
     fn mps_processes(
@@ -825,17 +815,7 @@ impl crate::backend::UsageSource for FakeUsage {
         uuid: &str,
     ) -> Result<Vec<crate::backend::ProcessMemory>, BackendError> {
         self.log(format!("mps_processes {uuid}"));
-        Ok(self
-            .device(uuid)?
-            .mps_processes
-            .into_iter()
-            .map(|(pid, used)| crate::backend::ProcessMemory {
-                pid,
-                used: Some(used),
-                gi: None,
-                ci: None,
-            })
-            .collect())
+        Ok(process_memory(self.device(uuid)?.mps_processes))
     }
 
     fn process_utilization(
@@ -936,4 +916,16 @@ pub fn xid_event(
         xid: Some(xid),
         fatal,
     }
+}
+
+/// `(pid, bytes)` pairs as NVML's process entries (no MIG instance).
+fn process_memory(list: Vec<(u32, u64)>) -> Vec<crate::backend::ProcessMemory> {
+    list.into_iter()
+        .map(|(pid, used)| crate::backend::ProcessMemory {
+            pid,
+            used: Some(used),
+            gi: None,
+            ci: None,
+        })
+        .collect()
 }
