@@ -58,6 +58,7 @@ pub const USAGE_METRIC_NAMES: &[&str] = &[
     "cleave_kubelet_plugin_claim_window_samples",
     "cleave_kubelet_plugin_node_gpus_held",
     "cleave_kubelet_plugin_node_gpus_recommended",
+    "cleave_kubelet_plugin_node_share_merge_gpus",
 ];
 
 /// Which claim a device belongs to (the driver's one claim identity).

@@ -287,7 +287,28 @@ pub(crate) fn run_live(addr: &str) -> anyhow::Result<String> {
     let text = super::command::scrape(addr)?;
     let samples = super::command::parse_exposition(&text)?;
     let (rows, nodes) = rows_of_scrape(&samples);
-    Ok(table(&rows, &nodes))
+    let mut out = table(&rows, &nodes);
+    out.push_str(&merges_of_scrape(&samples));
+    Ok(out)
+}
+
+/// The "merge into fewer GPUs" lines of a scrape (`node_share_merge_gpus`), as
+/// [`merge_lines`] prints them from an in-process round.
+pub(crate) fn merges_of_scrape(samples: &[Sample]) -> String {
+    let mut out = String::new();
+    for (name, l, v) in samples {
+        if name.strip_prefix(P) != Some("node_share_merge_gpus") {
+            continue;
+        }
+        let get = |k: &str| l.get(k).cloned().unwrap_or_default();
+        let merge = cleave_driver::rightsize::Merge {
+            product: get("product"),
+            gpus: get("gpus").split(',').map(str::to_owned).collect(),
+            needed: *v as usize,
+        };
+        out.push_str(&merge_lines(&get("pool"), &[merge]));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -295,6 +316,28 @@ pub(crate) fn run_live(addr: &str) -> anyhow::Result<String> {
 mod tests {
     use super::*;
     use cleave_driver::rightsize::Merge;
+
+    #[test]
+    fn a_running_plugins_merge_advice_reaches_the_live_table_and_goes() {
+        let metrics = crate::metrics::Metrics::new();
+        let merge = Merge {
+            product: "NVIDIA H100 80GB HBM3".into(),
+            gpus: vec!["gpu-0".into(), "gpu-2".into()],
+            needed: 1,
+        };
+        let outcome = RightsizeOutcome {
+            merges: vec![merge.clone()],
+            ..RightsizeOutcome::default()
+        };
+        metrics.rightsize.apply("node-a", &outcome);
+        let samples = super::super::command::parse_exposition(&metrics.encode()).unwrap();
+        assert_eq!(merges_of_scrape(&samples), merge_lines("node-a", &[merge]));
+        metrics
+            .rightsize
+            .apply("node-a", &RightsizeOutcome::default());
+        let samples = super::super::command::parse_exposition(&metrics.encode()).unwrap();
+        assert_eq!(merges_of_scrape(&samples), "");
+    }
 
     #[test]
     fn the_recommend_table_names_shares_to_merge() {

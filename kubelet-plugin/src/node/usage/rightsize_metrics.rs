@@ -52,6 +52,17 @@ pub(crate) struct NodeLabels {
     pub pool: String,
 }
 
+/// Labels of a "merge into fewer GPUs" series: the shares' GPUs now, by published name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct MergeLabels {
+    /// Pool (the node name).
+    pub pool: String,
+    /// The GPU product.
+    pub product: String,
+    /// The GPUs the shares are on now, comma-separated (at most the node's GPUs).
+    pub gpus: String,
+}
+
 #[derive(Debug, Default)]
 struct Written {
     devices: HashSet<ClaimDeviceLabels>,
@@ -62,6 +73,7 @@ struct Written {
     p95_memory: HashSet<ClaimDeviceLabels>,
     activity: HashSet<WindowActivityLabels>,
     idle: HashSet<ClaimDeviceLabels>,
+    merges: HashSet<MergeLabels>,
 }
 
 /// The right-sizing series.
@@ -78,6 +90,7 @@ pub struct RightsizeMetrics {
     samples: Family<ClaimDeviceLabels, Gauge>,
     gpus_held: Family<NodeLabels, Gauge>,
     gpus_recommended: Family<NodeLabels, Gauge>,
+    share_merges: Family<MergeLabels, Gauge>,
     written: Mutex<Written>,
     /// Claims are labelled by UID only (`--metrics-claim-labels=uid-only`).
     uid_only: std::sync::atomic::AtomicBool,
@@ -157,6 +170,11 @@ impl RightsizeMetrics {
             "node_gpus_recommended",
             "GPUs the node's claims would need in their recommended shapes, packed first fit",
             m.gpus_recommended.clone(),
+        );
+        registry.register(
+            "node_share_merge_gpus",
+            "GPUs the right-sized capacity shares and MPS claims now on the GPUs of label gpus would fit on, packed first fit (only where fewer)",
+            m.share_merges.clone(),
         );
         m
     }
@@ -242,6 +260,17 @@ impl RightsizeMetrics {
         self.gpus_recommended
             .get_or_create(&node)
             .set(i64_of(outcome.savings.needed as u64));
+        for merge in &outcome.merges {
+            let l = MergeLabels {
+                pool: pool.to_owned(),
+                product: merge.product.clone(),
+                gpus: merge.gpus.join(","),
+            };
+            self.share_merges
+                .get_or_create(&l)
+                .set(i64_of(merge.needed as u64));
+            next.merges.insert(l);
+        }
         let mut w = self
             .written
             .lock()
@@ -255,6 +284,7 @@ impl RightsizeMetrics {
         retire(&self.mean_activity, &w.activity, &next.activity);
         retire(&self.idle_ratio, &w.idle, &next.idle);
         retire(&self.samples, &w.devices, &next.devices);
+        retire(&self.share_merges, &w.merges, &next.merges);
         *w = next;
     }
 }
