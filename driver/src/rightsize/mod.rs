@@ -46,6 +46,7 @@ pub const RIGHTSIZE_METRIC_NAMES: &[&str] = &[
     "cleave_kubelet_plugin_claim_window_samples",
     "cleave_kubelet_plugin_node_gpus_held",
     "cleave_kubelet_plugin_node_gpus_recommended",
+    "cleave_kubelet_plugin_node_share_merge_gpus",
 ];
 
 /// Name of the state file in the driver's state directory (beside `checkpoint.json`).

@@ -352,6 +352,13 @@ mod tests {
                 t0 + Duration::from_secs(s),
             );
         }
+        // A merge advice, so that its series is among them (present only where fewer GPUs
+        // would do).
+        out.merges.push(cleave_driver::rightsize::Merge {
+            product: "NVIDIA H100 80GB HBM3".into(),
+            gpus: vec!["gpu-0".into(), "gpu-1".into()],
+            needed: 1,
+        });
         m.rightsize.apply("n1", &out);
         let text = m.encode();
         let exported: std::collections::BTreeSet<&str> = text
@@ -382,6 +389,8 @@ mod tests {
             t0 + Duration::from_secs(2400),
         );
         m.rightsize.apply("n1", &out);
-        assert!(!m.encode().contains("c-b"));
+        let text = m.encode();
+        assert!(!text.contains("c-b"), "{text}");
+        assert!(!text.contains("node_share_merge_gpus{"), "{text}");
     }
 }
