@@ -130,8 +130,6 @@ pub struct UsageRounds {
     rightsizer: Option<recommend::Rightsizer>,
     /// Batches go first (see [`Self::with_gate`]); with the most a round waits.
     gate: Option<(cleave_driver::usage::SamplingGate, Duration)>,
-    /// The host's `/proc` (see [`Self::with_proc_root`]).
-    proc_root: std::path::PathBuf,
 }
 
 impl UsageRounds {
@@ -143,7 +141,6 @@ impl UsageRounds {
             reported: BTreeSet::new(),
             rightsizer: None,
             gate: None,
-            proc_root: std::path::PathBuf::from("/proc"),
         }
     }
 
@@ -162,8 +159,7 @@ impl UsageRounds {
     /// These rounds, reading processes under `proc_root` (the host's `/proc`): their
     /// cgroups name the pod each GPU process runs in, their parents an MPS daemon's server.
     pub fn with_proc_root(mut self, proc_root: std::path::PathBuf) -> Self {
-        self.sampler = self.sampler.with_proc_root(proc_root.clone());
-        self.proc_root = proc_root;
+        self.sampler = self.sampler.with_proc_root(proc_root);
         self
     }
 
