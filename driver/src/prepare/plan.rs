@@ -159,11 +159,11 @@ pub(super) struct DeviceCapacity {
 
 impl DeviceCapacity {
     pub(super) fn of(gpu: &GpuInfo, device: &str) -> Self {
-        let facts = super::GpuFacts::of(gpu, device);
+        let facts = crate::sharing::GpuFacts::of(gpu, device);
         Self {
             device: device.to_owned(),
             memory_bytes: facts.device_memory_bytes.map(|b| (b >> 20) << 20),
-            multiprocessors: super::sharing::device_multiprocessors(gpu, device),
+            multiprocessors: crate::sharing::device_multiprocessors(gpu, device),
         }
     }
 
