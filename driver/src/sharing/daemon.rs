@@ -4,29 +4,14 @@
 //! this module runs it through the [`super::DaemonLauncher`].
 
 use std::path::{Path, PathBuf};
+use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
-use super::manager::lock;
-use super::mps::{self, DaemonHandle, DaemonSpec, MpsRecord};
+use super::mps::{self, DaemonHandle, DaemonSpec, MpsRecord, MpsTimings};
 use super::process;
 use super::timeslice::ComputeMode;
 use super::{MASK_SOURCE, PIPE_ROOT_MODE, SHM_DIR, SharingFailure, SharingManager, pipe_dir_under};
 use crate::cdi::Mount;
-
-/// Where the time of the last MPS start went (for benchmarks and metrics).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MpsTimings {
-    /// Directories, record and compute modes.
-    pub setup: Duration,
-    /// Launching the daemon until its PID is known.
-    pub launch: Duration,
-    /// From the PID until the daemon answered.
-    pub ready: Duration,
-    /// Setting and checking the limits, writing the record.
-    pub limits: Duration,
-    /// The whole start.
-    pub total: Duration,
-}
 
 impl SharingManager {
     /// `<state dir>/mps/<claim UID>`.
@@ -137,7 +122,10 @@ impl SharingManager {
             let mut timings = self.launch_and_configure(&dir, &mut record)?;
             timings.setup = setup;
             timings.total = started.elapsed();
-            *lock(&self.last_timings) = Some(timings);
+            *self
+                .last_timings
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(timings);
             Ok(())
         })();
         match result {
@@ -299,6 +287,7 @@ impl SharingManager {
                 claim: key.to_owned(),
                 path: spec.pipe_dir.join(mps::CONTROL_SOCKET),
                 len,
+                max: mps::MAX_SOCKET_PATH,
             });
         }
         Ok(spec)

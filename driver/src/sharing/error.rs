@@ -6,8 +6,6 @@ use std::time::Duration;
 
 use cleave_api::config::TimeSliceInterval;
 
-use super::mps;
-
 /// A sharing set-up or tear-down failed; the message names the claim, device or GPU, and the
 /// file or tool involved.
 #[derive(Debug, thiserror::Error)]
@@ -203,7 +201,7 @@ pub enum SharingFailure {
     },
     /// The claim's MPS control socket path does not fit in a unix socket address.
     #[error(
-        "claim {claim}: MPS control socket {} would be {len} bytes, longer than the {max} a unix socket path may have; use a shorter state (kubelet plugins) directory", path.display(), max = mps::MAX_SOCKET_PATH
+        "claim {claim}: MPS control socket {} would be {len} bytes, longer than the {max} a unix socket path may have; use a shorter state (kubelet plugins) directory", path.display()
     )]
     PipeDirTooLong {
         /// Claim UID.
@@ -212,6 +210,8 @@ pub enum SharingFailure {
         path: PathBuf,
         /// Its length in bytes.
         len: usize,
+        /// The longest a unix socket path may be.
+        max: usize,
     },
     /// A file operation failed.
     #[error("{op} {path}: {source}")]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use super::SharingFailure;
+use super::error::SharingFailure;
 use super::mps::{
     DaemonHandle, DaemonLauncher, DaemonSpec, LONGEST_SOCKET, MAX_SOCKET_PATH, PID_FILE,
     closed_parent, socket_path_too_long,

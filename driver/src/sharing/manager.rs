@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cleave_api::config::{MpsConfig, SharingStrategy, TimeSliceInterval};
 
-use super::daemon::MpsTimings;
 use super::launcher::ProcessLauncher;
+use super::mps::MpsTimings;
 use super::per_claim::PlannedMps;
 use super::timeslice::NvidiaSmi;
 use super::{

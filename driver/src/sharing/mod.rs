@@ -51,22 +51,24 @@ pub mod timeslice;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use cleave_api::config::{DeviceKind, Sharing, TimeSliceInterval};
+use cleave_api::config::{DeviceKind, Sharing, SharingStrategy, TimeSliceInterval};
 use cleave_api::names::{DeviceName, profile_label};
 use serde::{Deserialize, Serialize};
 
 use crate::cdi::ContainerEdits;
+use crate::checkpoint::ShareRecord;
 use crate::model::{GpuInfo, MigState};
 
 pub use config::{
     MASK_SOURCE, MPS_CONTROL_TOOL, MPS_MIN_COMPUTE_CAPABILITY, NVIDIA_SMI_TOOL, PIPE_ROOT_MODE,
     SHM_DIR, SharingBinaries, SharingConfig, pipe_dir_under,
 };
-pub use daemon::MpsTimings;
 pub use error::SharingFailure;
 pub use launcher::ProcessLauncher;
 pub use manager::SharingManager;
-pub use mps::{DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, MpsRecord, PinnedLimit};
+pub use mps::{
+    DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, MpsRecord, MpsTimings, PinnedLimit,
+};
 pub use reconcile::ReconcileReport;
 pub use shared::{legacy_shared_daemon_key, shared_daemon_key};
 pub use timeslice::{ComputeMode, NvidiaSmi, TimeSliceSetting};
@@ -227,6 +229,16 @@ pub struct Capacity {
     pub multiprocessors: Option<u32>,
 }
 
+impl Capacity {
+    /// What the recorded share consumed.
+    pub fn consumed_by(share: &ShareRecord) -> Self {
+        Self {
+            memory_bytes: share.memory_bytes,
+            multiprocessors: share.multiprocessors,
+        }
+    }
+}
+
 /// The one rule for "this share is the whole device": it consumed all of the device's
 /// memory (rounded down to 1Mi, as published) and all its SMs, which is what the scheduler
 /// allocates to a claim that asks for no capacity. Such a share is served like a device
@@ -314,6 +326,19 @@ pub struct SharingState {
     /// Time slices set for the claim.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub time_slicing: Vec<TimeSliceSetting>,
+}
+
+impl SharingState {
+    /// The strategy the recorded state belongs to; `None` when nothing was set up.
+    pub fn strategy(&self) -> Option<SharingStrategy> {
+        if self.mps.is_some() {
+            Some(SharingStrategy::Mps)
+        } else if !self.time_slicing.is_empty() {
+            Some(SharingStrategy::TimeSlicing)
+        } else {
+            None
+        }
+    }
 }
 
 /// A sharing strategy implementation (time-slicing settings, MPS daemons): the seam

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::SharingFailure;
+use super::error::SharingFailure;
 use crate::checkpoint::write_file_atomic;
 
 /// The first 32 hex digits of SHA-256 over `parts`, each followed by a 0 byte: names of
@@ -181,6 +181,21 @@ pub trait DaemonLauncher: Send + Sync {
     fn sweep(&self, _keep: &std::collections::BTreeSet<String>) -> Vec<String> {
         Vec::new()
     }
+}
+
+/// Where the time of the last MPS start went (for benchmarks and metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MpsTimings {
+    /// Directories, record and compute modes.
+    pub setup: Duration,
+    /// Launching the daemon until its PID is known.
+    pub launch: Duration,
+    /// From the PID until the daemon answered.
+    pub ready: Duration,
+    /// Setting and checking the limits, writing the record.
+    pub limits: Duration,
+    /// The whole start.
+    pub total: Duration,
 }
 
 /// One memory limit of a daemon: device ordinal, its UUID, and the limit in the control
