@@ -1,5 +1,5 @@
-//! The MPS daemon life cycle both MPS strategies share ([`super::per_claim`],
-//! [`super::shared`]): directories, start (or find running), readiness, limits, stop, and the
+//! The MPS daemon life cycle both MPS strategies share (`per_claim`,
+//! `shared`): directories, start (or find running), readiness, limits, stop, and the
 //! client mounts of a daemon's pipe directory. Strategies plan the daemon ([`MpsRecord`]);
 //! this module runs it through the [`super::DaemonLauncher`].
 

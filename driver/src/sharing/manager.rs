@@ -1,11 +1,11 @@
 //! [`SharingManager`]: the one type prepare holds. It serialises calls, splits a claim's
-//! devices by strategy and hands each to its module ([`super::per_claim`],
-//! [`super::shared`], [`super::timeslice`]); it decides nothing of its own.
+//! devices by strategy and hands each to its module (`per_claim`,
+//! `shared`, `timeslice`); it decides nothing of its own.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cleave_api::config::{MpsConfig, SharingStrategy, TimeSliceInterval};
+use cleave_api::config::SharingStrategy;
 
 use super::launcher::ProcessLauncher;
 use super::mps::MpsTimings;
@@ -81,7 +81,7 @@ impl SharingManager {
 
     /// Sets up sharing for the claim's `devices` and returns the CDI edits and the state to
     /// record ([`SharingState`]). A claim uses one strategy: its MPS devices go to
-    /// [`super::per_claim`], its time-sliced ones to [`super::timeslice`]. Everything is
+    /// `per_claim`, its time-sliced ones to `timeslice`. Everything is
     /// checked before anything changes; on failure nothing of this call is left behind.
     /// Calling it again with the same devices and settings while the daemon runs changes
     /// nothing and returns the same edits. `needs`: the time slices the recorded claims ask
@@ -100,7 +100,7 @@ impl SharingManager {
             match d.sharing.strategy {
                 SharingStrategy::Mps => mps_devices.push(PlannedMps {
                     device: d,
-                    config: d.sharing.mps.clone().unwrap_or_else(MpsConfig::default),
+                    config: d.sharing.mps.clone().unwrap_or_default(),
                 }),
                 SharingStrategy::TimeSlicing => ts_devices.push((
                     d,
@@ -108,7 +108,7 @@ impl SharingManager {
                         .time_slicing
                         .as_ref()
                         .map(|t| t.interval_or_default())
-                        .unwrap_or_else(TimeSliceInterval::default),
+                        .unwrap_or_default(),
                 )),
             }
         }

@@ -15,16 +15,16 @@
 //! [`SharingManager`] implements the seam, one module per strategy, each owning its plan,
 //! start, stop and CDI edits:
 //!
-//! - [`per_claim`]: a claim whose devices say `strategy: MPS` gets its own control daemon,
+//! - `per_claim`: a claim whose devices say `strategy: MPS` gets its own control daemon,
 //!   limited to those devices, with a pipe directory mounted into the claim's containers
 //!   only, the claim's thread and pinned-memory limits, and whole GPUs in
 //!   `EXCLUSIVE_PROCESS` compute mode while it runs.
-//! - [`shared`]: consumable capacity (`--consumable-capacity mps`): one multi-user daemon per
+//! - `shared`: consumable capacity (`--consumable-capacity mps`): one multi-user daemon per
 //!   shared device and claim namespace ([`shared_daemon_key`]), started by the namespace's
 //!   first share and stopped after its last, each share's device with client limits from
 //!   what it consumed. Tenants of different namespaces never share an MPS server, pipe
 //!   directory or `/dev/shm`.
-//! - [`timeslice`]: `nvidia-smi compute-policy --set-timeslice` on whole GPUs, restored to
+//! - `timeslice`: `nvidia-smi compute-policy --set-timeslice` on whole GPUs, restored to
 //!   the default when no recorded claim needs another interval.
 //!
 //! Both MPS strategies run their daemons through `daemon` (start, readiness, limits, stop;
@@ -40,14 +40,14 @@ mod error;
 mod launcher;
 mod manager;
 pub mod mps;
-pub mod per_claim;
+mod per_claim;
 mod process;
 mod reconcile;
-pub mod shared;
+mod shared;
 pub mod supervise;
 #[cfg(test)]
 mod tests;
-pub mod timeslice;
+mod timeslice;
 
 use std::collections::{BTreeMap, BTreeSet};
 
