@@ -25,7 +25,7 @@ use cleave_driver::checkpoint::{
 };
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
 use cleave_driver::prepare::testing::{Call, FakeBackend, node_claim, with_config};
-use cleave_driver::prepare::{DriverConfig, NodeDriver, time_slice_needs};
+use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError, Refusal, time_slice_needs};
 use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
 use cleave_driver::sharing::{
     GpuFacts, SharingConfig, SharingDevice, SharingEdits, SharingFailure, SharingManager,
@@ -1412,6 +1412,13 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
         err.to_string().contains("starting MPS control daemon"),
         "{err}"
     );
+    // The failure keeps its type through the seam: the refusal label comes from it.
+    assert!(
+        matches!(&err, PrepareError::Sharing(SharingFailure::Apply { claim, source })
+            if claim == uid2 && matches!(**source, SharingFailure::DaemonStart { .. })),
+        "{err:?}"
+    );
+    assert_eq!(err.refusal(), Refusal::Sharing);
     assert!(driver.prepared_claims().is_empty());
     assert!(
         !world
@@ -1429,6 +1436,11 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
     assert!(
         err.to_string().contains("larger than the device's memory"),
         "{err}"
+    );
+    assert!(
+        matches!(&err, PrepareError::Sharing(SharingFailure::Apply { source, .. })
+            if matches!(**source, SharingFailure::LimitTooLarge { .. })),
+        "{err:?}"
     );
 }
 
