@@ -462,6 +462,15 @@ fn counter(value: i64) -> Counter {
 }
 
 /// Attributes every device of a GPU carries (the GPU's own, or a MIG device's parent's).
+/// Bytes of an attribute's string or version value, what the API server limits (0 for
+/// other values).
+fn attribute_value_len(v: &DeviceAttribute) -> usize {
+    v.string
+        .as_deref()
+        .or(v.version.as_deref())
+        .map_or(0, str::len)
+}
+
 fn common_attributes(inv: &NodeInventory, gpu: &GpuInfo) -> Vec<(&'static str, DeviceAttribute)> {
     let mut a = vec![
         (attr::PRODUCT_NAME, string(&gpu.product_name)),
@@ -575,11 +584,7 @@ fn device(
 ) -> Device {
     let mut attributes = BTreeMap::new();
     for (k, v) in attrs {
-        let len = v
-            .string
-            .as_deref()
-            .or(v.version.as_deref())
-            .map_or(0, str::len);
+        let len = attribute_value_len(&v);
         if len > limits::MAX_ATTRIBUTE_VALUE_LENGTH {
             // The API server would reject the whole slice; drop the one value instead.
             tracing::warn!(device = %name, attribute = k, len, "attribute value too long; not published");

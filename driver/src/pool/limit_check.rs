@@ -101,11 +101,7 @@ fn device_violations(
         if set != 1 {
             out.push(format!("{}: attribute {k} has {set} values", d.name));
         }
-        let len = v
-            .string
-            .as_deref()
-            .or(v.version.as_deref())
-            .map_or(0, str::len);
+        let len = super::attribute_value_len(v);
         if len > limits::MAX_ATTRIBUTE_VALUE_LENGTH {
             out.push(format!("{}: attribute {k} is {len} bytes", d.name));
         }
