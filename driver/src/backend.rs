@@ -110,7 +110,7 @@ pub trait GpuBackend: Send + Sync {
 /// `nvmlEventTypeCriticalXidError`, `nvmlEventTypeDoubleBitEccError`).
 pub const EVENT_XID: u64 = 0x8;
 /// See [`EVENT_XID`].
-pub const EVENT_DOUBLE_BIT_ECC: u64 = 0x2;
+pub(crate) const EVENT_DOUBLE_BIT_ECC: u64 = 0x2;
 
 /// One raw event from NVML's event set (`nvmlEventData_t`, with the GPU as its UUID).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -31,7 +31,7 @@ use cleave_api::limits::MAX_DNS_LABEL_LENGTH;
 use cleave_api::names::{CDI_CLASS, CDI_KIND, CDI_VENDOR, is_dns_label};
 
 use crate::checkpoint::write_file_atomic;
-pub use crate::container_edits::{ContainerEdits, DeviceNode, Hook, Mount};
+pub use crate::container_edits::{ContainerEdits, Mount};
 use crate::driver_root::DriverFiles;
 
 /// Default CDI root for generated specs (the runtime's dynamic, highest-priority directory).
@@ -117,7 +117,7 @@ pub fn spec_file_name(claim_uid: &str) -> String {
 }
 
 /// CDI device name (unqualified) of a claim device: `<uid>-<device name>`.
-pub fn cdi_device_name(claim_uid: &str, device_name: &str) -> String {
+pub(crate) fn cdi_device_name(claim_uid: &str, device_name: &str) -> String {
     format!("{claim_uid}-{device_name}")
 }
 
@@ -140,7 +140,7 @@ pub fn qualified_device_id(claim_uid: &str, device_name: &str) -> String {
 }
 
 /// Env variable name carrying the UUID of a device: `CLEAVE_DEVICE_<NAME>_UUID`.
-pub fn device_uuid_env(device_name: &str) -> String {
+pub(crate) fn device_uuid_env(device_name: &str) -> String {
     let name: String = device_name
         .chars()
         .map(|c| match c {
@@ -193,10 +193,10 @@ pub struct CdiStore {
 
 /// CDI version of a spec using only what cleave emits (env, device nodes, bind mounts
 /// without `type`, hooks, no annotations).
-pub const CDI_VERSION_BASE: &str = "0.3.0";
+pub(crate) const CDI_VERSION_BASE: &str = "0.3.0";
 /// CDI version needed once a device node has `hostPath` or a device name does not start
 /// with a letter (CDI `specs-go/version.go`, `requiresV050`).
-pub const CDI_VERSION_HOST_PATH: &str = "0.5.0";
+pub(crate) const CDI_VERSION_HOST_PATH: &str = "0.5.0";
 
 /// Hook names a CDI spec may use (CDI `specs-go/config.go`, the OCI hook points).
 const CDI_HOOK_NAMES: [&str; 6] = [
@@ -586,6 +586,7 @@ mod tests {
     /// included: whatever the driver writes, a runtime's CDI library loads.
     mod against_the_cdi_crate {
         use super::*;
+        use crate::container_edits::{DeviceNode, Hook};
         use proptest::prelude::*;
 
         fn text() -> impl Strategy<Value = String> {

@@ -25,9 +25,9 @@ use crate::model::{MigState, NodeInventory};
 /// Taint key of a device marked unhealthy by a fatal Xid (value: the Xid number).
 pub const TAINT_XID: &str = "gpu.cleave.dev/xid";
 /// Taint key of a device marked unhealthy otherwise (value: the event kind).
-pub const TAINT_UNHEALTHY: &str = "gpu.cleave.dev/unhealthy";
+pub(crate) const TAINT_UNHEALTHY: &str = "gpu.cleave.dev/unhealthy";
 /// Longest condition message (the health stream and Events carry it).
-pub const MAX_MESSAGE: usize = 1024;
+pub(crate) const MAX_MESSAGE: usize = 1024;
 
 /// Why a device is unhealthy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -227,7 +227,7 @@ pub fn truncate(mut s: String) -> String {
 }
 
 /// The published devices an event concerns (see the module doc).
-pub fn affected_devices(
+pub(crate) fn affected_devices(
     event: &HealthEvent,
     inventory: &NodeInventory,
     published: &[String],

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use crate::container_edits::{ContainerEdits, DeviceNode, Hook, Mount};
 
 /// Control device nodes every CUDA container needs, as names under `/dev`.
-pub const CONTROL_NODES: &[&str] = &[
+pub(crate) const CONTROL_NODES: &[&str] = &[
     "nvidiactl",
     "nvidia-uvm",
     "nvidia-uvm-tools",
@@ -49,7 +49,7 @@ pub const LIBRARIES: &[&str] = &[
 ];
 
 /// Library directories searched under the driver root, in order.
-pub const LIBRARY_DIRS: &[&str] = &[
+pub(crate) const LIBRARY_DIRS: &[&str] = &[
     "usr/lib/x86_64-linux-gnu",
     "usr/lib/aarch64-linux-gnu",
     "usr/lib64",
@@ -61,7 +61,7 @@ pub const LIBRARY_DIRS: &[&str] = &[
 ];
 
 /// Tools mounted into containers when present.
-pub const BINARIES: &[&str] = &[
+pub(crate) const BINARIES: &[&str] = &[
     "nvidia-smi",
     "nvidia-debugdump",
     "nvidia-persistenced",
@@ -72,7 +72,7 @@ pub const BINARIES: &[&str] = &[
 ];
 
 /// Binary directories searched under the driver root, in order.
-pub const BINARY_DIRS: &[&str] = &["usr/bin", "bin"];
+pub(crate) const BINARY_DIRS: &[&str] = &["usr/bin", "bin"];
 
 /// Mount options of the read-only bind mounts of libraries and binaries.
 const MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "bind"];
@@ -80,11 +80,11 @@ const MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "bind"];
 /// Char major of `/dev/nvidia<minor>` and `/dev/nvidiactl` (fixed by the kernel module).
 pub const NVIDIA_MAJOR: u32 = 195;
 /// Minor of `/dev/nvidiactl` (`NV_CONTROL_DEVICE_MINOR`).
-pub const NVIDIACTL_MINOR: u32 = 255;
+pub(crate) const NVIDIACTL_MINOR: u32 = 255;
 /// Minor of `/dev/nvidia-modeset`.
-pub const NVIDIA_MODESET_MINOR: u32 = 254;
+pub(crate) const NVIDIA_MODESET_MINOR: u32 = 254;
 /// The CUDA driver library's prefix; a claim without it cannot run CUDA.
-pub const LIBCUDA: &str = "libcuda";
+pub(crate) const LIBCUDA: &str = "libcuda";
 
 /// Where to look for the driver, as this process sees it and as the container runtime on the
 /// host sees it.
@@ -168,7 +168,7 @@ pub struct LibraryLink {
 /// when present (NVIDIA/nvidia-container-toolkit `internal/discover/ipc.go` mounts the
 /// same ones; the host-wide MPS pipe directory is left out: cleave's MPS daemons are per
 /// claim and mounted by the sharing code).
-pub const SOCKETS: &[&str] = &[
+pub(crate) const SOCKETS: &[&str] = &[
     "run/nvidia-persistenced/socket",
     "run/nvidia-fabricmanager/socket",
     "var/run/nvidia-persistenced/socket",
@@ -193,7 +193,7 @@ pub struct FoundNode {
 
 impl FoundNode {
     /// The CDI device node: type, major and minor when known, else path only.
-    pub fn device_node(&self) -> DeviceNode {
+    pub(crate) fn device_node(&self) -> DeviceNode {
         match self.numbers {
             Some((major, minor)) => DeviceNode {
                 path: self.file.container_path().display().to_string(),
@@ -209,7 +209,7 @@ impl FoundNode {
 
 /// What a claim device needs from the driver root.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceNeed {
+pub(crate) enum DeviceNeed {
     /// A whole GPU: its node `/dev/nvidia<minor>`.
     Gpu {
         /// Device minor of the GPU.
@@ -405,7 +405,7 @@ fn split_soname_links(root: &Path, found: Vec<FoundFile>) -> (Vec<FoundFile>, Ve
 }
 
 /// Parses `/proc/devices` and returns the major of the character device `name`.
-pub fn parse_char_major(proc_devices: &str, name: &str) -> Option<u32> {
+pub(crate) fn parse_char_major(proc_devices: &str, name: &str) -> Option<u32> {
     let mut in_char = false;
     for line in proc_devices.lines() {
         let line = line.trim();
@@ -426,7 +426,7 @@ pub fn parse_char_major(proc_devices: &str, name: &str) -> Option<u32> {
 }
 
 /// Parses `mig-minors` lines (`gpu0/gi1/ci0/access 13`).
-pub fn parse_mig_minors(text: &str) -> BTreeMap<String, u32> {
+pub(crate) fn parse_mig_minors(text: &str) -> BTreeMap<String, u32> {
     text.lines()
         .filter_map(|line| {
             let (key, minor) = line.trim().split_once(char::is_whitespace)?;
@@ -449,12 +449,12 @@ fn char_device_numbers(meta: &fs::Metadata) -> Option<(u32, u32)> {
 }
 
 /// Minor of `gpu<gpu>/gi<gi>/access` by the driver's fixed numbering (instance IDs and capability nodes, docs/hardware-sources.md).
-pub fn gi_access_minor_formula(gpu_minor: u32, gi: u32) -> u32 {
+pub(crate) fn gi_access_minor_formula(gpu_minor: u32, gi: u32) -> u32 {
     3 + 135 * gpu_minor + 9 * gi
 }
 
 /// Minor of `gpu<gpu>/gi<gi>/ci<ci>/access` by the driver's fixed numbering (instance IDs and capability nodes, docs/hardware-sources.md).
-pub fn ci_access_minor_formula(gpu_minor: u32, gi: u32, ci: u32) -> u32 {
+pub(crate) fn ci_access_minor_formula(gpu_minor: u32, gi: u32, ci: u32) -> u32 {
     4 + 135 * gpu_minor + 9 * gi + ci
 }
 
@@ -628,7 +628,7 @@ impl DriverFiles {
     /// True when the root holds nothing of a driver: no control node, no GPU node and no
     /// CUDA library. With GPUs present this means `--driver-root` points at the wrong place
     /// (or the driver container has not finished installing).
-    pub fn holds_no_driver(&self) -> bool {
+    pub(crate) fn holds_no_driver(&self) -> bool {
         self.control_nodes.is_empty() && self.gpu_nodes.is_empty() && self.libcuda().is_none()
     }
 
@@ -650,7 +650,7 @@ impl DriverFiles {
 
     /// What the containers of a claim with these devices would lack, as paths in the
     /// container (`/dev/nvidia0`, `libcuda.so.1`); empty when everything is there.
-    pub fn missing_for(&self, needs: &[DeviceNeed]) -> Vec<String> {
+    pub(crate) fn missing_for(&self, needs: &[DeviceNeed]) -> Vec<String> {
         let mut missing = Vec::new();
         let mut push = |what: String| {
             if !missing.contains(&what) {
@@ -830,12 +830,12 @@ impl DriverFiles {
     }
 
     /// Device node of the whole GPU `/dev/nvidia<minor>`, when it exists on the node.
-    pub fn gpu_node(&self, minor: u32) -> Option<DeviceNode> {
+    pub(crate) fn gpu_node(&self, minor: u32) -> Option<DeviceNode> {
         self.gpu_nodes.get(&minor).map(FoundNode::device_node)
     }
 
     /// Minor of the capability node of GPU instance `gi` on the GPU with `gpu_minor`.
-    pub fn gi_access_minor(&self, gpu_minor: u32, gi: u32) -> u32 {
+    pub(crate) fn gi_access_minor(&self, gpu_minor: u32, gi: u32) -> u32 {
         self.mig_minors
             .get(&format!("gpu{gpu_minor}/gi{gi}/access"))
             .copied()
@@ -843,7 +843,7 @@ impl DriverFiles {
     }
 
     /// Minor of the capability node of compute instance `ci` in GPU instance `gi`.
-    pub fn ci_access_minor(&self, gpu_minor: u32, gi: u32, ci: u32) -> u32 {
+    pub(crate) fn ci_access_minor(&self, gpu_minor: u32, gi: u32, ci: u32) -> u32 {
         self.mig_minors
             .get(&format!("gpu{gpu_minor}/gi{gi}/ci{ci}/access"))
             .copied()
@@ -853,7 +853,7 @@ impl DriverFiles {
     /// Capability device node `/dev/nvidia-caps/nvidia-cap<minor>`. With the `nvidia-caps`
     /// major known the node is described fully (type, major, minor), so the runtime can
     /// create it even where the host has not yet; without it only an existing node is used.
-    pub fn cap_node(&self, minor: u32) -> Option<DeviceNode> {
+    pub(crate) fn cap_node(&self, minor: u32) -> Option<DeviceNode> {
         let relative = format!("dev/nvidia-caps/nvidia-cap{minor}");
         let container_path = Path::new("/").join(&relative);
         let host_path = self.host_dev_root.join(&relative);

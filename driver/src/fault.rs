@@ -66,7 +66,7 @@ fn config() -> Option<&'static Config> {
 }
 
 /// Parses `<point>[#<n>]` (a missing or bad `n` is 1).
-pub fn parse_kill_at(value: &str) -> (String, u64) {
+pub(crate) fn parse_kill_at(value: &str) -> (String, u64) {
     match value.rsplit_once('#') {
         Some((name, n)) => (name.to_owned(), n.parse().unwrap_or(1).max(1)),
         None => (value.to_owned(), 1),
@@ -74,7 +74,7 @@ pub fn parse_kill_at(value: &str) -> (String, u64) {
 }
 
 /// Parses `<point>[#<n>]=<errno name or number>`.
-pub fn parse_error_at(value: &str) -> Option<((String, u64), i32)> {
+pub(crate) fn parse_error_at(value: &str) -> Option<((String, u64), i32)> {
     let (name, errno) = value.rsplit_once('=')?;
     let code = match errno {
         "ENOSPC" => libc::ENOSPC,
@@ -126,7 +126,7 @@ fn hit(name: &'static str) -> u64 {
 
 /// Like [`point`], and fails with the injected OS error when `CLEAVE_FAULT_ERROR_AT` names
 /// this point.
-pub fn io_point(name: &'static str) -> std::io::Result<()> {
+pub(crate) fn io_point(name: &'static str) -> std::io::Result<()> {
     let n = hit(name);
     match config().and_then(|c| c.error_at.as_ref()) {
         Some(((at, from), code)) if at == name && n >= *from => {

@@ -25,10 +25,10 @@ use crate::backend::{BackendError, EVENT_DOUBLE_BIT_ECC, EVENT_XID, EventSource,
 /// Xids caused by applications (graphics engine exception, page fault, GPU stopped
 /// processing, preemptive cleanup, video processor exception, context switch timeout):
 /// they do not make a device unhealthy (`NVIDIA/k8s-device-plugin internal/rm/health.go`).
-pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
+pub(crate) const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
 
 /// NVML's "no GPU/compute instance" id in event data.
-pub const NO_INSTANCE: u32 = 0xFFFF_FFFF;
+pub(crate) const NO_INSTANCE: u32 = 0xFFFF_FFFF;
 
 /// Which Xids count as device failures.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -219,7 +219,7 @@ fn instance_id(raw: u32) -> Option<u32> {
 }
 
 /// Turns raw event data into a [`HealthEvent`]; `None` for event types we do not act on.
-pub fn classify(
+pub(crate) fn classify(
     gpu_uuid: String,
     event_type: u64,
     event_data: u64,

@@ -32,19 +32,19 @@ use crate::cdi;
 use crate::checkpoint::{write_file_atomic, write_file_atomic_mode};
 
 /// Directory under the plugin data directory holding the metadata files.
-pub const HOST_DIR: &str = "dra-device-metadata";
+pub(crate) const HOST_DIR: &str = "dra-device-metadata";
 /// Host file name in a request's directory.
-pub const HOST_FILE: &str = "metadata.json";
+pub(crate) const HOST_FILE: &str = "metadata.json";
 /// Root of the metadata files inside a container.
-pub const CONTAINER_ROOT: &str = "/var/run/kubernetes.io/dra-device-attributes";
+pub(crate) const CONTAINER_ROOT: &str = "/var/run/kubernetes.io/dra-device-attributes";
 /// API version of the content.
-pub const API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
+pub(crate) const API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
 /// Kind of the content.
-pub const KIND: &str = "DeviceMetadata";
+pub(crate) const KIND: &str = "DeviceMetadata";
 /// Annotation of a claim made from a template: the pod's name for the claim.
-pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
+pub(crate) const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 /// CDI version of the metadata specs (what the Go helper writes).
-pub const CDI_VERSION: &str = "0.5.0";
+pub(crate) const CDI_VERSION: &str = "0.5.0";
 
 /// A metadata failure, naming the file or the bad name.
 #[derive(Debug, thiserror::Error)]
@@ -101,7 +101,7 @@ pub struct ClaimRef {
 
 /// One device of a request, as the metadata file lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct MetadataDevice {
+pub(crate) struct MetadataDevice {
     /// Driver name.
     pub driver: String,
     /// Pool name.
@@ -145,7 +145,7 @@ impl MetadataDevice {
 
 /// One request's metadata: its name (`<request>` or `<request>/<subrequest>`) and devices.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RequestMetadata {
+pub(crate) struct RequestMetadata {
     /// The request name as allocated.
     pub name: String,
     /// Its devices of this driver.
@@ -232,7 +232,7 @@ fn check_claim(claim: &ClaimRef) -> Result<(), MetadataError> {
 
 /// Writes and removes metadata files and their CDI specs.
 #[derive(Debug, Clone)]
-pub struct MetadataStore {
+pub(crate) struct MetadataStore {
     driver_name: String,
     data_dir: PathBuf,
     cdi_root: PathBuf,
@@ -263,14 +263,14 @@ impl MetadataStore {
     }
 
     /// The host file of a request.
-    pub fn host_file(&self, claim: &ClaimRef, request: &str) -> PathBuf {
+    pub(crate) fn host_file(&self, claim: &ClaimRef, request: &str) -> PathBuf {
         self.claim_dir(&claim.namespace, &claim.name)
             .join(base_request(request))
             .join(HOST_FILE)
     }
 
     /// The file's path inside the container.
-    pub fn container_file(&self, claim: &ClaimRef, request: &str) -> String {
+    pub(crate) fn container_file(&self, claim: &ClaimRef, request: &str) -> String {
         let (kind, name) = match &claim.pod_claim_name {
             Some(p) => ("resourceclaimtemplates", p.as_str()),
             None => ("resourceclaims", claim.name.as_str()),
@@ -287,7 +287,7 @@ impl MetadataStore {
     }
 
     /// The CDI spec of a request.
-    pub fn cdi_spec_path(&self, uid: &str, request: &str) -> PathBuf {
+    pub(crate) fn cdi_spec_path(&self, uid: &str, request: &str) -> PathBuf {
         self.cdi_root.join(format!(
             "{}{}.json",
             self.spec_prefix(uid),
@@ -296,7 +296,7 @@ impl MetadataStore {
     }
 
     /// The CDI device ID of a request's metadata (`<driver>/metadata=<uid>_<request>`).
-    pub fn cdi_device_id(&self, uid: &str, request: &str) -> String {
+    pub(crate) fn cdi_device_id(&self, uid: &str, request: &str) -> String {
         format!(
             "{}/metadata={uid}_{}",
             self.driver_name,
@@ -413,7 +413,7 @@ impl MetadataStore {
 
     /// The `podClaimName` recorded in any of a claim's files (a claim made from a
     /// template), for a rewrite without the claim object (recreation after a reboot).
-    pub fn pod_claim_name(&self, namespace: &str, name: &str) -> Option<String> {
+    pub(crate) fn pod_claim_name(&self, namespace: &str, name: &str) -> Option<String> {
         #[derive(serde::Deserialize)]
         #[serde(rename_all = "camelCase")]
         struct PodClaimName {
@@ -434,7 +434,7 @@ impl MetadataStore {
     }
 
     /// Removes a claim's metadata: its directory and its CDI specs. Idempotent.
-    pub fn remove_claim(
+    pub(crate) fn remove_claim(
         &self,
         namespace: &str,
         name: &str,

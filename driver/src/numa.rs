@@ -13,7 +13,7 @@
 use std::path::Path;
 
 /// Largest node id the upstream helper accepts (ids of 1024 and more are refused).
-pub const MAX_NUMA_NODE: u32 = 1023;
+pub(crate) const MAX_NUMA_NODE: u32 = 1023;
 
 /// The NUMA node of the PCI device `bus_id` (`0000:53:00.0`) under `sysfs_root`; `None`
 /// when sysfs does not have the device, says `-1`, or holds something else.

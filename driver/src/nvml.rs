@@ -35,7 +35,7 @@ use crate::model::{
 
 /// The NVML library loaded when no path is given (the runtime soname, present without
 /// the development package).
-pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
+pub(crate) const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// Where sysfs is mounted by default (the PCIe root is read from it).
 pub const DEFAULT_SYSFS_ROOT: &str = "/sys";
 
@@ -43,7 +43,7 @@ pub const DEFAULT_SYSFS_ROOT: &str = "/sys";
 /// the root's library directories ([`crate::driver_root::LIBRARY_DIRS`]), then the bare
 /// soname for the system's loader (which a distroless plugin image cannot satisfy, so it
 /// comes last).
-pub fn library_candidates(driver_root: &Path) -> Vec<PathBuf> {
+pub(crate) fn library_candidates(driver_root: &Path) -> Vec<PathBuf> {
     crate::driver_root::LIBRARY_DIRS
         .iter()
         .map(|dir| driver_root.join(dir).join(DEFAULT_LIBRARY))
@@ -758,7 +758,7 @@ fn clean_profile_name(name: &str) -> Option<String> {
 /// The profile name as go-nvlib computes it (`%dg.%dgb` plus `+me` etc.): memory in GB
 /// is the profile's share of the GPU rounded up to eighths, times the GPU's size in GiB
 /// rounded up.
-pub fn computed_profile_name(
+pub(crate) fn computed_profile_name(
     profile_enum: u32,
     slice_count: u32,
     profile_memory_mib: u64,
@@ -825,7 +825,7 @@ pub fn driver_semver(version: &str) -> Result<String, BackendError> {
 }
 
 /// CUDA driver API version (`nvmlSystemGetCudaDriverVersion`) as semver: 12080 -> `12.8.0`.
-pub fn cuda_semver(version: i32) -> Result<String, BackendError> {
+pub(crate) fn cuda_semver(version: i32) -> Result<String, BackendError> {
     if version <= 0 {
         return Err(BackendError::Other(format!(
             "CUDA driver version {version} is not a positive integer of the form 1000*major + 10*minor"
@@ -840,7 +840,7 @@ pub fn compute_capability_semver((major, minor): (u32, u32)) -> String {
 }
 
 /// NVML's bus id (`00000000:53:00.0`) in the canonical lowercase form `0000:53:00.0`.
-pub fn canonical_pci_bus_id(nvml_bus_id: &str) -> Option<String> {
+pub(crate) fn canonical_pci_bus_id(nvml_bus_id: &str) -> Option<String> {
     let (domain, rest) = nvml_bus_id.trim().split_once(':')?;
     let (bus, rest) = rest.split_once(':')?;
     let (dev, func) = rest.split_once('.')?;
@@ -884,7 +884,7 @@ pub fn cores_per_sm((major, minor): (u32, u32)) -> Option<u32> {
 /// ([`whole_gpu_multiprocessors`]) is used, and only if its architecture is the one NVML
 /// reports (a board can carry another product's PCI id). `None`: unknown, published
 /// without the `multiprocessors` capacity.
-pub fn whole_gpu_sms(
+pub(crate) fn whole_gpu_sms(
     uuid: &str,
     cores: Result<u32, NvmlError>,
     compute_capability: (u32, u32),

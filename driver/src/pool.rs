@@ -73,7 +73,7 @@ pub struct PoolOptions {
 /// default and max to be a whole number of steps from the minimum (kubernetes
 /// `pkg/apis/resource/validation/validation.go`, `validateRequestPolicyRange`), so a device
 /// memory that is not a multiple is rounded down.
-pub const MEMORY_STEP_BYTES: u64 = 1 << 20;
+pub(crate) const MEMORY_STEP_BYTES: u64 = 1 << 20;
 
 /// Name of the counter set of the GPU with this minor number.
 pub fn counter_set_name(minor: u32) -> String {
@@ -81,15 +81,15 @@ pub fn counter_set_name(minor: u32) -> String {
 }
 
 /// Name of the counter of memory slice `i`.
-pub fn memory_slice_counter(i: u32) -> String {
+pub(crate) fn memory_slice_counter(i: u32) -> String {
     format!("memory-slice-{i}")
 }
 
 /// Name of the compute-slice counter.
-pub const COMPUTE_SLICES_COUNTER: &str = "compute-slices";
+pub(crate) const COMPUTE_SLICES_COUNTER: &str = "compute-slices";
 
 /// Name of the instance-limit counter of a profile (`instances-1g10gbme`).
-pub fn instances_counter(profile_name: &str) -> String {
+pub(crate) fn instances_counter(profile_name: &str) -> String {
     format!("instances-{}", profile_label(profile_name))
 }
 
@@ -270,7 +270,7 @@ fn unshared_group(inv: &NodeInventory, gpu: &GpuInfo, opts: &PoolOptions) -> Dev
 /// names a profile never matches another profile's devices, so the profile order changes
 /// nothing for it; a request that selects by capacity (`memory >= 20Gi`, or the MIG class
 /// alone) gets the smallest profile that satisfies it instead of the 7g.
-pub fn order_profiles(profiles: &mut [&MigProfile]) {
+pub(crate) fn order_profiles(profiles: &mut [&MigProfile]) {
     profiles.sort_by(|a, b| {
         a.slice_count
             .cmp(&b.slice_count)
@@ -644,7 +644,7 @@ fn boolean(v: bool) -> DeviceAttribute {
 /// A byte count in the canonical form the API server writes back (binary suffix with the
 /// largest exact power of 1024: `85520809984` -> `81559Mi`, `42949672960` -> `40Gi`), so
 /// that re-reading a published slice never looks like a change.
-pub fn bytes_quantity(bytes: u64) -> Quantity {
+pub(crate) fn bytes_quantity(bytes: u64) -> Quantity {
     if bytes < 1024 {
         return count_quantity(bytes);
     }
@@ -659,7 +659,7 @@ pub fn bytes_quantity(bytes: u64) -> Quantity {
 }
 
 /// A count in canonical decimal form (`132`, `1k` for 1000).
-pub fn count_quantity(n: u64) -> Quantity {
+pub(crate) fn count_quantity(n: u64) -> Quantity {
     const SUFFIXES: [&str; 7] = ["", "k", "M", "G", "T", "P", "E"];
     let mut v = n;
     let mut e = 0;

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// Receives `(step, elapsed)` for every finished step.
-pub type StepObserver = Box<dyn Fn(&'static str, Duration) + Send + Sync>;
+pub(crate) type StepObserver = Box<dyn Fn(&'static str, Duration) + Send + Sync>;
 
 static OBSERVER: OnceLock<StepObserver> = OnceLock::new();
 
@@ -25,7 +25,7 @@ pub mod step {
     /// Writing a claim's CDI spec.
     pub const CDI_WRITE: &str = "cdi_write";
     /// Writing the checkpoint.
-    pub const CHECKPOINT_WRITE: &str = "checkpoint_write";
+    pub(crate) const CHECKPOINT_WRITE: &str = "checkpoint_write";
     /// Applying sharing (MPS, time-slicing).
     pub const SHARING_APPLY: &str = "sharing_apply";
 }

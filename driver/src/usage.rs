@@ -145,7 +145,7 @@ pub struct ClaimDevice {
 
 impl ClaimDevice {
     /// UUID NVML is asked about: the MIG device's, else the GPU's.
-    pub fn device_uuid(&self) -> &str {
+    pub(crate) fn device_uuid(&self) -> &str {
         self.mig.as_ref().map_or(&self.gpu_uuid, |m| &m.uuid)
     }
 
@@ -433,7 +433,7 @@ impl SamplingGate {
     }
 
     /// Waits while the gate is held, at most `budget`; returns how long it waited.
-    pub fn wait_clear(&self, budget: Duration) -> Duration {
+    pub(crate) fn wait_clear(&self, budget: Duration) -> Duration {
         let started = Instant::now();
         let held = self
             .inner

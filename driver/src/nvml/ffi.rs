@@ -23,15 +23,15 @@ use nvml_wrapper_sys::bindings::{
 /// `NVML_SUCCESS`.
 pub const SUCCESS: u32 = 0;
 /// `NVML_ERROR_INVALID_ARGUMENT`.
-pub const ERROR_INVALID_ARGUMENT: u32 = 2;
+pub(crate) const ERROR_INVALID_ARGUMENT: u32 = 2;
 /// `NVML_ERROR_NOT_SUPPORTED`.
-pub const ERROR_NOT_SUPPORTED: u32 = 3;
+pub(crate) const ERROR_NOT_SUPPORTED: u32 = 3;
 /// `NVML_ERROR_NOT_FOUND`.
-pub const ERROR_NOT_FOUND: u32 = 6;
+pub(crate) const ERROR_NOT_FOUND: u32 = 6;
 /// `NVML_ERROR_INSUFFICIENT_SIZE`.
-pub const ERROR_INSUFFICIENT_SIZE: u32 = 7;
+pub(crate) const ERROR_INSUFFICIENT_SIZE: u32 = 7;
 /// `NVML_ERROR_FUNCTION_NOT_FOUND`.
-pub const ERROR_FUNCTION_NOT_FOUND: u32 = 13;
+pub(crate) const ERROR_FUNCTION_NOT_FOUND: u32 = 13;
 
 /// `NVML_STRUCT_VERSION(GpuInstanceProfileInfo, 2)`.
 const GPU_INSTANCE_PROFILE_INFO_V2: c_uint =
@@ -39,7 +39,7 @@ const GPU_INSTANCE_PROFILE_INFO_V2: c_uint =
 
 /// A raw NVML failure: the function and its return code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RawError {
+pub(crate) struct RawError {
     /// NVML function name.
     pub call: &'static str,
     /// `nvmlReturn_t` value.
@@ -48,18 +48,18 @@ pub struct RawError {
 
 impl RawError {
     /// True for the codes NVML uses for "no such thing" (the object is gone).
-    pub fn is_gone(&self) -> bool {
+    pub(crate) fn is_gone(&self) -> bool {
         self.code == ERROR_NOT_FOUND || self.code == ERROR_INVALID_ARGUMENT
     }
 
     /// True for "this profile / feature does not exist here".
-    pub fn is_unsupported(&self) -> bool {
+    pub(crate) fn is_unsupported(&self) -> bool {
         self.code == ERROR_NOT_SUPPORTED || self.code == ERROR_INVALID_ARGUMENT
     }
 }
 
 /// Result of a raw call.
-pub type RawResult<T> = Result<T, RawError>;
+pub(crate) type RawResult<T> = Result<T, RawError>;
 
 fn check(call: &'static str, code: nvmlReturn_t) -> RawResult<()> {
     if code == SUCCESS {
@@ -85,7 +85,7 @@ macro_rules! sym {
 }
 
 /// True if the library exports `nvmlDeviceGetGpuInstanceProfileInfoV`.
-pub fn has_profile_info_v(nvml: &Nvml) -> bool {
+pub(crate) fn has_profile_info_v(nvml: &Nvml) -> bool {
     nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.is_ok()
 }
 
@@ -98,21 +98,21 @@ fn raw_device(device: &Device<'_>) -> nvmlDevice_t {
 /// A GPU instance handle obtained from NVML, valid while its `Nvml` lives (NVML reports
 /// NOT_FOUND/INVALID_ARGUMENT for a handle whose instance was destroyed).
 #[derive(Debug, Clone, Copy)]
-pub struct GpuInstance<'nvml> {
+pub(crate) struct GpuInstance<'nvml> {
     raw: nvmlGpuInstance_t,
     _nvml: PhantomData<&'nvml Nvml>,
 }
 
 /// A compute instance handle obtained from NVML.
 #[derive(Debug, Clone, Copy)]
-pub struct ComputeInstance<'nvml> {
+pub(crate) struct ComputeInstance<'nvml> {
     raw: nvmlComputeInstance_t,
     _nvml: PhantomData<&'nvml Nvml>,
 }
 
 /// What `nvmlGpuInstanceGetInfo` reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GpuInstanceInfo {
+pub(crate) struct GpuInstanceInfo {
     /// GPU instance id.
     pub id: u32,
     /// Profile id (`info.id` of the profile, e.g. 19).
@@ -124,7 +124,7 @@ pub struct GpuInstanceInfo {
 }
 
 /// GPU-instance profile info, v1 layout (no name).
-pub fn gpu_instance_profile_info(
+pub(crate) fn gpu_instance_profile_info(
     device: &Device<'_>,
     profile: u32,
 ) -> RawResult<nvmlGpuInstanceProfileInfo_t> {
@@ -138,7 +138,7 @@ pub fn gpu_instance_profile_info(
 }
 
 /// GPU-instance profile info, v2 layout (with `name`), through `...ProfileInfoV`.
-pub fn gpu_instance_profile_info_v2(
+pub(crate) fn gpu_instance_profile_info_v2(
     device: &Device<'_>,
     profile: u32,
 ) -> RawResult<nvmlGpuInstanceProfileInfo_v2_t> {
@@ -153,7 +153,7 @@ pub fn gpu_instance_profile_info_v2(
 }
 
 /// Decodes a fixed-size NUL-terminated C string field; `None` if empty or not UTF-8.
-pub fn c_name(buf: &[std::os::raw::c_char]) -> Option<String> {
+pub(crate) fn c_name(buf: &[std::os::raw::c_char]) -> Option<String> {
     let bytes: Vec<u8> = buf
         .iter()
         .take_while(|&&c| c != 0)
@@ -165,7 +165,10 @@ pub fn c_name(buf: &[std::os::raw::c_char]) -> Option<String> {
 
 /// All placements of the profile with NVML id `profile_id` (`..._PossiblePlacements_v2`),
 /// whether or not MIG is enabled.
-pub fn possible_placements(device: &Device<'_>, profile_id: u32) -> RawResult<Vec<(u32, u32)>> {
+pub(crate) fn possible_placements(
+    device: &Device<'_>,
+    profile_id: u32,
+) -> RawResult<Vec<(u32, u32)>> {
     const CALL: &str = "nvmlDeviceGetGpuInstancePossiblePlacements_v2";
     let f = sym!(device.nvml(), nvmlDeviceGetGpuInstancePossiblePlacements_v2);
     let mut count: c_uint = 0;
@@ -218,7 +221,10 @@ pub fn gpu_instances<'n>(
 }
 
 /// The GPU instance with id `gi_id`.
-pub fn gpu_instance_by_id<'n>(device: &Device<'n>, gi_id: u32) -> RawResult<GpuInstance<'n>> {
+pub(crate) fn gpu_instance_by_id<'n>(
+    device: &Device<'n>,
+    gi_id: u32,
+) -> RawResult<GpuInstance<'n>> {
     let f = sym!(device.nvml(), nvmlDeviceGetGpuInstanceById);
     let mut raw: nvmlGpuInstance_t = std::ptr::null_mut();
     // SAFETY: valid device handle and a live out-parameter.
@@ -231,7 +237,7 @@ pub fn gpu_instance_by_id<'n>(device: &Device<'n>, gi_id: u32) -> RawResult<GpuI
 }
 
 /// Creates a GPU instance of `profile_id` at exactly `start`/`size`.
-pub fn create_gpu_instance_with_placement<'n>(
+pub(crate) fn create_gpu_instance_with_placement<'n>(
     device: &Device<'n>,
     profile_id: u32,
     start: u32,
@@ -276,7 +282,7 @@ impl<'n> GpuInstance<'n> {
 
     /// Compute-instance profile info for the `NVML_COMPUTE_INSTANCE_PROFILE_*` value
     /// `profile` (shared engines).
-    pub fn compute_instance_profile_info(
+    pub(crate) fn compute_instance_profile_info(
         &self,
         nvml: &'n Nvml,
         profile: u32,
@@ -298,7 +304,7 @@ impl<'n> GpuInstance<'n> {
     }
 
     /// Creates a compute instance of CI profile id `ci_profile_id` in this GPU instance.
-    pub fn create_compute_instance(
+    pub(crate) fn create_compute_instance(
         &self,
         nvml: &'n Nvml,
         ci_profile_id: u32,
@@ -315,7 +321,7 @@ impl<'n> GpuInstance<'n> {
     }
 
     /// The compute instance with id `ci_id`.
-    pub fn compute_instance_by_id(
+    pub(crate) fn compute_instance_by_id(
         &self,
         nvml: &'n Nvml,
         ci_id: u32,
@@ -355,7 +361,7 @@ impl<'n> ComputeInstance<'n> {
 }
 
 /// GPU-instance id of a MIG device handle.
-pub fn mig_gpu_instance_id(mig: &Device<'_>) -> RawResult<u32> {
+pub(crate) fn mig_gpu_instance_id(mig: &Device<'_>) -> RawResult<u32> {
     let f = sym!(mig.nvml(), nvmlDeviceGetGpuInstanceId);
     let mut id: c_uint = 0;
     // SAFETY: valid (MIG) device handle and a live out-parameter.
@@ -365,7 +371,7 @@ pub fn mig_gpu_instance_id(mig: &Device<'_>) -> RawResult<u32> {
 }
 
 /// Compute-instance id of a MIG device handle.
-pub fn mig_compute_instance_id(mig: &Device<'_>) -> RawResult<u32> {
+pub(crate) fn mig_compute_instance_id(mig: &Device<'_>) -> RawResult<u32> {
     let f = sym!(mig.nvml(), nvmlDeviceGetComputeInstanceId);
     let mut id: c_uint = 0;
     // SAFETY: valid (MIG) device handle and a live out-parameter.
@@ -376,7 +382,7 @@ pub fn mig_compute_instance_id(mig: &Device<'_>) -> RawResult<u32> {
 
 /// Human-readable text for an NVML return code, without calling into the library
 /// (nvml-wrapper has no text for the codes newer than its enum, e.g. 23).
-pub fn error_string(code: u32) -> String {
+pub(crate) fn error_string(code: u32) -> String {
     let known = match code {
         19 => "in use by another client",
         20 => "insufficient memory",

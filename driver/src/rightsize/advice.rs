@@ -27,11 +27,11 @@ use super::window::{BUCKETS, MIN_SEEN_BUCKETS, WindowStats};
 const MIB: u64 = 1 << 20;
 
 /// Default headroom over the peak memory and the p95 SM activity: 20 %.
-pub const DEFAULT_HEADROOM: f64 = 0.20;
+pub(crate) const DEFAULT_HEADROOM: f64 = 0.20;
 
 /// A claim is recommended for release when at least this fraction of its rounds with an
 /// activity figure were below the idle threshold (its p95 SM activity is below it).
-pub const RELEASE_IDLE_FRACTION: f64 = 0.95;
+pub(crate) const RELEASE_IDLE_FRACTION: f64 = 0.95;
 
 /// What the node serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -27,11 +27,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::usage::{ClaimDevice, DeviceSample};
 
-pub use advice::{
-    Advice, Change, DEFAULT_HEADROOM, NodeModes, Recommendation, RightsizePolicy, Shape, recommend,
-};
+pub use advice::{Advice, Change, NodeModes, Recommendation, RightsizePolicy, Shape, recommend};
 pub use savings::{Merge, Savings, merges, savings};
-pub use window::{BUCKETS, MIN_SEEN_BUCKETS, UsageWindow, WindowConfig, WindowStats};
+pub use window::UsageWindow;
+pub use window::{BUCKETS, WindowConfig, WindowStats};
 
 /// Every right-sizing metric the kubelet plugin exports (full names as scraped).
 pub const RIGHTSIZE_METRIC_NAMES: &[&str] = &[
@@ -57,7 +56,7 @@ pub const STATE_VERSION: u32 = 1;
 
 /// The state file is rewritten at least this often while windows change (seconds), and
 /// whenever a bucket closes or a claim's window is dropped.
-pub const WRITE_EVERY_SECONDS: u64 = 300;
+pub(crate) const WRITE_EVERY_SECONDS: u64 = 300;
 
 /// Errors of the right-sizing state.
 #[derive(Debug, thiserror::Error)]

@@ -31,11 +31,11 @@ pub const BUCKETS: u32 = 24;
 
 /// A recommendation needs samples in at least this many of the window's buckets (half
 /// the window).
-pub const MIN_SEEN_BUCKETS: u32 = BUCKETS / 2;
+pub(crate) const MIN_SEEN_BUCKETS: u32 = BUCKETS / 2;
 
 /// Growth factor of the memory histogram's bins (relative error bound of a memory
 /// quantile: `MEMORY_BIN_GROWTH - 1`).
-pub const MEMORY_BIN_GROWTH: f64 = 1.02;
+pub(crate) const MEMORY_BIN_GROWTH: f64 = 1.02;
 
 const MIB: u64 = 1 << 20;
 
@@ -198,7 +198,7 @@ pub struct WindowStats {
 
 impl WindowStats {
     /// The time the window's samples span, at most, seconds (seen buckets x bucket length).
-    pub fn seen_seconds(&self) -> u64 {
+    pub(crate) fn seen_seconds(&self) -> u64 {
         u64::from(self.seen_buckets) * self.bucket_seconds
     }
 }
@@ -221,7 +221,7 @@ pub struct WindowConfig {
 
 impl WindowConfig {
     /// Length of a bucket, seconds (at least 1).
-    pub fn bucket_seconds(&self) -> u64 {
+    pub(crate) fn bucket_seconds(&self) -> u64 {
         (self.window_seconds / u64::from(BUCKETS)).max(1)
     }
 }

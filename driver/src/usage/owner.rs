@@ -33,7 +33,7 @@ fn looks_like_uid(s: &str) -> bool {
 }
 
 /// The pod UID named by the text of a `/proc/<pid>/cgroup` file, if any.
-pub fn pod_of_cgroup_file(text: &str) -> Option<String> {
+pub(crate) fn pod_of_cgroup_file(text: &str) -> Option<String> {
     text.lines().find_map(|line| {
         let path = line.splitn(3, ':').nth(2)?;
         pod_in_path(path)
@@ -70,7 +70,7 @@ impl PodResolver {
     }
 
     /// The UID of the pod `pid` runs in.
-    pub fn pod_of(&mut self, pid: u32) -> Option<&str> {
+    pub(crate) fn pod_of(&mut self, pid: u32) -> Option<&str> {
         self.lookup(pid).as_ref().and_then(|p| p.as_deref())
     }
 
