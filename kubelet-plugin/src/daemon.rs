@@ -183,7 +183,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             };
             let (local, task) = crate::metrics::start(addr, state, (&args.metrics).into())
                 .await
-                .with_context(|| format!("serving metrics on {addr}"))?;
+                .map_err(|source| crate::start::StartError::Metrics { addr, source })?;
             info!(addr = %local, auth = ?args.metrics.metrics_auth, "serving /metrics, /healthz and /readyz");
             Some(task)
         }

@@ -18,10 +18,11 @@
 //!   (`cleave-kubelet-plugin checkpoint reset`, see [`crate::node::lifecycle::reset_checkpoint`]),
 //!   and reads the file again on every retry, so an operator's fix is picked up without a
 //!   restart;
-//! - the other variants ([`StartError::Sockets`] taken by another instance,
-//!   [`StartError::Driver`], [`StartError::Servers`], [`StartError::Other`]) end start-up.
+//! - the other variants (the API server's configuration, bad flags, the sockets taken by
+//!   another instance, the state directory, the node driver, the servers) end start-up.
 //!
-//! Each step returns its variant where it fails, so the caller matches variants.
+//! Each step returns its variant where it fails (see the `error` module), so the caller
+//! matches variants.
 //!
 //! Meanwhile nothing is registered with the kubelet (no prepare can arrive), no slice is
 //! published (an empty pool would tell the scheduler the node has no GPUs), `/readyz`
@@ -42,7 +43,7 @@ use cleave_driver::driver_root::DriverRootConfig;
 use cleave_driver::model::BareGpuInstance;
 use cleave_driver::nvml::NvmlBackend;
 use cleave_driver::pool::{PoolOptions, build_pool};
-use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError};
+use cleave_driver::prepare::{DriverConfig, NodeDriver};
 use cleave_driver::sharing::{ProcessLauncher, SharingBinaries, SharingConfig, SharingManager};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -50,10 +51,14 @@ use tracing::{info, warn};
 use crate::args::{KubeletArgs, MpsLauncherKind, RunArgs};
 use crate::k8s::events::{EventReporter, Severity, StartNode};
 use crate::k8s::kube_handler::{KubeClaimHandler, release_orphaned_claims};
-use crate::kubelet::server::{PluginConfig, PluginServer, ServerError};
+use crate::kubelet::server::{PluginConfig, PluginServer};
 use crate::metrics::Metrics;
-use crate::node::lifecycle::{reset_command, short_reason};
+use crate::node::lifecycle::reset_command;
 use crate::node::node_lock::NodeLock;
+
+mod error;
+mod usage;
+pub(crate) use error::{DriverNotReady, StartError};
 
 /// The socket and state layout the kubelet flags describe.
 pub(crate) fn plugin_config(args: &KubeletArgs) -> PluginConfig {
@@ -70,20 +75,23 @@ pub(crate) const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 /// Builds a Kubernetes client from a kubeconfig file, or the in-cluster / default
 /// configuration when none is given.
-pub(crate) async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+pub(crate) async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client, StartError> {
     let config = match kubeconfig {
         Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            let bad = |source| StartError::Kubeconfig {
+                path: path.to_path_buf(),
+                source,
+            };
+            let file = kube::config::Kubeconfig::read_from(path).map_err(bad)?;
             kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
                 .await
-                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+                .map_err(bad)?
         }
         None => kube::Config::infer()
             .await
-            .context("no kubeconfig given and no in-cluster configuration")?,
+            .map_err(StartError::NoClusterConfig)?,
     };
-    kube::Client::try_from(config).context("creating Kubernetes client")
+    kube::Client::try_from(config).map_err(StartError::Client)
 }
 
 /// The driver settings `run` derives from its flags.
@@ -105,20 +113,16 @@ pub(crate) fn driver_config(args: &RunArgs, plugin: &PluginConfig) -> DriverConf
 }
 
 /// Installs the CDI hook (unless `--disable-cdi-hooks`) and returns its host path.
-fn install_cdi_hook(args: &RunArgs, state_dir: &Path) -> anyhow::Result<Option<PathBuf>> {
+fn install_cdi_hook(args: &RunArgs, state_dir: &Path) -> Result<Option<PathBuf>, StartError> {
     if args.driver.disable_cdi_hooks {
         warn!("CDI hooks disabled: claims' containers get no soname links and no ld cache update");
         return Ok(None);
     }
-    let source = match &args.driver.cdi_hook_source {
-        Some(s) => s.clone(),
-        None => {
-            let exe = std::env::current_exe().context("finding this executable")?;
-            crate::node::cdi_hook::default_source(&exe)
-                .with_context(|| format!("{} has no directory", exe.display()))?
-        }
-    };
-    crate::node::cdi_hook::install(&source, state_dir).map(Some)
+    let source = crate::node::cdi_hook::source_path(args.driver.cdi_hook_source.as_deref())
+        .map_err(StartError::CdiHook)?;
+    crate::node::cdi_hook::install(&source, state_dir)
+        .map(Some)
+        .map_err(StartError::CdiHook)
 }
 
 /// The sharing (MPS, time-slicing) settings `run` derives from its flags: tools under
@@ -142,20 +146,23 @@ pub(crate) async fn sharing_manager(
     driver: &DriverConfig,
     client: &kube::Client,
     node: &StartNode,
-) -> anyhow::Result<SharingManager> {
+) -> Result<SharingManager, StartError> {
     let config = sharing_config(args, driver);
     if args.mps.mps_launcher == MpsLauncherKind::Process {
         return Ok(SharingManager::new(config));
     }
     let mps = &args.mps;
-    let namespace = mps
-        .namespace
-        .clone()
-        .context("--mps-launcher=pod needs --namespace (POD_NAMESPACE)")?;
+    let namespace = mps.namespace.clone().ok_or(StartError::MissingFlag {
+        flag: "--mps-launcher=pod",
+        needs: "--namespace (POD_NAMESPACE)",
+    })?;
     let image = mps
         .mps_daemon_image
         .clone()
-        .context("--mps-launcher=pod needs --mps-daemon-image")?;
+        .ok_or(StartError::MissingFlag {
+            flag: "--mps-launcher=pod",
+            needs: "--mps-daemon-image",
+        })?;
     let parent = crate::k8s::mps_pod::resolve_parent(
         client,
         &namespace,
@@ -164,7 +171,7 @@ pub(crate) async fn sharing_manager(
         node.uid(),
     )
     .await
-    .context("finding the owner of MPS daemon pods")?;
+    .map_err(|e| StartError::MpsPodOwner(e.into()))?;
     info!(namespace = %namespace, image = %image, owner = %format!("{}/{}", parent.owner.kind, parent.owner.name), "MPS daemons run in pods");
     let launcher = crate::k8s::mps_pod::PodLauncher::new(
         crate::k8s::mps_pod::PodLauncherConfig {
@@ -252,7 +259,7 @@ impl std::fmt::Debug for RunningPlugin {
 /// reconcile, under the node lock), release of claims deleted while down, pool, slice
 /// publisher, then the DRA and registration servers.
 pub async fn start(args: &RunArgs, client: kube::Client) -> anyhow::Result<RunningPlugin> {
-    start_with_metrics(args, client, None).await
+    Ok(start_with_metrics(args, client, None).await?)
 }
 
 /// [`start`], recording DRA calls in `metrics`.
@@ -260,7 +267,7 @@ pub(crate) async fn start_with_metrics(
     args: &RunArgs,
     client: kube::Client,
     metrics: Option<Arc<Metrics>>,
-) -> anyhow::Result<RunningPlugin> {
+) -> Result<RunningPlugin, StartError> {
     let nvml_lib = args.nvml.nvml_lib.clone();
     let driver_root = args.driver.driver_root.clone();
     let sysfs_root = args.nvml.sysfs_root.clone();
@@ -269,11 +276,12 @@ pub(crate) async fn start_with_metrics(
             NvmlBackend::open_in_driver_root(&driver_root, nvml_lib.as_deref())
                 .map(|b| b.with_sysfs_root(sysfs_root))
         })
-        .await?
-        .context("loading NVML")?,
+        .await
+        .map_err(StartError::Task)?
+        .map_err(|e| StartError::DriverNotReady(DriverNotReady::Load(e)))?,
     );
     let node = StartNode::read(&client, &args.node_name).await;
-    Ok(start_with_backend(args, client, metrics, backend, &node).await?)
+    start_with_backend(args, client, metrics, backend, &node).await
 }
 
 /// [`start_with_metrics`] on an already loaded backend (see [`start_when_possible`],
@@ -288,9 +296,7 @@ pub(crate) async fn start_with_backend(
     node: &StartNode,
 ) -> Result<RunningPlugin, StartError> {
     let plugin = plugin_config(&args.kubelet);
-    plugin
-        .prepare_dirs()
-        .context("preparing plugin directories")?;
+    plugin.prepare_dirs().map_err(StartError::Dirs)?;
     // Before the checkpoint or the API server is touched: a second instance on the same
     // socket names stops here, naming the one that runs.
     crate::kubelet::server::check_sockets_free(&plugin)
@@ -322,18 +328,16 @@ pub(crate) async fn start_with_backend(
                 // Under the node lock, once the checkpoint has been read: from now on
                 // `checkpoint reset` sees a running plugin and refuses.
                 let lock =
-                    crate::node::lifecycle::hold_instance_lock(&state_dir).with_context(|| {
-                        format!(
-                            "taking the instance lock {}",
-                            state_dir
-                                .join(crate::node::lifecycle::INSTANCE_LOCK_FILE)
-                                .display()
-                        )
+                    crate::node::lifecycle::hold_instance_lock(&state_dir).map_err(|source| {
+                        StartError::InstanceLock {
+                            path: state_dir.join(crate::node::lifecycle::INSTANCE_LOCK_FILE),
+                            source,
+                        }
                     })?;
                 Ok::<_, StartError>((driver, lock))
             })
             .await
-            .map_err(anyhow::Error::from)??
+            .map_err(StartError::NodeLock)??
     };
     let driver = Arc::new(driver);
 
@@ -438,7 +442,11 @@ pub(crate) async fn start_with_backend(
             .with_status(status_writer.clone())
             .with_health(health.clone(), &plugin.driver_name)
             .with_events(events)
-            .with_metrics(metrics.as_ref().map(|m| m.observability.clone()))
+            .with_metrics(
+                metrics
+                    .clone()
+                    .map(|m| m as Arc<dyn crate::k8s::kube_handler::PrepareObserver>),
+            )
             .with_sampling_gate(sampling_gate.clone()),
     );
     let observer = metrics.map(|m| m as Arc<dyn crate::kubelet::dra::DraObserver>);
@@ -487,7 +495,7 @@ fn start_usage(
     );
     let idle = args.usage.idle_events.then(|| {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        crate::node::usage::spawn_idle_events(events.clone(), rx);
+        usage::spawn_idle_events(events.clone(), rx);
         tx
     });
     // This node's pods: which consume each claim (a share's or MPS claim's `pods`) and
@@ -531,7 +539,7 @@ fn start_usage(
             ),
             oversized: args.usage.rightsize_events.then(|| {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                crate::node::usage::recommend::spawn_oversized_events(events.clone(), rx);
+                usage::spawn_oversized_events(events.clone(), rx);
                 tx
             }),
             rightsize_metrics: metrics.map(|m| Arc::clone(&m.rightsize)),
@@ -642,58 +650,6 @@ pub(crate) const REASON_CHECKPOINT_UNREADABLE: &str = "CheckpointUnreadable";
 /// Event reason: NVML cannot be loaded, sees no GPU, or the driver root holds no driver.
 pub(crate) const REASON_DRIVER_NOT_READY: &str = "NVIDIADriverNotReady";
 
-/// Why start-up did not finish; the variant decides the retry policy
-/// ([`start_when_possible`]).
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum StartError {
-    /// NVML cannot be loaded or initialised, or sees no GPU: retried with backoff.
-    #[error("NVIDIA driver not ready: {0:#}")]
-    DriverNotReady(anyhow::Error),
-    /// The checkpoint cannot be read: retried with backoff, never reset by the plugin.
-    #[error("checkpoint unreadable: {error}")]
-    CheckpointUnreadable {
-        /// The path and what is wrong, without the recovery text (for `/readyz`, Events).
-        reason: String,
-        /// The whole checkpoint error, with its recovery text.
-        error: String,
-    },
-    /// The plugin's sockets are served by another instance, or cannot be checked.
-    #[error("checking the plugin sockets")]
-    Sockets(#[source] ServerError),
-    /// The node driver failed to start for another reason than its checkpoint.
-    #[error("starting the node driver")]
-    Driver(#[source] Box<PrepareError>),
-    /// The DRA and registration servers failed to start.
-    #[error("starting the plugin servers")]
-    Servers(#[source] ServerError),
-    /// Anything else (directories, CDI hook, MPS launcher, instance lock): start-up fails.
-    #[error(transparent)]
-    Other(#[from] anyhow::Error),
-}
-
-impl StartError {
-    /// The node driver's start error: a checkpoint error is [`Self::CheckpointUnreadable`]
-    /// (retried), anything else [`Self::Driver`].
-    pub(crate) fn from_driver(e: PrepareError) -> Self {
-        match e {
-            PrepareError::Checkpoint(ce) => Self::CheckpointUnreadable {
-                reason: short_reason(&ce),
-                error: ce.to_string(),
-            },
-            e => Self::Driver(Box::new(e)),
-        }
-    }
-
-    /// Whether [`start_when_possible`] waits and tries again after this error.
-    #[cfg(test)]
-    fn is_retried(&self) -> bool {
-        matches!(
-            self,
-            Self::DriverNotReady(_) | Self::CheckpointUnreadable { .. }
-        )
-    }
-}
-
 /// Why the plugin is not ready yet (None: nothing blocks start-up); `/readyz` shows it.
 pub(crate) type Blocker = watch::Sender<Option<String>>;
 
@@ -705,20 +661,20 @@ pub(crate) async fn open_backend(
     nvml_lib: Option<PathBuf>,
     allow_no_gpus: bool,
     sysfs_root: PathBuf,
-) -> anyhow::Result<Arc<dyn GpuBackend>> {
-    tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn GpuBackend>> {
+) -> Result<Arc<dyn GpuBackend>, StartError> {
+    tokio::task::spawn_blocking(move || -> Result<Arc<dyn GpuBackend>, DriverNotReady> {
         let backend = NvmlBackend::open_in_driver_root(&driver_root, nvml_lib.as_deref())
-            .context("loading NVML")?
+            .map_err(DriverNotReady::Load)?
             .with_sysfs_root(sysfs_root);
-        let inventory = backend.inventory().context("listing GPUs through NVML")?;
+        let inventory = backend.inventory().map_err(DriverNotReady::Inventory)?;
         if inventory.gpus.is_empty() && !allow_no_gpus {
-            anyhow::bail!(
-                "NVML found no GPU (driver not ready, or a node without GPUs: then pass --allow-no-gpus)"
-            );
+            return Err(DriverNotReady::NoGpus);
         }
         Ok(Arc::new(backend))
     })
-    .await?
+    .await
+    .map_err(StartError::Task)?
+    .map_err(StartError::DriverNotReady)
 }
 
 /// What [`start_when_possible`] reports to.
@@ -781,11 +737,11 @@ pub(crate) async fn start_when_possible(
                         backend = Some(Arc::clone(&b));
                         b
                     }
-                    Err(e) => {
+                    Err(e) if e.is_retried() => {
                         if let Some(m) = lm {
                             m.nvml_available.set(0);
                         }
-                        let reason = StartError::DriverNotReady(e).to_string();
+                        let reason = e.chain();
                         let delay = backoff.next_delay();
                         warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "waiting for the NVIDIA driver; not registering or publishing");
                         driver_not_ready_event(ctx, &reason, &mut last_driver_reason).await;
@@ -793,6 +749,7 @@ pub(crate) async fn start_when_possible(
                         tokio::time::sleep(delay).await;
                         continue;
                     }
+                    Err(e) => return Err(e),
                 }
             }
         };
@@ -876,7 +833,6 @@ pub(crate) async fn driver_not_ready_event(
 mod tests {
     use super::*;
     use clap::Parser as _;
-    use cleave_driver::checkpoint::CheckpointError;
 
     #[derive(clap::Parser)]
     struct T {
@@ -918,21 +874,5 @@ mod tests {
             sharing.binaries.mps_control,
             Path::new("/driver-root/usr/bin/nvidia-cuda-mps-control")
         );
-    }
-
-    #[test]
-    fn start_errors_say_whether_they_are_retried() {
-        let ce = CheckpointError::Corrupt {
-            path: "/x/checkpoint.json".into(),
-            reason: "bad".into(),
-        };
-        let e = StartError::from_driver(PrepareError::from(ce));
-        assert!(
-            matches!(&e, StartError::CheckpointUnreadable { reason, .. } if reason == "/x/checkpoint.json is corrupt: bad"),
-            "{e:?}"
-        );
-        assert!(e.is_retried());
-        assert!(StartError::DriverNotReady(anyhow::anyhow!("no NVML")).is_retried());
-        assert!(!StartError::Other(anyhow::anyhow!("other")).is_retried());
     }
 }

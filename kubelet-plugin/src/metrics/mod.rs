@@ -355,6 +355,15 @@ impl StatusWriteMetrics {
     }
 }
 
+impl crate::k8s::kube_handler::PrepareObserver for Metrics {
+    fn prepared(&self, summary: &cleave_driver::prepare::CheckpointSummary) {
+        self.observability.set_prepared(summary);
+    }
+    fn refused(&self, refusal: cleave_driver::prepare::Refusal) {
+        self.observability.count_refusal(refusal);
+    }
+}
+
 impl crate::k8s::claim_status::StatusObserver for Metrics {
     fn status_write(&self, result: &'static str) {
         self.claim_status

@@ -50,12 +50,8 @@ pub(crate) struct ClaimDeviceLabels {
 pub(crate) trait PodLabelSource: Send + Sync {
     /// The values of `keys` for the claim `name` in `namespace`, in order ("" when unknown).
     fn values(&self, namespace: &str, name: &str, keys: &[String]) -> Vec<String>;
-}
-
-impl PodLabelSource for crate::k8s::node_pods::NodePods {
-    fn values(&self, namespace: &str, name: &str, keys: &[String]) -> Vec<String> {
-        self.index().label_values(namespace, name, keys)
-    }
+    /// The metric label name of the pod label `key` (`label_<key>`, sanitised).
+    fn label_name(&self, key: &str) -> String;
 }
 
 /// The `--claim-pod-labels` keys and the source of their values.
@@ -97,7 +93,7 @@ impl ClaimPodLabels {
         let values = source.values(&claim.namespace, &claim.name, keys);
         keys.iter()
             .zip(values.into_iter().chain(std::iter::repeat(String::new())))
-            .map(|(k, v)| (crate::k8s::node_pods::metric_label_name(k), v))
+            .map(|(k, v)| (source.label_name(k), v))
             .collect()
     }
 }
