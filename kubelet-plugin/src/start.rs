@@ -221,7 +221,7 @@ pub struct RunningPlugin {
     /// The node driver.
     pub driver: Arc<NodeDriver>,
     /// The node lock shared by every prepare and unprepare.
-    pub node_lock: NodeLock,
+    pub(crate) node_lock: NodeLock,
     /// Publishes the pool as ResourceSlices.
     pub publisher: SlicePublisher,
     /// The DRA and registration servers.

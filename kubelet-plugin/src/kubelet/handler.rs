@@ -125,7 +125,7 @@ pub enum ClaimError {
 impl ClaimError {
     /// The message the kubelet gets in the claim's response entry (and shows in the pod's
     /// events), control characters escaped: it may carry user input (config keys).
-    pub fn kubelet_message(&self) -> String {
+    pub(crate) fn kubelet_message(&self) -> String {
         escape_control(&self.to_string()).into_owned()
     }
 }

@@ -144,7 +144,7 @@ impl PluginConfig {
     }
 
     /// The driver's state directory: `<plugins dir>/<driver>` (checkpoint, lock, DRA socket).
-    pub fn data_dir(&self) -> PathBuf {
+    pub(crate) fn data_dir(&self) -> PathBuf {
         self.plugins_dir.join(&self.driver_name)
     }
 
@@ -166,7 +166,7 @@ impl PluginConfig {
     }
 
     /// The node-wide serialisation lock file shared by all instances.
-    pub fn lock_file(&self) -> PathBuf {
+    pub(crate) fn lock_file(&self) -> PathBuf {
         self.data_dir().join("serialize.lock")
     }
 

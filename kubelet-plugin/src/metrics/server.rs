@@ -74,14 +74,14 @@ pub(crate) struct RefusedLabels {
 
 /// The server's own metrics: open connections and connections refused by a cap.
 #[derive(Debug, Clone, Default)]
-pub struct ServerMetrics {
+pub(crate) struct ServerMetrics {
     open: Gauge,
     refused: Family<RefusedLabels, Counter>,
 }
 
 impl ServerMetrics {
     /// Creates the metrics and registers them in `registry`.
-    pub fn register(registry: &mut Registry) -> Self {
+    pub(crate) fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         registry.register(
             "metrics_connections_open",
@@ -94,11 +94,6 @@ impl ServerMetrics {
             m.refused.clone(),
         );
         m
-    }
-
-    /// Connections refused for `reason`.
-    pub fn refused(&self, reason: &'static str) -> u64 {
-        self.refused.get_or_create(&RefusedLabels { reason }).get()
     }
 }
 

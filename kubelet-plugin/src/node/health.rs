@@ -29,7 +29,7 @@ use tracing::{info, warn};
 pub(crate) use crate::args::{HealthArgs, TaintMode};
 
 /// Where health reports what it sees (the metrics registry implements it).
-pub trait HealthObserver: Send + Sync + std::fmt::Debug {
+pub(crate) trait HealthObserver: Send + Sync + std::fmt::Debug {
     /// One event from the NVML watcher, before it is applied.
     fn health_event(&self, event: &HealthEvent);
     /// How many published devices are unhealthy now.
@@ -129,7 +129,7 @@ impl DeviceHealth {
     }
 
     /// Reports health events and the number of unhealthy devices to `observer`.
-    pub fn with_observer(mut self, observer: Option<Arc<dyn HealthObserver>>) -> Self {
+    pub(crate) fn with_observer(mut self, observer: Option<Arc<dyn HealthObserver>>) -> Self {
         self.observer = observer;
         self
     }
@@ -159,7 +159,7 @@ impl DeviceHealth {
     /// Replaces the pool health is applied to (its counters changed, e.g. a GPU instance
     /// without compute instance appeared or went) and tells subscribers, which publish
     /// [`Self::pool_to_publish`] again.
-    pub fn set_base_pool(&self, pool: PoolDevices) {
+    pub(crate) fn set_base_pool(&self, pool: PoolDevices) {
         {
             let mut inner = self.lock();
             inner.state.set_pool(&pool);
@@ -222,7 +222,7 @@ impl DeviceHealth {
     }
 
     /// Every device with its state, in pool order (the stream's complete list).
-    pub fn statuses(&self) -> Vec<DeviceStatus> {
+    pub(crate) fn statuses(&self) -> Vec<DeviceStatus> {
         self.lock().state.statuses()
     }
 
@@ -335,7 +335,7 @@ impl DeviceHealth {
     /// Starts the watcher over `source` (the backend's event source) for the GPUs of
     /// `inventory` and a task that applies its events (looking devices up in
     /// `current_inventory()`, so MIG devices created after start are found) and expires marks.
-    pub fn start_watching(
+    pub(crate) fn start_watching(
         self: &Arc<Self>,
         source: Arc<dyn cleave_driver::backend::EventSource>,
         inventory: &NodeInventory,

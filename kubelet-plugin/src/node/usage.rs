@@ -153,7 +153,7 @@ impl UsageRounds {
 
     /// These rounds, waiting at `gate` while a batch holds it: before each NVML query (at
     /// most `max_wait` per round) and between the right-sizing steps (as much again).
-    pub fn with_gate(
+    pub(crate) fn with_gate(
         mut self,
         gate: cleave_driver::usage::SamplingGate,
         max_wait: Duration,
@@ -529,11 +529,11 @@ pub(crate) fn run_command(args: &crate::args::UsageCommandArgs) -> anyhow::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cleave_driver::usage::ClaimRef;
     use cleave_driver::backend::{
         BackendError, GpmReading, GpmTarget, MemoryUse, ProcessMemory, ProcessUtilization,
     };
     use cleave_driver::usage::Allocation;
+    use cleave_driver::usage::ClaimRef;
     use std::sync::Mutex;
 
     /// Whole GPUs without GPM whose utilization the test sets.

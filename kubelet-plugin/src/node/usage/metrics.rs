@@ -225,7 +225,7 @@ where
 
 impl UsageMetrics {
     /// Creates the series and registers them in `registry` (prefix `cleave_kubelet_plugin`).
-    pub fn register(registry: &mut Registry) -> Self {
+    pub(crate) fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         registry.register(
             "claim_allocated_memory_bytes",
@@ -286,7 +286,7 @@ impl UsageMetrics {
     }
 
     /// Labels claims by UID only from now on (`--metrics-claim-labels=uid-only`).
-    pub fn set_uid_only(&self, uid_only: bool) {
+    pub(crate) fn set_uid_only(&self, uid_only: bool) {
         self.uid_only
             .store(uid_only, std::sync::atomic::Ordering::Relaxed);
     }
