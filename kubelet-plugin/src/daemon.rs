@@ -26,7 +26,7 @@ use tracing::{info, warn};
 use crate::args::RunArgs;
 use crate::k8s::events::{EventReporter, Severity, StartNode};
 use crate::kubelet::registration::RegistrationState;
-use crate::metrics::{HealthState, Heartbeat, Metrics};
+use crate::metrics::{Heartbeat, Metrics, ProbeState};
 use crate::node::node_lock::NodeLock;
 use crate::start::{Blocker, RunningPlugin, StartContext, kube_client, start_when_possible};
 
@@ -171,7 +171,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let heartbeat_task = heartbeat.spawn();
     let http = match (args.metrics_addr, &metrics) {
         (Some(addr), Some(m)) => {
-            let state = HealthState {
+            let state = ProbeState {
                 metrics: Arc::clone(m),
                 registration: registration_rx,
                 published: ready_rx,

@@ -48,12 +48,12 @@ pub use kubelet::handler::{
     ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedDevice, PreparedShare,
     UnprepareResult,
 };
-/// The gRPC service names of the two device health API versions.
-pub use kubelet::health::{HEALTH_V1, HEALTH_V1ALPHA1};
 /// The kubelet plugin's generated gRPC types (DRA, registration, health).
 pub use kubelet::proto;
 /// Whether the kubelet has registered the plugin.
 pub use kubelet::registration::RegistrationState;
+/// The gRPC service names of the two device health API versions.
+pub use kubelet::resource_health::{HEALTH_V1, HEALTH_V1ALPHA1};
 /// The unix-socket gRPC server, its configuration and errors, and a client connector.
 pub use kubelet::server::{
     PluginConfig, PluginServer, ServerError, check_sockets_free, connect_unix,
@@ -61,7 +61,7 @@ pub use kubelet::server::{
 /// The Prometheus registry of the whole daemon.
 pub use metrics::Metrics;
 /// Device health: the shared per-device health state the health service streams.
-pub use node::health::DeviceHealth;
+pub use node::device_health::DeviceHealth;
 /// Brings the node up (NVML, driver, publisher, servers); the handle to the running plugin.
 pub use start::{RunningPlugin, start};
 /// Sets up logging; the log format flag's values.

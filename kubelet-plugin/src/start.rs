@@ -378,7 +378,7 @@ pub(crate) async fn start_with_backend(
         m.observability.set_published(&pool);
         m.observability.set_prepared(&driver.prepared_summary());
     }
-    let health = crate::node::health::start_for_plugin(
+    let health = crate::node::device_health::start_for_plugin(
         &args.health,
         backend.as_ref(),
         &args.node_name,
@@ -387,7 +387,7 @@ pub(crate) async fn start_with_backend(
         &driver,
         metrics
             .clone()
-            .map(|m| m as Arc<dyn crate::node::health::HealthObserver>),
+            .map(|m| m as Arc<dyn crate::node::device_health::DeviceHealthObserver>),
     );
     let publisher = SlicePublisher::start(client.clone(), publisher_config);
     // NVML sees GPUs but the driver root holds no driver: offer nothing (every claim would

@@ -25,7 +25,7 @@ use crate::k8s::events::{EventReporter, Severity};
 use crate::kubelet::handler::{
     ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedShare, UnprepareResult,
 };
-use crate::node::health::DeviceHealth;
+use crate::node::device_health::DeviceHealth;
 use crate::node::node_lock::NodeLock;
 
 /// What the handler reports after its batches; the metrics implement it, so this side

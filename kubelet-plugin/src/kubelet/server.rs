@@ -27,10 +27,10 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tracing::{debug, info, warn};
 
 use super::dra::{DraObserver, DraService};
-use super::health::{HEALTH_V1, HEALTH_V1ALPHA1, HealthService};
 use super::registration::{RegistrationService, RegistrationState};
+use super::resource_health::{HEALTH_V1, HEALTH_V1ALPHA1, HealthService};
 use crate::kubelet::handler::ClaimHandler;
-use crate::node::health::DeviceHealth;
+use crate::node::device_health::DeviceHealth;
 
 /// How long shutdown waits for in-flight calls before it aborts a server.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);

@@ -33,7 +33,7 @@ use cleave_driver::health::HealthEvent;
 
 use crate::kubelet::dra::DraObserver;
 use crate::kubelet::registration::RegistrationState;
-use crate::node::health::HealthObserver;
+use crate::node::device_health::DeviceHealthObserver;
 
 pub(crate) mod auth;
 pub(crate) mod observability;
@@ -73,8 +73,8 @@ pub struct Metrics {
     registered: Gauge,
     slices_published: Gauge,
     devices_withheld: Gauge,
-    /// Device health events and unhealthy devices (reported through [`HealthObserver`]).
-    pub(crate) health: HealthMetrics,
+    /// Device health events and unhealthy devices (reported through [`DeviceHealthObserver`]).
+    pub(crate) health: DeviceHealthMetrics,
     /// Call latency by result, API requests, published devices (see [`observability`]).
     pub(crate) observability: observability::ObservabilityMetrics,
     /// Start-up state: NVML availability, checkpoint health (set by start-up).
@@ -130,7 +130,7 @@ impl Metrics {
             "Devices not published because the API server drops shared counters (feature gate DRAPartitionableDevices off); 0 normally",
             devices_withheld.clone(),
         );
-        let health = HealthMetrics::register(&mut registry);
+        let health = DeviceHealthMetrics::register(&mut registry);
         let observability = observability::ObservabilityMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
         let usage = Arc::new(usage::UsageMetrics::register(&mut registry));
@@ -210,9 +210,9 @@ impl Metrics {
     }
 }
 
-/// What the health endpoints look at.
+/// What the probe endpoints (`/healthz` liveness, `/readyz` readiness) and `/metrics` look at.
 #[derive(Debug, Clone)]
-pub(crate) struct HealthState {
+pub(crate) struct ProbeState {
     /// The metrics to serve.
     pub metrics: Arc<Metrics>,
     /// The kubelet's registration verdicts.
@@ -236,7 +236,7 @@ fn respond(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     r
 }
 
-fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
+fn handle(state: &ProbeState, path: &str) -> Response<Full<Bytes>> {
     match path {
         "/healthz" => {
             let age = state.heartbeat.age();
@@ -290,7 +290,7 @@ fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
 /// Binds `addr` and serves the endpoints within `limits` in a background task.
 pub(crate) async fn start(
     addr: SocketAddr,
-    state: HealthState,
+    state: ProbeState,
     limits: server::ServerLimits,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
@@ -310,7 +310,7 @@ impl DraObserver for Metrics {
     }
 }
 
-impl HealthObserver for Metrics {
+impl DeviceHealthObserver for Metrics {
     fn health_event(&self, event: &HealthEvent) {
         self.health.record_event(event);
     }
@@ -368,7 +368,7 @@ impl crate::k8s::claim_status::StatusObserver for Metrics {
 
 /// Health metrics, registered into the plugin's registry by [`Metrics::new`].
 #[derive(Debug, Clone, Default)]
-pub(crate) struct HealthMetrics {
+pub(crate) struct DeviceHealthMetrics {
     events: Family<HealthEventLabels, Counter>,
     unhealthy: Gauge,
 }
@@ -384,7 +384,7 @@ pub(crate) struct HealthEventLabels {
     pub fatal: &'static str,
 }
 
-impl HealthMetrics {
+impl DeviceHealthMetrics {
     /// Registers `health_events` (counter by kind, Xid and fatality) and
     /// `devices_unhealthy` (gauge) in `registry`.
     pub(crate) fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
@@ -559,7 +559,7 @@ mod tests {
         let heartbeat = Arc::new(Heartbeat::default());
         heartbeat.beat();
         let (degraded_tx, degraded) = watch::channel(None);
-        let state = HealthState {
+        let state = ProbeState {
             metrics: Arc::new(Metrics::new()),
             registration,
             published,

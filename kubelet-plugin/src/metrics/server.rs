@@ -26,7 +26,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
-use super::HealthState;
+use super::ProbeState;
 
 /// Largest request head (request line and headers) read; hyper answers 431 above it. Its
 /// read buffer is capped at the same size (hyper's minimum buffer is 8 KiB).
@@ -162,7 +162,7 @@ fn refusal(req: &Request<hyper::body::Incoming>) -> Option<Response<Full<Bytes>>
 
 /// Answers one request: only `GET` and `HEAD` without a body reach the endpoints, and
 /// `/metrics` only past the scrape review when one is configured.
-async fn answer(state: &HealthState, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+async fn answer(state: &ProbeState, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
     if let Some(r) = refusal(&req) {
         return r;
     }
@@ -179,7 +179,7 @@ async fn answer(state: &HealthState, req: Request<hyper::body::Incoming>) -> Res
 /// Serves the endpoints on `listener` within `limits` until the task is aborted.
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
-    state: HealthState,
+    state: ProbeState,
     limits: ServerLimits,
 ) {
     let total = Arc::new(Semaphore::new(limits.max_connections));

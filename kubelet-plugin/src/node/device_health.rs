@@ -5,7 +5,7 @@
 //!
 //! Which devices an event concerns, and the conditions themselves, are the driver's pure
 //! [`cleave_driver::device_health`]; this module holds them behind a lock, runs the watcher
-//! task, tells subscribers, reports to a [`HealthObserver`] and checks device taints.
+//! task, tells subscribers, reports to a [`DeviceHealthObserver`] and checks device taints.
 //!
 //! Recovery: a lost GPU is healthy again as soon as it answers. Xid and ECC conditions
 //! stay until the plugin restarts, or for `--xid-unhealthy-duration` when set (the usual
@@ -29,7 +29,7 @@ use tracing::{info, warn};
 pub(crate) use crate::args::{HealthArgs, TaintMode};
 
 /// Where health reports what it sees (the metrics registry implements it).
-pub(crate) trait HealthObserver: Send + Sync + std::fmt::Debug {
+pub(crate) trait DeviceHealthObserver: Send + Sync + std::fmt::Debug {
     /// One event from the NVML watcher, before it is applied.
     fn health_event(&self, event: &HealthEvent);
     /// How many published devices are unhealthy now.
@@ -50,7 +50,7 @@ pub(crate) fn start_for_plugin(
     pool: &PoolDevices,
     inventory: &NodeInventory,
     driver: &Arc<cleave_driver::prepare::NodeDriver>,
-    observer: Option<Arc<dyn HealthObserver>>,
+    observer: Option<Arc<dyn DeviceHealthObserver>>,
 ) -> Option<Arc<DeviceHealth>> {
     if args.disable_health_checks {
         info!("device health checks disabled");
@@ -102,7 +102,7 @@ pub struct DeviceHealth {
     changed: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
     resend: Duration,
-    observer: Option<Arc<dyn HealthObserver>>,
+    observer: Option<Arc<dyn DeviceHealthObserver>>,
     watcher: Mutex<Option<HealthWatcher>>,
 }
 
@@ -129,7 +129,7 @@ impl DeviceHealth {
     }
 
     /// Reports health events and the number of unhealthy devices to `observer`.
-    pub(crate) fn with_observer(mut self, observer: Option<Arc<dyn HealthObserver>>) -> Self {
+    pub(crate) fn with_observer(mut self, observer: Option<Arc<dyn DeviceHealthObserver>>) -> Self {
         self.observer = observer;
         self
     }
