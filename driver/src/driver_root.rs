@@ -458,6 +458,9 @@ pub fn ci_access_minor_formula(gpu_minor: u32, gi: u32, ci: u32) -> u32 {
     4 + 135 * gpu_minor + 9 * gi + ci
 }
 
+/// Libraries found, their soname links, and the driver version they tell.
+type FoundLibraries = (Vec<FoundFile>, Vec<LibraryLink>, Option<String>);
+
 impl DriverFiles {
     /// Looks for the driver files. Missing files are skipped; unreadable directories fail.
     pub fn discover(config: &DriverRootConfig) -> Result<Self, DriverRootError> {
@@ -525,50 +528,7 @@ impl DriverFiles {
             }
         }
 
-        let found_libraries = Self::scan(root, host_root, LIBRARY_DIRS, |name| {
-            LIBRARIES.iter().any(|prefix| {
-                name.strip_prefix(prefix)
-                    .is_some_and(|rest| rest.starts_with(".so."))
-            })
-        })?;
-        // Every library of the installed version too (`*.so.<version>`), as NVIDIA's
-        // toolkit mounts them (its `nvcdi` `getVersionLibs`): graphics, video and ray-tracing
-        // libraries a CUDA container may load, whose names no fixed list keeps up with.
-        let version = driver_version_of(root, &found_libraries);
-        let mut found_libraries = found_libraries;
-        if let Some(version) = &version {
-            // Files of another driver version (left by an upgrade) are not this driver's.
-            found_libraries.retain(|f| {
-                let Some(name) = f.relative.file_name().and_then(|n| n.to_str()) else {
-                    return true;
-                };
-                LIBRARIES
-                    .iter()
-                    .filter_map(|prefix| full_version_suffix(name, prefix))
-                    .all(|v| v == version)
-            });
-            let suffix = format!(".so.{version}");
-            let seen: BTreeSet<String> = found_libraries
-                .iter()
-                .filter_map(|f| f.relative.file_name()?.to_str().map(str::to_owned))
-                .collect();
-            found_libraries.extend(Self::scan(root, host_root, LIBRARY_DIRS, |name| {
-                name.ends_with(&suffix) && !seen.contains(name)
-            })?);
-            found_libraries.sort();
-        }
-        let (libraries, mut library_links) = split_soname_links(root, found_libraries);
-        // Soname links of libraries found by version (`libGLX_nvidia.so.0`) have names no
-        // prefix list matches: any symlink beside a library file that names it is one.
-        for link in links_to(root, host_root, &libraries)? {
-            if !library_links
-                .iter()
-                .any(|l| l.link.relative == link.link.relative)
-            {
-                library_links.push(link);
-            }
-        }
-        library_links.sort();
+        let (libraries, library_links, version) = Self::find_libraries(root, host_root)?;
         let sockets = SOCKETS
             .iter()
             .filter(|rel| root.join(rel).exists())
@@ -614,6 +574,58 @@ impl DriverFiles {
             "found driver files"
         );
         Ok(files)
+    }
+
+    /// The driver's libraries under `root`, their soname links, and the driver version
+    /// they tell.
+    fn find_libraries(
+        root: &Path,
+        host_root: &Path,
+    ) -> Result<FoundLibraries, DriverRootError> {
+        let mut found_libraries = Self::scan(root, host_root, LIBRARY_DIRS, |name| {
+            LIBRARIES.iter().any(|prefix| {
+                name.strip_prefix(prefix)
+                    .is_some_and(|rest| rest.starts_with(".so."))
+            })
+        })?;
+        // Every library of the installed version too (`*.so.<version>`), as NVIDIA's
+        // toolkit mounts them (its `nvcdi` `getVersionLibs`): graphics, video and ray-tracing
+        // libraries a CUDA container may load, whose names no fixed list keeps up with.
+        let version = driver_version_of(root, &found_libraries);
+        if let Some(version) = &version {
+            // Files of another driver version (left by an upgrade) are not this driver's.
+            found_libraries.retain(|f| {
+                let Some(name) = f.relative.file_name().and_then(|n| n.to_str()) else {
+                    return true;
+                };
+                LIBRARIES
+                    .iter()
+                    .filter_map(|prefix| full_version_suffix(name, prefix))
+                    .all(|v| v == version)
+            });
+            let suffix = format!(".so.{version}");
+            let seen: BTreeSet<String> = found_libraries
+                .iter()
+                .filter_map(|f| f.relative.file_name()?.to_str().map(str::to_owned))
+                .collect();
+            found_libraries.extend(Self::scan(root, host_root, LIBRARY_DIRS, |name| {
+                name.ends_with(&suffix) && !seen.contains(name)
+            })?);
+            found_libraries.sort();
+        }
+        let (libraries, mut library_links) = split_soname_links(root, found_libraries);
+        // Soname links of libraries found by version (`libGLX_nvidia.so.0`) have names no
+        // prefix list matches: any symlink beside a library file that names it is one.
+        for link in links_to(root, host_root, &libraries)? {
+            if !library_links
+                .iter()
+                .any(|l| l.link.relative == link.link.relative)
+            {
+                library_links.push(link);
+            }
+        }
+        library_links.sort();
+        Ok((libraries, library_links, version))
     }
 
     /// True when the root holds nothing of a driver: no control node, no GPU node and no

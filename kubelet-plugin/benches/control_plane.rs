@@ -310,10 +310,13 @@ async fn run(bin: &std::path::Path, n: usize, scale: u32, steady: Duration) {
 /// The node that runs MPS daemons (a whole-GPU node).
 const MPS_NODE: usize = 2;
 
-/// Whether `r` is the fake kubelet's (its pod LIST across namespaces, its pod status
-/// patches), not the plugin's.
+/// Whether `r` is the fake kubelet's (its pod LIST across namespaces, selected by the daemon
+/// label, which the plugin's node pod watch never is; its pod status patches), not the
+/// plugin's.
 fn kubelet_request(r: &cleave_apiserver_standin::RequestRecord) -> bool {
-    r.resource == "pods" && (r.path == "/api/v1/pods" || r.path.ends_with("/status"))
+    r.resource == "pods"
+        && ((r.path == "/api/v1/pods" && r.query.contains("labelSelector="))
+            || r.path.ends_with("/status"))
 }
 
 /// Prepares and unprepares a per-claim MPS claim and a capacity share on [`MPS_NODE`], with a
@@ -328,15 +331,6 @@ async fn sharing_claims(
     let name = w.nodes[i].name.clone();
     let root = w.nodes[i].root.clone();
     std::fs::create_dir_all(root.join("pod-logs")).unwrap();
-    // The fake kubelet runs every pod bound to the node: the plugin's own pod there gets a
-    // command that idles until the kubelet stops it.
-    let plugin_pod = format!("cleave-kubelet-plugin-{i:04}");
-    let mut pod = w
-        .standin
-        .get("pods", cost_world::NAMESPACE, &plugin_pod)
-        .unwrap();
-    pod["spec"]["containers"][0]["command"] = serde_json::json!(["sleep", "600"]);
-    w.standin.put(&pod).unwrap();
     let _kubelet = common::kubelet::FakeKubelet::start(
         w.standin.config(),
         &name,

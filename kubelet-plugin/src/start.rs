@@ -140,12 +140,13 @@ pub(crate) fn sharing_config(args: &RunArgs, driver: &DriverConfig) -> SharingCo
 }
 
 /// The sharing manager `run` uses: daemons as host processes, or (`--mps-launcher=pod`) in
-/// pods of their own created through `client`.
+/// pods of their own created through `client`, learned from `node_pods` when given.
 pub(crate) async fn sharing_manager(
     args: &RunArgs,
     driver: &DriverConfig,
     client: &kube::Client,
     node: &StartNode,
+    node_pods: Option<Arc<crate::k8s::node_pods::NodePods>>,
 ) -> Result<SharingManager, StartError> {
     let config = sharing_config(args, driver);
     if args.mps.mps_launcher == MpsLauncherKind::Process {
@@ -210,6 +211,7 @@ pub(crate) async fn sharing_manager(
             config.extra_env.clone(),
             &config.boot_id_path,
         ),
+        node_pods,
     );
     Ok(SharingManager::with_launcher(config, Arc::new(launcher)))
 }
@@ -306,7 +308,17 @@ pub(crate) async fn start_with_backend(
 
     let mut config = driver_config(args, &plugin);
     config.cdi_hook = install_cdi_hook(args, &config.state_dir)?;
-    let sharing = Arc::new(sharing_manager(args, &config, &client, node).await?);
+    // One watch on this node's pods, started on first need, serves usage sampling (which
+    // pods consume each claim) and, with the pod launcher, the MPS daemon pods. Only with
+    // sampling on: the chart grants the cluster-wide pod list and watch it needs with it.
+    let node_pods = (!args.usage.usage_interval.is_zero()).then(|| {
+        Arc::new(crate::k8s::node_pods::NodePods::new(
+            client.clone(),
+            &args.node_name,
+            tokio::runtime::Handle::current(),
+        ))
+    });
+    let sharing = Arc::new(sharing_manager(args, &config, &client, node, node_pods.clone()).await?);
     let (driver, instance_lock) = {
         let backend = Arc::clone(&backend);
         let state_dir = plugin.data_dir();
@@ -417,7 +429,7 @@ pub(crate) async fn start_with_backend(
     let sampling_gate = cleave_driver::usage::SamplingGate::new();
     let usage = start_usage(
         args,
-        &client,
+        node_pods,
         backend.as_ref(),
         &driver,
         metrics.as_ref(),
@@ -474,17 +486,17 @@ pub(crate) async fn start_with_backend(
 /// `--idle-events`. Without `--metrics-addr` the rounds still feed idle detection.
 fn start_usage(
     args: &RunArgs,
-    client: &kube::Client,
+    node_pods: Option<Arc<crate::k8s::node_pods::NodePods>>,
     backend: &dyn GpuBackend,
     driver: &Arc<NodeDriver>,
     metrics: Option<&Arc<Metrics>>,
     events: &EventReporter,
     gate: &cleave_driver::usage::SamplingGate,
 ) -> Option<crate::node::usage::UsageMonitor> {
-    if args.usage.usage_interval.is_zero() {
+    let Some(node_pods) = node_pods else {
         info!("per-claim usage sampling off (--usage-interval=0)");
         return None;
-    }
+    };
     let Some(source) = backend.usage_source() else {
         warn!("per-claim usage sampling off: the GPU backend has no NVML usage source");
         return None;
@@ -498,13 +510,8 @@ fn start_usage(
         usage::spawn_idle_events(events.clone(), rx);
         tx
     });
-    // This node's pods: which consume each claim (a share's or MPS claim's `pods`) and
-    // their `--claim-pod-labels`; the watch starts on first need.
-    let node_pods = Arc::new(crate::k8s::node_pods::NodePods::new(
-        client.clone(),
-        &args.node_name,
-        tokio::runtime::Handle::current(),
-    ));
+    // This node's pods (`node_pods`): which consume each claim (a share's or MPS claim's
+    // `pods`) and their `--claim-pod-labels`.
     let keys = args.usage.claim_pod_labels.0.clone();
     if !keys.is_empty() {
         let source: Arc<dyn crate::node::usage::metrics::PodLabelSource> =

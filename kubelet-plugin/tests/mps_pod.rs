@@ -604,15 +604,35 @@ async fn plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart(
     }
 }
 
-/// This plugin's requests on pods in the release namespace from `from` on, as `(verb,
-/// query)`: the fake kubelet lists at `/api/v1/pods` and writes only `.../status`.
+/// This plugin's requests on pods from `from` on, as `(path, verb, query)`: those in the
+/// release namespace and its node pod watch at `/api/v1/pods`. The fake kubelet's are left
+/// out: its LISTs there carry the daemon label selector, and it writes only `.../status`.
 fn plugin_pod_requests(standin: &StandIn, from: usize) -> Vec<(String, String)> {
+    plugin_pod_requests_at(standin, from)
+        .into_iter()
+        .map(|(_, v, q)| (v, q))
+        .collect()
+}
+
+fn plugin_pod_requests_at(standin: &StandIn, from: usize) -> Vec<(String, String, String)> {
     let prefix = format!("/api/v1/namespaces/{NAMESPACE}/pods");
     standin.requests()[from..]
         .iter()
-        .filter(|r| r.path.starts_with(&prefix) && !r.path.ends_with("/status"))
-        .map(|r| (r.verb.clone(), r.query.clone()))
+        .filter(|r| {
+            (r.path.starts_with(&prefix) && !r.path.ends_with("/status"))
+                || (r.path == "/api/v1/pods"
+                    && !r.query.contains(&format!(
+                        "labelSelector={}",
+                        urlencoding(common::kubelet::KUBELET_LABEL_SELECTOR)
+                    )))
+        })
+        .map(|r| (r.path.clone(), r.verb.clone(), r.query.clone()))
         .collect()
+}
+
+/// `s` as a query value (the characters a label selector has).
+fn urlencoding(s: &str) -> String {
+    s.replace('/', "%2F").replace('=', "%3D")
 }
 
 fn count(requests: &[(String, String)], verb: &str) -> usize {
@@ -622,12 +642,16 @@ fn count(requests: &[(String, String)], verb: &str) -> usize {
 /// Daemon pod state comes from one node-selected watch: a prepare costs one create and no
 /// GET loop, the periodic check reads nothing from the API server, a daemon pod deleted
 /// behind the plugin's back is noticed and started again, and unprepare costs one delete.
-async fn daemon_pods_are_learned_from_one_watch_not_lists_or_polls() {
+async fn daemon_pods_are_learned_from_one_watch_not_lists_or_polls(sampling_off: bool) {
     let world = World::new();
     let standin = start_standin(&world.dirs).await;
     let kubelet = world.kubelet(&standin, KubeletOptions::default());
     put_mps_claim(&standin, "a", "gpu-0", 25, "10Gi");
-    let options = world.pod_plugin_options(&[("MPS_CHECK_INTERVAL_SECS", "1".into())]);
+    let mut env = vec![("MPS_CHECK_INTERVAL_SECS", "1".into())];
+    if sampling_off {
+        env.push(("USAGE_INTERVAL", "0".into()));
+    }
+    let options = world.pod_plugin_options(&env);
     let plugin = Plugin::start(&world.dirs, &options);
     let mut dra = dra_v1(&plugin.dra_socket).await;
 
@@ -640,25 +664,40 @@ async fn daemon_pods_are_learned_from_one_watch_not_lists_or_polls() {
     assert!(count(&at_prepare, "get") <= 1, "a GET loop: {at_prepare:?}");
     assert_eq!(count(&at_prepare, "list"), 0, "{at_prepare:?}");
 
-    // The watch: selected by node and label, with this node's own server-side timeout.
+    // One watch, with this node's own server-side timeout: with usage sampling on (the
+    // default), the node pod watch of usage sampling (every namespace, selected by node),
+    // which feeds the daemon pods too; with it off, the launcher's own (the release
+    // namespace, selected by node and label).
+    let at = plugin_pod_requests_at(&standin, 0);
     let all = plugin_pod_requests(&standin, 0);
-    let watches: Vec<&String> = all
+    let watches: Vec<(&String, &String)> = at
         .iter()
-        .filter(|(v, _)| v == "watch")
-        .map(|(_, q)| q)
+        .filter(|(_, v, _)| v == "watch")
+        .map(|(p, _, q)| (p, q))
         .collect();
     assert!(!watches.is_empty(), "no pod watch: {all:?}");
     let timeout = format!(
         "timeoutSeconds={}",
         cleave_controller::publisher::watch_timeout_secs(NODE)
     );
-    for q in &watches {
+    let node_watch = !sampling_off;
+    for (path, q) in &watches {
         assert!(q.contains(&timeout), "{q} lacks {timeout}");
         assert!(q.contains("fieldSelector=spec.nodeName%3D"), "{q}");
-        assert!(
-            q.contains("labelSelector=app.kubernetes.io%2Fname%3Dcleave-mps"),
-            "{q}"
-        );
+        if node_watch {
+            assert_eq!(path.as_str(), "/api/v1/pods", "{q}");
+            assert!(!q.contains("labelSelector"), "{q}");
+        } else {
+            assert_eq!(
+                path.as_str(),
+                format!("/api/v1/namespaces/{NAMESPACE}/pods"),
+                "{q}"
+            );
+            assert!(
+                q.contains("labelSelector=app.kubernetes.io%2Fname%3Dcleave-mps"),
+                "{q}"
+            );
+        }
     }
     // At most the watch's own initial list, ever.
     assert!(count(&all, "list") <= 1, "{all:?}");
@@ -725,7 +764,7 @@ async fn daemon_pods_are_learned_from_one_watch_not_lists_or_polls() {
     drop(kubelet);
 }
 
-const TESTS: [cleave_testkit::runner::Test; 5] = [
+const TESTS: [cleave_testkit::runner::Test; 6] = [
     (
         "claims_get_own_daemon_pods_which_outlive_plugin_restarts",
         || block_on(claims_get_own_daemon_pods_which_outlive_plugin_restarts()),
@@ -743,8 +782,20 @@ const TESTS: [cleave_testkit::runner::Test; 5] = [
         || block_on(plugin_killed_while_starting_a_daemon_pod_leaves_nothing_after_restart()),
     ),
     (
-        "daemon_pods_are_learned_from_one_watch_not_lists_or_polls",
-        || block_on(daemon_pods_are_learned_from_one_watch_not_lists_or_polls()),
+        "daemon_pods_are_learned_from_the_node_pod_watch_not_lists_or_polls",
+        || {
+            block_on(daemon_pods_are_learned_from_one_watch_not_lists_or_polls(
+                false,
+            ))
+        },
+    ),
+    (
+        "daemon_pods_are_learned_from_one_watch_of_their_own_without_sampling",
+        || {
+            block_on(daemon_pods_are_learned_from_one_watch_not_lists_or_polls(
+                true,
+            ))
+        },
     ),
 ];
 

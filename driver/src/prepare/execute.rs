@@ -166,19 +166,7 @@ impl NodeDriver {
     /// Prepares a claim (see the module docs). Idempotent for a prepared claim.
     pub fn prepare(&self, claim: &ResourceClaim) -> Result<PreparedClaim, PrepareError> {
         let label = claim_label(claim);
-        let uid = claim
-            .metadata
-            .uid
-            .as_deref()
-            .filter(|u| !u.is_empty())
-            .ok_or_else(|| PrepareError::InvalidClaim {
-                claim: label.clone(),
-                reason: "no UID".into(),
-            })?;
-        cdi::validate_claim_uid(uid).map_err(|e| PrepareError::InvalidClaim {
-            claim: label.clone(),
-            reason: e.to_string(),
-        })?;
+        let uid = claim_uid(claim, &label)?;
         let span = tracing::info_span!("prepare", claim = %label, uid);
         let _enter = span.enter();
 
@@ -191,47 +179,8 @@ impl NodeDriver {
         {
             self.retry_failed_rollbacks(&mut state, uid);
         }
-        if let Some(record) = state.data.claims.get(uid) {
-            match record.state {
-                ClaimState::Prepared => return Ok(answer(record)),
-                ClaimState::NeedsRecreate => {
-                    // The kubelet replays prepare after a reboot: answer only once the
-                    // hardware state exists again.
-                    let state = &mut *state;
-                    let result = self.recreate(uid, &mut state.data, &mut state.inventory);
-                    match self.backend.inventory() {
-                        Ok(inventory) => state.inventory = inventory,
-                        Err(e) => tracing::warn!(error = %e, "rediscovering GPUs after recreation"),
-                    }
-                    return match result {
-                        Ok(()) => {
-                            state.recreate_errors.remove(uid);
-                            tracing::info!("recreated the hardware state of a prepared claim");
-                            state.data.claims.get(uid).map(answer).ok_or_else(|| {
-                                PrepareError::InvalidClaim {
-                                    claim: label.clone(),
-                                    reason: "record vanished during recreation".into(),
-                                }
-                            })
-                        }
-                        Err(e) => {
-                            state.recreate_errors.insert(uid.to_owned(), e.to_string());
-                            Err(e)
-                        }
-                    };
-                }
-                ClaimState::PrepareStarted => {
-                    // Only left behind when a rollback failed; try it again first.
-                    let record = record.clone();
-                    self.release_record(&record, &state.data)?;
-                    {
-                        let st = &mut *state;
-                        Self::forget_instances(&mut st.inventory, &record, &st.data);
-                    }
-                    state.data.claims.remove(uid);
-                    self.checkpoint.store(&state.data)?;
-                }
-            }
+        if let Some(answered) = self.resume_recorded(uid, &label, &mut state)? {
+            return Ok(answered);
         }
 
         let plan = self.plan(claim, &label, uid, &state)?;
@@ -240,15 +189,103 @@ impl NodeDriver {
             .map(|d| device_need(d.gpu.minor, d.mig.as_ref()))
             .collect();
         self.view_for(&label, &needs)?;
+        let mut record = self.new_record(claim, uid, &plan);
         let mps_shares = self.config.consumable_capacity == ConsumableCapacity::Mps;
-        let needs_intent = plan.iter().any(|d| {
-            d.mig.as_ref().is_some_and(|m| m.created_by_cleave)
-                || (mps_shares && ShareRecord::partial(d.share.as_ref()).is_some())
-                || d.config
-                    .as_ref()
-                    .is_some_and(|c| c.config.sharing().is_some())
+        let needs_intent = record.sharing.is_some()
+            || plan.iter().any(|d| {
+                d.mig.as_ref().is_some_and(|m| m.created_by_cleave)
+                    || (mps_shares && ShareRecord::partial(d.share.as_ref()).is_some())
+            });
+        if needs_intent {
+            state.data.claims.insert(uid.to_owned(), record.clone());
+            if let Err(e) = self.checkpoint.store(&state.data) {
+                state.data.claims.remove(uid);
+                return Err(e.into());
+            }
+        }
+
+        let pod_claim_name = claim
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(crate::metadata::POD_CLAIM_NAME_ANNOTATION))
+            .map(String::as_str);
+        match self.execute(&label, uid, &plan, &mut record, &mut state, pod_claim_name) {
+            Ok(()) => {
+                tracing::info!(devices = record.devices.len(), "prepared");
+                Ok(answer(&record))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "prepare failed; rolling back");
+                self.roll_back(record, &mut state);
+                Err(e)
+            }
+        }
+    }
+
+    /// What the checkpoint already holds for the claim `uid`: a prepared claim is answered
+    /// again; one waiting for recreation is recreated and then answered; one whose rollback
+    /// failed is rolled back now, and `None` lets prepare start afresh.
+    fn resume_recorded(
+        &self,
+        uid: &str,
+        label: &str,
+        state: &mut State,
+    ) -> Result<Option<PreparedClaim>, PrepareError> {
+        let Some(record) = state.data.claims.get(uid) else {
+            return Ok(None);
+        };
+        match record.state {
+            ClaimState::Prepared => Ok(Some(answer(record))),
+            ClaimState::NeedsRecreate => {
+                // The kubelet replays prepare after a reboot: answer only once the hardware
+                // state exists again.
+                let result = self.recreate(uid, &mut state.data, &mut state.inventory);
+                match self.backend.inventory() {
+                    Ok(inventory) => state.inventory = inventory,
+                    Err(e) => tracing::warn!(error = %e, "rediscovering GPUs after recreation"),
+                }
+                match result {
+                    Ok(()) => {
+                        state.recreate_errors.remove(uid);
+                        tracing::info!("recreated the hardware state of a prepared claim");
+                        state
+                            .data
+                            .claims
+                            .get(uid)
+                            .map(answer)
+                            .map(Some)
+                            .ok_or_else(|| PrepareError::InvalidClaim {
+                                claim: label.to_owned(),
+                                reason: "record vanished during recreation".into(),
+                            })
+                    }
+                    Err(e) => {
+                        state.recreate_errors.insert(uid.to_owned(), e.to_string());
+                        Err(e)
+                    }
+                }
+            }
+            ClaimState::PrepareStarted => {
+                // Only left behind when a rollback failed; try it again first.
+                let record = record.clone();
+                self.release_record(&record, &state.data)?;
+                Self::forget_instances(&mut state.inventory, &record, &state.data);
+                state.data.claims.remove(uid);
+                self.checkpoint.store(&state.data)?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// The record of a claim about to be prepared by `plan` (state `PrepareStarted`).
+    fn new_record(&self, claim: &ResourceClaim, uid: &str, plan: &[PlannedDevice]) -> ClaimRecord {
+        let own_sharing = plan.iter().any(|d| {
+            d.config
+                .as_ref()
+                .is_some_and(|c| c.config.sharing().is_some())
         });
-        let mut record = ClaimRecord {
+        ClaimRecord {
             uid: uid.to_owned(),
             namespace: claim.metadata.namespace.clone().unwrap_or_default(),
             name: claim.metadata.name.clone().unwrap_or_default(),
@@ -272,60 +309,32 @@ impl NodeDriver {
                     share: d.share.clone(),
                 })
                 .collect(),
-            sharing: None,
-        };
-        if plan.iter().any(|d| {
-            d.config
-                .as_ref()
-                .is_some_and(|c| c.config.sharing().is_some())
-        }) {
-            record.sharing = Some(serde_json::json!({}));
+            sharing: own_sharing.then(|| serde_json::json!({})),
         }
-        if needs_intent {
-            state.data.claims.insert(uid.to_owned(), record.clone());
-            if let Err(e) = self.checkpoint.store(&state.data) {
-                state.data.claims.remove(uid);
-                return Err(e.into());
-            }
-        }
+    }
 
-        let pod_claim_name = claim
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(crate::metadata::POD_CLAIM_NAME_ANNOTATION))
-            .map(String::as_str);
-        match self.execute(&label, uid, &plan, &mut record, &mut state, pod_claim_name) {
+    /// Undoes a failed prepare as far as `record` shows; what cannot be undone stays in the
+    /// checkpoint as `PrepareStarted`, for a retry or the next start.
+    fn roll_back(&self, record: ClaimRecord, state: &mut State) {
+        let uid = record.uid.clone();
+        match self.release_record(&record, &state.data) {
             Ok(()) => {
-                tracing::info!(devices = record.devices.len(), "prepared");
-                Ok(answer(&record))
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "prepare failed; rolling back");
-                match self.release_record(&record, &state.data) {
-                    Ok(()) => {
-                        {
-                            let st = &mut *state;
-                            Self::forget_instances(&mut st.inventory, &record, &st.data);
-                        }
-                        if state.data.claims.remove(uid).is_some()
-                            && let Err(store_err) = self.checkpoint.store(&state.data)
-                        {
-                            // The record stays on disk as PrepareStarted: start() or a later
-                            // prepare of the claim rolls it back again (idempotently).
-                            tracing::error!(error = %store_err, "recording the rollback");
-                        }
-                    }
-                    Err(rollback_err) => {
-                        // Keep what is known so that a retry or the next start finishes it.
-                        tracing::error!(error = %rollback_err, "rollback incomplete; kept in the checkpoint");
-                        let mut record = record;
-                        record.state = ClaimState::PrepareStarted;
-                        state.data.claims.insert(uid.to_owned(), record);
-                        let _ = self.checkpoint.store(&state.data);
-                    }
+                Self::forget_instances(&mut state.inventory, &record, &state.data);
+                if state.data.claims.remove(&uid).is_some()
+                    && let Err(store_err) = self.checkpoint.store(&state.data)
+                {
+                    // The record stays on disk as PrepareStarted: start() or a later
+                    // prepare of the claim rolls it back again (idempotently).
+                    tracing::error!(error = %store_err, "recording the rollback");
                 }
-                Err(e)
+            }
+            Err(rollback_err) => {
+                // Keep what is known so that a retry or the next start finishes it.
+                tracing::error!(error = %rollback_err, "rollback incomplete; kept in the checkpoint");
+                let mut record = record;
+                record.state = ClaimState::PrepareStarted;
+                state.data.claims.insert(uid, record);
+                let _ = self.checkpoint.store(&state.data);
             }
         }
     }
@@ -340,7 +349,41 @@ impl NodeDriver {
         state: &mut State,
         pod_claim_name: Option<&str>,
     ) -> Result<(), PrepareError> {
-        // Create on-demand MIG instances (not those another share of the device holds).
+        self.create_planned_migs(label, plan, record, state)?;
+        let edits = self.apply_planned_sharing(uid, plan, record, state)?;
+
+        // CDI spec.
+        crate::timing::timed(crate::timing::step::CDI_WRITE, || {
+            self.write_cdi(uid, record, &edits)
+        })?;
+        // Device metadata (`--device-metadata`), after the CDI spec; it adds its CDI IDs to
+        // the record. A failed write is only logged, as in the Go helper.
+        if let Some(m) = self.metadata.get() {
+            self.write_metadata(m, pod_claim_name, record, &state.data, &state.inventory);
+        }
+
+        // Durable record, then the answer.
+        record.state = ClaimState::Prepared;
+        let previous = state.data.claims.insert(uid.to_owned(), record.clone());
+        if let Err(e) = self.checkpoint.store(&state.data) {
+            match previous {
+                Some(p) => state.data.claims.insert(uid.to_owned(), p),
+                None => state.data.claims.remove(uid),
+            };
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Step 3: creates the plan's on-demand MIG instances (not those another share of the
+    /// device holds), recording each in `record` and the inventory.
+    fn create_planned_migs(
+        &self,
+        label: &str,
+        plan: &[PlannedDevice],
+        record: &mut ClaimRecord,
+        state: &mut State,
+    ) -> Result<(), PrepareError> {
         for (i, d) in plan.iter().enumerate() {
             let Some(mig) = d
                 .mig
@@ -392,8 +435,18 @@ impl NodeDriver {
                 instances.push(inst);
             }
         }
+        Ok(())
+    }
 
-        // Sharing.
+    /// Step 4: applies the devices' own sharing configs and the claim's shares of devices,
+    /// recording the sharing state in `record`; the CDI edits of both.
+    fn apply_planned_sharing(
+        &self,
+        uid: &str,
+        plan: &[PlannedDevice],
+        record: &mut ClaimRecord,
+        state: &mut State,
+    ) -> Result<SharingEdits, PrepareError> {
         let shared: Vec<SharingDevice> = plan
             .iter()
             .zip(&record.devices)
@@ -409,7 +462,7 @@ impl NodeDriver {
                 })
             })
             .collect();
-        let edits = if shared.is_empty() {
+        let mut edits = if shared.is_empty() {
             SharingEdits::default()
         } else {
             let claim = SharingClaim {
@@ -425,34 +478,12 @@ impl NodeDriver {
             record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
             edits
         };
-        let mut edits = edits;
         let share_edits = self.apply_record_shares(record, &state.data, &mut state.inventory)?;
         if share_edits != SharingEdits::default() {
             crate::fault::point("prepare.after_share_apply");
         }
         edits.merge(share_edits);
-
-        // CDI spec.
-        crate::timing::timed(crate::timing::step::CDI_WRITE, || {
-            self.write_cdi(uid, record, &edits)
-        })?;
-        // Device metadata (`--device-metadata`), after the CDI spec; it adds its CDI IDs to
-        // the record. A failed write is only logged, as in the Go helper.
-        if let Some(m) = self.metadata.get() {
-            self.write_metadata(m, pod_claim_name, record, &state.data, &state.inventory);
-        }
-
-        // Durable record, then the answer.
-        record.state = ClaimState::Prepared;
-        let previous = state.data.claims.insert(uid.to_owned(), record.clone());
-        if let Err(e) = self.checkpoint.store(&state.data) {
-            match previous {
-                Some(p) => state.data.claims.insert(uid.to_owned(), p),
-                None => state.data.claims.remove(uid),
-            };
-            return Err(e.into());
-        }
-        Ok(())
+        Ok(edits)
     }
 
     /// Writes the claim's CDI spec from its record and the sharing edits.
@@ -861,4 +892,22 @@ impl NodeDriver {
         tracing::info!("unprepared");
         Ok(())
     }
+}
+
+/// The claim's UID, checked to be one a CDI name and a file name can carry.
+fn claim_uid<'a>(claim: &'a ResourceClaim, label: &str) -> Result<&'a str, PrepareError> {
+    let uid = claim
+        .metadata
+        .uid
+        .as_deref()
+        .filter(|u| !u.is_empty())
+        .ok_or_else(|| PrepareError::InvalidClaim {
+            claim: label.to_owned(),
+            reason: "no UID".into(),
+        })?;
+    cdi::validate_claim_uid(uid).map_err(|e| PrepareError::InvalidClaim {
+        claim: label.to_owned(),
+        reason: e.to_string(),
+    })?;
+    Ok(uid)
 }

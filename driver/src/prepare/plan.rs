@@ -272,6 +272,41 @@ fn gpu_has_instance(gpu: &GpuInfo, uuid: &str) -> bool {
     matches!(&gpu.mig, MigState::Enabled { instances, .. } if instances.iter().any(|i| i.uuid == uuid))
 }
 
+/// The one config of a device: every request it serves must resolve to the same one (a
+/// class's config attached to each of its requests agrees with itself), valid for the
+/// device's kind.
+fn device_config(
+    configs: &BTreeMap<String, Option<ResolvedConfig>>,
+    request_names: &[String],
+    name: &DeviceName,
+    device: &str,
+    label: &str,
+) -> Result<Option<ResolvedConfig>, PrepareError> {
+    let mut config: Option<ResolvedConfig> = None;
+    for request in request_names {
+        let resolved = configs.get(request).cloned().flatten();
+        if let Some(r) = &resolved {
+            r.sharing_for(DeviceKind::from(name))
+                .map_err(|e| PrepareError::InvalidConfig {
+                    claim: label.to_owned(),
+                    message: format!("device {device}: {e}"),
+                })?;
+        }
+        if config.is_some()
+            && config.as_ref().map(|c| &c.config) != resolved.as_ref().map(|c| &c.config)
+        {
+            return Err(PrepareError::InvalidConfig {
+                claim: label.to_owned(),
+                message: format!(
+                    "device {device} is allocated for requests {request_names:?} with different configs"
+                ),
+            });
+        }
+        config = resolved;
+    }
+    Ok(config)
+}
+
 pub(super) fn claim_label(claim: &ResourceClaim) -> String {
     format!(
         "{}/{}",
@@ -297,6 +332,24 @@ impl NodeDriver {
         uid: &str,
         state: &State,
     ) -> Result<Vec<PlannedDevice>, PrepareError> {
+        let allocated = self.allocated_here(claim, label)?;
+        let configs = self.effective_configs(claim, label)?;
+        let mut plan: Vec<PlannedDevice> = Vec::with_capacity(allocated.len());
+        for a in allocated {
+            let device = self.plan_allocated(a, &configs, label, uid, state, &plan)?;
+            plan.push(device);
+        }
+        self.check_one_mps_daemon(&plan, label)?;
+        Ok(plan)
+    }
+
+    /// The claim's devices in this driver and pool; refused when the claim is not
+    /// allocated, or allocated nothing here.
+    fn allocated_here(
+        &self,
+        claim: &ResourceClaim,
+        label: &str,
+    ) -> Result<Vec<Allocated>, PrepareError> {
         let results = claim
             .status
             .as_ref()
@@ -308,14 +361,13 @@ impl NodeDriver {
             })?;
         let driver = &self.config.driver_name;
         let pool = &self.config.pool_name;
-        let refuse = |device: &str, reason: String| PrepareError::ShareRefused {
-            claim: label.to_owned(),
-            device: device.to_owned(),
-            reason,
-        };
-
-        let allocated = allocated_devices(results, driver, pool)
-            .map_err(|(device, reason)| refuse(&device, reason))?;
+        let allocated = allocated_devices(results, driver, pool).map_err(|(device, reason)| {
+            PrepareError::ShareRefused {
+                claim: label.to_owned(),
+                device,
+                reason,
+            }
+        })?;
         if allocated.is_empty() {
             let allocated = results
                 .iter()
@@ -333,177 +385,156 @@ impl NodeDriver {
                 },
             });
         }
+        Ok(allocated)
+    }
 
-        let configs = self.effective_configs(claim, label)?;
+    /// Plans one allocated device of the claim; `planned` are the claim's devices planned
+    /// before it.
+    fn plan_allocated(
+        &self,
+        a: Allocated,
+        configs: &BTreeMap<String, Option<ResolvedConfig>>,
+        label: &str,
+        uid: &str,
+        state: &State,
+        planned: &[PlannedDevice],
+    ) -> Result<PlannedDevice, PrepareError> {
+        let device = a.device;
         let unknown = |device: &str, reason: String| PrepareError::UnknownDevice {
             claim: label.to_owned(),
             device: device.to_owned(),
-            pool: pool.clone(),
+            pool: self.config.pool_name.clone(),
             reason,
         };
+        let over_commit = |what| PrepareError::OverCommit {
+            claim: label.to_owned(),
+            device: device.clone(),
+            what,
+        };
+        let name: DeviceName = device
+            .parse()
+            .map_err(|e: cleave_api::names::NameError| unknown(&device, e.to_string()))?;
+        let gpu = state
+            .inventory
+            .gpus
+            .iter()
+            .find(|g| g.minor == name.minor())
+            .ok_or_else(|| unknown(&device, format!("no GPU with minor {}", name.minor())))?;
 
-        let mut plan: Vec<PlannedDevice> = Vec::with_capacity(allocated.len());
-        for a in allocated {
-            let device = a.device;
-            let name: DeviceName = device
-                .parse()
-                .map_err(|e: cleave_api::names::NameError| unknown(&device, e.to_string()))?;
-            let gpu = state
-                .inventory
-                .gpus
-                .iter()
-                .find(|g| g.minor == name.minor())
-                .ok_or_else(|| unknown(&device, format!("no GPU with minor {}", name.minor())))?;
+        let mut share = a.share;
+        if let Some(s) = &share
+            && !a.admin
+            && self.config.consumable_capacity == ConsumableCapacity::Off
+        {
+            return Err(PrepareError::ShareRefused {
+                claim: label.to_owned(),
+                device: device.clone(),
+                reason: format!(
+                    "allocated as share {} (consumable capacity), but this node runs with --consumable-capacity off and publishes no shareable device; start the plugin with --consumable-capacity mps or time-slicing, or allocate the device whole",
+                    s.share_id
+                ),
+            });
+        }
+        let capacity = DeviceCapacity::of(gpu, &device);
+        if let Some(s) = share.as_mut() {
+            s.whole = a.admin || capacity.taken_whole_by(s);
+        }
+        let config = device_config(configs, &a.request_names, &name, &device, label)?;
 
-            let mut share = a.share;
-            if let Some(s) = &share
-                && !a.admin
-                && self.config.consumable_capacity == ConsumableCapacity::Off
-            {
-                return Err(refuse(
-                    &device,
-                    format!(
-                        "allocated as share {} (consumable capacity), but this node runs with --consumable-capacity off and publishes no shareable device; start the plugin with --consumable-capacity mps or time-slicing, or allocate the device whole",
-                        s.share_id
-                    ),
-                ));
+        if a.admin {
+            return self.plan_admin(label, &device, &name, gpu, a.request_names, config, share);
+        }
+
+        if let Some(s) = ShareRecord::partial(share.as_ref()) {
+            capacity.check_share(s).map_err(over_commit)?;
+        }
+        let joined = self.check_against_prepared(
+            label,
+            uid,
+            &device,
+            share.as_ref(),
+            gpu,
+            &capacity,
+            state,
+        )?;
+
+        let (kind, mig) = self
+            .plan_device(&name, gpu)
+            .map_err(|r| unknown(&device, r))?;
+        let mig = joined.or(mig);
+        if let Some(m) = mig
+            .as_ref()
+            .filter(|m| m.created_by_cleave && m.uuid.is_none())
+        {
+            check_placement_free(uid, &device, gpu, m, planned, state).map_err(over_commit)?;
+        }
+
+        let partial = ShareRecord::partial(share.as_ref()).is_some();
+        let config = match config {
+            Some(c) if partial && c.config.sharing().is_some() => {
+                self.fold_share_config(&device, gpu, c, share.as_mut(), uid, state)
             }
-            let capacity = DeviceCapacity::of(gpu, &device);
-            if let Some(s) = share.as_mut() {
-                s.whole = a.admin || capacity.taken_whole_by(s);
-            }
+            c => c,
+        };
 
-            // One config per device: every request it serves must agree.
-            let mut config: Option<ResolvedConfig> = None;
-            for request in &a.request_names {
-                let resolved = configs.get(request).cloned().flatten();
-                if let Some(r) = &resolved {
-                    r.sharing_for(DeviceKind::from(&name)).map_err(|e| {
-                        PrepareError::InvalidConfig {
-                            claim: label.to_owned(),
-                            message: format!("device {device}: {e}"),
-                        }
-                    })?;
-                }
-                // The same parameters from two entries (a class's config attached to each
-                // of its requests) agree.
-                if config.is_some()
-                    && config.as_ref().map(|c| &c.config) != resolved.as_ref().map(|c| &c.config)
-                {
-                    return Err(PrepareError::InvalidConfig {
-                        claim: label.to_owned(),
-                        message: format!(
-                            "device {device} is allocated for requests {:?} with different configs",
-                            a.request_names
-                        ),
-                    });
-                }
-                config = resolved;
-            }
+        Ok(PlannedDevice {
+            name: device,
+            kind,
+            admin_access: false,
+            request_names: a.request_names,
+            gpu: gpu.clone(),
+            mig,
+            config,
+            share,
+        })
+    }
 
-            if a.admin {
-                plan.push(self.plan_admin(
-                    label,
-                    &device,
-                    &name,
-                    gpu,
-                    a.request_names,
-                    config,
-                    share,
-                )?);
-                continue;
-            }
-
-            if let Some(s) = ShareRecord::partial(share.as_ref()) {
-                capacity
-                    .check_share(s)
-                    .map_err(|what| PrepareError::OverCommit {
-                        claim: label.to_owned(),
-                        device: device.clone(),
-                        what,
-                    })?;
-            }
-            let joined = self.check_against_prepared(
-                label,
-                uid,
-                &device,
-                share.as_ref(),
-                gpu,
-                &capacity,
-                state,
-            )?;
-
-            let (kind, mig) = self
-                .plan_device(&name, gpu)
-                .map_err(|r| unknown(&device, r))?;
-            let mig = joined.or(mig);
-            if let Some(m) = mig
+    /// A container reaches one MPS daemon (one CUDA_MPS_PIPE_DIRECTORY): a claim's MPS
+    /// shares of several devices, or an MPS share beside a device with its own daemon,
+    /// cannot be served to one container.
+    fn check_one_mps_daemon(
+        &self,
+        plan: &[PlannedDevice],
+        label: &str,
+    ) -> Result<(), PrepareError> {
+        if self.config.consumable_capacity != ConsumableCapacity::Mps {
+            return Ok(());
+        }
+        let refuse = |device: &str, reason: String| PrepareError::ShareRefused {
+            claim: label.to_owned(),
+            device: device.to_owned(),
+            reason,
+        };
+        let shared: Vec<&str> = plan
+            .iter()
+            .filter(|d| ShareRecord::partial(d.share.as_ref()).is_some())
+            .map(|d| d.name.as_str())
+            .collect();
+        let own_mps = plan.iter().find(|d| {
+            d.config
                 .as_ref()
-                .filter(|m| m.created_by_cleave && m.uuid.is_none())
-            {
-                check_placement_free(uid, &device, gpu, m, &plan, state).map_err(|what| {
-                    PrepareError::OverCommit {
-                        claim: label.to_owned(),
-                        device: device.clone(),
-                        what,
-                    }
-                })?;
-            }
-
-            let partial = ShareRecord::partial(share.as_ref()).is_some();
-            let config = match config {
-                Some(c) if partial && c.config.sharing().is_some() => {
-                    self.fold_share_config(&device, gpu, c, share.as_mut(), uid, state)
-                }
-                c => c,
-            };
-
-            plan.push(PlannedDevice {
-                name: device,
-                kind,
-                admin_access: false,
-                request_names: a.request_names,
-                gpu: gpu.clone(),
-                mig,
-                config,
-                share,
-            });
+                .and_then(|c| c.config.sharing())
+                .is_some_and(|s| s.strategy == SharingStrategy::Mps)
+        });
+        if shared.len() > 1 {
+            return Err(refuse(
+                shared[1],
+                format!(
+                    "the claim holds partial MPS shares of several devices ({}); each device has its own MPS daemon and a container can reach only one, so request a share of one device per claim (whole devices, count: N, are served)",
+                    shared.join(", ")
+                ),
+            ));
         }
-        // A container reaches one MPS daemon (one CUDA_MPS_PIPE_DIRECTORY): a claim's MPS
-        // shares of several devices, or an MPS share beside a device with its own daemon,
-        // cannot be served to one container.
-        if self.config.consumable_capacity == ConsumableCapacity::Mps {
-            let shared: Vec<&str> = plan
-                .iter()
-                .filter(|d| ShareRecord::partial(d.share.as_ref()).is_some())
-                .map(|d| d.name.as_str())
-                .collect();
-            let own_mps = plan.iter().find(|d| {
-                d.config
-                    .as_ref()
-                    .and_then(|c| c.config.sharing())
-                    .is_some_and(|s| s.strategy == SharingStrategy::Mps)
-            });
-            if shared.len() > 1 {
-                return Err(refuse(
-                    shared[1],
-                    format!(
-                        "the claim holds partial MPS shares of several devices ({}); each device has its own MPS daemon and a container can reach only one, so request a share of one device per claim (whole devices, count: N, are served)",
-                        shared.join(", ")
-                    ),
-                ));
-            }
-            if let (Some(s), Some(own)) = (shared.first(), own_mps) {
-                return Err(refuse(
-                    s,
-                    format!(
-                        "the claim holds an MPS share and device {} with its own MPS daemon (sharing strategy MPS); a container can reach only one MPS daemon, so use separate claims",
-                        own.name
-                    ),
-                ));
-            }
+        if let (Some(s), Some(own)) = (shared.first(), own_mps) {
+            return Err(refuse(
+                s,
+                format!(
+                    "the claim holds an MPS share and device {} with its own MPS daemon (sharing strategy MPS); a container can reach only one MPS daemon, so use separate claims",
+                    own.name
+                ),
+            ));
         }
-        Ok(plan)
+        Ok(())
     }
 
     /// Plans a device allocated with admin access: no exclusivity check, no sharing, nothing

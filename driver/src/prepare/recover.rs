@@ -508,180 +508,8 @@ impl NodeDriver {
         inventory: &mut NodeInventory,
     ) -> Result<(), PrepareError> {
         let uid = record.uid.clone();
-        let label = format!("{}/{}", record.namespace, record.name);
-        let mut listed: BTreeMap<String, Vec<crate::model::MigInstance>> = BTreeMap::new();
-        for i in 0..record.devices.len() {
-            let d = &record.devices[i];
-            let Some(mig) = d.mig.clone() else { continue };
-            let (gpu, name) = (d.gpu_uuid.clone(), d.name.clone());
-            let recreate_err = |source| PrepareError::MigRecreate {
-                claim: label.clone(),
-                device: name.clone(),
-                profile: mig.profile_name.clone(),
-                placement: mig.placement,
-                source: Box::new(source),
-            };
-            if !listed.contains_key(&gpu) {
-                let list = self.backend.list_mig(&gpu).map_err(recreate_err)?;
-                listed.insert(gpu.clone(), list);
-            }
-            let list = listed.entry(gpu.clone()).or_default();
-            // An instance recorded in this boot that still exists is kept.
-            let kept = mig
-                .uuid
-                .as_ref()
-                .and_then(|u| list.iter().find(|i| &i.uuid == u))
-                .cloned();
-            // Another share of this device, prepared or recreated in this boot, holds the
-            // instance again: it serves this share too (one instance per device).
-            let co_owned = if kept.is_none() && record.devices[i].share.is_some() {
-                data.claims
-                    .values()
-                    .filter(|c| c.uid != uid && c.state == ClaimState::Prepared)
-                    .flat_map(|c| &c.devices)
-                    .filter(|o| o.name == name && o.share.is_some())
-                    .filter_map(|o| o.mig.as_ref()?.uuid.as_deref())
-                    .find_map(|u| list.iter().find(|i| i.uuid == u))
-                    .cloned()
-            } else {
-                None
-            };
-            if let Some(inst) = &co_owned {
-                tracing::info!(device = %name, mig = %inst.uuid, "MIG device of another share of the device kept for this one");
-            }
-            let inst = match kept.or(co_owned) {
-                Some(inst) => inst,
-                None if mig.created_by_cleave => {
-                    let adopted = if mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str())
-                    {
-                        // A crash of this boot came between our create and its record: the
-                        // instance at exactly this profile and placement, recorded for nothing
-                        // else, is ours.
-                        let taken = data.mig_uuids_with(record);
-                        list.iter()
-                            .find(|i| {
-                                i.profile_id == mig.profile_id
-                                    && i.placement == mig.placement
-                                    && !taken.contains(&i.uuid)
-                            })
-                            .cloned()
-                    } else {
-                        None
-                    };
-                    match adopted {
-                        Some(inst) => {
-                            tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "adopted the MIG device an interrupted recreation created");
-                            inst
-                        }
-                        None => {
-                            // Intent first, so that a crash after the create leaves an
-                            // instance the next attempt recognises as ours.
-                            if mig.creating_in_boot.as_deref() != Some(data.boot_id.as_str()) {
-                                if let Some(m) = record.devices[i].mig.as_mut() {
-                                    m.creating_in_boot = Some(data.boot_id.clone());
-                                }
-                                data.claims.insert(uid.clone(), record.clone());
-                                if let Err(e) = self.checkpoint.store(data) {
-                                    // Not recorded and nothing created: no intent either.
-                                    if let Some(m) = data
-                                        .claims
-                                        .get_mut(&uid)
-                                        .and_then(|r| r.devices.get_mut(i))
-                                        .and_then(|d| d.mig.as_mut())
-                                    {
-                                        m.creating_in_boot = None;
-                                    }
-                                    return Err(e.into());
-                                }
-                                crate::fault::point("recreate.after_intent");
-                            } else {
-                                // An intent of this boot without an instance: a crash (or a
-                                // failed rollback) between the GPU instance and its compute
-                                // instance may have left the GPU instance bare. It is ours.
-                                let d = &record.devices[i];
-                                self.destroy_bare(&uid, d, &mig)?;
-                            }
-                            let inst = match self.backend.create_mig(
-                                &gpu,
-                                mig.profile_id,
-                                mig.placement,
-                            ) {
-                                Ok(inst) => inst,
-                                Err(e) => {
-                                    // Nothing was created: drop the intent, so that a later
-                                    // attempt never takes an instance someone else made at
-                                    // this placement (the usual cause of this failure). If
-                                    // our own rollback left the GPU instance bare, keep it:
-                                    // the next attempt destroys that instance first.
-                                    let left_bare = matches!(e, BackendError::LeftBare { .. });
-                                    if !left_bare && let Some(m) = record.devices[i].mig.as_mut() {
-                                        m.creating_in_boot = None;
-                                    }
-                                    data.claims.insert(uid.clone(), record.clone());
-                                    if let Err(store_err) = self.checkpoint.store(data) {
-                                        tracing::warn!(claim = %uid, error = %store_err, "recording a failed recreation");
-                                    }
-                                    return Err(recreate_err(e));
-                                }
-                            };
-                            crate::fault::point("recreate.after_mig_create");
-                            tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
-                            list.push(inst.clone());
-                            inst
-                        }
-                    }
-                }
-                None => list
-                    .iter()
-                    .find(|i| i.profile_id == mig.profile_id && i.placement == mig.placement)
-                    .cloned()
-                    .ok_or_else(|| PrepareError::StaticMigMissing {
-                        claim: label.clone(),
-                        device: name.clone(),
-                        profile: mig.profile_name.clone(),
-                        placement: mig.placement,
-                    })?,
-            };
-            let changed = mig.uuid.as_deref() != Some(inst.uuid.as_str())
-                || record.devices[i]
-                    .mig
-                    .as_ref()
-                    .is_some_and(|m| m.creating_in_boot.is_some());
-            if let Some(m) = record.devices[i].mig.as_mut() {
-                m.uuid = Some(inst.uuid.clone());
-                m.gi_id = Some(inst.gi_id);
-                m.ci_id = Some(inst.ci_id);
-                m.creating_in_boot = None;
-            }
-            if changed && mig.created_by_cleave {
-                // Recorded at once, so that unprepare or a retry finds it by UUID.
-                data.claims.insert(uid.clone(), record.clone());
-                self.checkpoint.store(data)?;
-            }
-        }
-
-        let shared = self.recorded_sharing(record, inventory);
-        let edits = if shared.is_empty() {
-            SharingEdits::default()
-        } else {
-            let claim = SharingClaim {
-                uid: &uid,
-                namespace: &record.namespace,
-                name: &record.name,
-            };
-            let edits = self
-                .sharing
-                .apply(&claim, &shared, &time_slice_needs(data))?;
-            crate::fault::point("recreate.after_sharing_apply");
-            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
-            edits
-        };
-        let mut edits = edits;
-        let share_edits = self.apply_record_shares(record, data, inventory)?;
-        if share_edits != SharingEdits::default() {
-            crate::fault::point("recreate.after_share_apply");
-        }
-        edits.merge(share_edits);
+        self.recreate_migs(record, data)?;
+        let edits = self.reapply_sharing(record, data, inventory)?;
         self.write_cdi(&uid, record, &edits)?;
         // Device metadata: its CDI specs live in the CDI root (gone after a reboot) and a
         // recreated MIG device has a new UUID, so rewrite it (the next generation).
@@ -699,6 +527,216 @@ impl NodeDriver {
             return Err(e.into());
         }
         Ok(())
+    }
+
+    /// Finds, or creates again, the MIG instance of each of the record's MIG devices and
+    /// records its IDs; an instance of ours that changed is recorded at once, so that
+    /// unprepare or a retry finds it by UUID.
+    fn recreate_migs(
+        &self,
+        record: &mut ClaimRecord,
+        data: &mut CheckpointData,
+    ) -> Result<(), PrepareError> {
+        let label = format!("{}/{}", record.namespace, record.name);
+        let mut listed: BTreeMap<String, Vec<crate::model::MigInstance>> = BTreeMap::new();
+        for i in 0..record.devices.len() {
+            let d = &record.devices[i];
+            let Some(mig) = d.mig.clone() else { continue };
+            let gpu = d.gpu_uuid.clone();
+            if !listed.contains_key(&gpu) {
+                let list = self
+                    .backend
+                    .list_mig(&gpu)
+                    .map_err(|e| recreate_error(&label, &d.name, &mig, e))?;
+                listed.insert(gpu.clone(), list);
+            }
+            let list = listed.entry(gpu).or_default();
+            let inst = self.mig_instance_for(record, i, &mig, data, list, &label)?;
+            let changed = mig.uuid.as_deref() != Some(inst.uuid.as_str())
+                || record.devices[i]
+                    .mig
+                    .as_ref()
+                    .is_some_and(|m| m.creating_in_boot.is_some());
+            if let Some(m) = record.devices[i].mig.as_mut() {
+                m.uuid = Some(inst.uuid.clone());
+                m.gi_id = Some(inst.gi_id);
+                m.ci_id = Some(inst.ci_id);
+                m.creating_in_boot = None;
+            }
+            if changed && mig.created_by_cleave {
+                data.claims.insert(record.uid.clone(), record.clone());
+                self.checkpoint.store(data)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The instance that serves device `i` of `record` (recorded as `mig`) in this boot:
+    /// the recorded one if it still exists, another share's of the device, one of ours
+    /// adopted or created again, or the static instance at the recorded placement.
+    fn mig_instance_for(
+        &self,
+        record: &mut ClaimRecord,
+        i: usize,
+        mig: &MigRecord,
+        data: &mut CheckpointData,
+        list: &mut Vec<crate::model::MigInstance>,
+        label: &str,
+    ) -> Result<crate::model::MigInstance, PrepareError> {
+        let name = record.devices[i].name.clone();
+        // An instance recorded in this boot that still exists is kept.
+        let kept = mig
+            .uuid
+            .as_ref()
+            .and_then(|u| list.iter().find(|i| &i.uuid == u))
+            .cloned();
+        // Another share of this device, prepared or recreated in this boot, holds the
+        // instance again: it serves this share too (one instance per device).
+        let co_owned = if kept.is_none() && record.devices[i].share.is_some() {
+            data.claims
+                .values()
+                .filter(|c| c.uid != record.uid && c.state == ClaimState::Prepared)
+                .flat_map(|c| &c.devices)
+                .filter(|o| o.name == name && o.share.is_some())
+                .filter_map(|o| o.mig.as_ref()?.uuid.as_deref())
+                .find_map(|u| list.iter().find(|i| i.uuid == u))
+                .cloned()
+        } else {
+            None
+        };
+        if let Some(inst) = &co_owned {
+            tracing::info!(device = %name, mig = %inst.uuid, "MIG device of another share of the device kept for this one");
+        }
+        match kept.or(co_owned) {
+            Some(inst) => Ok(inst),
+            None if mig.created_by_cleave => {
+                self.create_mig_again(record, i, mig, data, list, label)
+            }
+            None => list
+                .iter()
+                .find(|i| i.profile_id == mig.profile_id && i.placement == mig.placement)
+                .cloned()
+                .ok_or_else(|| PrepareError::StaticMigMissing {
+                    claim: label.to_owned(),
+                    device: name,
+                    profile: mig.profile_name.clone(),
+                    placement: mig.placement,
+                }),
+        }
+    }
+
+    /// An instance of ours that is gone: adopts the one an interrupted recreation of this
+    /// boot made, or records the intent durably and creates it again (pushed on `list`).
+    fn create_mig_again(
+        &self,
+        record: &mut ClaimRecord,
+        i: usize,
+        mig: &MigRecord,
+        data: &mut CheckpointData,
+        list: &mut Vec<crate::model::MigInstance>,
+        label: &str,
+    ) -> Result<crate::model::MigInstance, PrepareError> {
+        let uid = record.uid.clone();
+        let (gpu, name) = (
+            record.devices[i].gpu_uuid.clone(),
+            record.devices[i].name.clone(),
+        );
+        let intent_of_this_boot = mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str());
+        if intent_of_this_boot {
+            // A crash of this boot came between our create and its record: the instance at
+            // exactly this profile and placement, recorded for nothing else, is ours.
+            let taken = data.mig_uuids_with(record);
+            let adopted = list
+                .iter()
+                .find(|i| {
+                    i.profile_id == mig.profile_id
+                        && i.placement == mig.placement
+                        && !taken.contains(&i.uuid)
+                })
+                .cloned();
+            if let Some(inst) = adopted {
+                tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "adopted the MIG device an interrupted recreation created");
+                return Ok(inst);
+            }
+            // An intent of this boot without an instance: a crash (or a failed rollback)
+            // between the GPU instance and its compute instance may have left the GPU
+            // instance bare. It is ours.
+            self.destroy_bare(&uid, &record.devices[i], mig)?;
+        } else {
+            // Intent first, so that a crash after the create leaves an instance the next
+            // attempt recognises as ours.
+            if let Some(m) = record.devices[i].mig.as_mut() {
+                m.creating_in_boot = Some(data.boot_id.clone());
+            }
+            data.claims.insert(uid.clone(), record.clone());
+            if let Err(e) = self.checkpoint.store(data) {
+                // Not recorded and nothing created: no intent either.
+                if let Some(m) = data
+                    .claims
+                    .get_mut(&uid)
+                    .and_then(|r| r.devices.get_mut(i))
+                    .and_then(|d| d.mig.as_mut())
+                {
+                    m.creating_in_boot = None;
+                }
+                return Err(e.into());
+            }
+            crate::fault::point("recreate.after_intent");
+        }
+        let inst = match self.backend.create_mig(&gpu, mig.profile_id, mig.placement) {
+            Ok(inst) => inst,
+            Err(e) => {
+                // Nothing was created: drop the intent, so that a later attempt never takes
+                // an instance someone else made at this placement (the usual cause of this
+                // failure). If our own rollback left the GPU instance bare, keep it: the next
+                // attempt destroys that instance first.
+                let left_bare = matches!(e, BackendError::LeftBare { .. });
+                if !left_bare && let Some(m) = record.devices[i].mig.as_mut() {
+                    m.creating_in_boot = None;
+                }
+                data.claims.insert(uid.clone(), record.clone());
+                if let Err(store_err) = self.checkpoint.store(data) {
+                    tracing::warn!(claim = %uid, error = %store_err, "recording a failed recreation");
+                }
+                return Err(recreate_error(label, &name, mig, e));
+            }
+        };
+        crate::fault::point("recreate.after_mig_create");
+        tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
+        list.push(inst.clone());
+        Ok(inst)
+    }
+
+    /// Applies the record's sharing again (its own strategy, then its shares of devices)
+    /// and records the new sharing state: the CDI edits of both.
+    fn reapply_sharing(
+        &self,
+        record: &mut ClaimRecord,
+        data: &CheckpointData,
+        inventory: &mut NodeInventory,
+    ) -> Result<SharingEdits, PrepareError> {
+        let shared = self.recorded_sharing(record, inventory);
+        let mut edits = if shared.is_empty() {
+            SharingEdits::default()
+        } else {
+            let claim = SharingClaim {
+                uid: &record.uid,
+                namespace: &record.namespace,
+                name: &record.name,
+            };
+            let edits = self
+                .sharing
+                .apply(&claim, &shared, &time_slice_needs(data))?;
+            crate::fault::point("recreate.after_sharing_apply");
+            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+            edits
+        };
+        let share_edits = self.apply_record_shares(record, data, inventory)?;
+        if share_edits != SharingEdits::default() {
+            crate::fault::point("recreate.after_share_apply");
+        }
+        edits.merge(share_edits);
+        Ok(edits)
     }
 
     /// Destroys the bare GPU instance `gi_id` if it is there with `mig`'s profile and
@@ -744,5 +782,21 @@ impl NodeDriver {
                 Vec::new()
             }
         }
+    }
+}
+
+/// The error of a MIG device that could not be found or created again.
+fn recreate_error(
+    label: &str,
+    device: &str,
+    mig: &MigRecord,
+    source: BackendError,
+) -> PrepareError {
+    PrepareError::MigRecreate {
+        claim: label.to_owned(),
+        device: device.to_owned(),
+        profile: mig.profile_name.clone(),
+        placement: mig.placement,
+        source: Box::new(source),
     }
 }

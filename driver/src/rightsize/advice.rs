@@ -385,14 +385,60 @@ fn unserved(
     }
 }
 
-/// The recommendation for `device` from `st`.
-pub fn recommend(
+/// What a device needs, from its window with the policy's headroom.
+struct Need {
+    /// Bytes: the peak with headroom.
+    memory: u64,
+    /// SMs: the p95 activity with headroom, when there is an activity figure.
+    sms: Option<u32>,
+    /// SMs no shape may have fewer of (`sms`, else the SMs the device has).
+    sms_floor: u32,
+}
+
+impl Need {
+    fn of(device: &ClaimDevice, st: &WindowStats, gpu: &GpuInfo, policy: &RightsizePolicy) -> Self {
+        let h = 1.0 + policy.headroom.max(0.0);
+        let peak = st.peak_memory.unwrap_or(0);
+        let memory = (peak as f64 * h).ceil() as u64;
+        // SMs the activity figure is a share of: the share's GPU, else the device given.
+        let basis = match device.kind {
+            Holding::Share => gpu.multiprocessors,
+            _ => device.allocated.sms.or(gpu.multiprocessors),
+        };
+        let sms: Option<u32> = match (st.p95_activity, basis) {
+            (Some(p95), Some(b)) if st.activity_samples > 0 => {
+                Some(((p95 / 100.0 * f64::from(b) * h).ceil() as u32).clamp(1, b.max(1)))
+            }
+            _ => None,
+        };
+        // Without an activity figure the SMs it has are kept.
+        let sms_floor = sms.or(device.allocated.sms).unwrap_or(0);
+        Self {
+            memory,
+            sms,
+            sms_floor,
+        }
+    }
+
+    /// How the reason words it.
+    fn words(&self) -> String {
+        match self.sms {
+            Some(s) => format!("{} and {s} SMs", gib(self.memory)),
+            None => format!(
+                "{} (SMs kept at {}: no SM activity figure for this device)",
+                gib(self.memory),
+                self.sms_floor
+            ),
+        }
+    }
+}
+
+/// The advice that needs no shape: too few samples, figures not attributable, or idle.
+fn advice_without_shape(
     device: &ClaimDevice,
     st: &WindowStats,
-    inventory: &NodeInventory,
-    modes: NodeModes,
     policy: &RightsizePolicy,
-) -> Recommendation {
+) -> Option<Recommendation> {
     let plain = |advice: Advice, change: Change, reason: String| Recommendation {
         advice,
         change,
@@ -401,7 +447,7 @@ pub fn recommend(
         needs: None,
     };
     if st.seen_buckets < MIN_SEEN_BUCKETS {
-        return plain(
+        return Some(plain(
             Advice::Pending,
             Change::Unknown,
             format!(
@@ -409,7 +455,7 @@ pub fn recommend(
                 st.seen_buckets,
                 span(st.bucket_seconds * u64::from(BUCKETS))
             ),
-        );
+        ));
     }
     let memory_unknown = st.memory_samples == 0 || st.memory_not_attributable > st.memory_samples;
     let activity_unknown = st.activity_not_attributable > st.activity_samples;
@@ -419,46 +465,31 @@ pub fn recommend(
         } else {
             "not attributable: NVML answered no memory figure for the device in the window".into()
         };
-        return plain(Advice::NotAttributable, Change::Unknown, reason);
+        return Some(plain(Advice::NotAttributable, Change::Unknown, reason));
     }
-    let figures = figures(device, st);
     if st.idle_fraction.is_some_and(|f| f >= RELEASE_IDLE_FRACTION) {
-        return plain(
+        return Some(plain(
             Advice::Release,
             Change::Release,
             format!(
-                "idle: release: SM activity below {}% in {:.0}% of the samples; {figures}",
+                "idle: release: SM activity below {}% in {:.0}% of the samples; {}",
                 policy.idle_threshold_percent,
-                st.idle_fraction.unwrap_or(0.0) * 100.0
+                st.idle_fraction.unwrap_or(0.0) * 100.0,
+                figures(device, st)
             ),
-        );
+        ));
     }
-    let Some(gpu) = gpu_of(inventory, device) else {
-        return plain(
-            Advice::NotAttributable,
-            Change::Unknown,
-            format!(
-                "not attributable: GPU {} is not in the node's inventory",
-                device.gpu_uuid
-            ),
-        );
-    };
-    let h = 1.0 + policy.headroom.max(0.0);
-    let peak = st.peak_memory.unwrap_or(0);
-    let need_memory = (peak as f64 * h).ceil() as u64;
-    // SMs the activity figure is a share of: the share's GPU, else the device given.
-    let basis = match device.kind {
-        Holding::Share => gpu.multiprocessors,
-        _ => device.allocated.sms.or(gpu.multiprocessors),
-    };
-    let need_sms: Option<u32> = match (st.p95_activity, basis) {
-        (Some(p95), Some(b)) if st.activity_samples > 0 => {
-            Some(((p95 / 100.0 * f64::from(b) * h).ceil() as u32).clamp(1, b.max(1)))
-        }
-        _ => None,
-    };
-    // Without an activity figure the SMs it has are kept.
-    let sms_floor = need_sms.or(device.allocated.sms).unwrap_or(0);
+    None
+}
+
+/// The shapes that hold `need` on `gpu`, in the order the device's kind prefers them: the
+/// smallest MIG profile, a capacity share, the whole GPU.
+fn fitting_shapes(
+    device: &ClaimDevice,
+    need: &Need,
+    inventory: &NodeInventory,
+    gpu: &GpuInfo,
+) -> Vec<Shape> {
     let gpu_memory = gpu.memory_bytes;
     let table = profiles(inventory, gpu);
     let full = table.iter().map(|p| p.slice_count).max().unwrap_or(0);
@@ -466,20 +497,20 @@ pub fn recommend(
         .iter()
         .filter(|p| !p.name.contains('+'))
         .filter(|p| !(device.kind == Holding::Whole && p.slice_count == full))
-        .filter(|p| (p.memory_mib << 20) >= need_memory && p.multiprocessors >= sms_floor)
+        .filter(|p| (p.memory_mib << 20) >= need.memory && p.multiprocessors >= need.sms_floor)
         .min_by_key(|p| (p.memory_mib, p.multiprocessors, p.slice_count))
         .map(|p| Shape::Mig {
             profile: p.name.clone(),
             memory_bytes: p.memory_mib << 20,
             sms: p.multiprocessors,
         });
-    let share_memory = need_memory.div_ceil(MEMORY_STEP_BYTES).max(1) * MEMORY_STEP_BYTES;
+    let share_memory = need.memory.div_ceil(MEMORY_STEP_BYTES).max(1) * MEMORY_STEP_BYTES;
     // A share that needs every SM is a whole GPU in all but name: not offered.
     let share = (share_memory <= gpu_memory - gpu_memory % MEMORY_STEP_BYTES
-        && gpu.multiprocessors.is_some_and(|g| sms_floor < g))
+        && gpu.multiprocessors.is_some_and(|g| need.sms_floor < g))
     .then_some(Shape::Share {
         memory_bytes: share_memory,
-        sms: sms_floor.max(1),
+        sms: need.sms_floor.max(1),
     });
     let whole = Shape::WholeGpu {
         memory_bytes: gpu_memory,
@@ -489,7 +520,69 @@ pub fn recommend(
         Holding::Whole | Holding::Mig => vec![mig, share, Some(whole)],
         Holding::Mps | Holding::Share => vec![share, mig, Some(whole)],
     };
-    let fitting: Vec<Shape> = order.into_iter().flatten().collect();
+    order.into_iter().flatten().collect()
+}
+
+/// Why `shape` (`change` against what the device holds) is advised.
+fn shape_reason(
+    shape: &Shape,
+    change: Change,
+    need: &Need,
+    gpu: &GpuInfo,
+    policy: &RightsizePolicy,
+    figures: &str,
+) -> String {
+    let need_words = need.words();
+    let head = format!("{:.0}% headroom", policy.headroom * 100.0);
+    let product = gpu.product_name.as_str();
+    match (shape, change) {
+        (Shape::WholeGpu { .. }, _) if need.memory > gpu.memory_bytes => format!(
+            "whole GPU needed: needs {need_words} with {head}, more than the GPU's {}; {figures}",
+            gib(gpu.memory_bytes)
+        ),
+        (Shape::WholeGpu { .. }, _) => format!(
+            "whole GPU needed: needs {need_words} with {head}, more than any smaller shape of the {product} holds; {figures}"
+        ),
+        (s, Change::Same) => format!(
+            "fits: {} holds {need_words} with {head}; {figures}",
+            s.describe()
+        ),
+        (s, Change::Larger) => format!(
+            "too tight: needs {need_words} with {head}, more than it holds; {} would hold it; {figures}",
+            s.describe()
+        ),
+        (s, _) => format!(
+            "oversized: {} would hold {need_words} with {head}; {figures}",
+            s.describe()
+        ),
+    }
+}
+
+/// The recommendation for `device` from `st`.
+pub fn recommend(
+    device: &ClaimDevice,
+    st: &WindowStats,
+    inventory: &NodeInventory,
+    modes: NodeModes,
+    policy: &RightsizePolicy,
+) -> Recommendation {
+    if let Some(r) = advice_without_shape(device, st, policy) {
+        return r;
+    }
+    let Some(gpu) = gpu_of(inventory, device) else {
+        return Recommendation {
+            advice: Advice::NotAttributable,
+            change: Change::Unknown,
+            served: true,
+            reason: format!(
+                "not attributable: GPU {} is not in the node's inventory",
+                device.gpu_uuid
+            ),
+            needs: None,
+        };
+    };
+    let need = Need::of(device, st, gpu, policy);
+    let fitting = fitting_shapes(device, &need, inventory, gpu);
     let product = gpu.product_name.as_str();
     let mut ideal_needs = None;
     let mut chosen = None;
@@ -508,57 +601,12 @@ pub fn recommend(
         Some(s) => s,
         // Nothing the node serves holds it: say what would, and what that needs.
         None => fitting.first().cloned().unwrap_or(Shape::WholeGpu {
-            memory_bytes: gpu_memory,
+            memory_bytes: gpu.memory_bytes,
             sms: gpu.multiprocessors,
         }),
     };
     let change = change_of(device, &shape);
-    let mut reason = String::new();
-    let need_words = match need_sms {
-        Some(s) => format!("{} and {s} SMs", gib(need_memory)),
-        None => format!(
-            "{} (SMs kept at {}: no SM activity figure for this device)",
-            gib(need_memory),
-            sms_floor
-        ),
-    };
-    let head = format!("{:.0}% headroom", policy.headroom * 100.0);
-    match (&shape, change) {
-        (Shape::WholeGpu { .. }, _) if need_memory > gpu_memory => {
-            let _ = write!(
-                reason,
-                "whole GPU needed: needs {need_words} with {head}, more than the GPU's {}; {figures}",
-                gib(gpu_memory)
-            );
-        }
-        (Shape::WholeGpu { .. }, _) => {
-            let _ = write!(
-                reason,
-                "whole GPU needed: needs {need_words} with {head}, more than any smaller shape of the {product} holds; {figures}"
-            );
-        }
-        (s, Change::Same) => {
-            let _ = write!(
-                reason,
-                "fits: {} holds {need_words} with {head}; {figures}",
-                s.describe()
-            );
-        }
-        (s, Change::Larger) => {
-            let _ = write!(
-                reason,
-                "too tight: needs {need_words} with {head}, more than it holds; {} would hold it; {figures}",
-                s.describe()
-            );
-        }
-        (s, _) => {
-            let _ = write!(
-                reason,
-                "oversized: {} would hold {need_words} with {head}; {figures}",
-                s.describe()
-            );
-        }
-    }
+    let mut reason = shape_reason(&shape, change, &need, gpu, policy, &figures(device, st));
     if st.sources.contains(&ActivitySource::GpuUtilization) {
         reason.push_str(" (gpu_utilization is a duty cycle: it overstates the SMs needed)");
     }

@@ -22,7 +22,10 @@
 //! (`spec.nodeName`) labelled `app.kubernetes.io/name=cleave-mps`, with a server-side timeout
 //! spread by the node's name: waits for a pod to run or to go, the periodic check, finding and
 //! sweeping read its map, never a LIST or a polling GET. Only a name conflict at create
-//! reads the pod once (it may be another node's, which the watch does not see).
+//! reads the pod once (it may be another node's, which the watch does not see). With usage
+//! sampling on, the plugin already watches every pod of this node
+//! ([`crate::k8s::node_pods::NodePods`]); the daemon pods' map then takes its events from that
+//! watch ([`DaemonPodSink`]), so the node holds one pod watch, not two.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
@@ -391,8 +394,8 @@ impl PodMap {
     }
 }
 
-/// One watch on this node's daemon pods (label `app.kubernetes.io/name=cleave-mps`, field
-/// `spec.nodeName`), kept in a map that blocking callers read and wait on.
+/// This node's daemon pods (label `app.kubernetes.io/name=cleave-mps`, field `spec.nodeName`)
+/// as a watch shows them, kept in a map that blocking callers read and wait on.
 #[derive(Debug, Default)]
 struct PodWatch {
     map: Mutex<PodMap>,
@@ -536,6 +539,52 @@ impl PodWatch {
     }
 }
 
+/// The daemon pods' share of the node pod watch: it passes on the events of pods in the
+/// release namespace labelled `app.kubernetes.io/name=cleave-mps`, what the launcher's own
+/// watch would select.
+struct DaemonPodSink {
+    watch: Arc<PodWatch>,
+    namespace: String,
+    /// The initial list being received.
+    init: Mutex<Option<BTreeMap<String, Pod>>>,
+}
+
+impl DaemonPodSink {
+    fn selects(&self, pod: &Pod) -> bool {
+        pod.metadata.namespace.as_deref() == Some(self.namespace.as_str())
+            && pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("app.kubernetes.io/name"))
+                .is_some_and(|v| v == APP_NAME)
+    }
+}
+
+impl crate::k8s::node_pods::PodEventSink for DaemonPodSink {
+    fn event(&self, event: &watcher::Event<Pod>) {
+        if let watcher::Event::InitApply(p) | watcher::Event::Apply(p) | watcher::Event::Delete(p) =
+            event
+            && !self.selects(p)
+        {
+            return;
+        }
+        let mut init = self
+            .init
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.watch.apply(event.clone(), &mut init);
+    }
+}
+
+/// Where the daemon pods' map gets its events.
+enum WatchSource {
+    /// A watch of the launcher's own (namespace, label and node), started on first use.
+    Own(OnceLock<tokio::task::AbortHandle>),
+    /// The node pod watch of usage sampling, which feeds the map through a [`DaemonPodSink`].
+    Node(Arc<crate::k8s::node_pods::NodePods>),
+}
+
 /// Runs each claim's MPS control daemon in a pod of its own (see the module docs). The
 /// [`DaemonLauncher`] calls block on `runtime`, so they must come from a blocking thread
 /// (the driver runs them under the node lock in `spawn_blocking`).
@@ -546,13 +595,15 @@ pub(crate) struct PodLauncher {
     control: ProcessLauncher,
     /// This node's daemon pods, from one watch.
     watch: Arc<PodWatch>,
-    /// The watch task, started on first use.
-    watch_task: OnceLock<tokio::task::AbortHandle>,
+    /// The watch that feeds it.
+    source: WatchSource,
 }
 
 impl Drop for PodLauncher {
     fn drop(&mut self) {
-        if let Some(task) = self.watch_task.get() {
+        if let WatchSource::Own(task) = &self.source
+            && let Some(task) = task.get()
+        {
             task.abort();
         }
     }
@@ -568,31 +619,52 @@ impl std::fmt::Debug for PodLauncher {
 
 impl PodLauncher {
     /// A launcher creating pods through `client`; `control` runs the control tool here to
-    /// talk to the daemons over their pipe directories.
+    /// talk to the daemons over their pipe directories. With `node_pods` (the node pod watch
+    /// of usage sampling) the daemon pods are learned from that watch instead of one of
+    /// their own.
     pub(crate) fn new(
         config: PodLauncherConfig,
         client: kube::Client,
         runtime: Handle,
         control: ProcessLauncher,
+        node_pods: Option<Arc<crate::k8s::node_pods::NodePods>>,
     ) -> Self {
+        let watch = Arc::<PodWatch>::default();
+        let source = match node_pods {
+            Some(node_pods) => {
+                node_pods.add_sink(Arc::new(DaemonPodSink {
+                    watch: Arc::clone(&watch),
+                    namespace: config.namespace.clone(),
+                    init: Mutex::new(None),
+                }));
+                WatchSource::Node(node_pods)
+            }
+            None => WatchSource::Own(OnceLock::new()),
+        };
         Self {
             pods: Api::namespaced(client, &config.namespace),
             config,
             runtime,
             control,
-            watch: Arc::default(),
-            watch_task: OnceLock::new(),
+            watch,
+            source,
         }
     }
 
-    /// The watch of this node's daemon pods, started on first use.
+    /// The map of this node's daemon pods, its watch started on first use.
     fn watch(&self) -> &PodWatch {
-        self.watch_task.get_or_init(|| {
-            let task = self.runtime.spawn(
-                Arc::clone(&self.watch).run(self.pods.clone(), self.config.node_name.clone()),
-            );
-            task.abort_handle()
-        });
+        match &self.source {
+            WatchSource::Own(task) => {
+                task.get_or_init(|| {
+                    let task = self.runtime.spawn(
+                        Arc::clone(&self.watch)
+                            .run(self.pods.clone(), self.config.node_name.clone()),
+                    );
+                    task.abort_handle()
+                });
+            }
+            WatchSource::Node(node_pods) => node_pods.start(),
+        }
         &self.watch
     }
 
@@ -1187,6 +1259,7 @@ mod tests {
                 client.clone(),
                 rt.handle().clone(),
                 ProcessLauncher::new(tmp.path().join("none"), Vec::new(), tmp.path().join("b")),
+                None,
             )
         };
         let long = longest_node();
@@ -1303,6 +1376,54 @@ mod tests {
                 ));
         }
         pod
+    }
+
+    /// The node pod watch's events reach the daemon map only for daemon pods of the release
+    /// namespace: a tenant's pod, or a pod with the daemon label in another namespace, never.
+    #[test]
+    fn the_daemon_share_of_the_node_pod_watch_is_the_release_namespaces_daemon_pods() {
+        use crate::k8s::node_pods::PodEventSink as _;
+        let watch = Arc::new(PodWatch::default());
+        let sink = DaemonPodSink {
+            watch: Arc::clone(&watch),
+            namespace: config().namespace,
+            init: Mutex::new(None),
+        };
+        let with_uid = |mut p: Pod, name: &str, uid: &str| {
+            p.metadata.name = Some(name.into());
+            p.metadata.uid = Some(uid.into());
+            p
+        };
+        let daemon = with_uid(pod_with("Running", false), "cleave-mps-a", "u1");
+        let mut tenant = with_uid(pod_with("Running", false), "model", "u2");
+        tenant.metadata.namespace = Some("team-a".into());
+        tenant.metadata.labels = Some(BTreeMap::from([("app".into(), "model".into())]));
+        let mut imposter = with_uid(pod_with("Running", false), "cleave-mps-b", "u3");
+        imposter.metadata.namespace = Some("team-a".into());
+        let mut unlabelled = with_uid(pod_with("Running", false), "other", "u4");
+        unlabelled.metadata.labels = None;
+
+        sink.event(&watcher::Event::Init);
+        for p in [&daemon, &tenant, &imposter, &unlabelled] {
+            sink.event(&watcher::Event::InitApply(p.clone()));
+        }
+        assert!(!watch.lock().synced);
+        sink.event(&watcher::Event::InitDone);
+        let names = |w: &PodWatch| w.lock().pods.keys().cloned().collect::<Vec<_>>();
+        assert!(watch.lock().synced);
+        assert_eq!(names(&watch), ["cleave-mps-a"]);
+
+        sink.event(&watcher::Event::Apply(tenant.clone()));
+        sink.event(&watcher::Event::Delete(imposter));
+        assert_eq!(names(&watch), ["cleave-mps-a"]);
+        assert!(watch.lock().gone.is_empty());
+
+        sink.event(&watcher::Event::Delete(daemon));
+        assert!(names(&watch).is_empty());
+        assert!(matches!(
+            PodWatch::seen(&watch.lock(), "cleave-mps-a", "u1"),
+            Seen::Gone
+        ));
     }
 
     #[test]

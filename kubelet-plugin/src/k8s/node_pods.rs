@@ -8,10 +8,12 @@
 //! made from `spec.resourceClaims[].resourceClaimTemplateName`), both in the pod's namespace
 //! (Kubernetes API reference, core/v1 PodSpec and PodStatus, 1.34). The index comes from one
 //! watch on the pods of this node (field `spec.nodeName`, served from the API server's field
-//! index, so its cost does not grow with the number of nodes), started on first need.
+//! index, so its cost does not grow with the number of nodes), started on first need. With
+//! the pod launcher, the same watch also feeds the MPS daemon pods' map ([`PodEventSink`]), so
+//! a node holds one pod watch, not two.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
@@ -225,13 +227,23 @@ pub(crate) fn check_label_keys(keys: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// Another consumer of the node pod watch's events (the MPS daemon pods' map): it sees every
+/// event, in order, before the index does.
+pub(crate) trait PodEventSink: Send + Sync {
+    /// One event of the watch (the initial list included).
+    fn event(&self, event: &watcher::Event<Pod>);
+}
+
 /// This node's pod index, kept by one watch started on first use.
 pub(crate) struct NodePods {
     index: Arc<Mutex<PodIndex>>,
     /// Where the watch lists from and runs (`None`: a fixed index, for tests).
     source: Option<(Api<Pod>, Handle)>,
     node: String,
-    task: OnceLock<tokio::task::AbortHandle>,
+    /// The other consumers of the watch.
+    sinks: Arc<Mutex<Vec<Arc<dyn PodEventSink>>>>,
+    /// The watch task, once started.
+    task: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
 impl std::fmt::Debug for NodePods {
@@ -244,21 +256,26 @@ impl std::fmt::Debug for NodePods {
 
 impl Drop for NodePods {
     fn drop(&mut self) {
-        if let Some(t) = self.task.get() {
+        if let Some(t) = lock(&self.task).take() {
             t.abort();
         }
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl NodePods {
-    /// The pods of `node`, watched through `client` on `runtime` once [`Self::index`] is
-    /// first called.
+    /// The pods of `node`, watched through `client` on `runtime` once [`Self::index`] or
+    /// [`Self::start`] is first called.
     pub(crate) fn new(client: kube::Client, node: &str, runtime: Handle) -> Self {
         Self {
             index: Arc::new(Mutex::new(PodIndex::new(node))),
             source: Some((Api::all(client), runtime)),
             node: node.to_owned(),
-            task: OnceLock::new(),
+            sinks: Arc::default(),
+            task: Mutex::new(None),
         }
     }
 
@@ -269,38 +286,62 @@ impl NodePods {
             node: index.node.clone(),
             index: Arc::new(Mutex::new(index)),
             source: None,
-            task: OnceLock::new(),
+            sinks: Arc::default(),
+            task: Mutex::new(None),
         }
     }
 
     /// Whether the watch was started.
     #[cfg(test)]
     pub(crate) fn started(&self) -> bool {
-        self.task.get().is_some()
+        lock(&self.task).is_some()
+    }
+
+    /// Adds `sink` to the watch's consumers. A watch already running starts over (one more
+    /// initial list of this node's pods), so that the sink gets the initial list too.
+    pub(crate) fn add_sink(&self, sink: Arc<dyn PodEventSink>) {
+        lock(&self.sinks).push(sink);
+        let running = lock(&self.task).take();
+        if let Some(task) = running {
+            task.abort();
+            tracing::debug!("node pod watch restarted for a new consumer");
+            self.start();
+        }
+    }
+
+    /// Starts the watch unless it runs.
+    pub(crate) fn start(&self) {
+        let Some((pods, runtime)) = &self.source else {
+            return;
+        };
+        let mut task = lock(&self.task);
+        if task.is_none() {
+            let handle = runtime.spawn(run(
+                Arc::clone(&self.index),
+                Arc::clone(&self.sinks),
+                pods.clone(),
+                self.node.clone(),
+            ));
+            *task = Some(handle.abort_handle());
+        }
     }
 
     /// The index as the watch last left it (empty until its first list), starting the
     /// watch on the first call.
     pub(crate) fn index(&self) -> MutexGuard<'_, PodIndex> {
-        if let Some((pods, runtime)) = &self.source {
-            self.task.get_or_init(|| {
-                let task = runtime.spawn(run(
-                    Arc::clone(&self.index),
-                    pods.clone(),
-                    self.node.clone(),
-                ));
-                task.abort_handle()
-            });
-        }
-        self.index
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.start();
+        lock(&self.index)
     }
 }
 
 /// Runs the watch until aborted (kube's watcher lists, watches, resumes and relists with
 /// backoff); each event updates `index`.
-async fn run(index: Arc<Mutex<PodIndex>>, pods: Api<Pod>, node: String) {
+async fn run(
+    index: Arc<Mutex<PodIndex>>,
+    sinks: Arc<Mutex<Vec<Arc<dyn PodEventSink>>>>,
+    pods: Api<Pod>,
+    node: String,
+) {
     let config = watcher::Config::default()
         .fields(&format!("spec.nodeName={node}"))
         .timeout(cleave_controller::publisher::watch_timeout_secs(&node));
@@ -314,9 +355,11 @@ async fn run(index: Arc<Mutex<PodIndex>>, pods: Api<Pod>, node: String) {
                 continue;
             }
         };
-        let mut idx = index
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let consumers = lock(&sinks).clone();
+        for sink in &consumers {
+            sink.event(&event);
+        }
+        let mut idx = lock(&index);
         match event {
             watcher::Event::Init => init = Some(Vec::new()),
             watcher::Event::InitApply(p) => init.get_or_insert_with(Vec::new).push(p),

@@ -17,6 +17,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 
+/// The label selector of the fake kubelet's pod LISTs: the MPS daemon pods.
+pub const KUBELET_LABEL_SELECTOR: &str = "app.kubernetes.io/name=cleave-mps";
+
 /// The plugin image's binary path, as the pod spec names it.
 pub const IMAGE_BINARY: &str = "/usr/bin/cleave-kubelet-plugin";
 
@@ -157,7 +160,11 @@ impl Ctx {
         let mut running: BTreeMap<String, Running> = BTreeMap::new();
         let mut volumes: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
         let mut seen: std::collections::BTreeSet<String> = Default::default();
-        let params = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
+        // Only the daemon pods (the pods it runs); the label also tells its LISTs from the
+        // plugin's own node pod watch in the stand-in's request log.
+        let params = ListParams::default()
+            .fields(&format!("spec.nodeName={}", self.node))
+            .labels(KUBELET_LABEL_SELECTOR);
         while !stop.load(Ordering::SeqCst) {
             let Ok(list) = pods.list(&params).await else {
                 tokio::time::sleep(Duration::from_millis(20)).await;

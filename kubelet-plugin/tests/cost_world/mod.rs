@@ -249,7 +249,9 @@ impl World {
             .env("MPS_DAEMON_IMAGE", "cleave:test")
             .env("POD_NAMESPACE", NAMESPACE)
             .env("KUBELET_ROOT_DIR", n.root.join("kubelet"))
-            .env("USAGE_INTERVAL", "0")
+            // The chart's default: usage sampling on, so one pod watch of the node serves
+            // the usage pod index and the MPS daemon pods.
+            .env("USAGE_INTERVAL", "10s")
             // CDI specs without hooks: an older build looks for its hook binary beside it.
             .env("DISABLE_CDI_HOOKS", "true")
             .env("RUST_LOG", "warn")
