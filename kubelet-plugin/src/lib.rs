@@ -4,20 +4,23 @@
 //! What each module owns, by role. The entry point: `cli` parses the command line into
 //! the plain flag data of `args` and runs a subcommand; `daemon` is `run`'s loop
 //! (signals, readiness, republishing, periodic checks, each a named handler); `start`
-//! brings the node up in order (NVML, driver, publisher, servers) and decides, through its
-//! typed `StartError`, what start-up waits for.
+//! brings the node up in order (NVML, driver, publisher, servers, usage sampling; a file
+//! under `start/` each) and decides, through its typed `StartError`, what start-up waits
+//! for. It is the only module that wires the folders below together; they import one way
+//! (`metrics` -> `k8s` -> `kubelet` -> `node`), checked by the testkit's import check.
 //!
 //! - `kubelet`: the gRPC shell the kubelet talks to (protos, the DRA service generic over
-//!   `kubelet::handler::ClaimHandler`, registration, the health service, the unix-socket
+//!   `kubelet::handler::ClaimHandler`, registration, the `DRAResourceHealth` service, the unix-socket
 //!   server).
 //! - `k8s`: the API server side: `k8s::kube_handler` is the real claim handler (claims
 //!   from the API server, the driver's prepare under the node lock), Events, claim status,
 //!   MPS daemon pods, other GPU managers on the node.
 //! - `node`: node-local state: the node lock, the instance lock and `checkpoint reset`
-//!   (`node::lifecycle`), device health (the pure mapping is the driver's
+//!   (`node::lifecycle`), device health (`node::device_health`; the pure mapping is the driver's
 //!   `device_health`), usage sampling and the `usage` command, the CDI hook binary.
-//! - `metrics` owns the whole Prometheus registry and the HTTP endpoints; the gRPC and
-//!   health code report into it through observer traits they define.
+//! - `metrics` owns the whole Prometheus registry and the HTTP endpoints (`/metrics`, the
+//!   `/healthz` and `/readyz` probes); the gRPC, device health, claim handler and status
+//!   code report into it through observer traits they define.
 //! - Small tools: `inspect`, `mps_daemon` (the program inside an MPS daemon pod),
 //!   `telemetry` (logging), and `mock` (loading the mock NVML library for `--mock`; the
 //!   development build's `mock` feature only).

@@ -35,7 +35,7 @@ impl From<PreparedDevice> for PreparedShare {
 }
 
 /// Why one claim could not be prepared or unprepared; the variant names the step that
-/// failed and [`ClaimError::kubelet_message`] is what the kubelet (and the pod's events)
+/// failed and `ClaimError::kubelet_message` is what the kubelet (and the pod's events)
 /// show.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClaimError {

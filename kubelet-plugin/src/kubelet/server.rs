@@ -148,7 +148,7 @@ impl PluginConfig {
         self.plugins_dir.join(&self.driver_name)
     }
 
-    /// The DRA service socket: `dra.sock` or `dra-<pod UID>.sock` in [`Self::data_dir`].
+    /// The DRA service socket: `dra.sock` or `dra-<pod UID>.sock` in the data directory.
     pub fn dra_socket(&self) -> PathBuf {
         match &self.pod_uid {
             Some(uid) => self.data_dir().join(format!("dra-{uid}.sock")),
