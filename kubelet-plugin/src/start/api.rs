@@ -193,3 +193,28 @@ pub(super) async fn publish(
         events,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_unreadable_kubeconfig_is_a_typed_start_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        let Err(e) = kube_client(Some(&path)).await else {
+            panic!("a missing kubeconfig built a client");
+        };
+        assert!(
+            matches!(&e, StartError::Kubeconfig { path: p, .. } if *p == path),
+            "{e:?}"
+        );
+        assert!(!e.is_retried());
+        assert!(e.to_string().contains("--kubeconfig"), "{e}");
+        std::fs::write(&path, "not: [a kubeconfig").unwrap();
+        let Err(e) = kube_client(Some(&path)).await else {
+            panic!("a broken kubeconfig built a client");
+        };
+        assert!(matches!(&e, StartError::Kubeconfig { .. }), "{e:?}");
+    }
+}

@@ -132,3 +132,35 @@ pub(super) async fn start_driver(
         .map_err(StartError::NodeLock)??;
     Ok((Arc::new(driver), lock))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::cdi_hook::CdiHookError;
+    use clap::Parser as _;
+
+    #[derive(clap::Parser)]
+    struct T {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    #[test]
+    fn a_missing_cdi_hook_is_a_typed_start_error_naming_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("no-hook");
+        let argv = ["x", "--node-name", "n1", "--cdi-hook-source"];
+        let mut args = T::try_parse_from(argv.iter().copied().chain([source.to_str().unwrap()]))
+            .unwrap()
+            .run;
+        let e = install_cdi_hook(&args, &dir.path().join("state")).unwrap_err();
+        assert!(
+            matches!(&e, StartError::CdiHook(CdiHookError::Read { path, .. }) if path.ends_with("no-hook")),
+            "{e:?}"
+        );
+        assert!(!e.is_retried());
+        assert!(e.chain().contains("--disable-cdi-hooks"), "{}", e.chain());
+        args.driver.disable_cdi_hooks = true;
+        assert_eq!(install_cdi_hook(&args, dir.path()).unwrap(), None);
+    }
+}
