@@ -174,65 +174,17 @@ fn parse_value(text: &str) -> Result<i64, QuantityError> {
     if text.len() > MAX_TEXT_LEN {
         return Err(syntax("longer than 128 characters"));
     }
-    let bytes = text.as_bytes();
-    let mut pos = 0;
-    let negative = match bytes[0] {
-        b'-' => {
-            pos = 1;
-            true
-        }
-        b'+' => {
-            pos = 1;
-            false
-        }
-        _ => false,
-    };
-
-    // Mantissa: integer digits, optional '.', fraction digits.
-    let int_start = pos;
-    while pos < bytes.len() && bytes[pos].is_ascii_digit() {
-        pos += 1;
-    }
-    let int_digits = &text[int_start..pos];
-    let mut frac_digits = "";
-    if pos < bytes.len() && bytes[pos] == b'.' {
-        pos += 1;
-        let frac_start = pos;
-        while pos < bytes.len() && bytes[pos].is_ascii_digit() {
-            pos += 1;
-        }
-        frac_digits = &text[frac_start..pos];
-    }
+    let (negative, int_digits, frac_digits, suffix) = split_number(text);
     if int_digits.is_empty() && frac_digits.is_empty() {
         return Err(syntax("expected a number"));
     }
-
-    // Suffix.
-    let suffix = &text[pos..];
-    let (exp10, exp2): (i64, u32) = match suffix {
-        "" => (0, 0),
-        "n" => (-9, 0),
-        "u" => (-6, 0),
-        "m" => (-3, 0),
-        "k" => (3, 0),
-        "M" => (6, 0),
-        "G" => (9, 0),
-        "T" => (12, 0),
-        "P" => (15, 0),
-        "E" => (18, 0),
-        "Ki" => (0, 10),
-        "Mi" => (0, 20),
-        "Gi" => (0, 30),
-        "Ti" => (0, 40),
-        "Pi" => (0, 50),
-        "Ei" => (0, 60),
-        s if s.starts_with(['e', 'E']) => (
-            parse_exponent(&s[1..])
-                .ok_or_else(|| syntax("exponent must be an optionally signed decimal integer"))?,
-            0,
-        ),
-        _ => return Err(syntax("unknown suffix")),
-    };
+    let (exp10, exp2) = suffix_exponents(suffix).ok_or_else(|| {
+        syntax(if suffix.starts_with(['e', 'E']) {
+            "exponent must be an optionally signed decimal integer"
+        } else {
+            "unknown suffix"
+        })
+    })?;
 
     // Significant digits, with the decimal point folded into the exponent; leading
     // zeros dropped and trailing zeros moved into the exponent, so that the mantissa
@@ -252,46 +204,12 @@ fn parse_value(text: &str) -> Result<i64, QuantityError> {
     let overflow = || QuantityError::Overflow {
         text: text.to_owned(),
     };
-    let fraction = || QuantityError::Fraction {
-        text: text.to_owned(),
-    };
-    if significant.len() > 38 {
-        // The mantissa has no trailing zeros; more than 38 digits is either beyond
-        // u128 or, divided by a power of ten, still not an integer below 2^63.
-        return Err(if exp10 >= 0 { overflow() } else { fraction() });
-    }
-    let mut mantissa: u128 = 0;
-    for d in significant {
-        mantissa = mantissa * 10 + u128::from(d - b'0');
-    }
-
-    // value = mantissa * 10^exp10 * 2^exp2, exactly.
-    let magnitude = if exp10 >= 0 {
-        let exp10 = u32::try_from(exp10).map_err(|_| overflow())?;
-        10u128
-            .checked_pow(exp10)
-            .and_then(|p| mantissa.checked_mul(p))
-            .and_then(|v| v.checked_mul(1u128 << exp2))
-            .ok_or_else(overflow)?
-    } else {
-        // Divide by 5^k and 2^k separately: 2^exp2 cancels part of the 2^k.
-        let k = u32::try_from(-exp10).map_err(|_| fraction())?;
-        let p5 = 5u128.checked_pow(k).ok_or_else(fraction)?;
-        if !mantissa.is_multiple_of(p5) {
-            return Err(fraction());
-        }
-        let m = mantissa / p5;
-        if exp2 >= k {
-            m.checked_mul(1u128 << (exp2 - k)).ok_or_else(overflow)?
-        } else {
-            let shift = k - exp2;
-            if shift >= 128 || !m.is_multiple_of(1u128 << shift) {
-                return Err(fraction());
-            }
-            m >> shift
-        }
-    };
-
+    let magnitude = exact_magnitude(significant, exp10, exp2).map_err(|e| match e {
+        Inexact::Overflow => overflow(),
+        Inexact::Fraction => QuantityError::Fraction {
+            text: text.to_owned(),
+        },
+    })?;
     if negative {
         if magnitude > i64::MAX as u128 + 1 {
             return Err(overflow());
@@ -300,6 +218,108 @@ fn parse_value(text: &str) -> Result<i64, QuantityError> {
         i64::try_from(-(magnitude as i128)).map_err(|_| overflow())
     } else {
         i64::try_from(magnitude).map_err(|_| overflow())
+    }
+}
+
+/// `text` as sign, integer digits, fraction digits (after a `.`) and the rest, the suffix.
+fn split_number(text: &str) -> (bool, &str, &str, &str) {
+    let bytes = text.as_bytes();
+    let (negative, mut pos) = match bytes.first() {
+        Some(b'-') => (true, 1),
+        Some(b'+') => (false, 1),
+        _ => (false, 0),
+    };
+    let digits_from = |start: usize| {
+        start
+            + bytes[start..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count()
+    };
+    let int_start = pos;
+    pos = digits_from(pos);
+    let int_digits = &text[int_start..pos];
+    let mut frac_digits = "";
+    if pos < bytes.len() && bytes[pos] == b'.' {
+        let frac_start = pos + 1;
+        pos = digits_from(frac_start);
+        frac_digits = &text[frac_start..pos];
+    }
+    (negative, int_digits, frac_digits, &text[pos..])
+}
+
+/// The powers of ten and of two a suffix stands for; `None` for an unknown suffix or a
+/// malformed exponent.
+fn suffix_exponents(suffix: &str) -> Option<(i64, u32)> {
+    Some(match suffix {
+        "" => (0, 0),
+        "n" => (-9, 0),
+        "u" => (-6, 0),
+        "m" => (-3, 0),
+        "k" => (3, 0),
+        "M" => (6, 0),
+        "G" => (9, 0),
+        "T" => (12, 0),
+        "P" => (15, 0),
+        "E" => (18, 0),
+        "Ki" => (0, 10),
+        "Mi" => (0, 20),
+        "Gi" => (0, 30),
+        "Ti" => (0, 40),
+        "Pi" => (0, 50),
+        "Ei" => (0, 60),
+        s if s.starts_with(['e', 'E']) => (parse_exponent(&s[1..])?, 0),
+        _ => return None,
+    })
+}
+
+/// Why a value is not an exact integer magnitude.
+enum Inexact {
+    /// Beyond u128.
+    Overflow,
+    /// Not a whole number.
+    Fraction,
+}
+
+/// `significant` (decimal digits, no leading or trailing zeros) × 10^`exp10` × 2^`exp2`,
+/// exactly.
+fn exact_magnitude(significant: &[u8], exp10: i64, exp2: u32) -> Result<u128, Inexact> {
+    if significant.len() > 38 {
+        // The mantissa has no trailing zeros; more than 38 digits is either beyond
+        // u128 or, divided by a power of ten, still not an integer below 2^63.
+        return Err(if exp10 >= 0 {
+            Inexact::Overflow
+        } else {
+            Inexact::Fraction
+        });
+    }
+    let mut mantissa: u128 = 0;
+    for d in significant {
+        mantissa = mantissa * 10 + u128::from(d - b'0');
+    }
+    if exp10 >= 0 {
+        let exp10 = u32::try_from(exp10).map_err(|_| Inexact::Overflow)?;
+        return 10u128
+            .checked_pow(exp10)
+            .and_then(|p| mantissa.checked_mul(p))
+            .and_then(|v| v.checked_mul(1u128 << exp2))
+            .ok_or(Inexact::Overflow);
+    }
+    // Divide by 5^k and 2^k separately: 2^exp2 cancels part of the 2^k.
+    let k = u32::try_from(-exp10).map_err(|_| Inexact::Fraction)?;
+    let p5 = 5u128.checked_pow(k).ok_or(Inexact::Fraction)?;
+    if !mantissa.is_multiple_of(p5) {
+        return Err(Inexact::Fraction);
+    }
+    let m = mantissa / p5;
+    if exp2 >= k {
+        m.checked_mul(1u128 << (exp2 - k)).ok_or(Inexact::Overflow)
+    } else {
+        let shift = k - exp2;
+        if shift >= 128 || !m.is_multiple_of(1u128 << shift) {
+            return Err(Inexact::Fraction);
+        }
+        Ok(m >> shift)
     }
 }
 

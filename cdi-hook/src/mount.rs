@@ -11,7 +11,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{HookError, Result};
-use crate::root::{ContainerRoot, metadata_of};
+use crate::root::{ContainerRoot, Dir, metadata_of};
 
 fn cstr(p: &Path) -> io::Result<CString> {
     CString::new(p.as_os_str().as_bytes())
@@ -96,97 +96,19 @@ pub fn bind_file_contents(root: &ContainerRoot, file: &Path, contents: &[u8]) ->
     let name = OsString::from(format!("cleave-cdi-hook-{}", std::process::id()));
     let _ = run.remove_dir(&name);
     let scratch_dir = run.create_dir(&name)?;
-    let scratch = scratch_dir.host.clone();
-    let scratch_fd = fd_path(scratch_dir.handle());
     let scratch_dev = metadata_of(scratch_dir.handle(), &scratch_dir.in_root)
         .ok()
         .map(|m| m.dev());
 
-    let result = (|| -> Result<()> {
-        let size = format!("size={},mode=0755", contents.len().max(1));
-        mount(
-            Some(Path::new("tmpfs")),
-            &scratch_fd,
-            Some("tmpfs"),
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-            Some(&size),
-        )
-        .map_err(|source| HookError::Mount {
-            what: "a tmpfs",
-            path: scratch.clone(),
-            source,
-        })?;
-        // The tmpfs now sits on top of the scratch directory: look it up again (inside the
-        // root) to reach its root, and check that it is not the directory itself.
-        let tmpfs = root
-            .open_dir(&scratch_dir.in_root)?
-            .ok_or_else(|| HookError::BadPath {
-                path: scratch_dir.in_root.clone(),
-                reason: "vanished while the hook mounted on it".into(),
-            })?;
-        if Some(metadata_of(tmpfs.handle(), &tmpfs.in_root)?.dev()) == scratch_dev {
-            return Err(HookError::Refused {
-                path: tmpfs.in_root.display().to_string(),
-                reason: "is not the tmpfs the hook mounted there".into(),
-            });
-        }
-        let tmpfs_fd = fd_path(tmpfs.handle());
-        mount(None, &tmpfs_fd, None, libc::MS_PRIVATE, None).map_err(|source| {
-            HookError::Mount {
-                what: "private propagation",
-                path: scratch.clone(),
-                source,
-            }
-        })?;
-        let copy_name = OsStr::new("params");
-        tmpfs.write(copy_name, contents, 0o444)?;
-        let copy = tmpfs
-            .open_regular(copy_name)?
-            .ok_or_else(|| HookError::BadPath {
-                path: tmpfs.shown(copy_name),
-                reason: "vanished while the hook wrote it".into(),
-            })?;
-        let copy_meta = copy
-            .metadata()
-            .map_err(|e| HookError::io("inspecting", tmpfs.shown(copy_name), e))?;
-        mount(Some(&fd_path(&copy)), &target_fd, None, libc::MS_BIND, None).map_err(|source| {
-            HookError::Mount {
-                what: "the modified copy",
-                path: target.clone(),
-                source,
-            }
-        })?;
-        // MS_RDONLY is ignored on the first bind mount; it takes a remount, on the mount
-        // now on top of the file (looked up again, and checked to be the copy).
-        let bound = root.lookup(file, true)?.ok_or_else(|| HookError::BadPath {
-            path: file.to_owned(),
-            reason: "vanished while the hook mounted on it".into(),
-        })?;
-        let bound_meta = metadata_of(&bound, file)?;
-        if (bound_meta.dev(), bound_meta.ino()) != (copy_meta.dev(), copy_meta.ino()) {
-            return Err(HookError::Refused {
-                path: file.display().to_string(),
-                reason: "was replaced while the hook mounted on it".into(),
-            });
-        }
-        let ro = libc::MS_REMOUNT
-            | libc::MS_BIND
-            | libc::MS_RDONLY
-            | libc::MS_NOSUID
-            | libc::MS_NODEV
-            | libc::MS_NOEXEC;
-        if let Err(source) = mount(None, &fd_path(&bound), None, ro, None) {
-            let _ = umount_detach(&fd_path(&bound));
-            return Err(HookError::Mount {
-                what: "read-only",
-                path: target.clone(),
-                source,
-            });
-        }
-        // Detach the tmpfs from the scratch directory (the bind keeps it alive).
-        let _ = umount_detach(&tmpfs_fd);
-        Ok(())
-    })();
+    let result = mount_copy_over(
+        root,
+        file,
+        contents,
+        &scratch_dir,
+        scratch_dev,
+        &target_fd,
+        &target,
+    );
 
     // On failure, a tmpfs still on the scratch directory (the lookup reaches a file system
     // other than the directory's) is detached before the directory is removed.
@@ -199,4 +121,101 @@ pub fn bind_file_contents(root: &ContainerRoot, file: &Path, contents: &[u8]) ->
     }
     let _ = run.remove_dir(&name);
     result.map(|()| target)
+}
+
+/// The mounts of [`bind_file_contents`]: a tmpfs on the scratch directory, `contents` in it,
+/// bound read-only over `file` (on `target_fd`, the handle of the file; `target` its host
+/// path, for errors), and the tmpfs detached from the scratch directory.
+fn mount_copy_over(
+    root: &ContainerRoot,
+    file: &Path,
+    contents: &[u8],
+    scratch_dir: &Dir,
+    scratch_dev: Option<u64>,
+    target_fd: &Path,
+    target: &Path,
+) -> Result<()> {
+    let scratch = scratch_dir.host.clone();
+    let scratch_fd = fd_path(scratch_dir.handle());
+    let size = format!("size={},mode=0755", contents.len().max(1));
+    mount(
+        Some(Path::new("tmpfs")),
+        &scratch_fd,
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        Some(&size),
+    )
+    .map_err(|source| HookError::Mount {
+        what: "a tmpfs",
+        path: scratch.clone(),
+        source,
+    })?;
+    // The tmpfs now sits on top of the scratch directory: look it up again (inside the
+    // root) to reach its root, and check that it is not the directory itself.
+    let tmpfs = root
+        .open_dir(&scratch_dir.in_root)?
+        .ok_or_else(|| HookError::BadPath {
+            path: scratch_dir.in_root.clone(),
+            reason: "vanished while the hook mounted on it".into(),
+        })?;
+    if Some(metadata_of(tmpfs.handle(), &tmpfs.in_root)?.dev()) == scratch_dev {
+        return Err(HookError::Refused {
+            path: tmpfs.in_root.display().to_string(),
+            reason: "is not the tmpfs the hook mounted there".into(),
+        });
+    }
+    let tmpfs_fd = fd_path(tmpfs.handle());
+    mount(None, &tmpfs_fd, None, libc::MS_PRIVATE, None).map_err(|source| HookError::Mount {
+        what: "private propagation",
+        path: scratch.clone(),
+        source,
+    })?;
+    let copy_name = OsStr::new("params");
+    tmpfs.write(copy_name, contents, 0o444)?;
+    let copy = tmpfs
+        .open_regular(copy_name)?
+        .ok_or_else(|| HookError::BadPath {
+            path: tmpfs.shown(copy_name),
+            reason: "vanished while the hook wrote it".into(),
+        })?;
+    let copy_meta = copy
+        .metadata()
+        .map_err(|e| HookError::io("inspecting", tmpfs.shown(copy_name), e))?;
+    mount(Some(&fd_path(&copy)), target_fd, None, libc::MS_BIND, None).map_err(|source| {
+        HookError::Mount {
+            what: "the modified copy",
+            path: target.to_owned(),
+            source,
+        }
+    })?;
+    // MS_RDONLY is ignored on the first bind mount; it takes a remount, on the mount
+    // now on top of the file (looked up again, and checked to be the copy).
+    let bound = root.lookup(file, true)?.ok_or_else(|| HookError::BadPath {
+        path: file.to_owned(),
+        reason: "vanished while the hook mounted on it".into(),
+    })?;
+    let bound_meta = metadata_of(&bound, file)?;
+    if (bound_meta.dev(), bound_meta.ino()) != (copy_meta.dev(), copy_meta.ino()) {
+        return Err(HookError::Refused {
+            path: file.display().to_string(),
+            reason: "was replaced while the hook mounted on it".into(),
+        });
+    }
+    let ro = libc::MS_REMOUNT
+        | libc::MS_BIND
+        | libc::MS_RDONLY
+        | libc::MS_NOSUID
+        | libc::MS_NODEV
+        | libc::MS_NOEXEC;
+    if let Err(source) = mount(None, &fd_path(&bound), None, ro, None) {
+        let _ = umount_detach(&fd_path(&bound));
+        return Err(HookError::Mount {
+            what: "read-only",
+            path: target.to_owned(),
+            source,
+        });
+    }
+    // Detach the tmpfs from the scratch directory (the bind keeps it alive).
+    let _ = umount_detach(&tmpfs_fd);
+    Ok(())
 }

@@ -232,6 +232,98 @@ fn names(spec: &ResourceSliceSpec) -> BTreeSet<String> {
     devices.chain(sets).collect()
 }
 
+/// Which existing slice each desired one becomes. Normalized forms and name sets are
+/// computed lazily: in the steady state nearly every slice is found by plain equality, and
+/// only changed ones need normalizing.
+struct Matching<'a> {
+    desired: &'a [ResourceSliceSpec],
+    ours: &'a [&'a ResourceSlice],
+    desired_keys: Vec<OnceCell<ResourceSliceSpec>>,
+    existing_keys: Vec<OnceCell<ResourceSliceSpec>>,
+    desired_names: Vec<OnceCell<BTreeSet<String>>>,
+    existing_names: Vec<OnceCell<BTreeSet<String>>>,
+}
+
+impl<'a> Matching<'a> {
+    fn new(desired: &'a [ResourceSliceSpec], ours: &'a [&'a ResourceSlice]) -> Self {
+        let cells = |n: usize| (0..n).map(|_| OnceCell::new()).collect();
+        Self {
+            desired,
+            ours,
+            desired_keys: cells(desired.len()),
+            existing_keys: cells(ours.len()),
+            desired_names: (0..desired.len()).map(|_| OnceCell::new()).collect(),
+            existing_names: (0..ours.len()).map(|_| OnceCell::new()).collect(),
+        }
+    }
+
+    fn desired_names(&self, d: usize) -> &BTreeSet<String> {
+        self.desired_names[d].get_or_init(|| names(&self.desired[d]))
+    }
+
+    fn existing_names(&self, e: usize) -> &BTreeSet<String> {
+        self.existing_names[e].get_or_init(|| names(&self.ours[e].spec))
+    }
+
+    fn same_raw(&self, d: usize, e: usize) -> bool {
+        same_raw(&self.desired[d], &self.ours[e].spec)
+    }
+
+    fn same_content(&self, d: usize, e: usize) -> bool {
+        self.same_raw(d, e)
+            || self.desired_keys[d].get_or_init(|| content_key(&self.desired[d]))
+                == self.existing_keys[e].get_or_init(|| content_key(&self.ours[e].spec))
+    }
+
+    /// `pairs[d]`: the index into `ours` desired slice `d` becomes (`None`: created);
+    /// `taken[e]`: whether existing slice `e` is kept. Equal slices first, then equal
+    /// content, equal names, the largest overlap of names (greedily), then any.
+    fn pair(&self) -> (Vec<Option<usize>>, Vec<bool>) {
+        let mut pairs: Vec<Option<usize>> = vec![None; self.desired.len()];
+        let mut taken = vec![false; self.ours.len()];
+        let pair_by = |pairs: &mut Vec<Option<usize>>,
+                       taken: &mut Vec<bool>,
+                       same: &dyn Fn(usize, usize) -> bool| {
+            for (d, slot) in pairs.iter_mut().enumerate() {
+                if slot.is_some() {
+                    continue;
+                }
+                if let Some(e) = (0..taken.len()).find(|&e| !taken[e] && same(d, e)) {
+                    taken[e] = true;
+                    *slot = Some(e);
+                }
+            }
+        };
+        pair_by(&mut pairs, &mut taken, &|d, e| self.same_raw(d, e));
+        pair_by(&mut pairs, &mut taken, &|d, e| self.same_content(d, e));
+        pair_by(&mut pairs, &mut taken, &|d, e| {
+            self.desired_names(d) == self.existing_names(e)
+        });
+        // Largest overlap first, greedily.
+        loop {
+            let best = pairs
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.is_none())
+                .flat_map(|(d, _)| (0..taken.len()).filter(|&e| !taken[e]).map(move |e| (d, e)))
+                .map(|(d, e)| {
+                    let n = self
+                        .desired_names(d)
+                        .intersection(self.existing_names(e))
+                        .count();
+                    (n, d, e)
+                })
+                .filter(|(n, _, _)| *n > 0)
+                .max_by_key(|(n, d, e)| (*n, std::cmp::Reverse(*d), std::cmp::Reverse(*e)));
+            let Some((_, d, e)) = best else { break };
+            pairs[d] = Some(e);
+            taken[e] = true;
+        }
+        pair_by(&mut pairs, &mut taken, &|_, _| true);
+        (pairs, taken)
+    }
+}
+
 /// Computes the writes that turn `existing` (this driver's slices on this node) into
 /// `desired` for pool `target.node`.
 pub fn diff<'a>(
@@ -265,60 +357,11 @@ pub fn diff<'a>(
         .iter()
         .map(|d| d.to_spec(target.driver, target.node, ResourcePool::default()))
         .collect();
-    // Normalized forms and name sets are computed lazily: in the steady state nearly
-    // every slice is found by plain equality, and only changed ones need normalizing.
-    let desired_keys: Vec<OnceCell<ResourceSliceSpec>> =
-        desired.iter().map(|_| OnceCell::new()).collect();
-    let existing_keys: Vec<OnceCell<ResourceSliceSpec>> =
-        ours.iter().map(|_| OnceCell::new()).collect();
-    let desired_names: Vec<OnceCell<BTreeSet<String>>> =
-        desired.iter().map(|_| OnceCell::new()).collect();
-    let existing_names: Vec<OnceCell<BTreeSet<String>>> =
-        ours.iter().map(|_| OnceCell::new()).collect();
-    let dn = |d: usize| desired_names[d].get_or_init(|| names(&desired_specs[d]));
-    let en = |e: usize| existing_names[e].get_or_init(|| names(&ours[e].spec));
-    let same_content = |d: usize, e: usize| {
-        same_raw(&desired_specs[d], &ours[e].spec)
-            || desired_keys[d].get_or_init(|| content_key(&desired_specs[d]))
-                == existing_keys[e].get_or_init(|| content_key(&ours[e].spec))
-    };
-
-    // pairs[d] = index into `ours`.
-    let mut pairs: Vec<Option<usize>> = vec![None; desired.len()];
-    let mut taken = vec![false; ours.len()];
-    let pair_by = |pairs: &mut Vec<Option<usize>>,
-                   taken: &mut Vec<bool>,
-                   same: &dyn Fn(usize, usize) -> bool| {
-        for (d, slot) in pairs.iter_mut().enumerate() {
-            if slot.is_some() {
-                continue;
-            }
-            if let Some(e) = (0..taken.len()).find(|&e| !taken[e] && same(d, e)) {
-                taken[e] = true;
-                *slot = Some(e);
-            }
-        }
-    };
-    pair_by(&mut pairs, &mut taken, &|d, e| {
-        same_raw(&desired_specs[d], &ours[e].spec)
-    });
-    pair_by(&mut pairs, &mut taken, &same_content);
-    pair_by(&mut pairs, &mut taken, &|d, e| dn(d) == en(e));
-    // Largest overlap first, greedily.
-    loop {
-        let best = pairs
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.is_none())
-            .flat_map(|(d, _)| (0..taken.len()).filter(|&e| !taken[e]).map(move |e| (d, e)))
-            .map(|(d, e)| (dn(d).intersection(en(e)).count(), d, e))
-            .filter(|(n, _, _)| *n > 0)
-            .max_by_key(|(n, d, e)| (*n, std::cmp::Reverse(*d), std::cmp::Reverse(*e)));
-        let Some((_, d, e)) = best else { break };
-        pairs[d] = Some(e);
-        taken[e] = true;
-    }
-    pair_by(&mut pairs, &mut taken, &|_, _| true);
+    let m = Matching::new(&desired_specs, &ours);
+    let (pairs, taken) = m.pair();
+    let dn = |d: usize| m.desired_names(d);
+    let en = |e: usize| m.existing_names(e);
+    let same_content = |d: usize, e: usize| m.same_content(d, e);
 
     let count = i64::try_from(desired.len()).unwrap_or(i64::MAX);
     let pool_at = |generation| ResourcePool {

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use cleave_api::config::{DeviceKind, Sharing};
 use cleave_driver::model::{GpuInfo, MigState};
-use cleave_driver::prepare::{GpuFacts, SharingDevice};
-use cleave_driver::sharing::{MpsTimings, SharingBinaries, SharingConfig, SharingManager};
+use cleave_driver::sharing::{
+    GpuFacts, MpsTimings, SharingBinaries, SharingConfig, SharingDevice, SharingManager,
+};
 
 const GPU: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000001";
 

@@ -578,10 +578,7 @@ impl DriverFiles {
 
     /// The driver's libraries under `root`, their soname links, and the driver version
     /// they tell.
-    fn find_libraries(
-        root: &Path,
-        host_root: &Path,
-    ) -> Result<FoundLibraries, DriverRootError> {
+    fn find_libraries(root: &Path, host_root: &Path) -> Result<FoundLibraries, DriverRootError> {
         let mut found_libraries = Self::scan(root, host_root, LIBRARY_DIRS, |name| {
             LIBRARIES.iter().any(|prefix| {
                 name.strip_prefix(prefix)

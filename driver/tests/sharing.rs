@@ -25,11 +25,12 @@ use cleave_driver::checkpoint::{
 };
 use cleave_driver::model::{GpuInfo, MigInstance, MigProfile, MigState, NodeInventory, Placement};
 use cleave_driver::prepare::testing::{Call, FakeBackend, node_claim, with_config};
-use cleave_driver::prepare::{
-    DriverConfig, GpuFacts, NodeDriver, SharingDevice, TimeSliceNeed, time_slice_needs,
-};
+use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError, Refusal, time_slice_needs};
 use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
-use cleave_driver::sharing::{SharingConfig, SharingFailure, SharingManager, SharingState};
+use cleave_driver::sharing::{
+    GpuFacts, SharingConfig, SharingDevice, SharingEdits, SharingFailure, SharingManager,
+    SharingState, TimeSliceNeed, legacy_shared_daemon_key,
+};
 use cleave_testkit::fake_tools::ToolNode;
 use cleave_testkit::process::{alive, wait_dead};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -364,11 +365,11 @@ fn mig_device(s: Sharing) -> SharingDevice {
     }
 }
 
-fn state_of(edits: &cleave_driver::prepare::SharingEdits) -> SharingState {
+fn state_of(edits: &SharingEdits) -> SharingState {
     serde_json::from_value(edits.state.clone().unwrap()).unwrap()
 }
 
-fn daemon_pid(edits: &cleave_driver::prepare::SharingEdits) -> u32 {
+fn daemon_pid(edits: &SharingEdits) -> u32 {
     state_of(edits).mps.unwrap().daemon.unwrap().pid
 }
 
@@ -1411,6 +1412,13 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
         err.to_string().contains("starting MPS control daemon"),
         "{err}"
     );
+    // The failure keeps its type through the seam: the refusal label comes from it.
+    assert!(
+        matches!(&err, PrepareError::Sharing(SharingFailure::Apply { claim, source })
+            if claim == uid2 && matches!(**source, SharingFailure::DaemonStart { .. })),
+        "{err:?}"
+    );
+    assert_eq!(err.refusal(), Refusal::Sharing);
     assert!(driver.prepared_claims().is_empty());
     assert!(
         !world
@@ -1428,6 +1436,11 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
     assert!(
         err.to_string().contains("larger than the device's memory"),
         "{err}"
+    );
+    assert!(
+        matches!(&err, PrepareError::Sharing(SharingFailure::Apply { source, .. })
+            if matches!(**source, SharingFailure::LimitTooLarge { .. })),
+        "{err:?}"
     );
 }
 
@@ -1804,7 +1817,7 @@ fn shared_daemon_of_an_earlier_release_lives_until_the_last_share() {
     drop(driver);
 
     // The earlier release's daemon and record, as it wrote them.
-    let legacy = cleave_driver::prepare::legacy_shared_daemon_key("gpu-0");
+    let legacy = legacy_shared_daemon_key("gpu-0");
     assert_eq!(legacy, "shared-gpu-0");
     let config = world.config(&[]);
     let dir = world.claim_dir(&legacy);

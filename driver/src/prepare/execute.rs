@@ -24,8 +24,8 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::plan::{PlannedDevice, claim_label};
 use super::{
-    GpuFacts, NodeDriver, PrepareError, PreparedClaim, PreparedDevice, ShareDevice, SharingClaim,
-    SharingDevice, SharingEdits, State, device_need, device_uuid, share_holders, time_slice_needs,
+    NodeDriver, PrepareError, PreparedClaim, PreparedDevice, State, device_need, device_uuid,
+    share_holders, time_slice_needs,
 };
 use crate::backend::BackendError;
 use crate::cdi::{self, CdiDevice};
@@ -34,6 +34,9 @@ use crate::checkpoint::{
 };
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
+use crate::sharing::{
+    GpuFacts, ShareDevice, SharingClaim, SharingDevice, SharingEdits, device_multiprocessors,
+};
 
 /// The kubelet answer for a recorded claim.
 pub(super) fn answer(record: &ClaimRecord) -> PreparedClaim {
@@ -139,7 +142,7 @@ impl NodeDriver {
                 .gpus
                 .iter()
                 .find(|g| g.uuid == s.gpu_uuid)
-                .and_then(|g| super::sharing::device_multiprocessors(g, &s.device_name));
+                .and_then(|g| device_multiprocessors(g, &s.device_name));
         }
         // A share of the whole device (a claim that asked for no capacity) has the device
         // alone, as without sharing: no daemon, no limits.

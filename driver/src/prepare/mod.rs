@@ -36,7 +36,7 @@ mod execute;
 mod plan;
 mod recover;
 mod reset;
-pub mod sharing;
+mod shares;
 mod status;
 mod summary;
 #[cfg(any(test, feature = "testing"))]
@@ -55,13 +55,12 @@ use crate::checkpoint::{
 };
 use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootError};
 use crate::model::NodeInventory;
+use crate::sharing::{NoopSharing, SharingFailure, SharingHandler};
 
+/// Where the plugin and its tests find a shared daemon's name (the sharing seam defines it).
+pub use crate::sharing::shared_daemon_key;
 pub use reset::{ResetError, ResetOptions, ResetOutcome, reset_checkpoint, short_reason};
-pub use sharing::{
-    GpuFacts, NoopSharing, ShareDevice, ShareHolder, SharingClaim, SharingDevice, SharingEdits,
-    SharingError, SharingHandler, TimeSliceNeed, legacy_shared_daemon_key, share_holders,
-    shared_daemon_key, time_slice_needs,
-};
+pub use shares::{share_holders, time_slice_needs};
 pub use status::{
     ClaimStatusReport, DeviceStatusData, DeviceStatusEntry, MigStatus, MpsStatus,
     STATUS_API_VERSION, STATUS_KIND, ShareStatus,
@@ -241,7 +240,7 @@ pub enum PrepareError {
     },
     /// Setting up or releasing sharing failed.
     #[error(transparent)]
-    Sharing(#[from] SharingError),
+    Sharing(#[from] SharingFailure),
     /// Writing or removing the CDI spec failed (the error names the path).
     #[error("claim {claim}: {source}")]
     Cdi {

@@ -15,6 +15,7 @@ use cleave_api::pool::ConsumableCapacity;
 use super::{NodeDriver, PrepareError, State};
 use crate::checkpoint::{DeviceKind, MigRecord, ShareRecord};
 use crate::model::{GpuInfo, MigState};
+use crate::sharing::{Capacity, takes_whole_device};
 
 /// What prepare will do for one device, decided before anything changes.
 pub(super) struct PlannedDevice {
@@ -159,25 +160,21 @@ pub(super) struct DeviceCapacity {
 
 impl DeviceCapacity {
     pub(super) fn of(gpu: &GpuInfo, device: &str) -> Self {
-        let facts = super::GpuFacts::of(gpu, device);
+        let facts = crate::sharing::GpuFacts::of(gpu, device);
         Self {
             device: device.to_owned(),
             memory_bytes: facts.device_memory_bytes.map(|b| (b >> 20) << 20),
-            multiprocessors: super::sharing::device_multiprocessors(gpu, device),
+            multiprocessors: crate::sharing::device_multiprocessors(gpu, device),
         }
     }
 
     /// The share consumed all of the device (what a claim asking no capacity gets).
     fn taken_whole_by(&self, s: &ShareRecord) -> bool {
-        match (
-            s.memory_bytes,
-            self.memory_bytes,
-            s.multiprocessors,
-            self.multiprocessors,
-        ) {
-            (Some(m), Some(total_m), Some(n), Some(total_n)) => m >= total_m && n >= total_n,
-            _ => false,
-        }
+        let device = Capacity {
+            memory_bytes: self.memory_bytes,
+            multiprocessors: self.multiprocessors,
+        };
+        takes_whole_device(Capacity::consumed_by(s), device)
     }
 
     /// Refuses a share that alone exceeds the device.

@@ -65,15 +65,16 @@ use std::sync::Arc;
 
 use cleave_api::merge::ResolvedConfig;
 
-use super::{
-    DriverView, GpuFacts, NodeDriver, PrepareError, SharingClaim, SharingDevice, SharingEdits,
-    device_uuid, empty_inventory, legacy_shared_daemon_key, shared_daemon_key, time_slice_needs,
-};
+use super::{DriverView, NodeDriver, PrepareError, device_uuid, empty_inventory, time_slice_needs};
 use crate::backend::BackendError;
 use crate::cdi;
 use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, MigRecord};
 use crate::driver_root::{DeviceNeed, DriverFiles};
 use crate::model::NodeInventory;
+use crate::sharing::{
+    GpuFacts, SharingClaim, SharingDevice, SharingEdits, legacy_shared_daemon_key,
+    shared_daemon_key,
+};
 
 /// Forgets the IDs of every MIG instance of a record, and any recreation intent (after a
 /// reboot none of them exists).

@@ -15,10 +15,9 @@
 use serde::Serialize;
 
 use super::NodeDriver;
-use super::sharing::{ShareDevice, device_multiprocessors, shared_daemon_key};
 use crate::checkpoint::{ClaimRecord, ClaimState, DeviceRecord, ShareRecord};
 use crate::model::{ClaimRef, NodeInventory};
-use crate::sharing::SharingState;
+use crate::sharing::{ShareDevice, SharingState, device_multiprocessors, shared_daemon_key};
 
 /// `apiVersion` of the status data.
 pub const STATUS_API_VERSION: &str = "gpu.cleave.dev/v1alpha1";

@@ -12,7 +12,7 @@ use super::NodeDriver;
 use cleave_api::SharingStrategy;
 
 use crate::checkpoint::{CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceKind};
-use crate::sharing::SharingState;
+use crate::sharing::{Capacity, SharingState, takes_whole_device};
 
 /// Where a recorded claim is in its life on this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,13 +92,11 @@ pub(crate) fn summarize(data: &CheckpointData) -> CheckpointSummary {
                 },
                 devices: r.devices.iter().map(|d| d.name.clone()).collect(),
                 admin_access_devices: r.devices.iter().filter(|d| d.admin_access).count(),
-                sharing: r.sharing.as_ref().and_then(|v| {
-                    match serde_json::from_value::<SharingState>(v.clone()) {
-                        Ok(s) if s.mps.is_some() => Some(SharingStrategy::Mps),
-                        Ok(s) if !s.time_slicing.is_empty() => Some(SharingStrategy::TimeSlicing),
-                        _ => None,
-                    }
-                }),
+                sharing: r
+                    .sharing
+                    .as_ref()
+                    .and_then(|v| serde_json::from_value::<SharingState>(v.clone()).ok())
+                    .and_then(|s| s.strategy()),
             })
             .collect(),
     }
@@ -170,12 +168,11 @@ pub(crate) fn claim_devices(
         .values()
         .filter(|r| r.state == ClaimState::Prepared)
     {
-        let sharing: Option<SharingState> = r
+        let state: Option<SharingState> = r
             .sharing
             .as_ref()
             .and_then(|v| serde_json::from_value(v.clone()).ok());
-        let mps = sharing.as_ref().and_then(|s| s.mps.as_ref());
-        let time_sliced = sharing.as_ref().is_some_and(|s| !s.time_slicing.is_empty());
+        let mps = state.as_ref().and_then(|s| s.mps.as_ref());
         let pids: Vec<u32> = mps
             .and_then(|m| m.daemon.as_ref())
             .filter(|d| d.pod.is_none() && d.pid != 0)
@@ -222,24 +219,17 @@ pub(crate) fn claim_devices(
                 (false, true) => Holding::Mig,
                 (false, false) => Holding::Whole,
             };
-            let mut sharing = if mps.is_some() {
-                Some(SharingStrategy::Mps)
-            } else if time_sliced {
-                Some(SharingStrategy::TimeSlicing)
-            } else {
-                None
-            };
+            let mut sharing = state.as_ref().and_then(SharingState::strategy);
             let mut allocated = allocated;
             // A capacity share was given what it consumed. One that consumed the whole device
             // (a claim that asked for no capacity) is served like the device alone; the others
             // run beside other shares, whose processes NVML cannot tell apart per share.
             if let Some(share) = &d.share {
-                let whole_memory = (allocated.memory_bytes >> 20) << 20;
-                let whole = share.memory_bytes.is_some_and(|m| m >= whole_memory)
-                    && match (share.multiprocessors, allocated.sms) {
-                        (Some(used), Some(total)) => used >= total,
-                        _ => false,
-                    };
+                let device = Capacity {
+                    memory_bytes: Some(allocated.memory_bytes),
+                    multiprocessors: allocated.sms,
+                };
+                let whole = takes_whole_device(Capacity::consumed_by(share), device);
                 if let Some(m) = share.memory_bytes {
                     allocated.memory_bytes = m;
                 }

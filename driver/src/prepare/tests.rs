@@ -13,6 +13,9 @@ use super::*;
 use crate::cdi;
 use crate::checkpoint::{CHECKPOINT_FILE, ClaimRecord, DeviceKind};
 use crate::model::{GpuInfo, MigState, Placement};
+use crate::sharing::{
+    SharingClaim, SharingDevice, SharingEdits, SharingFailure, SharingHandler, TimeSliceNeed,
+};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const UID_A: &str = "aaaaaaaa-0000-4000-8000-000000000001";
@@ -379,7 +382,7 @@ impl SharingHandler for RecordingSharing {
         claim: &SharingClaim<'_>,
         devices: &[SharingDevice],
         _needs: &[TimeSliceNeed],
-    ) -> Result<SharingEdits, SharingError> {
+    ) -> Result<SharingEdits, SharingFailure> {
         self.applied.lock().unwrap().push((
             claim.uid.to_owned(),
             devices.iter().map(|d| d.uuid.clone()).collect(),
@@ -400,7 +403,7 @@ impl SharingHandler for RecordingSharing {
         claim_uid: &str,
         state: Option<&serde_json::Value>,
         _needs: &[TimeSliceNeed],
-    ) -> Result<(), SharingError> {
+    ) -> Result<(), SharingFailure> {
         self.released
             .lock()
             .unwrap()

@@ -1,5 +1,6 @@
-//! Per-claim MPS control daemons: how they are launched ([`DaemonLauncher`], with the
-//! process launcher [`ProcessLauncher`]) and what is recorded about them ([`MpsRecord`]).
+//! MPS control daemons: what one is ([`DaemonSpec`], [`DaemonHandle`]), how it is launched
+//! ([`DaemonLauncher`]; the host-process launcher is [`super::ProcessLauncher`]) and what is
+//! recorded about it ([`MpsRecord`]).
 //!
 //! Layout under the state directory (`<plugins dir>/<driver>`), one directory per claim:
 //!
@@ -24,16 +25,13 @@
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::SharingFailure;
-use super::process::{self, RunFailure};
-use crate::checkpoint::{read_boot_id, write_file_atomic};
+use super::error::SharingFailure;
+use crate::checkpoint::write_file_atomic;
 
 /// The first 32 hex digits of SHA-256 over `parts`, each followed by a 0 byte: names of
 /// daemon pods and labels that must be unique per node and daemon yet fit 63 bytes.
@@ -142,7 +140,7 @@ pub struct DaemonPod {
     pub uid: String,
 }
 
-/// Starts, talks to and stops MPS control daemons. [`ProcessLauncher`] runs them as host
+/// Starts, talks to and stops MPS control daemons. [`super::ProcessLauncher`] runs them as host
 /// processes; the kubelet plugin's pod launcher runs each in a pod of its own (with a
 /// per-claim `/dev/shm` shared with the claim's containers).
 ///
@@ -185,218 +183,19 @@ pub trait DaemonLauncher: Send + Sync {
     }
 }
 
-/// Runs `nvidia-cuda-mps-control` as a host process: `-d` to start (the tool daemonizes and
-/// writes its PID into the pipe directory), no argument with commands on stdin to control.
-#[derive(Debug, Clone)]
-pub struct ProcessLauncher {
-    control_bin: PathBuf,
-    extra_env: Vec<(String, String)>,
-    boot_id_path: PathBuf,
-}
-
-impl ProcessLauncher {
-    /// A launcher running `control_bin`, with `extra_env` added to the environment of every
-    /// call (tests pass the fakes' knobs this way), reading the boot ID from `boot_id_path`.
-    pub fn new(
-        control_bin: impl Into<PathBuf>,
-        extra_env: Vec<(String, String)>,
-        boot_id_path: impl Into<PathBuf>,
-    ) -> Self {
-        Self {
-            control_bin: control_bin.into(),
-            extra_env,
-            boot_id_path: boot_id_path.into(),
-        }
-    }
-
-    fn command(&self, spec: &DaemonSpec) -> Command {
-        let mut cmd = Command::new(&self.control_bin);
-        cmd.envs(self.extra_env.iter().map(|(k, v)| (k, v)))
-            .env("CUDA_MPS_PIPE_DIRECTORY", &spec.pipe_dir)
-            .env("CUDA_MPS_LOG_DIRECTORY", &spec.log_dir);
-        cmd
-    }
-
-    fn boot_id(&self) -> String {
-        read_boot_id(&self.boot_id_path).unwrap_or_default()
-    }
-
-    fn start_failure(&self, spec: &DaemonSpec, message: String) -> SharingFailure {
-        let log = fs::read_to_string(spec.log_dir.join(LAUNCH_LOG)).unwrap_or_default();
-        let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
-        SharingFailure::DaemonStart {
-            claim: spec.claim_uid.clone(),
-            tool: self.control_bin.clone(),
-            message: if tail.is_empty() {
-                message
-            } else {
-                format!("{message}; output: {tail}")
-            },
-        }
-    }
-}
-
-/// Why a `-d` call that exited non-zero failed, with a hint for multi-user mode (a release
-/// whose control daemon has no `-M` refuses it; the 550 binary carries no such switch).
-pub fn start_refused(spec: &DaemonSpec, status: &std::process::ExitStatus) -> String {
-    let args = spec.start_args().join(" ");
-    if spec.multi_user {
-        format!(
-            "`{args}` exited with {status}: multi-user mode (mps.multiUser) was refused; this driver's nvidia-cuda-mps-control may not support `-M`: upgrade the driver or drop mps.multiUser"
-        )
-    } else {
-        format!("`{args}` exited with {status}")
-    }
-}
-
-/// File in the log directory receiving the output of the `-d` call.
-const LAUNCH_LOG: &str = "launch.log";
-
-fn read_pid_file(pipe_dir: &Path) -> Option<u32> {
-    fs::read_to_string(pipe_dir.join(PID_FILE))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
-}
-
-impl DaemonLauncher for ProcessLauncher {
-    fn start(&self, spec: &DaemonSpec, timeout: Duration) -> Result<DaemonHandle, SharingFailure> {
-        let log_path = spec.log_dir.join(LAUNCH_LOG);
-        let log = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(|source| SharingFailure::Io {
-                op: "opening",
-                path: log_path.clone(),
-                source,
-            })?;
-        let log2 = log.try_clone().map_err(|source| SharingFailure::Io {
-            op: "opening",
-            path: log_path.clone(),
-            source,
-        })?;
-        // A stale pid file must not be mistaken for the new daemon's.
-        let _ = fs::remove_file(spec.pipe_dir.join(PID_FILE));
-        if let Some(len) = socket_path_too_long(&spec.pipe_dir, LONGEST_SOCKET) {
-            return Err(self.start_failure(
-                spec,
-                format!(
-                    "the daemon's socket {} would be {len} bytes, longer than the {MAX_SOCKET_PATH} a unix socket path may have; use a shorter state (kubelet plugins) directory",
-                    spec.pipe_dir.join(LONGEST_SOCKET).display()
-                ),
-            ));
-        }
-        if let Some(closed) = closed_parent(&spec.pipe_dir) {
-            tracing::warn!(
-                claim = %spec.claim_uid,
-                dir = %closed.display(),
-                "MPS servers for non-root clients cannot traverse this parent of the pipe directory; only root clients will be served (the process launcher is for development; use the pod launcher)"
-            );
-        }
-        let mut child = self
-            .command(spec)
-            .args(spec.start_args())
-            .env("CUDA_VISIBLE_DEVICES", spec.visible_devices.join(","))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            // Own process group: signals to the plugin's group never reach the daemon.
-            .process_group(0)
-            .spawn()
-            .map_err(|e| self.start_failure(spec, format!("could not run it: {e}")))?;
-        let status = process::wait_child(&mut child, timeout)
-            .map_err(|e| self.start_failure(spec, format!("`-d` {e}")))?;
-        if !status.success() {
-            return Err(self.start_failure(spec, start_refused(spec, &status)));
-        }
-        let pid =
-            process::poll_until(timeout, || read_pid_file(&spec.pipe_dir)).ok_or_else(|| {
-                self.start_failure(
-                    spec,
-                    format!(
-                        "no pid file {} within {timeout:?}",
-                        spec.pipe_dir.join(PID_FILE).display()
-                    ),
-                )
-            })?;
-        let start_time = process::start_time(pid).ok_or_else(|| {
-            self.start_failure(spec, format!("daemon PID {pid} exited right after start"))
-        })?;
-        Ok(DaemonHandle::process(pid, start_time, self.boot_id()))
-    }
-
-    fn control(
-        &self,
-        spec: &DaemonSpec,
-        input: &str,
-        timeout: Duration,
-    ) -> Result<String, SharingFailure> {
-        let failure = |message: String| SharingFailure::DaemonControl {
-            claim: spec.claim_uid.clone(),
-            command: input.trim().replace('\n', "; "),
-            message,
-        };
-        let out = process::run_with_input(&mut self.command(spec), input, timeout).map_err(
-            |e| match e {
-                RunFailure::Timeout => failure(format!("no answer within {timeout:?}")),
-                other => failure(other.to_string()),
-            },
-        )?;
-        if out.status.success() {
-            Ok(out.stdout)
-        } else {
-            Err(failure(format!(
-                "exited with {}: {}{}",
-                out.status,
-                out.stdout.trim(),
-                out.stderr.trim()
-            )))
-        }
-    }
-
-    fn find(&self, spec: &DaemonSpec) -> Option<DaemonHandle> {
-        let pid = read_pid_file(&spec.pipe_dir)?;
-        // Without a recorded start time, only a process that is an MPS control daemon
-        // counts: a stale pid file must never get an unrelated process killed.
-        let is_mps = process::cmdline(pid).is_some_and(|c| c.contains("nvidia-cuda-mps-control"));
-        if !is_mps || !process::is_alive(pid, None) {
-            return None;
-        }
-        Some(DaemonHandle::process(
-            pid,
-            process::start_time(pid)?,
-            self.boot_id(),
-        ))
-    }
-
-    fn is_running(&self, handle: &DaemonHandle) -> bool {
-        if !handle.boot_id.is_empty() {
-            let now = self.boot_id();
-            if !now.is_empty() && now != handle.boot_id {
-                return false;
-            }
-        }
-        process::is_alive(handle.pid, Some(handle.start_time))
-    }
-
-    fn kill(&self, handle: &DaemonHandle, grace: Duration) -> Result<(), SharingFailure> {
-        let gone = || (!self.is_running(handle)).then_some(());
-        let fail = |e: std::io::Error| SharingFailure::DaemonStop {
-            daemon: handle.describe(),
-            message: e.to_string(),
-        };
-        process::signal(handle.pid, Some(handle.start_time), libc::SIGTERM).map_err(fail)?;
-        if process::poll_until(grace, gone).is_some() {
-            return Ok(());
-        }
-        process::signal(handle.pid, Some(handle.start_time), libc::SIGKILL).map_err(fail)?;
-        process::poll_until(Duration::from_secs(2), gone).ok_or(SharingFailure::DaemonStop {
-            daemon: handle.describe(),
-            message: "still running after SIGKILL".into(),
-        })
-    }
+/// Where the time of the last MPS start went (for benchmarks and metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MpsTimings {
+    /// Directories, record and compute modes.
+    pub setup: Duration,
+    /// Launching the daemon until its PID is known.
+    pub launch: Duration,
+    /// From the PID until the daemon answered.
+    pub ready: Duration,
+    /// Setting and checking the limits, writing the record.
+    pub limits: Duration,
+    /// The whole start.
+    pub total: Duration,
 }
 
 /// One memory limit of a daemon: device ordinal, its UUID, and the limit in the control
@@ -577,7 +376,7 @@ pub fn parse_limit(text: &str) -> Option<u64> {
 /// True if the read-back `got` is the limit `set`: the same bytes, or (for a limit of 1 GiB
 /// or more set in MiB) whole GiB rounded down, as driver 595 was reported to print it
 /// (third-party report, unverified).
-fn limit_matches(set: &str, got: &str) -> bool {
+pub(super) fn limit_matches(set: &str, got: &str) -> bool {
     const GIB: u64 = 1 << 30;
     match (parse_limit(set), parse_limit(got)) {
         (Some(s), Some(g)) if s == g => true,
@@ -630,10 +429,7 @@ pub fn load_record(claim_dir: &Path) -> Result<Option<MpsRecord>, SharingFailure
     match fs::read(&path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(Some)
-            .map_err(|e| SharingFailure::Record {
-                path,
-                message: e.to_string(),
-            }),
+            .map_err(|source| SharingFailure::Record { path, source }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(SharingFailure::Io {
             op: "reading",
@@ -646,9 +442,9 @@ pub fn load_record(claim_dir: &Path) -> Result<Option<MpsRecord>, SharingFailure
 /// Writes a claim's record atomically.
 pub fn store_record(claim_dir: &Path, record: &MpsRecord) -> Result<(), SharingFailure> {
     let path = claim_dir.join(RECORD_FILE);
-    let bytes = serde_json::to_vec_pretty(record).map_err(|e| SharingFailure::Record {
+    let bytes = serde_json::to_vec_pretty(record).map_err(|source| SharingFailure::Record {
         path: path.clone(),
-        message: e.to_string(),
+        source,
     })?;
     write_file_atomic(&path, &bytes).map_err(|source| SharingFailure::Io {
         op: "writing",
@@ -678,155 +474,4 @@ pub fn create_dirs(claim_dir: &Path, spec: &DaemonSpec) -> Result<(), SharingFai
             .map_err(|e| io("setting permissions of", e))?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn limits_use_whole_gib_or_mib_rounded_down() {
-        assert_eq!(format_limit(10 << 30).as_deref(), Some("10G"));
-        assert_eq!(format_limit(8192 << 20).as_deref(), Some("8G"));
-        assert_eq!(format_limit(1536 << 20).as_deref(), Some("1536M"));
-        assert_eq!(format_limit((5 << 20) + 123).as_deref(), Some("5M"));
-        assert_eq!(format_limit(1_000_000_000).as_deref(), Some("953M"));
-        assert_eq!(format_limit((1 << 20) - 1), None);
-    }
-
-    #[test]
-    fn socket_paths_must_fit_a_unix_socket_address() {
-        let dir = PathBuf::from(format!("/{}", "d".repeat(94)));
-        assert_eq!(socket_path_too_long(&dir, CONTROL_SOCKET), None);
-        assert_eq!(socket_path_too_long(&dir, LONGEST_SOCKET), Some(114));
-        let dir = PathBuf::from(format!("/{}", "d".repeat(87)));
-        assert_eq!(
-            socket_path_too_long(&dir, LONGEST_SOCKET),
-            None,
-            "107 bytes fit"
-        );
-        let dir = PathBuf::from(format!("/{}", "d".repeat(88)));
-        assert_eq!(socket_path_too_long(&dir, LONGEST_SOCKET), Some(108));
-    }
-
-    #[test]
-    fn closed_parents_of_the_pipe_directory_are_found() {
-        use std::os::unix::fs::PermissionsExt;
-        let tmp = tempfile::tempdir().unwrap();
-        let open = tmp.path().join("open");
-        let closed = open.join("closed");
-        let pipe = closed.join("pipe");
-        fs::create_dir_all(&pipe).unwrap();
-        let set =
-            |p: &Path, mode| fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
-        set(tmp.path(), 0o711);
-        set(&open, 0o755);
-        set(&closed, 0o700);
-        set(&pipe, 0o777);
-        assert_eq!(closed_parent(&pipe), Some(closed.clone()));
-        set(&closed, 0o711);
-        assert_eq!(closed_parent(&pipe), None);
-    }
-
-    #[test]
-    fn limits_read_back_in_either_unit() {
-        assert_eq!(parse_limit("1536M"), Some(1536 << 20));
-        assert_eq!(parse_limit("10G"), Some(10 << 30));
-        assert_eq!(parse_limit("1.5G"), None);
-        assert_eq!(parse_limit("G"), None);
-        assert!(limit_matches("8G", "8192M"));
-        assert!(limit_matches("1536M", "1536M"));
-        // Driver 595 as reported: whole GiB rounded down.
-        assert!(limit_matches("1536M", "1G"));
-        assert!(!limit_matches("1536M", "2G"));
-        assert!(!limit_matches("512M", "0G"));
-        assert!(!limit_matches(
-            "10G",
-            "No default pinned memory limit set for the device!"
-        ));
-    }
-
-    #[test]
-    fn percentage_answer_takes_the_last_line() {
-        assert_eq!(parse_percentage("100.0\n"), Some(100.0));
-        assert_eq!(parse_percentage("\n25.0\n\n"), Some(25.0));
-        assert_eq!(parse_percentage("Invalid device 3\n25.0\n"), Some(25.0));
-        assert_eq!(
-            parse_percentage("Cannot find MPS control daemon process"),
-            None
-        );
-        assert_eq!(parse_percentage(""), None);
-    }
-
-    #[test]
-    fn commands_and_client_env_use_ordinals() {
-        let record = MpsRecord {
-            spec: DaemonSpec {
-                claim_uid: "u".into(),
-                pipe_dir: "/s/mps/u/pipe".into(),
-                log_dir: "/s/mps/u/log".into(),
-                visible_devices: vec!["GPU-a".into(), "MIG-b".into()],
-                multi_user: false,
-            },
-            host_pipe_dir: "/s/mps/u/pipe".into(),
-            active_thread_percentage: 25,
-            pinned_limits: vec![
-                PinnedLimit {
-                    ordinal: 0,
-                    uuid: "GPU-a".into(),
-                    limit: "10G".into(),
-                },
-                PinnedLimit {
-                    ordinal: 1,
-                    uuid: "MIG-b".into(),
-                    limit: "512M".into(),
-                },
-            ],
-            exclusive_gpus: vec!["GPU-a".into()],
-            daemon: None,
-        };
-        assert_eq!(
-            record.limit_commands(),
-            "set_default_active_thread_percentage 25\n\
-             set_default_device_pinned_mem_limit 0 10G\n\
-             set_default_device_pinned_mem_limit 1 512M\n\
-             get_default_active_thread_percentage\n\
-             get_default_device_pinned_mem_limit 0\n\
-             get_default_device_pinned_mem_limit 1\n"
-        );
-        // Read back: each value as set.
-        assert_eq!(record.check_limit_answer("25.0\n10G\n512M\n"), Ok(()));
-        // Sets that print an acknowledgement: still the last lines count.
-        assert_eq!(
-            record.check_limit_answer("ok\nok\nok\n25.0\n10G\n512M\n"),
-            Ok(())
-        );
-        // A rejected set (exit status 0, error on stdout): the daemon's words come back.
-        let err = record
-            .check_limit_answer(
-                "Invalid percentage, expected between (0.0, 100.0]\n100.0\n10G\n512M\n",
-            )
-            .unwrap_err();
-        assert!(
-            err.contains("active thread percentage: set 25")
-                && err.contains("answered `100.0`")
-                && err.contains("Invalid percentage, expected between (0.0, 100.0]"),
-            "{err}"
-        );
-        let err = record
-            .check_limit_answer("25.0\nNo default pinned memory limit set for the device!\n512M\n")
-            .unwrap_err();
-        assert!(
-            err.contains("device 0 (GPU-a): set 10G")
-                && err.contains("No default pinned memory limit set for the device!"),
-            "{err}"
-        );
-        assert!(record.check_limit_answer("25.0\n").is_err());
-        assert_eq!(
-            record.client_memory_limit().as_deref(),
-            Some("0=10G,1=512M")
-        );
-        let json = serde_json::to_value(&record).unwrap();
-        assert_eq!(serde_json::from_value::<MpsRecord>(json).unwrap(), record);
-    }
 }

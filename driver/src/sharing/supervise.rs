@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::SharingFailure;
+use super::error::SharingFailure;
 use super::mps::PID_FILE;
 use super::process;
 use crate::driver_root::{BINARY_DIRS, DriverFiles, DriverRootConfig};

@@ -20,12 +20,11 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use cleave_api::config::TimeSliceInterval;
+use cleave_api::config::{DeviceKind, TimeSliceInterval};
 use serde::{Deserialize, Serialize};
 
-use super::SharingFailure;
 use super::process;
-pub use crate::prepare::TimeSliceNeed;
+use super::{SharingDevice, SharingFailure, SharingManager, TimeSliceNeed};
 
 /// GPU compute modes cleave sets (`nvidia-smi -c`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,4 +165,130 @@ pub struct TimeSliceSetting {
     pub gpu_uuid: String,
     /// The interval set.
     pub interval: TimeSliceInterval,
+}
+
+impl SharingManager {
+    /// Sets the time slices the claim's time-sliced `devices` ask for (each with its
+    /// interval), after checking all of them; on failure the ones already set are restored.
+    /// Returns what was set, for the claim's state.
+    pub(super) fn apply_timeslices(
+        &self,
+        claim_uid: &str,
+        devices: &[(&SharingDevice, TimeSliceInterval)],
+        needs: &[TimeSliceNeed],
+    ) -> Result<Vec<TimeSliceSetting>, SharingFailure> {
+        let plan = self.plan_timeslices(claim_uid, devices, needs)?;
+        for (i, setting) in plan.iter().enumerate() {
+            if let Err(e) = self.smi.set_timeslice(&setting.gpu_uuid, setting.interval) {
+                self.restore_timeslices(claim_uid, &plan[..i], needs);
+                return Err(e);
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Restores the time slices of the claim: those its state records, plus those its
+    /// recorded configs ask for (`needs`), each unless another claim still needs it.
+    pub(super) fn release_timeslices(
+        &self,
+        claim_uid: &str,
+        mut set: Vec<TimeSliceSetting>,
+        needs: &[TimeSliceNeed],
+    ) -> Result<(), SharingFailure> {
+        for need in needs {
+            if need.claim_uid == claim_uid && !set.iter().any(|s| s.gpu_uuid == need.gpu_uuid) {
+                set.push(TimeSliceSetting {
+                    gpu_uuid: need.gpu_uuid.clone(),
+                    interval: need.interval,
+                });
+            }
+        }
+        let mut first_error = None;
+        for s in &set {
+            if let Err(e) = self.restore_timeslice(claim_uid, s, needs) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    fn plan_timeslices(
+        &self,
+        claim_uid: &str,
+        devices: &[(&SharingDevice, TimeSliceInterval)],
+        needs: &[TimeSliceNeed],
+    ) -> Result<Vec<TimeSliceSetting>, SharingFailure> {
+        let mut plan: Vec<TimeSliceSetting> = Vec::new();
+        if devices.is_empty() {
+            return Ok(plan);
+        }
+        for (d, interval) in devices {
+            if d.kind == DeviceKind::Mig || d.uuid.starts_with("MIG-") {
+                // nvidia-smi compute-policy does not support MIG: a MIG device runs in its
+                // parent GPU's time slice. The claim is served; the interval is not applied.
+                if *interval == TimeSliceInterval::Default {
+                    tracing::debug!(device = %d.device_name, "MIG device keeps its parent GPU's time slice");
+                } else {
+                    tracing::warn!(device = %d.device_name, uuid = %d.uuid, interval = %interval, "time slice not applied: a MIG device runs in its parent GPU's time slice (nvidia-smi compute-policy does not support MIG)");
+                }
+                continue;
+            }
+            if let Some(other) = needs.iter().find(|n| {
+                n.claim_uid != claim_uid && n.gpu_uuid == d.uuid && n.interval != *interval
+            }) {
+                return Err(SharingFailure::TimeSliceConflict {
+                    gpu: d.uuid.clone(),
+                    claim: claim_uid.to_owned(),
+                    interval: *interval,
+                    other_claim: other.claim_uid.clone(),
+                    other_interval: other.interval,
+                });
+            }
+            if !plan.iter().any(|s| s.gpu_uuid == d.uuid) {
+                plan.push(TimeSliceSetting {
+                    gpu_uuid: d.uuid.clone(),
+                    interval: *interval,
+                });
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Restores the default slice on `setting`'s GPU unless another claim of `needs` still
+    /// needs a non-default one there.
+    fn restore_timeslice(
+        &self,
+        claim_uid: &str,
+        setting: &TimeSliceSetting,
+        needs: &[TimeSliceNeed],
+    ) -> Result<(), SharingFailure> {
+        if setting.interval == TimeSliceInterval::Default {
+            return Ok(());
+        }
+        let still_needed = needs.iter().find(|n| {
+            n.claim_uid != claim_uid
+                && n.gpu_uuid == setting.gpu_uuid
+                && n.interval != TimeSliceInterval::Default
+        });
+        if let Some(n) = still_needed {
+            tracing::info!(gpu = %setting.gpu_uuid, other = %n.claim_uid, "time slice still needed by another claim; kept");
+            return Ok(());
+        }
+        self.smi
+            .set_timeslice(&setting.gpu_uuid, TimeSliceInterval::Default)
+    }
+
+    /// Best-effort rollback of time slices set by a failing apply.
+    fn restore_timeslices(
+        &self,
+        claim_uid: &str,
+        settings: &[TimeSliceSetting],
+        needs: &[TimeSliceNeed],
+    ) {
+        for s in settings {
+            if let Err(e) = self.restore_timeslice(claim_uid, s, needs) {
+                tracing::error!(gpu = %s.gpu_uuid, error = %e, "rolling back a time slice");
+            }
+        }
+    }
 }

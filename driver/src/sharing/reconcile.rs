@@ -1,0 +1,106 @@
+//! After a plugin restart: MPS daemons outlive the plugin, so the ones of live claims are
+//! re-found (and started again when they died) and the ones of claims that are gone are
+//! stopped. Works from the daemon directories (`mps/<key>`) and the launcher alone.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use super::mps::{self, MpsRecord};
+use super::timeslice::ComputeMode;
+use super::{SharingFailure, SharingManager};
+
+/// What [`SharingManager::reconcile`] did, by claim UID.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// Live claims whose daemon runs and answers.
+    pub kept: Vec<String>,
+    /// Live claims whose daemon was gone and was started again.
+    pub restarted: Vec<String>,
+    /// Claims that are gone; their daemons were stopped and directories removed.
+    pub stopped: Vec<String>,
+    /// Claims where something failed, with the message.
+    pub failed: Vec<(String, String)>,
+}
+
+impl SharingManager {
+    /// After a restart: keeps the daemons of `live_claims` that run and answer, starts again
+    /// those that died (with their recorded settings), and stops daemons of claims not in
+    /// `live_claims`, removing their directories. Failures are reported per claim.
+    pub fn reconcile(&self, live_claims: &BTreeSet<String>) -> ReconcileReport {
+        let _ops = self.serialise();
+        let mut report = ReconcileReport::default();
+        let mut uids: Vec<String> = std::fs::read_dir(self.config.mps_dir())
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.path().is_dir())
+                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                    .filter(|uid| crate::cdi::validate_claim_uid(uid).is_ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        uids.sort();
+        // Daemons no directory names any more (state directory reset): only the launcher
+        // can still find them. Live claims and directories that failed to reconcile keep
+        // theirs.
+        let mut keep: BTreeSet<String> = live_claims.clone();
+        keep.extend(uids.iter().cloned());
+        for uid in self.launcher.sweep(&keep) {
+            report.stopped.push(uid);
+        }
+        for uid in uids {
+            let dir = self.claim_dir(&uid);
+            let record = match mps::load_record(&dir) {
+                Ok(r) => r,
+                Err(e) => {
+                    report.failed.push((uid, e.to_string()));
+                    continue;
+                }
+            };
+            let result = if live_claims.contains(&uid) {
+                match record {
+                    Some(record) => self.keep_or_restart(&dir, record).map(|restarted| {
+                        if restarted {
+                            report.restarted.push(uid.clone());
+                        } else {
+                            report.kept.push(uid.clone());
+                        }
+                    }),
+                    None => Err(SharingFailure::RecordMissing {
+                        path: dir.join(mps::RECORD_FILE),
+                    }),
+                }
+            } else {
+                let stopped = match record {
+                    Some(record) => self.stop_mps(&record),
+                    None => self.stop_unrecorded(&uid),
+                };
+                stopped.map(|()| report.stopped.push(uid.clone()))
+            };
+            if let Err(e) = result {
+                tracing::warn!(claim = %uid, error = %e, "reconciling MPS daemon");
+                report.failed.push((uid, e.to_string()));
+            }
+        }
+        report
+    }
+
+    fn keep_or_restart(&self, dir: &Path, mut record: MpsRecord) -> Result<bool, SharingFailure> {
+        if let Some(handle) = &record.daemon
+            && self.launcher.is_running(handle)
+            && self.answers(&record.spec)
+        {
+            return Ok(false);
+        }
+        tracing::info!(claim = %record.spec.claim_uid, "MPS daemon of a live claim is gone; starting it again");
+        record.daemon = None;
+        self.ensure_pipe_root()?;
+        mps::create_dirs(dir, &record.spec)?;
+        for gpu in &record.exclusive_gpus {
+            self.smi
+                .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)?;
+        }
+        self.launch_and_configure(dir, &mut record)?;
+        Ok(true)
+    }
+}
