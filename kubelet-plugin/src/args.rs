@@ -188,18 +188,18 @@ pub struct MetricsServerArgs {
     /// `claim`, as the Grafana dashboard expects) or `uid-only` (label `claim_uid` only, so
     /// a scrape does not list the tenants' namespaces and claim names).
     #[arg(long, env = "METRICS_CLAIM_LABELS", default_value = "names")]
-    pub metrics_claim_labels: ClaimLabelMode,
+    pub(crate) metrics_claim_labels: ClaimLabelMode,
     /// Who may scrape `/metrics`: `none` (anyone who reaches the port) or `kubernetes` (a
     /// bearer token the API server authenticates, TokenReview, whose user may `get` the
     /// non-resource URL `/metrics`, SubjectAccessReview; needs `tokenreviews` and
     /// `subjectaccessreviews` `create`). `/healthz` and `/readyz` stay open.
     #[arg(long, env = "METRICS_AUTH", default_value = "none")]
-    pub metrics_auth: MetricsAuth,
+    pub(crate) metrics_auth: MetricsAuth,
 }
 
 /// Who may scrape `/metrics`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum MetricsAuth {
+pub(crate) enum MetricsAuth {
     /// Anyone who reaches the port.
     #[default]
     None,
@@ -222,7 +222,7 @@ impl Default for MetricsServerArgs {
 
 /// What identifies a claim in the per-claim metric series.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum ClaimLabelMode {
+pub(crate) enum ClaimLabelMode {
     /// `namespace` and `claim` labels (the claim's namespace and name).
     #[default]
     Names,
@@ -334,7 +334,7 @@ pub struct DriverArgs {
 
 /// How unhealthy devices appear in the published ResourceSlices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum TaintMode {
+pub(crate) enum TaintMode {
     /// Publish them with a `NoSchedule` device taint (needs the `DRADeviceTaints`
     /// feature gate; the API server drops the field without it).
     On,
@@ -362,7 +362,7 @@ pub struct HealthArgs {
     /// How unhealthy devices are published: `on` = NoSchedule taint, `off` = removed,
     /// `auto` = taint, falling back to removal when the API server drops device taints.
     #[arg(long, env = "DEVICE_TAINTS", value_enum, default_value_t = TaintMode::Off)]
-    pub device_taints: TaintMode,
+    pub(crate) device_taints: TaintMode,
     /// Seconds after which an Xid or ECC mark clears by itself; 0 = until restart.
     #[arg(long, env = "XID_UNHEALTHY_DURATION", default_value_t = 0)]
     pub xid_unhealthy_duration: u64,
@@ -468,7 +468,7 @@ impl Default for UsageArgs {
 
 impl UsageArgs {
     /// The idle policy the flags describe.
-    pub fn idle_policy(&self) -> cleave_driver::usage::IdlePolicy {
+    pub(crate) fn idle_policy(&self) -> cleave_driver::usage::IdlePolicy {
         cleave_driver::usage::IdlePolicy {
             threshold_percent: self.idle_threshold,
             window: self.idle_after,
@@ -500,7 +500,7 @@ fn parse_headroom(value: &str) -> Result<f64, String> {
 
 impl UsageArgs {
     /// Right-sizing settings for a node serving `modes`.
-    pub fn rightsize_config(
+    pub(crate) fn rightsize_config(
         &self,
         modes: cleave_driver::rightsize::NodeModes,
     ) -> crate::node::usage::recommend::RightsizeConfig {

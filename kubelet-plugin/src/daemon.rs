@@ -26,7 +26,7 @@ use tracing::{info, warn};
 use crate::args::RunArgs;
 use crate::k8s::events::{EventReporter, Severity, StartNode};
 use crate::kubelet::registration::RegistrationState;
-use crate::metrics::{HealthState, Heartbeat, Metrics};
+use crate::metrics::{Heartbeat, Metrics, ProbeState};
 use crate::node::node_lock::NodeLock;
 use crate::start::{Blocker, RunningPlugin, StartContext, kube_client, start_when_possible};
 
@@ -145,12 +145,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let client = kube_client(args.kubeconfig.as_deref()).await?;
 
     if args.uninstall {
-        let config = PublisherConfig::new(args.kubelet.driver_name.clone(), args.node_name.clone());
-        let deleted = uninstall_slices(&client, &config)
-            .await
-            .context("deleting ResourceSlices")?;
-        info!(deleted, node = %args.node_name, driver = %config.driver_name, "uninstalled ResourceSlices");
-        return Ok(ExitCode::SUCCESS);
+        return uninstall(&args, &client).await;
     }
 
     let metrics = args.metrics_addr.map(|_| Arc::new(Metrics::new()));
@@ -161,34 +156,14 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let taint_client = client.clone();
     // Health is served before start-up, which may wait for the NVIDIA driver or a readable
     // checkpoint (see the start module); /readyz names what it waits for.
-    let (registration_tx, registration_rx) =
-        tokio::sync::watch::channel(RegistrationState::Pending);
-    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
-    let blocker = Arc::new(tokio::sync::watch::channel(Some("starting".to_owned())).0);
-    let (degraded_tx, degraded_rx) = tokio::sync::watch::channel(None::<String>);
-    let heartbeat = Arc::new(Heartbeat::default());
-    heartbeat.beat();
-    let heartbeat_task = heartbeat.spawn();
-    let http = match (args.metrics_addr, &metrics) {
-        (Some(addr), Some(m)) => {
-            let state = HealthState {
-                metrics: Arc::clone(m),
-                registration: registration_rx,
-                published: ready_rx,
-                blocker: blocker.subscribe(),
-                degraded: degraded_rx,
-                heartbeat: Arc::clone(&heartbeat),
-                auth: (args.metrics.metrics_auth == crate::args::MetricsAuth::Kubernetes)
-                    .then(|| Arc::new(crate::metrics::auth::ScrapeAuth::new(client.clone()))),
-            };
-            let (local, task) = crate::metrics::start(addr, state, (&args.metrics).into())
-                .await
-                .with_context(|| format!("serving metrics on {addr}"))?;
-            info!(addr = %local, auth = ?args.metrics.metrics_auth, "serving /metrics, /healthz and /readyz");
-            Some(task)
-        }
-        _ => None,
-    };
+    let Probes {
+        registration_tx,
+        ready_tx,
+        degraded_tx,
+        blocker,
+        heartbeat_task,
+        http,
+    } = serve_probes(&args, &client, metrics.as_ref()).await?;
     let events = EventReporter::new(client.clone(), args.node_name.clone());
     let mps_events = events.clone();
     // The one Node GET of the start: the publisher, the daemon pods' owner, the coexistence
@@ -212,20 +187,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
         r = start_when_possible(&args, &ctx) => r?,
     };
-    let coexistence = tokio::spawn(crate::k8s::coexistence::check_and_report(
-        client,
-        ctx.node.clone(),
-        args.kubelet.driver_name.clone(),
-        plugin
-            .driver
-            .inventory()
-            .gpus
-            .iter()
-            .map(|g| g.uuid.clone())
-            .collect(),
-        plugin.publisher.other_drivers(),
-        events,
-    ));
+    let coexistence = spawn_coexistence_check(&args, client, &ctx, &plugin, events);
     let mut registration = plugin.server.registration_state();
     registration_tx.send_replace(registration.borrow().clone());
     let mut published = plugin.publisher.status();
@@ -234,39 +196,19 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     mps_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     // Daemons of prepared claims that died (an evicted daemon pod, a crash) are started
     // again between prepares too, not only at the next start.
-    let check_every = jittered_check_interval(
-        std::time::Duration::from_secs(args.mps.mps_check_interval_secs),
-        &args.node_name,
-    );
-    let mut mps_check = tokio::time::interval_at(
-        tokio::time::Instant::now() + check_every.max(std::time::Duration::from_secs(1)),
-        check_every.max(std::time::Duration::from_secs(1)),
-    );
-    mps_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let (check_every, mut mps_check) = mps_check_timer(&args);
     // While the driver root holds no driver: not ready with the reason, and looked at again
     // on the start-up retry schedule's longest wait.
     if let Some(reason) = plugin.driver_wait.clone() {
-        let reason = format!("NVIDIA driver not ready: {reason}");
-        crate::start::driver_not_ready_event(&ctx, &reason, &mut None).await;
-        ctx.blocker.send_replace(Some(reason));
+        report_driver_wait(&ctx, reason).await;
     }
-    let mut driver_check = tokio::time::interval(std::time::Duration::from_millis(
-        args.lifecycle.retry_max_ms.clamp(100, 10_000),
-    ));
-    driver_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut driver_check = driver_check_timer(&args);
     // The periodic check also looks for GPU instances left without compute instance (a
     // destroy that failed during a rollback) and republishes the pool when they change, so
     // that their placements are published as taken, never as free.
     let last_bare = Arc::new(std::sync::Mutex::new(plugin.bare_gpu_instances.clone()));
     let (pool_tx, mut pool_rx) =
         tokio::sync::mpsc::unbounded_channel::<cleave_api::pool::PoolDevices>();
-    // How the pool is published (the instances are filled in when it is rebuilt).
-    let pool_options = PoolOptions {
-        dynamic_mig: args.driver.dynamic_mig,
-        consumable_capacity: args.driver.consumable_capacity,
-        share_on_demand_mig: args.driver.share_on_demand_mig,
-        ..PoolOptions::default()
-    };
     let counter_events = EventReporter::new(taint_client.clone(), args.node_name.clone());
     let mut background = vec![heartbeat_task.abort_handle(), coexistence.abort_handle()];
     background.extend(http.as_ref().map(|t| t.abort_handle()));
@@ -287,7 +229,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         mps_events,
         last_bare,
         pool_tx,
-        pool_options,
+        pool_options: pool_options(&args),
         mps_check_task: None,
         background,
     };
@@ -314,6 +256,139 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 daemon.on_publish_status(published.borrow_and_update().clone()).await;
             }
         }
+    }
+}
+
+/// `run --uninstall`: deletes this node's ResourceSlices and exits.
+async fn uninstall(args: &RunArgs, client: &kube::Client) -> anyhow::Result<ExitCode> {
+    let config = PublisherConfig::new(args.kubelet.driver_name.clone(), args.node_name.clone());
+    let deleted = uninstall_slices(client, &config)
+        .await
+        .context("deleting ResourceSlices")?;
+    info!(deleted, node = %args.node_name, driver = %config.driver_name, "uninstalled ResourceSlices");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The probe endpoints' inputs `run` updates, and the tasks serving them.
+struct Probes {
+    registration_tx: tokio::sync::watch::Sender<RegistrationState>,
+    ready_tx: tokio::sync::watch::Sender<bool>,
+    degraded_tx: tokio::sync::watch::Sender<Option<String>>,
+    blocker: Arc<Blocker>,
+    heartbeat_task: tokio::task::JoinHandle<()>,
+    http: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Starts the heartbeat and, with `--metrics-addr`, serves `/metrics`, `/healthz` and
+/// `/readyz` (not ready, "starting", until start-up says otherwise).
+async fn serve_probes(
+    args: &RunArgs,
+    client: &kube::Client,
+    metrics: Option<&Arc<Metrics>>,
+) -> anyhow::Result<Probes> {
+    let (registration_tx, registration_rx) =
+        tokio::sync::watch::channel(RegistrationState::Pending);
+    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
+    let blocker = Arc::new(tokio::sync::watch::channel(Some("starting".to_owned())).0);
+    let (degraded_tx, degraded_rx) = tokio::sync::watch::channel(None::<String>);
+    let heartbeat = Arc::new(Heartbeat::default());
+    heartbeat.beat();
+    let heartbeat_task = heartbeat.spawn();
+    let http = match (args.metrics_addr, metrics) {
+        (Some(addr), Some(m)) => {
+            let state = ProbeState {
+                metrics: Arc::clone(m),
+                registration: registration_rx,
+                published: ready_rx,
+                blocker: blocker.subscribe(),
+                degraded: degraded_rx,
+                heartbeat: Arc::clone(&heartbeat),
+                auth: (args.metrics.metrics_auth == crate::args::MetricsAuth::Kubernetes)
+                    .then(|| Arc::new(crate::metrics::auth::ScrapeAuth::new(client.clone()))),
+            };
+            let (local, task) = crate::metrics::start(addr, state, (&args.metrics).into())
+                .await
+                .map_err(|source| crate::start::StartError::Metrics { addr, source })?;
+            info!(addr = %local, auth = ?args.metrics.metrics_auth, "serving /metrics, /healthz and /readyz");
+            Some(task)
+        }
+        _ => None,
+    };
+    Ok(Probes {
+        registration_tx,
+        ready_tx,
+        degraded_tx,
+        blocker,
+        heartbeat_task,
+        http,
+    })
+}
+
+/// Looks for other managers of this node's GPUs in the background (see
+/// [`crate::k8s::coexistence`]).
+fn spawn_coexistence_check(
+    args: &RunArgs,
+    client: kube::Client,
+    ctx: &StartContext,
+    plugin: &RunningPlugin,
+    events: EventReporter,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(crate::k8s::coexistence::check_and_report(
+        client,
+        ctx.node.clone(),
+        args.kubelet.driver_name.clone(),
+        plugin
+            .driver
+            .inventory()
+            .gpus
+            .iter()
+            .map(|g| g.uuid.clone())
+            .collect(),
+        plugin.publisher.other_drivers(),
+        events,
+    ))
+}
+
+/// The check for dead MPS daemons of prepared claims: its period (jittered per node; zero:
+/// off) and its timer, first firing one period after start.
+fn mps_check_timer(args: &RunArgs) -> (std::time::Duration, tokio::time::Interval) {
+    let check_every = jittered_check_interval(
+        std::time::Duration::from_secs(args.mps.mps_check_interval_secs),
+        &args.node_name,
+    );
+    let mut mps_check = tokio::time::interval_at(
+        tokio::time::Instant::now() + check_every.max(std::time::Duration::from_secs(1)),
+        check_every.max(std::time::Duration::from_secs(1)),
+    );
+    mps_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    (check_every, mps_check)
+}
+
+/// Not ready, with `reason` (the driver root holds no driver), on `/readyz` and in a Node
+/// Event.
+async fn report_driver_wait(ctx: &StartContext, reason: String) {
+    let reason = format!("NVIDIA driver not ready: {reason}");
+    crate::start::driver_not_ready_event(ctx, &reason, &mut None).await;
+    ctx.blocker.send_replace(Some(reason));
+}
+
+/// How often the driver root is looked at again while it holds no driver: the start-up
+/// retry schedule's longest wait.
+fn driver_check_timer(args: &RunArgs) -> tokio::time::Interval {
+    let mut driver_check = tokio::time::interval(std::time::Duration::from_millis(
+        args.lifecycle.retry_max_ms.clamp(100, 10_000),
+    ));
+    driver_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    driver_check
+}
+
+/// How the pool is published (the instances are filled in when it is rebuilt).
+fn pool_options(args: &RunArgs) -> PoolOptions {
+    PoolOptions {
+        dynamic_mig: args.driver.dynamic_mig,
+        consumable_capacity: args.driver.consumable_capacity,
+        share_on_demand_mig: args.driver.share_on_demand_mig,
+        ..PoolOptions::default()
     }
 }
 

@@ -4,20 +4,23 @@
 //! What each module owns, by role. The entry point: `cli` parses the command line into
 //! the plain flag data of `args` and runs a subcommand; `daemon` is `run`'s loop
 //! (signals, readiness, republishing, periodic checks, each a named handler); `start`
-//! brings the node up in order (NVML, driver, publisher, servers) and decides, through its
-//! typed `StartError`, what start-up waits for.
+//! brings the node up in order (NVML, driver, publisher, servers, usage sampling; a file
+//! under `start/` each) and decides, through its typed `StartError`, what start-up waits
+//! for. It is the only module that wires the folders below together; they import one way
+//! (`metrics` -> `k8s` -> `kubelet` -> `node`), checked by the testkit's import check.
 //!
 //! - `kubelet`: the gRPC shell the kubelet talks to (protos, the DRA service generic over
-//!   `kubelet::handler::ClaimHandler`, registration, the health service, the unix-socket
+//!   `kubelet::handler::ClaimHandler`, registration, the `DRAResourceHealth` service, the unix-socket
 //!   server).
 //! - `k8s`: the API server side: `k8s::kube_handler` is the real claim handler (claims
 //!   from the API server, the driver's prepare under the node lock), Events, claim status,
 //!   MPS daemon pods, other GPU managers on the node.
 //! - `node`: node-local state: the node lock, the instance lock and `checkpoint reset`
-//!   (`node::lifecycle`), device health (the pure mapping is the driver's
+//!   (`node::lifecycle`), device health (`node::device_health`; the pure mapping is the driver's
 //!   `device_health`), usage sampling and the `usage` command, the CDI hook binary.
-//! - `metrics` owns the whole Prometheus registry and the HTTP endpoints; the gRPC and
-//!   health code report into it through observer traits they define.
+//! - `metrics` owns the whole Prometheus registry and the HTTP endpoints (`/metrics`, the
+//!   `/healthz` and `/readyz` probes); the gRPC, device health, claim handler and status
+//!   code report into it through observer traits they define.
 //! - Small tools: `inspect`, `mps_daemon` (the program inside an MPS daemon pod),
 //!   `telemetry` (logging), and `mock` (loading the mock NVML library for `--mock`; the
 //!   development build's `mock` feature only).
@@ -48,12 +51,12 @@ pub use kubelet::handler::{
     ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedDevice, PreparedShare,
     UnprepareResult,
 };
-/// The gRPC service names of the two device health API versions.
-pub use kubelet::health::{HEALTH_V1, HEALTH_V1ALPHA1};
 /// The kubelet plugin's generated gRPC types (DRA, registration, health).
 pub use kubelet::proto;
 /// Whether the kubelet has registered the plugin.
 pub use kubelet::registration::RegistrationState;
+/// The gRPC service names of the two device health API versions.
+pub use kubelet::resource_health::{HEALTH_V1, HEALTH_V1ALPHA1};
 /// The unix-socket gRPC server, its configuration and errors, and a client connector.
 pub use kubelet::server::{
     PluginConfig, PluginServer, ServerError, check_sockets_free, connect_unix,
@@ -61,7 +64,7 @@ pub use kubelet::server::{
 /// The Prometheus registry of the whole daemon.
 pub use metrics::Metrics;
 /// Device health: the shared per-device health state the health service streams.
-pub use node::health::DeviceHealth;
+pub use node::device_health::DeviceHealth;
 /// Brings the node up (NVML, driver, publisher, servers); the handle to the running plugin.
 pub use start::{RunningPlugin, start};
 /// Sets up logging; the log format flag's values.

@@ -59,7 +59,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::kubelet::handler::ClaimRef;
-use crate::node::health::DeviceHealth;
+use crate::node::device_health::DeviceHealth;
 use cleave_driver::health::HealthEventKind;
 
 /// Condition type: the device is set up as the class and claim config ask.

@@ -21,6 +21,8 @@ use kube::Resource as _;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::{debug, warn};
 
+use crate::kubelet::handler::escape_control;
+
 /// The `reportingController` of cleave's node Events.
 pub(crate) const REPORTING_CONTROLLER: &str = "gpu.cleave.dev/kubelet-plugin";
 
@@ -254,24 +256,6 @@ impl StartNode {
 /// A reference to any object already read (e.g. a `ResourceClaim`).
 pub(crate) fn object_reference<K: kube::Resource<DynamicType = ()>>(obj: &K) -> ObjectReference {
     obj.object_ref(&())
-}
-
-/// `s` with every control character (newlines, ESC of terminal sequences, C1 controls)
-/// written as its Rust escape (`\n`, `\u{1b}`): messages that carry user input (a claim's
-/// config keys, names) then cannot forge lines or terminal sequences where they are shown.
-pub(crate) fn escape_control(s: &str) -> std::borrow::Cow<'_, str> {
-    if !s.chars().any(char::is_control) {
-        return std::borrow::Cow::Borrowed(s);
-    }
-    let mut out = String::with_capacity(s.len() + 8);
-    for c in s.chars() {
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    std::borrow::Cow::Owned(out)
 }
 
 fn truncate(s: &str, max: usize) -> String {

@@ -25,9 +25,17 @@ use crate::k8s::events::{EventReporter, Severity};
 use crate::kubelet::handler::{
     ClaimError, ClaimHandler, ClaimRef, PrepareResult, PreparedShare, UnprepareResult,
 };
-use crate::metrics::observability::ObservabilityMetrics;
-use crate::node::health::DeviceHealth;
+use crate::node::device_health::DeviceHealth;
 use crate::node::node_lock::NodeLock;
+
+/// What the handler reports after its batches; the metrics implement it, so this side
+/// never imports them.
+pub(crate) trait PrepareObserver: Send + Sync {
+    /// The prepared claims as they are now (after every batch that reached the driver).
+    fn prepared(&self, summary: &cleave_driver::prepare::CheckpointSummary);
+    /// A prepare refused for `refusal`.
+    fn refused(&self, refusal: cleave_driver::prepare::Refusal);
+}
 
 /// Claim reads of one batch in flight at once: a batch of thousands of claims must not
 /// open thousands of requests at once (10,000 claims unbounded: 262 MiB).
@@ -55,7 +63,7 @@ pub(crate) struct KubeClaimHandler {
     /// Warning Events on claims whose prepare failed for a reason the user can act on.
     events: Option<EventReporter>,
     /// Metrics whose `mps_daemons_running` is refreshed after every batch.
-    metrics: Option<ObservabilityMetrics>,
+    metrics: Option<Arc<dyn PrepareObserver>>,
     /// Writes the claims' `status.devices` in the background (see [`Self::with_status`]).
     status: Option<ClaimStatusWriter>,
     /// Held for every batch: usage sampling waits meanwhile (see [`Self::with_sampling_gate`]).
@@ -104,14 +112,14 @@ impl KubeClaimHandler {
 
     /// Updates `mps_daemons_running` of `metrics` from the driver's prepared claims after
     /// every prepare and unprepare batch that reached the driver.
-    pub(crate) fn with_metrics(mut self, metrics: Option<ObservabilityMetrics>) -> Self {
+    pub(crate) fn with_metrics(mut self, metrics: Option<Arc<dyn PrepareObserver>>) -> Self {
         self.metrics = metrics;
         self
     }
 
     fn refresh_metrics(&self) {
         if let Some(m) = &self.metrics {
-            m.set_prepared(&self.driver.prepared_summary());
+            m.prepared(&self.driver.prepared_summary());
         }
     }
 
@@ -307,7 +315,7 @@ impl ClaimHandler for KubeClaimHandler {
                 for (uid, (result, report, object)) in done {
                     if let Err(ClaimError::Prepare { message, refusal }) = &result {
                         if let Some(m) = &self.metrics {
-                            m.count_refusal(*refusal);
+                            m.refused(*refusal);
                         }
                         if refusal.actionable() {
                             self.report(&object, message.clone());

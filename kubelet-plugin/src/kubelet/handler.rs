@@ -35,7 +35,7 @@ impl From<PreparedDevice> for PreparedShare {
 }
 
 /// Why one claim could not be prepared or unprepared; the variant names the step that
-/// failed and [`ClaimError::kubelet_message`] is what the kubelet (and the pod's events)
+/// failed and `ClaimError::kubelet_message` is what the kubelet (and the pod's events)
 /// show.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClaimError {
@@ -125,8 +125,8 @@ pub enum ClaimError {
 impl ClaimError {
     /// The message the kubelet gets in the claim's response entry (and shows in the pod's
     /// events), control characters escaped: it may carry user input (config keys).
-    pub fn kubelet_message(&self) -> String {
-        crate::k8s::events::escape_control(&self.to_string()).into_owned()
+    pub(crate) fn kubelet_message(&self) -> String {
+        escape_control(&self.to_string()).into_owned()
     }
 }
 
@@ -161,4 +161,21 @@ impl<H: ClaimHandler + ?Sized> ClaimHandler for std::sync::Arc<H> {
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, UnprepareResult> {
         (**self).unprepare(claims).await
     }
+}
+/// `s` with every control character (newlines, ESC of terminal sequences, C1 controls)
+/// written as its Rust escape (`\n`, `\u{1b}`): messages that carry user input (a claim's
+/// config keys, names) then cannot forge lines or terminal sequences where they are shown.
+pub(crate) fn escape_control(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }

@@ -6,7 +6,7 @@
 
 pub(crate) mod dra;
 pub(crate) mod handler;
-pub(crate) mod health;
 pub mod proto;
 pub(crate) mod registration;
+pub(crate) mod resource_health;
 pub(crate) mod server;

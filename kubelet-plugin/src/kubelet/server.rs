@@ -27,10 +27,10 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tracing::{debug, info, warn};
 
 use super::dra::{DraObserver, DraService};
-use super::health::{HEALTH_V1, HEALTH_V1ALPHA1, HealthService};
 use super::registration::{RegistrationService, RegistrationState};
+use super::resource_health::{HEALTH_V1, HEALTH_V1ALPHA1, HealthService};
 use crate::kubelet::handler::ClaimHandler;
-use crate::node::health::DeviceHealth;
+use crate::node::device_health::DeviceHealth;
 
 /// How long shutdown waits for in-flight calls before it aborts a server.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -144,11 +144,11 @@ impl PluginConfig {
     }
 
     /// The driver's state directory: `<plugins dir>/<driver>` (checkpoint, lock, DRA socket).
-    pub fn data_dir(&self) -> PathBuf {
+    pub(crate) fn data_dir(&self) -> PathBuf {
         self.plugins_dir.join(&self.driver_name)
     }
 
-    /// The DRA service socket: `dra.sock` or `dra-<pod UID>.sock` in [`Self::data_dir`].
+    /// The DRA service socket: `dra.sock` or `dra-<pod UID>.sock` in the data directory.
     pub fn dra_socket(&self) -> PathBuf {
         match &self.pod_uid {
             Some(uid) => self.data_dir().join(format!("dra-{uid}.sock")),
@@ -166,7 +166,7 @@ impl PluginConfig {
     }
 
     /// The node-wide serialisation lock file shared by all instances.
-    pub fn lock_file(&self) -> PathBuf {
+    pub(crate) fn lock_file(&self) -> PathBuf {
         self.data_dir().join("serialize.lock")
     }
 

@@ -33,7 +33,7 @@ use cleave_driver::health::HealthEvent;
 
 use crate::kubelet::dra::DraObserver;
 use crate::kubelet::registration::RegistrationState;
-use crate::node::health::HealthObserver;
+use crate::node::device_health::DeviceHealthObserver;
 
 pub(crate) mod auth;
 pub(crate) mod observability;
@@ -73,20 +73,20 @@ pub struct Metrics {
     registered: Gauge,
     slices_published: Gauge,
     devices_withheld: Gauge,
-    /// Device health events and unhealthy devices (reported through [`HealthObserver`]).
-    pub health: HealthMetrics,
+    /// Device health events and unhealthy devices (reported through [`DeviceHealthObserver`]).
+    pub(crate) health: DeviceHealthMetrics,
     /// Call latency by result, API requests, published devices (see [`observability`]).
-    pub observability: observability::ObservabilityMetrics,
+    pub(crate) observability: observability::ObservabilityMetrics,
     /// Start-up state: NVML availability, checkpoint health (set by start-up).
-    pub lifecycle: LifecycleMetrics,
+    pub(crate) lifecycle: LifecycleMetrics,
     /// Per-claim usage, written by the usage monitor after each round (see [`usage`]).
     pub usage: Arc<usage::UsageMetrics>,
     /// Usage windows and recommendations (see [`rightsize`]).
     pub rightsize: Arc<rightsize::RightsizeMetrics>,
     /// Claim `status.devices` writes by result (see `crate::k8s::claim_status`).
-    pub claim_status: StatusWriteMetrics,
+    pub(crate) claim_status: StatusWriteMetrics,
     /// The metrics server's open and refused connections (see [`server`]).
-    pub server: server::ServerMetrics,
+    pub(crate) server: server::ServerMetrics,
 }
 
 impl Default for Metrics {
@@ -130,7 +130,7 @@ impl Metrics {
             "Devices not published because the API server drops shared counters (feature gate DRAPartitionableDevices off); 0 normally",
             devices_withheld.clone(),
         );
-        let health = HealthMetrics::register(&mut registry);
+        let health = DeviceHealthMetrics::register(&mut registry);
         let observability = observability::ObservabilityMetrics::register(&mut registry);
         let lifecycle = LifecycleMetrics::register(&mut registry);
         let usage = Arc::new(usage::UsageMetrics::register(&mut registry));
@@ -156,14 +156,14 @@ impl Metrics {
 
     /// Labels the per-claim usage and right-sizing series by claim UID only (`namespace`
     /// empty, `claim` the UID), so that a scrape lists no tenant names.
-    pub fn set_claim_labels(&self, mode: crate::args::ClaimLabelMode) {
+    pub(crate) fn set_claim_labels(&self, mode: crate::args::ClaimLabelMode) {
         let uid_only = mode == crate::args::ClaimLabelMode::UidOnly;
         self.usage.set_uid_only(uid_only);
         self.rightsize.set_uid_only(uid_only);
     }
 
     /// Records one gRPC batch: its duration and each claim's result.
-    pub fn record_batch(
+    pub(crate) fn record_batch(
         &self,
         operation: &'static str,
         elapsed: Duration,
@@ -184,18 +184,18 @@ impl Metrics {
     }
 
     /// Sets the registration gauge.
-    pub fn set_registered(&self, registered: bool) {
+    pub(crate) fn set_registered(&self, registered: bool) {
         self.registered.set(i64::from(registered));
     }
 
     /// Sets the published-slices gauge.
-    pub fn set_slices_published(&self, slices: usize) {
+    pub(crate) fn set_slices_published(&self, slices: usize) {
         self.slices_published
             .set(i64::try_from(slices).unwrap_or(i64::MAX));
     }
 
     /// Sets the withheld-devices gauge.
-    pub fn set_devices_withheld(&self, devices: usize) {
+    pub(crate) fn set_devices_withheld(&self, devices: usize) {
         self.devices_withheld
             .set(i64::try_from(devices).unwrap_or(i64::MAX));
     }
@@ -210,9 +210,9 @@ impl Metrics {
     }
 }
 
-/// What the health endpoints look at.
+/// What the probe endpoints (`/healthz` liveness, `/readyz` readiness) and `/metrics` look at.
 #[derive(Debug, Clone)]
-pub(crate) struct HealthState {
+pub(crate) struct ProbeState {
     /// The metrics to serve.
     pub metrics: Arc<Metrics>,
     /// The kubelet's registration verdicts.
@@ -236,7 +236,7 @@ fn respond(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     r
 }
 
-fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
+fn handle(state: &ProbeState, path: &str) -> Response<Full<Bytes>> {
     match path {
         "/healthz" => {
             let age = state.heartbeat.age();
@@ -290,7 +290,7 @@ fn handle(state: &HealthState, path: &str) -> Response<Full<Bytes>> {
 /// Binds `addr` and serves the endpoints within `limits` in a background task.
 pub(crate) async fn start(
     addr: SocketAddr,
-    state: HealthState,
+    state: ProbeState,
     limits: server::ServerLimits,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
@@ -310,7 +310,7 @@ impl DraObserver for Metrics {
     }
 }
 
-impl HealthObserver for Metrics {
+impl DeviceHealthObserver for Metrics {
     fn health_event(&self, event: &HealthEvent) {
         self.health.record_event(event);
     }
@@ -321,7 +321,7 @@ impl HealthObserver for Metrics {
 
 /// `claim_status_writes_total{result}`: finished status writes by result.
 #[derive(Debug, Clone, Default)]
-pub struct StatusWriteMetrics {
+pub(crate) struct StatusWriteMetrics {
     writes: prometheus_client::metrics::family::Family<
         StatusWriteLabels,
         prometheus_client::metrics::counter::Counter,
@@ -337,7 +337,7 @@ pub(crate) struct StatusWriteLabels {
 
 impl StatusWriteMetrics {
     /// Creates the family and registers it.
-    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+    pub(crate) fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
         let m = Self::default();
         registry.register(
             "claim_status_writes",
@@ -346,12 +346,14 @@ impl StatusWriteMetrics {
         );
         m
     }
+}
 
-    /// Count of writes with `result`.
-    pub fn count(&self, result: &'static str) -> u64 {
-        self.writes
-            .get_or_create(&StatusWriteLabels { result })
-            .get()
+impl crate::k8s::kube_handler::PrepareObserver for Metrics {
+    fn prepared(&self, summary: &cleave_driver::prepare::CheckpointSummary) {
+        self.observability.set_prepared(summary);
+    }
+    fn refused(&self, refusal: cleave_driver::prepare::Refusal) {
+        self.observability.count_refusal(refusal);
     }
 }
 
@@ -366,7 +368,7 @@ impl crate::k8s::claim_status::StatusObserver for Metrics {
 
 /// Health metrics, registered into the plugin's registry by [`Metrics::new`].
 #[derive(Debug, Clone, Default)]
-pub struct HealthMetrics {
+pub(crate) struct DeviceHealthMetrics {
     events: Family<HealthEventLabels, Counter>,
     unhealthy: Gauge,
 }
@@ -382,10 +384,10 @@ pub(crate) struct HealthEventLabels {
     pub fatal: &'static str,
 }
 
-impl HealthMetrics {
+impl DeviceHealthMetrics {
     /// Registers `health_events` (counter by kind, Xid and fatality) and
     /// `devices_unhealthy` (gauge) in `registry`.
-    pub fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+    pub(crate) fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
         let m = Self::default();
         registry.register(
             "health_events",
@@ -401,7 +403,7 @@ impl HealthMetrics {
     }
 
     /// Counts one event.
-    pub fn record_event(&self, event: &HealthEvent) {
+    pub(crate) fn record_event(&self, event: &HealthEvent) {
         self.events
             .get_or_create(&HealthEventLabels {
                 kind: event.kind.as_str(),
@@ -412,14 +414,14 @@ impl HealthMetrics {
     }
 
     /// Sets the unhealthy-devices gauge.
-    pub fn set_unhealthy(&self, n: usize) {
+    pub(crate) fn set_unhealthy(&self, n: usize) {
         self.unhealthy.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 }
 
 /// Start-up metrics (registered into the plugin's registry by [`Metrics::new`]).
 #[derive(Debug, Default)]
-pub struct LifecycleMetrics {
+pub(crate) struct LifecycleMetrics {
     /// 1 when NVML loaded and found GPUs (or `--allow-no-gpus`).
     pub nvml_available: Gauge,
     /// 0 while the checkpoint cannot be read.
@@ -430,7 +432,7 @@ pub struct LifecycleMetrics {
 
 impl LifecycleMetrics {
     /// Creates the metrics and registers them in `registry`.
-    pub fn register(registry: &mut Registry) -> Self {
+    pub(crate) fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         m.checkpoint_healthy.set(1);
         registry.register(
@@ -557,7 +559,7 @@ mod tests {
         let heartbeat = Arc::new(Heartbeat::default());
         heartbeat.beat();
         let (degraded_tx, degraded) = watch::channel(None);
-        let state = HealthState {
+        let state = ProbeState {
             metrics: Arc::new(Metrics::new()),
             registration,
             published,

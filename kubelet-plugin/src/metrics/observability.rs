@@ -48,7 +48,7 @@ fn histogram() -> Histogram {
 
 /// The metrics of this module.
 #[derive(Debug, Clone)]
-pub struct ObservabilityMetrics {
+pub(crate) struct ObservabilityMetrics {
     durations: Family<OperationResultLabels, Histogram, fn() -> Histogram>,
     api: Family<ApiLabels, Counter>,
     published: Family<DeviceType, Gauge>,
@@ -81,7 +81,7 @@ pub(crate) struct StepLabels {
 impl ObservabilityMetrics {
     /// Creates and registers `operation_duration_seconds`, `api_requests` and
     /// `devices_published`.
-    pub fn register(registry: &mut Registry) -> Self {
+    pub(crate) fn register(registry: &mut Registry) -> Self {
         let m = Self {
             durations: Family::new_with_constructor(histogram),
             api: Family::default(),
@@ -142,7 +142,7 @@ impl ObservabilityMetrics {
     }
 
     /// Records one DRA call.
-    pub fn observe_call(&self, operation: &'static str, elapsed: Duration, failed: usize) {
+    pub(crate) fn observe_call(&self, operation: &'static str, elapsed: Duration, failed: usize) {
         let result = if failed == 0 { "ok" } else { "error" };
         self.durations
             .get_or_create(&OperationResultLabels { operation, result })
@@ -151,7 +151,7 @@ impl ObservabilityMetrics {
 
     /// Points the driver's step timing ([`cleave_driver::timing`]) at
     /// `driver_step_duration_seconds` and the MIG counters; the first call in a process wins.
-    pub fn install_driver_observer(&self) -> bool {
+    pub(crate) fn install_driver_observer(&self) -> bool {
         let m = self.clone();
         cleave_driver::timing::set_observer(Box::new(move |step, elapsed| {
             m.observe_step(step, elapsed);
@@ -160,7 +160,7 @@ impl ObservabilityMetrics {
 
     /// Records one successful driver step (the driver reports only successful ones): its
     /// duration, and for MIG create/destroy the instance counters.
-    pub fn observe_step(&self, step: &'static str, elapsed: Duration) {
+    pub(crate) fn observe_step(&self, step: &'static str, elapsed: Duration) {
         self.steps
             .get_or_create(&StepLabels { step })
             .observe(elapsed.as_secs_f64());
@@ -176,14 +176,14 @@ impl ObservabilityMetrics {
     }
 
     /// Sets `mps_daemons_running`.
-    pub fn set_mps_daemons(&self, daemons: usize) {
+    pub(crate) fn set_mps_daemons(&self, daemons: usize) {
         self.mps_daemons
             .set(i64::try_from(daemons).unwrap_or(i64::MAX));
     }
 
     /// Sets `mps_daemons_running` and `admin_access_devices` from the driver's summary
     /// of its prepared claims.
-    pub fn set_prepared(&self, summary: &CheckpointSummary) {
+    pub(crate) fn set_prepared(&self, summary: &CheckpointSummary) {
         self.set_mps_daemons(summary.mps_daemons());
         self.admin_access_devices
             .set(i64::try_from(summary.admin_access_devices()).unwrap_or(i64::MAX));
@@ -192,7 +192,7 @@ impl ObservabilityMetrics {
     /// Sets the gauges from the checkpoint file as the driver reads it (catching changes
     /// by another instance); on a read error they keep their values and the error is
     /// logged at debug level (start-up and the driver report checkpoint errors themselves).
-    pub fn refresh_from_checkpoint(&self, driver: &cleave_driver::prepare::NodeDriver) {
+    pub(crate) fn refresh_from_checkpoint(&self, driver: &cleave_driver::prepare::NodeDriver) {
         match driver.checkpoint_summary() {
             Ok(summary) => self.set_prepared(&summary),
             Err(e) => tracing::debug!(error = %e, "reading the checkpoint for mps_daemons_running"),
@@ -200,7 +200,7 @@ impl ObservabilityMetrics {
     }
 
     /// Counts a refused prepare under its refusal's label.
-    pub fn count_refusal(&self, refusal: cleave_driver::prepare::Refusal) {
+    pub(crate) fn count_refusal(&self, refusal: cleave_driver::prepare::Refusal) {
         self.refusals
             .get_or_create(&RefusalLabels {
                 reason: refusal.label(),
@@ -209,7 +209,7 @@ impl ObservabilityMetrics {
     }
 
     /// An observer for [`cleave_controller::PublisherConfig::observer`].
-    pub fn api_observer(&self) -> ApiObserver {
+    pub(crate) fn api_observer(&self) -> ApiObserver {
         let api = self.api.clone();
         std::sync::Arc::new(move |verb, result| {
             api.get_or_create(&ApiLabels { verb, result }).inc();
@@ -217,7 +217,7 @@ impl ObservabilityMetrics {
     }
 
     /// Sets the published-devices gauges from `pool`.
-    pub fn set_published(&self, pool: &PoolDevices) {
+    pub(crate) fn set_published(&self, pool: &PoolDevices) {
         let (mut gpu, mut mig) = (0i64, 0i64);
         for d in pool.devices() {
             match d.name.parse::<DeviceName>() {

@@ -26,7 +26,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
-use super::HealthState;
+use super::ProbeState;
 
 /// Largest request head (request line and headers) read; hyper answers 431 above it. Its
 /// read buffer is capped at the same size (hyper's minimum buffer is 8 KiB).
@@ -74,14 +74,14 @@ pub(crate) struct RefusedLabels {
 
 /// The server's own metrics: open connections and connections refused by a cap.
 #[derive(Debug, Clone, Default)]
-pub struct ServerMetrics {
+pub(crate) struct ServerMetrics {
     open: Gauge,
     refused: Family<RefusedLabels, Counter>,
 }
 
 impl ServerMetrics {
     /// Creates the metrics and registers them in `registry`.
-    pub fn register(registry: &mut Registry) -> Self {
+    pub(crate) fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         registry.register(
             "metrics_connections_open",
@@ -94,11 +94,6 @@ impl ServerMetrics {
             m.refused.clone(),
         );
         m
-    }
-
-    /// Connections refused for `reason`.
-    pub fn refused(&self, reason: &'static str) -> u64 {
-        self.refused.get_or_create(&RefusedLabels { reason }).get()
     }
 }
 
@@ -167,7 +162,7 @@ fn refusal(req: &Request<hyper::body::Incoming>) -> Option<Response<Full<Bytes>>
 
 /// Answers one request: only `GET` and `HEAD` without a body reach the endpoints, and
 /// `/metrics` only past the scrape review when one is configured.
-async fn answer(state: &HealthState, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+async fn answer(state: &ProbeState, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
     if let Some(r) = refusal(&req) {
         return r;
     }
@@ -184,7 +179,7 @@ async fn answer(state: &HealthState, req: Request<hyper::body::Incoming>) -> Res
 /// Serves the endpoints on `listener` within `limits` until the task is aborted.
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
-    state: HealthState,
+    state: ProbeState,
     limits: ServerLimits,
 ) {
     let total = Arc::new(Semaphore::new(limits.max_connections));

@@ -140,92 +140,17 @@ pub(crate) fn run(library: &std::path::Path, control: &std::path::Path) -> anyho
         let pid = 5000 + n as u32;
         match s.mig {
             Some(want) => {
-                let (g, gpu, profile, placement) = mig_gpus
-                    .iter()
-                    .find_map(|&g| {
-                        let gpu = &inventory.gpus[g];
-                        let MigState::Enabled { profiles, .. } = &gpu.mig else {
-                            return None;
-                        };
-                        let p = profiles.iter().find(|p| p.name == want)?;
-                        let used = taken.get(&g).cloned().unwrap_or_default();
-                        let pl = p
-                            .placements
-                            .iter()
-                            .find(|pl| !used.iter().any(|u| u.overlaps(pl)))?;
-                        Some((g, gpu, p.clone(), *pl))
-                    })
-                    .with_context(|| format!("usage --recommend --mock: no room for {want}"))?;
-                let mig = backend
-                    .create_mig(&gpu.uuid, profile.id, placement)
-                    .with_context(|| format!("creating a {want} instance on the mock"))?;
-                taken.entry(g).or_default().push(placement);
-                where_.push((g, Some(mig.gi_id), pid));
-                devices.push(ClaimDevice {
-                    claim: ClaimRef {
-                        uid: format!("uid-{}", s.name),
-                        namespace: s.ns.into(),
-                        name: s.name.into(),
-                    },
-                    device: format!(
-                        "gpu-{}-mig-{}-{}",
-                        gpu.minor,
-                        profile.name.replace(['.', '+'], ""),
-                        placement.start
-                    ),
-                    kind: Holding::Mig,
-                    sharing: None,
-                    share_id: None,
-                    gpu_uuid: gpu.uuid.clone(),
-                    mig: Some(MigRef {
-                        uuid: mig.uuid.clone(),
-                        gi: mig.gi_id,
-                        ci: mig.ci_id,
-                    }),
-                    allocated: Allocation {
-                        memory_bytes: profile.memory_mib << 20,
-                        sms: Some(profile.multiprocessors),
-                        mig_profile: Some(profile.name.clone()),
-                    },
-                    pids: Vec::new(),
-                    pods: Vec::new(),
-                });
+                let (g, gi, device) =
+                    scripted_mig(&backend, &inventory, &mig_gpus, &mut taken, s, want)?;
+                where_.push((g, Some(gi), pid));
+                devices.push(device);
             }
             None => {
                 let &g = next_whole
                     .next()
                     .context("usage --recommend --mock: not enough whole GPUs")?;
-                let gpu = &inventory.gpus[g];
                 where_.push((g, None, pid));
-                devices.push(ClaimDevice {
-                    claim: ClaimRef {
-                        uid: format!("uid-{}", s.name),
-                        namespace: s.ns.into(),
-                        name: s.name.into(),
-                    },
-                    device: format!("gpu-{}", gpu.minor),
-                    kind: s.kind,
-                    sharing: if s.kind == Holding::Mps {
-                        Some(SharingStrategy::Mps)
-                    } else {
-                        None
-                    },
-                    share_id: None,
-                    gpu_uuid: gpu.uuid.clone(),
-                    mig: None,
-                    allocated: Allocation {
-                        memory_bytes: gpu.memory_bytes,
-                        sms: gpu.multiprocessors,
-                        mig_profile: None,
-                    },
-                    // The pod-run daemon has no host PID in the record.
-                    pids: if s.kind == Holding::Mps && !s.name.ends_with("-pod") {
-                        vec![pid]
-                    } else {
-                        Vec::new()
-                    },
-                    pods: Vec::new(),
-                });
+                devices.push(scripted_whole(&inventory.gpus[g], s, pid));
             }
         }
     }
@@ -242,23 +167,7 @@ pub(crate) fn run(library: &std::path::Path, control: &std::path::Path) -> anyho
     let day_ago = SystemTime::now() - Duration::from_secs(MOCK_ROUNDS * MOCK_ROUND_SECONDS);
     let mut last = None;
     for i in 0..MOCK_ROUNDS {
-        let mut script = String::new();
-        for (s, (g, gi, pid)) in SCRIPT.iter().zip(&where_) {
-            let (mib, act) = (s.usage)(i);
-            match (s.kind, gi) {
-                (Holding::Mps, _) => {
-                    let _ = writeln!(script, "process {g} {pid} {mib} {}", act as u32);
-                }
-                (_, Some(gi)) => {
-                    let _ = writeln!(script, "memory {g} {gi} 0 {mib}");
-                    let _ = writeln!(script, "gpm {g} {gi} {act} {}", act / 2.0);
-                }
-                (_, None) => {
-                    let _ = writeln!(script, "memory {g} {mib}");
-                    let _ = writeln!(script, "gpm {g} {act} {}", act / 2.0);
-                }
-            }
-        }
+        let script = round_script(i, &where_);
         std::fs::write(control, script)
             .with_context(|| format!("writing {}", control.display()))?;
         let wall = day_ago + Duration::from_secs(i * MOCK_ROUND_SECONDS);
@@ -278,4 +187,124 @@ pub(crate) fn run(library: &std::path::Path, control: &std::path::Path) -> anyho
     );
     out.push_str(&merge_lines("mock-node", &outcome.merges));
     Ok(out)
+}
+
+/// A MIG device for `s` (profile `want`) on the first MIG GPU with room, created on the
+/// mock: its GPU index, GPU-instance id and claim device.
+fn scripted_mig(
+    backend: &cleave_driver::nvml::NvmlBackend,
+    inventory: &NodeInventory,
+    mig_gpus: &[usize],
+    taken: &mut BTreeMap<usize, Vec<Placement>>,
+    s: &Scripted,
+    want: &str,
+) -> anyhow::Result<(usize, u32, ClaimDevice)> {
+    let (g, gpu, profile, placement) = mig_gpus
+        .iter()
+        .find_map(|&g| {
+            let gpu = &inventory.gpus[g];
+            let MigState::Enabled { profiles, .. } = &gpu.mig else {
+                return None;
+            };
+            let p = profiles.iter().find(|p| p.name == want)?;
+            let used = taken.get(&g).cloned().unwrap_or_default();
+            let pl = p
+                .placements
+                .iter()
+                .find(|pl| !used.iter().any(|u| u.overlaps(pl)))?;
+            Some((g, gpu, p.clone(), *pl))
+        })
+        .with_context(|| format!("usage --recommend --mock: no room for {want}"))?;
+    let mig = backend
+        .create_mig(&gpu.uuid, profile.id, placement)
+        .with_context(|| format!("creating a {want} instance on the mock"))?;
+    taken.entry(g).or_default().push(placement);
+    Ok((
+        g,
+        mig.gi_id,
+        ClaimDevice {
+            claim: ClaimRef {
+                uid: format!("uid-{}", s.name),
+                namespace: s.ns.into(),
+                name: s.name.into(),
+            },
+            device: format!(
+                "gpu-{}-mig-{}-{}",
+                gpu.minor,
+                profile.name.replace(['.', '+'], ""),
+                placement.start
+            ),
+            kind: Holding::Mig,
+            sharing: None,
+            share_id: None,
+            gpu_uuid: gpu.uuid.clone(),
+            mig: Some(MigRef {
+                uuid: mig.uuid.clone(),
+                gi: mig.gi_id,
+                ci: mig.ci_id,
+            }),
+            allocated: Allocation {
+                memory_bytes: profile.memory_mib << 20,
+                sms: Some(profile.multiprocessors),
+                mig_profile: Some(profile.name.clone()),
+            },
+            pids: Vec::new(),
+            pods: Vec::new(),
+        },
+    ))
+}
+
+/// A whole-GPU claim device for `s` on `gpu`; an MPS claim's daemon runs as `pid`, except
+/// a pod-run one (no host PID in the record).
+fn scripted_whole(gpu: &cleave_driver::model::GpuInfo, s: &Scripted, pid: u32) -> ClaimDevice {
+    ClaimDevice {
+        claim: ClaimRef {
+            uid: format!("uid-{}", s.name),
+            namespace: s.ns.into(),
+            name: s.name.into(),
+        },
+        device: format!("gpu-{}", gpu.minor),
+        kind: s.kind,
+        sharing: if s.kind == Holding::Mps {
+            Some(SharingStrategy::Mps)
+        } else {
+            None
+        },
+        share_id: None,
+        gpu_uuid: gpu.uuid.clone(),
+        mig: None,
+        allocated: Allocation {
+            memory_bytes: gpu.memory_bytes,
+            sms: gpu.multiprocessors,
+            mig_profile: None,
+        },
+        pids: if s.kind == Holding::Mps && !s.name.ends_with("-pod") {
+            vec![pid]
+        } else {
+            Vec::new()
+        },
+        pods: Vec::new(),
+    }
+}
+
+/// The mock control script of round `i`: every scripted claim's memory and activity.
+fn round_script(i: u64, where_: &[(usize, Option<u32>, u32)]) -> String {
+    let mut script = String::new();
+    for (s, (g, gi, pid)) in SCRIPT.iter().zip(where_) {
+        let (mib, act) = (s.usage)(i);
+        match (s.kind, gi) {
+            (Holding::Mps, _) => {
+                let _ = writeln!(script, "process {g} {pid} {mib} {}", act as u32);
+            }
+            (_, Some(gi)) => {
+                let _ = writeln!(script, "memory {g} {gi} 0 {mib}");
+                let _ = writeln!(script, "gpm {g} {gi} {act} {}", act / 2.0);
+            }
+            (_, None) => {
+                let _ = writeln!(script, "memory {g} {mib}");
+                let _ = writeln!(script, "gpm {g} {act} {}", act / 2.0);
+            }
+        }
+    }
+    script
 }

@@ -9,9 +9,57 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Context as _;
 use cleave_driver::driver_root::CDI_HOOK_NAME;
 use tracing::info;
+
+/// Why the CDI hook could not be installed; each message says how to fix it.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CdiHookError {
+    /// The running executable's path is unknown, so the hook beside it cannot be found.
+    #[error(
+        "finding this executable (to find the CDI hook beside it); name the hook with --cdi-hook-source"
+    )]
+    CurrentExe(#[source] std::io::Error),
+    /// The running executable's path has no directory.
+    #[error("{0} has no directory; name the CDI hook with --cdi-hook-source")]
+    NoDirectory(PathBuf),
+    /// The hook's source cannot be read.
+    #[error(
+        "reading the CDI hook {path}: it ships beside the plugin binary (the image's /usr/bin/{CDI_HOOK_NAME}; `cargo build -p cleave-kubelet-plugin` builds both); name it with --cdi-hook-source, or pass --disable-cdi-hooks to write CDI specs without hooks (containers then depend on their image's loader cache)"
+    )]
+    Read {
+        /// The hook's source path.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+    /// The hook's directory in the state directory cannot be created.
+    #[error("creating {path}")]
+    CreateDir {
+        /// The directory.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+    /// The hook cannot be written to the state directory.
+    #[error("installing the CDI hook at {path}")]
+    Write {
+        /// The installed path.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+}
+
+/// The hook's source: `configured` (`--cdi-hook-source`), else the hook beside the running
+/// executable (see [`default_source`]).
+pub(crate) fn source_path(configured: Option<&Path>) -> Result<PathBuf, CdiHookError> {
+    if let Some(s) = configured {
+        return Ok(s.to_path_buf());
+    }
+    let exe = std::env::current_exe().map_err(CdiHookError::CurrentExe)?;
+    default_source(&exe).ok_or(CdiHookError::NoDirectory(exe))
+}
 
 /// The hook binary shipped beside `exe` (the running plugin), or one directory up when
 /// `exe` is a cargo test or bench binary in `target/<profile>/deps`.
@@ -30,21 +78,26 @@ pub(crate) fn default_source(exe: &Path) -> Option<PathBuf> {
 
 /// Copies the hook `source` to `<state_dir>/bin/cleave-cdi-hook` (mode 0755) unless an
 /// identical copy is there, and returns the installed path (also its host path).
-pub(crate) fn install(source: &Path, state_dir: &Path) -> anyhow::Result<PathBuf> {
-    let bytes = std::fs::read(source).with_context(|| {
-        format!(
-            "reading the CDI hook {}: it ships beside the plugin binary (the image's /usr/bin/{CDI_HOOK_NAME}; `cargo build -p cleave-kubelet-plugin` builds both); name it with --cdi-hook-source, or pass --disable-cdi-hooks to write CDI specs without hooks (containers then depend on their image's loader cache)",
-            source.display()
-        )
+pub(crate) fn install(source: &Path, state_dir: &Path) -> Result<PathBuf, CdiHookError> {
+    let bytes = std::fs::read(source).map_err(|e| CdiHookError::Read {
+        path: source.to_path_buf(),
+        source: e,
     })?;
     let dir = state_dir.join("bin");
     let target = dir.join(CDI_HOOK_NAME);
     if std::fs::read(&target).is_ok_and(|old| old == bytes) {
         return Ok(target);
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    cleave_driver::checkpoint::write_file_atomic_mode(&target, &bytes, 0o755)
-        .with_context(|| format!("installing the CDI hook at {}", target.display()))?;
+    std::fs::create_dir_all(&dir).map_err(|e| CdiHookError::CreateDir {
+        path: dir.clone(),
+        source: e,
+    })?;
+    cleave_driver::checkpoint::write_file_atomic_mode(&target, &bytes, 0o755).map_err(|e| {
+        CdiHookError::Write {
+            path: target.clone(),
+            source: e,
+        }
+    })?;
     info!(source = %source.display(), path = %target.display(), bytes = bytes.len(), "installed the CDI hook");
     Ok(target)
 }

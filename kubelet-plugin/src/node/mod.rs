@@ -3,7 +3,7 @@
 //! CDI hook binary installed on the host.
 
 pub(crate) mod cdi_hook;
-pub(crate) mod health;
+pub(crate) mod device_health;
 pub(crate) mod lifecycle;
 pub(crate) mod node_lock;
 pub(crate) mod usage;

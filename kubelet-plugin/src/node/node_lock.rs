@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 /// Why a serialised batch could not run.
 #[derive(Debug, thiserror::Error)]
-pub enum NodeLockError {
+pub(crate) enum NodeLockError {
     /// The lock file could not be opened or created.
     #[error("opening lock file {path}: {source}")]
     Open {
@@ -37,28 +37,23 @@ pub enum NodeLockError {
 /// The node lock: runs blocking closures one at a time per node (an in-process mutex
 /// plus an exclusive file lock).
 #[derive(Debug, Clone)]
-pub struct NodeLock {
+pub(crate) struct NodeLock {
     path: Arc<PathBuf>,
     mutex: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl NodeLock {
     /// A node_lock using the lock file at `path` (created on first use, mode 0600).
-    pub fn new(path: impl Into<PathBuf>) -> Self {
+    pub(crate) fn new(path: impl Into<PathBuf>) -> Self {
         Self {
             path: Arc::new(path.into()),
             mutex: Arc::new(tokio::sync::Mutex::new(())),
         }
     }
 
-    /// The lock file path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Runs `f` on a blocking thread while holding both locks and returns its result.
     /// If the caller is cancelled, `f` still runs to completion under the locks.
-    pub async fn run<T, F>(&self, f: F) -> Result<T, NodeLockError>
+    pub(crate) async fn run<T, F>(&self, f: F) -> Result<T, NodeLockError>
     where
         T: Send + 'static,
         F: FnOnce() -> T + Send + 'static,

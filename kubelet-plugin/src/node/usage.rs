@@ -26,7 +26,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use cleave_driver::backend::UsageSource;
 use cleave_driver::prepare::NodeDriver;
-use cleave_driver::usage::{ClaimDevice, ClaimRef, Holding, IdlePolicy, IdleTracker, UsageSampler};
+use cleave_driver::usage::{ClaimDevice, Holding, IdlePolicy, IdleTracker, UsageSampler};
 use tracing::{debug, info, warn};
 
 use crate::node::usage::metrics::UsageMetrics;
@@ -79,15 +79,22 @@ impl ClaimDevices for NodeDriver {
 /// carry pod labels; whole GPUs and MIG devices alone never start it.
 pub(crate) struct WithPods {
     inner: Arc<dyn ClaimDevices>,
-    pods: Arc<crate::k8s::node_pods::NodePods>,
+    pods: Arc<dyn ClaimConsumers>,
     always: bool,
+}
+
+/// Which of this node's pods consume each claim; the API server side implements it over
+/// its pod watch (wired in `crate::start::usage`).
+pub(crate) trait ClaimConsumers: Send + Sync {
+    /// Sets each device's `pods` to the pods that consume its claim.
+    fn fill_pods(&self, devices: &mut [ClaimDevice]);
 }
 
 impl WithPods {
     /// `inner`'s devices with `pods` from `pods`; `always`: for every round (pod labels on).
     pub(crate) fn new(
         inner: Arc<dyn ClaimDevices>,
-        pods: Arc<crate::k8s::node_pods::NodePods>,
+        pods: Arc<dyn ClaimConsumers>,
         always: bool,
     ) -> Self {
         Self {
@@ -106,7 +113,7 @@ impl ClaimDevices for WithPods {
                 .iter()
                 .any(|d| matches!(d.kind, Holding::Mps | Holding::Share));
         if needed && !devices.is_empty() {
-            crate::k8s::node_pods::fill_pods(&mut devices, &self.pods.index());
+            self.pods.fill_pods(&mut devices);
         }
         devices
     }
@@ -146,7 +153,7 @@ impl UsageRounds {
 
     /// These rounds, waiting at `gate` while a batch holds it: before each NVML query (at
     /// most `max_wait` per round) and between the right-sizing steps (as much again).
-    pub fn with_gate(
+    pub(crate) fn with_gate(
         mut self,
         gate: cleave_driver::usage::SamplingGate,
         max_wait: Duration,
@@ -507,38 +514,6 @@ fn descendants(children: &BTreeMap<u32, Vec<u32>>, roots: &[u32]) -> Vec<u32> {
     seen.into_iter().collect()
 }
 
-/// The ResourceClaim an idle notice is about, as an Event's `regarding`.
-pub(crate) fn claim_reference(claim: &ClaimRef) -> k8s_openapi::api::core::v1::ObjectReference {
-    k8s_openapi::api::core::v1::ObjectReference {
-        api_version: Some("resource.k8s.io/v1".into()),
-        kind: Some("ResourceClaim".into()),
-        namespace: Some(claim.namespace.clone()),
-        name: Some(claim.name.clone()),
-        uid: Some(claim.uid.clone()),
-        ..Default::default()
-    }
-}
-
-/// Posts a Warning `ClaimIdle` Event for every notice until the monitor stops.
-pub(crate) fn spawn_idle_events(
-    events: crate::k8s::events::EventReporter,
-    mut notices: tokio::sync::mpsc::UnboundedReceiver<IdleNotice>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        while let Some(n) = notices.recv().await {
-            events
-                .publish(
-                    &claim_reference(&n.claim),
-                    crate::k8s::events::Severity::Warning,
-                    REASON_CLAIM_IDLE,
-                    "Monitor",
-                    &n.note,
-                )
-                .await;
-        }
-    })
-}
-
 /// `usage`: the table from the running plugin, or with `--recommend` the rightsizing one.
 pub(crate) fn run_command(args: &crate::args::UsageCommandArgs) -> anyhow::Result<String> {
     if args.recommend {
@@ -558,6 +533,7 @@ mod tests {
         BackendError, GpmReading, GpmTarget, MemoryUse, ProcessMemory, ProcessUtilization,
     };
     use cleave_driver::usage::Allocation;
+    use cleave_driver::usage::ClaimRef;
     use std::sync::Mutex;
 
     /// Whole GPUs without GPM whose utilization the test sets.
@@ -735,7 +711,7 @@ mod tests {
     #[test]
     fn whole_gpus_alone_do_not_start_the_pod_watch() {
         let pods = node_pods();
-        let with = WithPods::new(Arc::new(Fixed(vec![whole("w")])), Arc::clone(&pods), false);
+        let with = WithPods::new(Arc::new(Fixed(vec![whole("w")])), pods.clone(), false);
         with.claim_devices();
         assert!(!pods.started());
     }

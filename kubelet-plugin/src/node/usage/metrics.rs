@@ -50,12 +50,8 @@ pub(crate) struct ClaimDeviceLabels {
 pub(crate) trait PodLabelSource: Send + Sync {
     /// The values of `keys` for the claim `name` in `namespace`, in order ("" when unknown).
     fn values(&self, namespace: &str, name: &str, keys: &[String]) -> Vec<String>;
-}
-
-impl PodLabelSource for crate::k8s::node_pods::NodePods {
-    fn values(&self, namespace: &str, name: &str, keys: &[String]) -> Vec<String> {
-        self.index().label_values(namespace, name, keys)
-    }
+    /// The metric label name of the pod label `key` (`label_<key>`, sanitised).
+    fn label_name(&self, key: &str) -> String;
 }
 
 /// The `--claim-pod-labels` keys and the source of their values.
@@ -97,7 +93,7 @@ impl ClaimPodLabels {
         let values = source.values(&claim.namespace, &claim.name, keys);
         keys.iter()
             .zip(values.into_iter().chain(std::iter::repeat(String::new())))
-            .map(|(k, v)| (crate::k8s::node_pods::metric_label_name(k), v))
+            .map(|(k, v)| (source.label_name(k), v))
             .collect()
     }
 }
@@ -229,7 +225,7 @@ where
 
 impl UsageMetrics {
     /// Creates the series and registers them in `registry` (prefix `cleave_kubelet_plugin`).
-    pub fn register(registry: &mut Registry) -> Self {
+    pub(crate) fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         registry.register(
             "claim_allocated_memory_bytes",
@@ -290,7 +286,7 @@ impl UsageMetrics {
     }
 
     /// Labels claims by UID only from now on (`--metrics-claim-labels=uid-only`).
-    pub fn set_uid_only(&self, uid_only: bool) {
+    pub(crate) fn set_uid_only(&self, uid_only: bool) {
         self.uid_only
             .store(uid_only, std::sync::atomic::Ordering::Relaxed);
     }

@@ -196,26 +196,6 @@ impl Rightsizer {
     }
 }
 
-/// Posts a Normal `ClaimOversized` Event for every notice until the monitor stops.
-pub(crate) fn spawn_oversized_events(
-    events: crate::k8s::events::EventReporter,
-    mut notices: tokio::sync::mpsc::UnboundedReceiver<OversizedNotice>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        while let Some(n) = notices.recv().await {
-            events
-                .publish(
-                    &super::claim_reference(&n.claim),
-                    crate::k8s::events::Severity::Normal,
-                    REASON_CLAIM_OVERSIZED,
-                    "Recommend",
-                    &n.note,
-                )
-                .await;
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

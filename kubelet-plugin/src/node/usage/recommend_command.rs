@@ -145,27 +145,110 @@ pub(crate) fn rows_of(outcome: &RightsizeOutcome) -> Vec<Row> {
     rows
 }
 
+/// One claim device's series in a scrape, gathered by [`rows_of_scrape`].
+#[derive(Default)]
+struct ScrapedClaim {
+    memory: Option<f64>,
+    sms: Option<f64>,
+    profile: String,
+    sharing: String,
+    kind: String,
+    peak: Option<f64>,
+    p95_memory: Option<f64>,
+    p95: Option<(String, f64)>,
+    mean: Option<f64>,
+    idle: Option<f64>,
+    samples: Option<f64>,
+    rec: Option<BTreeMap<String, String>>,
+    rec_memory: Option<f64>,
+    rec_sms: Option<f64>,
+}
+
+impl ScrapedClaim {
+    /// The table row of the device `device` of claim `ns/claim`.
+    fn into_row(self, ns: String, claim: String, device: String) -> Row {
+        let a = self;
+        let g = |b: f64| gib(b as u64);
+        let mut holds = a.memory.map_or("?".into(), g);
+        if !a.profile.is_empty() {
+            let _ = write!(holds, ", {}", a.profile);
+        }
+        if let Some(s) = a.sms {
+            let _ = write!(holds, ", {s} SMs");
+        }
+        if !a.sharing.is_empty() && a.sharing != "exclusive" {
+            let _ = write!(holds, ", {}", a.sharing);
+        }
+        let used = match (a.peak, &a.p95, a.mean) {
+            (Some(peak), Some((_, p95)), Some(mean)) => format!(
+                "peak {} (p95 {}), SM p95 {p95:.0}% mean {mean:.1}%",
+                g(peak),
+                g(a.p95_memory.unwrap_or(peak))
+            ),
+            (Some(peak), _, _) => format!("peak {}, SM n/a", g(peak)),
+            _ => "not attributable".into(),
+        };
+        let rec = a.rec.unwrap_or_default();
+        let r = |k: &str| rec.get(k).cloned().unwrap_or_default();
+        let served = r("served") != "false";
+        let mut recommends = match r("recommendation").as_str() {
+            "mig" => r("profile"),
+            "share" => format!(
+                "share {} MiB, {} SMs",
+                (a.rec_memory.unwrap_or(0.0) as u64) >> 20,
+                a.rec_sms.unwrap_or(0.0)
+            ),
+            "gpu" => "whole GPU".into(),
+            "release" => "idle: release".into(),
+            "not_attributable" => "not attributable".into(),
+            other => other.to_owned(),
+        };
+        if !served {
+            recommends.push_str(" (not served here)");
+        }
+        let figures = format!(
+            "peak {} of {}, SM p95 {} ({}), idle {} of {} samples",
+            a.peak.map_or("n/a".into(), g),
+            a.memory.map_or("?".into(), g),
+            a.p95
+                .as_ref()
+                .map_or("n/a".into(), |(_, p)| format!("{p:.0}%")),
+            a.p95
+                .as_ref()
+                .map_or("no source".into(), |(s, _)| s.clone()),
+            a.idle
+                .map_or("n/a".into(), |i| format!("{:.0}%", i * 100.0)),
+            a.samples.unwrap_or(0.0)
+        );
+        let why = match (r("recommendation").as_str(), r("change").as_str()) {
+            ("pending", _) => "pending: less than half the window seen".into(),
+            // The series do not say which case it was; the memory figure narrows it.
+            ("not_attributable", _) => match (a.kind.as_str(), a.peak) {
+                ("mps" | "share", Some(_)) => "not attributable: its activity (on a MIG device NVML reports no per-process SM utilization; elsewhere its per-process samples named only the MPS server); its memory is attributed".into(),
+                ("mps" | "share", None) => "not attributable: no process on the device could be tied to it (no host PID or consuming pod known on this node, or the plugin could not read the processes' cgroups)".into(),
+                _ => "not attributable: NVML gives no figure that belongs to this claim alone".into(),
+            },
+            ("release", _) => format!("idle: release: {figures}"),
+            ("gpu", "same") => format!("whole GPU needed: {figures}"),
+            (_, "smaller") => format!("oversized: {figures}"),
+            (_, "larger") => format!("too tight: {figures}"),
+            _ => format!("fits: {figures}"),
+        };
+        Row {
+            claim: format!("{ns}/{claim}"),
+            device,
+            holds,
+            used,
+            recommends,
+            why,
+        }
+    }
+}
+
 /// Rows and node figures from one scrape of a running plugin.
 pub(crate) fn rows_of_scrape(samples: &[Sample]) -> (Vec<Row>, Vec<(String, u64, u64)>) {
     type Key = (String, String, String);
-    #[derive(Default)]
-    struct Acc {
-        memory: Option<f64>,
-        sms: Option<f64>,
-        profile: String,
-        sharing: String,
-        kind: String,
-        peak: Option<f64>,
-        p95_memory: Option<f64>,
-        p95: Option<(String, f64)>,
-        mean: Option<f64>,
-        idle: Option<f64>,
-        samples: Option<f64>,
-        rec: Option<BTreeMap<String, String>>,
-        rec_memory: Option<f64>,
-        rec_sms: Option<f64>,
-    }
-    let mut acc: BTreeMap<Key, Acc> = BTreeMap::new();
+    let mut acc: BTreeMap<Key, ScrapedClaim> = BTreeMap::new();
     let mut nodes: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     for (name, l, v) in samples {
         let Some(short) = name.strip_prefix(P) else {
@@ -202,81 +285,10 @@ pub(crate) fn rows_of_scrape(samples: &[Sample]) -> (Vec<Row>, Vec<(String, u64,
             _ => {}
         }
     }
-    let g = |b: f64| gib(b as u64);
     let rows = acc
         .into_iter()
         .filter(|(_, a)| a.rec.is_some())
-        .map(|((ns, claim, device), a)| {
-            let mut holds = a.memory.map_or("?".into(), g);
-            if !a.profile.is_empty() {
-                let _ = write!(holds, ", {}", a.profile);
-            }
-            if let Some(s) = a.sms {
-                let _ = write!(holds, ", {s} SMs");
-            }
-            if !a.sharing.is_empty() && a.sharing != "exclusive" {
-                let _ = write!(holds, ", {}", a.sharing);
-            }
-            let used = match (a.peak, &a.p95, a.mean) {
-                (Some(peak), Some((_, p95)), Some(mean)) => format!(
-                    "peak {} (p95 {}), SM p95 {p95:.0}% mean {mean:.1}%",
-                    g(peak),
-                    g(a.p95_memory.unwrap_or(peak))
-                ),
-                (Some(peak), _, _) => format!("peak {}, SM n/a", g(peak)),
-                _ => "not attributable".into(),
-            };
-            let rec = a.rec.unwrap_or_default();
-            let r = |k: &str| rec.get(k).cloned().unwrap_or_default();
-            let served = r("served") != "false";
-            let mut recommends = match r("recommendation").as_str() {
-                "mig" => r("profile"),
-                "share" => format!(
-                    "share {} MiB, {} SMs",
-                    (a.rec_memory.unwrap_or(0.0) as u64) >> 20,
-                    a.rec_sms.unwrap_or(0.0)
-                ),
-                "gpu" => "whole GPU".into(),
-                "release" => "idle: release".into(),
-                "not_attributable" => "not attributable".into(),
-                other => other.to_owned(),
-            };
-            if !served {
-                recommends.push_str(" (not served here)");
-            }
-            let figures = format!(
-                "peak {} of {}, SM p95 {} ({}), idle {} of {} samples",
-                a.peak.map_or("n/a".into(), g),
-                a.memory.map_or("?".into(), g),
-                a.p95.as_ref().map_or("n/a".into(), |(_, p)| format!("{p:.0}%")),
-                a.p95.as_ref().map_or("no source".into(), |(s, _)| s.clone()),
-                a.idle
-                    .map_or("n/a".into(), |i| format!("{:.0}%", i * 100.0)),
-                a.samples.unwrap_or(0.0)
-            );
-            let why = match (r("recommendation").as_str(), r("change").as_str()) {
-                ("pending", _) => "pending: less than half the window seen".into(),
-                // The series do not say which case it was; the memory figure narrows it.
-                ("not_attributable", _) => match (a.kind.as_str(), a.peak) {
-                    ("mps" | "share", Some(_)) => "not attributable: its activity (on a MIG device NVML reports no per-process SM utilization; elsewhere its per-process samples named only the MPS server); its memory is attributed".into(),
-                    ("mps" | "share", None) => "not attributable: no process on the device could be tied to it (no host PID or consuming pod known on this node, or the plugin could not read the processes' cgroups)".into(),
-                    _ => "not attributable: NVML gives no figure that belongs to this claim alone".into(),
-                },
-                ("release", _) => format!("idle: release: {figures}"),
-                ("gpu", "same") => format!("whole GPU needed: {figures}"),
-                (_, "smaller") => format!("oversized: {figures}"),
-                (_, "larger") => format!("too tight: {figures}"),
-                _ => format!("fits: {figures}"),
-            };
-            Row {
-                claim: format!("{ns}/{claim}"),
-                device,
-                holds,
-                used,
-                recommends,
-                why,
-            }
-        })
+        .map(|((ns, claim, device), a)| a.into_row(ns, claim, device))
         .collect();
     let nodes = nodes.into_iter().map(|(p, (h, n))| (p, h, n)).collect();
     (rows, nodes)

@@ -114,7 +114,7 @@ where
 
 impl RightsizeMetrics {
     /// Creates the series and registers them in `registry` (prefix `cleave_kubelet_plugin`).
-    pub fn register(registry: &mut Registry) -> Self {
+    pub(crate) fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         registry.register(
             "claim_recommended_memory_bytes",
@@ -180,7 +180,7 @@ impl RightsizeMetrics {
     }
 
     /// Labels claims by UID only from now on (`--metrics-claim-labels=uid-only`).
-    pub fn set_uid_only(&self, uid_only: bool) {
+    pub(crate) fn set_uid_only(&self, uid_only: bool) {
         self.uid_only
             .store(uid_only, std::sync::atomic::Ordering::Relaxed);
     }

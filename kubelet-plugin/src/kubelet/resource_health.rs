@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tonic::{Request, Response, Status};
 
 use super::proto::health::{v1 as hv1, v1alpha1 as hv1alpha1};
-use crate::node::health::DeviceHealth;
+use crate::node::device_health::DeviceHealth;
 use cleave_driver::device_health::DeviceStatus;
 
 /// Advertised token of the v1alpha1 health service (kubelet 1.34+).

@@ -5,7 +5,7 @@
 //!
 //! Which devices an event concerns, and the conditions themselves, are the driver's pure
 //! [`cleave_driver::device_health`]; this module holds them behind a lock, runs the watcher
-//! task, tells subscribers, reports to a [`HealthObserver`] and checks device taints.
+//! task, tells subscribers, reports to a [`DeviceHealthObserver`] and checks device taints.
 //!
 //! Recovery: a lost GPU is healthy again as soon as it answers. Xid and ECC conditions
 //! stay until the plugin restarts, or for `--xid-unhealthy-duration` when set (the usual
@@ -29,7 +29,7 @@ use tracing::{info, warn};
 pub(crate) use crate::args::{HealthArgs, TaintMode};
 
 /// Where health reports what it sees (the metrics registry implements it).
-pub trait HealthObserver: Send + Sync + std::fmt::Debug {
+pub(crate) trait DeviceHealthObserver: Send + Sync + std::fmt::Debug {
     /// One event from the NVML watcher, before it is applied.
     fn health_event(&self, event: &HealthEvent);
     /// How many published devices are unhealthy now.
@@ -50,7 +50,7 @@ pub(crate) fn start_for_plugin(
     pool: &PoolDevices,
     inventory: &NodeInventory,
     driver: &Arc<cleave_driver::prepare::NodeDriver>,
-    observer: Option<Arc<dyn HealthObserver>>,
+    observer: Option<Arc<dyn DeviceHealthObserver>>,
 ) -> Option<Arc<DeviceHealth>> {
     if args.disable_health_checks {
         info!("device health checks disabled");
@@ -102,7 +102,7 @@ pub struct DeviceHealth {
     changed: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
     resend: Duration,
-    observer: Option<Arc<dyn HealthObserver>>,
+    observer: Option<Arc<dyn DeviceHealthObserver>>,
     watcher: Mutex<Option<HealthWatcher>>,
 }
 
@@ -129,7 +129,7 @@ impl DeviceHealth {
     }
 
     /// Reports health events and the number of unhealthy devices to `observer`.
-    pub fn with_observer(mut self, observer: Option<Arc<dyn HealthObserver>>) -> Self {
+    pub(crate) fn with_observer(mut self, observer: Option<Arc<dyn DeviceHealthObserver>>) -> Self {
         self.observer = observer;
         self
     }
@@ -159,7 +159,7 @@ impl DeviceHealth {
     /// Replaces the pool health is applied to (its counters changed, e.g. a GPU instance
     /// without compute instance appeared or went) and tells subscribers, which publish
     /// [`Self::pool_to_publish`] again.
-    pub fn set_base_pool(&self, pool: PoolDevices) {
+    pub(crate) fn set_base_pool(&self, pool: PoolDevices) {
         {
             let mut inner = self.lock();
             inner.state.set_pool(&pool);
@@ -222,7 +222,7 @@ impl DeviceHealth {
     }
 
     /// Every device with its state, in pool order (the stream's complete list).
-    pub fn statuses(&self) -> Vec<DeviceStatus> {
+    pub(crate) fn statuses(&self) -> Vec<DeviceStatus> {
         self.lock().state.statuses()
     }
 
@@ -335,7 +335,7 @@ impl DeviceHealth {
     /// Starts the watcher over `source` (the backend's event source) for the GPUs of
     /// `inventory` and a task that applies its events (looking devices up in
     /// `current_inventory()`, so MIG devices created after start are found) and expires marks.
-    pub fn start_watching(
+    pub(crate) fn start_watching(
         self: &Arc<Self>,
         source: Arc<dyn cleave_driver::backend::EventSource>,
         inventory: &NodeInventory,
