@@ -494,7 +494,7 @@ impl PluginServer {
     }
 
     /// [`PluginServer::start`], reporting every DRA batch to `observer`.
-    pub async fn start_with_metrics<H: ClaimHandler>(
+    pub(crate) async fn start_with_metrics<H: ClaimHandler>(
         config: &PluginConfig,
         handler: Arc<H>,
         observer: Option<Arc<dyn DraObserver>>,

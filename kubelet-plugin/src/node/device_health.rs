@@ -147,7 +147,7 @@ impl DeviceHealth {
     }
 
     /// Pool name the stream reports.
-    pub fn pool_name(&self) -> &str {
+    pub(crate) fn pool_name(&self) -> &str {
         &self.pool_name
     }
 
@@ -320,7 +320,7 @@ impl DeviceHealth {
     }
 
     /// Ends every health stream and stops the NVML watcher.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.shutdown.send_replace(true);
         let watcher = self
             .watcher
