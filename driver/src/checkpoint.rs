@@ -44,7 +44,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
+use cleave_api::merge::ResolvedConfig;
+
 use crate::model::Placement;
+use crate::sharing::SharingState;
 
 /// File name of the checkpoint in the state directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
@@ -165,9 +168,10 @@ pub struct ClaimRecord {
     /// The claim's devices on this node.
     #[serde(default)]
     pub devices: Vec<DeviceRecord>,
-    /// State of the claim's sharing strategy (e.g. MPS daemon), owned by the sharing handler.
+    /// State of the claim's sharing strategy (e.g. MPS daemon), owned by the sharing handler;
+    /// `Some` (possibly empty) once sharing was applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sharing: Option<serde_json::Value>,
+    pub sharing: Option<SharingState>,
 }
 
 /// Kind of a prepared device (recorded as `gpu` / `mig`).
@@ -201,7 +205,7 @@ pub struct DeviceRecord {
     pub mig: Option<MigRecord>,
     /// Effective opaque config applied to the device (as the config API encodes it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub config: Option<serde_json::Value>,
+    pub config: Option<ResolvedConfig>,
     /// CDI device IDs handed to the kubelet.
     #[serde(default)]
     pub cdi_device_ids: Vec<String>,

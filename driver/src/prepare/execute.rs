@@ -35,7 +35,8 @@ use crate::checkpoint::{
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
 use crate::sharing::{
-    GpuFacts, ShareDevice, SharingClaim, SharingDevice, SharingEdits, device_multiprocessors,
+    GpuFacts, ShareDevice, SharingClaim, SharingDevice, SharingEdits, SharingState,
+    device_multiprocessors,
 };
 
 /// The kubelet answer for a recorded claim.
@@ -304,7 +305,7 @@ impl NodeDriver {
                     gpu_uuid: d.gpu.uuid.clone(),
                     gpu_minor: d.gpu.minor,
                     mig: d.mig.clone(),
-                    config: d.config.as_ref().and_then(|c| serde_json::to_value(c).ok()),
+                    config: d.config.clone(),
                     cdi_device_ids: vec![cdi::qualified_device_id(
                         uid,
                         &cdi_name(&d.name, d.share.as_ref()),
@@ -312,7 +313,7 @@ impl NodeDriver {
                     share: d.share.clone(),
                 })
                 .collect(),
-            sharing: own_sharing.then(|| serde_json::json!({})),
+            sharing: own_sharing.then(SharingState::default),
         }
     }
 
@@ -478,7 +479,7 @@ impl NodeDriver {
                     .apply(&claim, &shared, &time_slice_needs(&state.data))
             })?;
             crate::fault::point("prepare.after_sharing_apply");
-            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+            record.sharing = Some(edits.state.clone().unwrap_or_default());
             edits
         };
         let share_edits = self.apply_record_shares(record, &state.data, &mut state.inventory)?;

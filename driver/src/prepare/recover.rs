@@ -63,8 +63,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use cleave_api::merge::ResolvedConfig;
-
 use super::{DriverView, NodeDriver, PrepareError, device_uuid, empty_inventory, time_slice_needs};
 use crate::backend::BackendError;
 use crate::cdi;
@@ -142,14 +140,7 @@ impl NodeDriver {
             .devices
             .iter()
             .filter_map(|r| {
-                let resolved: ResolvedConfig = match serde_json::from_value(r.config.clone()?) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(claim = %record.uid, device = %r.name, error = %e, "recorded config does not decode; no sharing");
-                        return None;
-                    }
-                };
-                let sharing = resolved.config.sharing()?.clone();
+                let sharing = r.config.as_ref()?.config.sharing()?.clone();
                 Some(SharingDevice {
                     device_name: r.name.clone(),
                     kind: r.kind,
@@ -414,7 +405,7 @@ impl NodeDriver {
             edits = self
                 .sharing
                 .apply(&claim, &shared, &time_slice_needs(data))?;
-            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+            record.sharing = Some(edits.state.clone().unwrap_or_default());
         }
         let share_edits = self.apply_record_shares(&record, data, inventory)?;
         edits.merge(share_edits);
@@ -729,7 +720,7 @@ impl NodeDriver {
                 .sharing
                 .apply(&claim, &shared, &time_slice_needs(data))?;
             crate::fault::point("recreate.after_sharing_apply");
-            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
+            record.sharing = Some(edits.state.clone().unwrap_or_default());
             edits
         };
         let share_edits = self.apply_record_shares(record, data, inventory)?;
