@@ -32,6 +32,7 @@
 //! - `summary`: read-only views of the checkpoint for metrics and status
 //!   ([`CheckpointReader`], [`NodeDriver::checkpoint_summary`]).
 
+mod apply;
 mod execute;
 mod plan;
 mod recover;
