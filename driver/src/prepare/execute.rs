@@ -23,7 +23,7 @@ use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::apply::ApplyPath;
-use super::plan::{PlannedDevice, claim_label};
+use super::plan::{MigPlan, PlannedDevice, claim_label};
 use super::{
     NodeDriver, PrepareError, PreparedClaim, PreparedDevice, State, device_need, device_uuid,
     share_holders, time_slice_needs,
@@ -190,14 +190,14 @@ impl NodeDriver {
         let plan = self.plan(claim, &label, uid, &state)?;
         let needs: Vec<DeviceNeed> = plan
             .iter()
-            .map(|d| device_need(d.gpu.minor, d.mig.as_ref()))
+            .map(|d| device_need(d.gpu.minor, d.mig.as_ref().map(MigPlan::record).as_ref()))
             .collect();
         self.view_for(&label, &needs)?;
         let mut record = self.new_record(claim, uid, &plan);
         let mps_shares = self.config.consumable_capacity == ConsumableCapacity::Mps;
         let needs_intent = record.sharing.is_some()
             || plan.iter().any(|d| {
-                d.mig.as_ref().is_some_and(|m| m.created_by_cleave)
+                d.mig.as_ref().is_some_and(MigPlan::is_cleaves)
                     || (mps_shares && ShareRecord::partial(d.share.as_ref()).is_some())
             });
         if needs_intent {
@@ -304,7 +304,7 @@ impl NodeDriver {
                     admin_access: d.admin_access,
                     gpu_uuid: d.gpu.uuid.clone(),
                     gpu_minor: d.gpu.minor,
-                    mig: d.mig.clone(),
+                    mig: d.mig.as_ref().map(MigPlan::record),
                     config: d.config.clone(),
                     cdi_device_ids: vec![cdi::qualified_device_id(
                         uid,
@@ -371,16 +371,17 @@ impl NodeDriver {
         inventory: &mut NodeInventory,
     ) -> Result<(), PrepareError> {
         for (i, d) in plan.iter().enumerate() {
-            let Some(mig) = d
-                .mig
-                .as_ref()
-                .filter(|m| m.created_by_cleave && m.uuid.is_none())
+            let Some(MigPlan::Create {
+                profile_id,
+                placement,
+                ..
+            }) = &d.mig
             else {
                 continue;
             };
             let created = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
                 self.backend
-                    .create_mig(&d.gpu.uuid, mig.profile_id, mig.placement)
+                    .create_mig(&d.gpu.uuid, *profile_id, *placement)
             });
             let inst = match created {
                 Ok(inst) => inst,

@@ -1831,7 +1831,9 @@ fn admin_access_reaches_static_mig_devices_but_never_creates_one() {
         &as_admin(node_claim(UID_A, &[("static", "gpu-0-mig-3g20gb-4")]), 0),
     )
     .unwrap();
-    let mig = plan[0].mig.as_ref().unwrap();
+    let Some(super::plan::MigPlan::Existing(mig)) = &plan[0].mig else {
+        panic!("{:?}", plan[0].mig);
+    };
     assert!(plan[0].admin_access && !mig.created_by_cleave);
     assert_eq!(mig.uuid.as_deref(), Some(stat.uuid.as_str()));
 }
@@ -1957,7 +1959,9 @@ fn a_share_joins_the_mig_instance_of_another_share_of_its_device() {
         .unwrap()
         .creating_in_boot = Some("11111111-2222-3333-4444-555555555555".into());
     let plan = plan_of(&node, &share(UID_B, "s-2")).unwrap();
-    let mig = plan[0].mig.as_ref().unwrap();
+    let Some(super::plan::MigPlan::Join(mig)) = &plan[0].mig else {
+        panic!("{:?}", plan[0].mig);
+    };
     assert_eq!(mig.uuid, theirs.uuid);
     assert_eq!(mig.creating_in_boot, None);
     // The instance serves both shares: nothing more is created.
