@@ -139,7 +139,11 @@ impl NodeDriver {
             record.sharing = Some(edits.state.clone().unwrap_or_default());
             edits
         };
-        let share_edits = self.apply_record_shares(record, data, inventory)?;
+        let plan = match path {
+            ApplyPath::Prepare { plan, .. } => Some(*plan),
+            _ => None,
+        };
+        let share_edits = self.apply_record_shares(record, data, inventory, plan)?;
         if share_edits != SharingEdits::default()
             && let Some((_, after_share)) = points
         {

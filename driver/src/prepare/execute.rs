@@ -36,7 +36,7 @@ use crate::checkpoint::{
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
 use crate::sharing::{
-    ShareDevice, SharingClaim, SharingEdits, SharingState, device_multiprocessors,
+    GpuFacts, ShareDevice, SharingClaim, SharingEdits, SharingState, device_multiprocessors,
 };
 
 /// The kubelet answer for a recorded claim.
@@ -124,11 +124,14 @@ pub(super) fn held_elsewhere(data: &CheckpointData, uid: &str, uuid: &str) -> bo
 impl NodeDriver {
     /// Enforces the record's shares when consumable capacity is `mps` (the shared daemon of
     /// each device runs; the edits carry each share's client limits); nothing otherwise.
+    /// The GPU facts of a device prepare planned come from `plan`; others (recreation,
+    /// refresh) are looked up in `inventory`.
     pub(super) fn apply_record_shares(
         &self,
         record: &ClaimRecord,
         data: &CheckpointData,
         inventory: &mut NodeInventory,
+        plan: Option<&[PlannedDevice]>,
     ) -> Result<SharingEdits, PrepareError> {
         if self.config.consumable_capacity != ConsumableCapacity::Mps {
             return Ok(SharingEdits::default());
@@ -138,6 +141,16 @@ impl NodeDriver {
             return Ok(SharingEdits::default());
         }
         for s in &mut shares {
+            // Prepare planned the device with its GPU: its facts come from there.
+            if let Some(d) = plan
+                .into_iter()
+                .flatten()
+                .find(|d| d.name == s.device_name && d.gpu.uuid == s.gpu_uuid)
+            {
+                s.gpu = Some(GpuFacts::of(&d.gpu, &d.name));
+                s.device_multiprocessors = device_multiprocessors(&d.gpu, &d.name);
+                continue;
+            }
             s.gpu = self.gpu_facts(inventory, &s.gpu_uuid, &s.device_name);
             s.device_multiprocessors = inventory
                 .gpus
