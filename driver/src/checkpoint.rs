@@ -27,6 +27,17 @@
 //! devices). An older release ignores it and would take the share for an exclusive device,
 //! so a downgrade needs the node's shares unprepared first.
 //!
+//! The device record's `config` (the effective config, as the config API encodes it) and the
+//! claim's `sharing` (the sharing state the sharing seam defines) are decoded with the file
+//! as typed values; their JSON is what layout 1 always held (`checkpoint_compat` decodes the
+//! fixtures and encodes them back to the same value), only the order of their keys may
+//! differ from what earlier releases wrote, which the checksum (over the bytes as written)
+//! does not mind. A recorded config this release cannot decode (configs refuse unknown
+//! fields, so one a later release wrote with a field this one does not know), or a sharing
+//! state with a value it does not know, makes the file unreadable here, where earlier
+//! releases dropped that claim's sharing with a warning; a downgrade past such a change
+//! needs those claims unprepared first. Unknown fields of the sharing state are ignored.
+//!
 //! Recovery from a damaged file (bad checksum, truncated, not JSON, unknown version): the
 //! error names the path. Make sure no pod on the node still uses a claim of this driver (or
 //! accept that their devices are unprepared by hand), then run
@@ -44,7 +55,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
+use cleave_api::merge::ResolvedConfig;
+
 use crate::model::Placement;
+use crate::sharing::SharingState;
 
 /// File name of the checkpoint in the state directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
@@ -165,9 +179,10 @@ pub struct ClaimRecord {
     /// The claim's devices on this node.
     #[serde(default)]
     pub devices: Vec<DeviceRecord>,
-    /// State of the claim's sharing strategy (e.g. MPS daemon), owned by the sharing handler.
+    /// State of the claim's sharing strategy (e.g. MPS daemon), owned by the sharing handler;
+    /// `Some` (possibly empty) once sharing was applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sharing: Option<serde_json::Value>,
+    pub sharing: Option<SharingState>,
 }
 
 /// Kind of a prepared device (recorded as `gpu` / `mig`).
@@ -201,7 +216,7 @@ pub struct DeviceRecord {
     pub mig: Option<MigRecord>,
     /// Effective opaque config applied to the device (as the config API encodes it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub config: Option<serde_json::Value>,
+    pub config: Option<ResolvedConfig>,
     /// CDI device IDs handed to the kubelet.
     #[serde(default)]
     pub cdi_device_ids: Vec<String>,

@@ -977,8 +977,7 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
     );
     let mut recorded_pids = BTreeSet::new();
     for uid in &own_mps {
-        let sharing: SharingState =
-            serde_json::from_value(data.claims[uid].sharing.clone().unwrap()).unwrap();
+        let sharing: SharingState = data.claims[uid].sharing.clone().unwrap();
         let pid = sharing.mps.unwrap().daemon.unwrap().pid;
         recorded_pids.insert(pid);
     }
@@ -1066,11 +1065,7 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         .collect();
     let mut want_slices: BTreeMap<String, String> = BTreeMap::new();
     for c in data.claims.values() {
-        let sharing: SharingState = c
-            .sharing
-            .clone()
-            .map(|v| serde_json::from_value(v).unwrap())
-            .unwrap_or_default();
+        let sharing: SharingState = c.sharing.clone().unwrap_or_default();
         for t in &sharing.time_slicing {
             want_slices.insert(t.gpu_uuid.clone(), t.interval.timeslice_value().to_string());
         }

@@ -58,12 +58,14 @@ fn sample() -> CheckpointData {
                         creating_in_boot: None,
                     }),
                     config: Some(
-                        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "MigConfig"}),
+                        serde_json::from_value(json!({"index": 0, "source": "FromClaim",
+                            "config": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "MigConfig"}}))
+                        .unwrap(),
                     ),
                     cdi_device_ids: vec![cdi::qualified_device_id(&uid, "gpu-0-mig-1g10gb-3")],
                     share: None,
                 }],
-                sharing: Some(json!({"mps": null})),
+                sharing: Some(Default::default()),
             },
         );
     }

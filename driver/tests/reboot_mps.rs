@@ -101,7 +101,7 @@ impl World {
 
     fn sharing_state(&self, uid: &str) -> SharingState {
         let data = CheckpointStore::in_dir(&self.state).load().unwrap();
-        serde_json::from_value(data.claims[uid].sharing.clone().unwrap()).unwrap()
+        data.claims[uid].sharing.clone().unwrap()
     }
 
     fn daemon_pid(&self, uid: &str) -> u32 {

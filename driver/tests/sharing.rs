@@ -366,7 +366,7 @@ fn mig_device(s: Sharing) -> SharingDevice {
 }
 
 fn state_of(edits: &SharingEdits) -> SharingState {
-    serde_json::from_value(edits.state.clone().unwrap()).unwrap()
+    edits.state.clone().unwrap()
 }
 
 fn daemon_pid(edits: &SharingEdits) -> u32 {
@@ -398,7 +398,7 @@ fn record(uid: &str, gpu: &str, minor: u32, config: Option<serde_json::Value>) -
             gpu_uuid: gpu.into(),
             gpu_minor: minor,
             mig: None,
-            config,
+            config: config.map(|c| serde_json::from_value(c).unwrap()),
             cdi_device_ids: vec![],
             share: None,
         }],
@@ -1334,8 +1334,7 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
 
     // The checkpoint records the daemon.
     let data = CheckpointStore::in_dir(&world.state).load().unwrap();
-    let state: SharingState =
-        serde_json::from_value(data.claims[uid].sharing.clone().unwrap()).unwrap();
+    let state = data.claims[uid].sharing.clone().unwrap();
     let pid = state.mps.unwrap().daemon.unwrap().pid;
     assert!(alive(pid));
 
@@ -1378,8 +1377,7 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
     let restarted = driver.reconcile_sharing().unwrap();
     assert_eq!(restarted.into_iter().collect::<Vec<_>>(), [uid]);
     let data = CheckpointStore::in_dir(&world.state).load().unwrap();
-    let state: SharingState =
-        serde_json::from_value(data.claims[uid].sharing.clone().unwrap()).unwrap();
+    let state = data.claims[uid].sharing.clone().unwrap();
     let new_pid = state.mps.unwrap().daemon.unwrap().pid;
     assert_ne!(new_pid, pid);
     assert!(alive(new_pid));

@@ -22,7 +22,8 @@ use cleave_api::merge::base_request;
 use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
-use super::plan::{PlannedDevice, claim_label};
+use super::apply::ApplyPath;
+use super::plan::{MigPlan, PlannedDevice, claim_label};
 use super::{
     NodeDriver, PrepareError, PreparedClaim, PreparedDevice, State, device_need, device_uuid,
     share_holders, time_slice_needs,
@@ -35,7 +36,7 @@ use crate::checkpoint::{
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
 use crate::sharing::{
-    GpuFacts, ShareDevice, SharingClaim, SharingDevice, SharingEdits, device_multiprocessors,
+    GpuFacts, ShareDevice, SharingClaim, SharingEdits, SharingState, device_multiprocessors,
 };
 
 /// The kubelet answer for a recorded claim.
@@ -123,11 +124,14 @@ pub(super) fn held_elsewhere(data: &CheckpointData, uid: &str, uuid: &str) -> bo
 impl NodeDriver {
     /// Enforces the record's shares when consumable capacity is `mps` (the shared daemon of
     /// each device runs; the edits carry each share's client limits); nothing otherwise.
+    /// The GPU facts of a device prepare planned come from `plan`; others (recreation,
+    /// refresh) are looked up in `inventory`.
     pub(super) fn apply_record_shares(
         &self,
         record: &ClaimRecord,
         data: &CheckpointData,
         inventory: &mut NodeInventory,
+        plan: Option<&[PlannedDevice]>,
     ) -> Result<SharingEdits, PrepareError> {
         if self.config.consumable_capacity != ConsumableCapacity::Mps {
             return Ok(SharingEdits::default());
@@ -137,6 +141,16 @@ impl NodeDriver {
             return Ok(SharingEdits::default());
         }
         for s in &mut shares {
+            // Prepare planned the device with its GPU: its facts come from there.
+            if let Some(d) = plan
+                .into_iter()
+                .flatten()
+                .find(|d| d.name == s.device_name && d.gpu.uuid == s.gpu_uuid)
+            {
+                s.gpu = Some(GpuFacts::of(&d.gpu, &d.name));
+                s.device_multiprocessors = device_multiprocessors(&d.gpu, &d.name);
+                continue;
+            }
             s.gpu = self.gpu_facts(inventory, &s.gpu_uuid, &s.device_name);
             s.device_multiprocessors = inventory
                 .gpus
@@ -189,14 +203,14 @@ impl NodeDriver {
         let plan = self.plan(claim, &label, uid, &state)?;
         let needs: Vec<DeviceNeed> = plan
             .iter()
-            .map(|d| device_need(d.gpu.minor, d.mig.as_ref()))
+            .map(|d| device_need(d.gpu.minor, d.mig.as_ref().map(MigPlan::record).as_ref()))
             .collect();
         self.view_for(&label, &needs)?;
         let mut record = self.new_record(claim, uid, &plan);
         let mps_shares = self.config.consumable_capacity == ConsumableCapacity::Mps;
         let needs_intent = record.sharing.is_some()
             || plan.iter().any(|d| {
-                d.mig.as_ref().is_some_and(|m| m.created_by_cleave)
+                d.mig.as_ref().is_some_and(MigPlan::is_cleaves)
                     || (mps_shares && ShareRecord::partial(d.share.as_ref()).is_some())
             });
         if needs_intent {
@@ -213,7 +227,7 @@ impl NodeDriver {
             .as_ref()
             .and_then(|a| a.get(crate::metadata::POD_CLAIM_NAME_ANNOTATION))
             .map(String::as_str);
-        match self.execute(&label, uid, &plan, &mut record, &mut state, pod_claim_name) {
+        match self.execute(&label, &plan, &mut record, &mut state, pod_claim_name) {
             Ok(()) => {
                 tracing::info!(devices = record.devices.len(), "prepared");
                 Ok(answer(&record))
@@ -303,8 +317,8 @@ impl NodeDriver {
                     admin_access: d.admin_access,
                     gpu_uuid: d.gpu.uuid.clone(),
                     gpu_minor: d.gpu.minor,
-                    mig: d.mig.clone(),
-                    config: d.config.as_ref().and_then(|c| serde_json::to_value(c).ok()),
+                    mig: d.mig.as_ref().map(MigPlan::record),
+                    config: d.config.clone(),
                     cdi_device_ids: vec![cdi::qualified_device_id(
                         uid,
                         &cdi_name(&d.name, d.share.as_ref()),
@@ -312,7 +326,7 @@ impl NodeDriver {
                     share: d.share.clone(),
                 })
                 .collect(),
-            sharing: own_sharing.then(|| serde_json::json!({})),
+            sharing: own_sharing.then(SharingState::default),
         }
     }
 
@@ -342,62 +356,45 @@ impl NodeDriver {
         }
     }
 
-    /// Steps 3 and 4 of prepare; on error the caller rolls back what `record` shows.
+    /// Steps 3 and 4 of prepare ([`NodeDriver::apply`]); on error the caller rolls back
+    /// what `record` shows.
     pub(super) fn execute(
         &self,
         label: &str,
-        uid: &str,
         plan: &[PlannedDevice],
         record: &mut ClaimRecord,
         state: &mut State,
         pod_claim_name: Option<&str>,
     ) -> Result<(), PrepareError> {
-        self.create_planned_migs(label, plan, record, state)?;
-        let edits = self.apply_planned_sharing(uid, plan, record, state)?;
-
-        // CDI spec.
-        crate::timing::timed(crate::timing::step::CDI_WRITE, || {
-            self.write_cdi(uid, record, &edits)
-        })?;
-        // Device metadata (`--device-metadata`), after the CDI spec; it adds its CDI IDs to
-        // the record. A failed write is only logged, as in the Go helper.
-        if let Some(m) = self.metadata.get() {
-            self.write_metadata(m, pod_claim_name, record, &state.data, &state.inventory);
-        }
-
-        // Durable record, then the answer.
-        record.state = ClaimState::Prepared;
-        let previous = state.data.claims.insert(uid.to_owned(), record.clone());
-        if let Err(e) = self.checkpoint.store(&state.data) {
-            match previous {
-                Some(p) => state.data.claims.insert(uid.to_owned(), p),
-                None => state.data.claims.remove(uid),
-            };
-            return Err(e.into());
-        }
-        Ok(())
+        let path = ApplyPath::Prepare {
+            label,
+            plan,
+            pod_claim_name,
+        };
+        self.apply(&path, record, &mut state.data, &mut state.inventory)
     }
 
     /// Step 3: creates the plan's on-demand MIG instances (not those another share of the
     /// device holds), recording each in `record` and the inventory.
-    fn create_planned_migs(
+    pub(super) fn create_planned_migs(
         &self,
         label: &str,
         plan: &[PlannedDevice],
         record: &mut ClaimRecord,
-        state: &mut State,
+        inventory: &mut NodeInventory,
     ) -> Result<(), PrepareError> {
         for (i, d) in plan.iter().enumerate() {
-            let Some(mig) = d
-                .mig
-                .as_ref()
-                .filter(|m| m.created_by_cleave && m.uuid.is_none())
+            let Some(MigPlan::Create {
+                profile_id,
+                placement,
+                ..
+            }) = &d.mig
             else {
                 continue;
             };
             let created = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
                 self.backend
-                    .create_mig(&d.gpu.uuid, mig.profile_id, mig.placement)
+                    .create_mig(&d.gpu.uuid, *profile_id, *placement)
             });
             let inst = match created {
                 Ok(inst) => inst,
@@ -428,65 +425,13 @@ impl NodeDriver {
                 m.ci_id = Some(inst.ci_id);
             }
             tracing::info!(device = %d.name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "created MIG device");
-            if let Some(gpu) = state
-                .inventory
-                .gpus
-                .iter_mut()
-                .find(|g| g.uuid == d.gpu.uuid)
+            if let Some(gpu) = inventory.gpus.iter_mut().find(|g| g.uuid == d.gpu.uuid)
                 && let MigState::Enabled { instances, .. } = &mut gpu.mig
             {
                 instances.push(inst);
             }
         }
         Ok(())
-    }
-
-    /// Step 4: applies the devices' own sharing configs and the claim's shares of devices,
-    /// recording the sharing state in `record`; the CDI edits of both.
-    fn apply_planned_sharing(
-        &self,
-        uid: &str,
-        plan: &[PlannedDevice],
-        record: &mut ClaimRecord,
-        state: &mut State,
-    ) -> Result<SharingEdits, PrepareError> {
-        let shared: Vec<SharingDevice> = plan
-            .iter()
-            .zip(&record.devices)
-            .filter_map(|(d, r)| {
-                let sharing = d.config.as_ref()?.config.sharing()?.clone();
-                Some(SharingDevice {
-                    device_name: d.name.clone(),
-                    kind: r.kind,
-                    uuid: device_uuid(r),
-                    gpu_uuid: r.gpu_uuid.clone(),
-                    gpu: Some(GpuFacts::of(&d.gpu, &d.name)),
-                    sharing,
-                })
-            })
-            .collect();
-        let mut edits = if shared.is_empty() {
-            SharingEdits::default()
-        } else {
-            let claim = SharingClaim {
-                uid,
-                namespace: &record.namespace,
-                name: &record.name,
-            };
-            let edits = crate::timing::timed(crate::timing::step::SHARING_APPLY, || {
-                self.sharing
-                    .apply(&claim, &shared, &time_slice_needs(&state.data))
-            })?;
-            crate::fault::point("prepare.after_sharing_apply");
-            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
-            edits
-        };
-        let share_edits = self.apply_record_shares(record, &state.data, &mut state.inventory)?;
-        if share_edits != SharingEdits::default() {
-            crate::fault::point("prepare.after_share_apply");
-        }
-        edits.merge(share_edits);
-        Ok(edits)
     }
 
     /// Writes the claim's CDI spec from its record and the sharing edits.

@@ -24,14 +24,19 @@
 //! The code is split by phase:
 //! - `mod.rs`: the types, [`NodeDriver`] with its start and its read-only accessors;
 //! - `plan`: decode the allocation, merge and validate configs, decide what to create
-//!   (changes nothing);
-//! - `execute`: MIG create, sharing, CDI and checkpoint writes, rollback, unprepare;
+//!   (changes nothing; a MIG device's instance is decided once as a `MigPlan`: existing,
+//!   to create, or joined from another share of the device);
+//! - `apply`: the one apply step (MIG instances, sharing, CDI spec, device metadata, the
+//!   `Prepared` record) that prepare, recreation and the refresh of restarted sharing run,
+//!   each as an `ApplyPath`;
+//! - `execute`: prepare's intent record and on-demand MIG create, rollback, unprepare;
 //! - `recover`: what start and later calls do to bring the node back in line with the
 //!   checkpoint: interrupted prepares, reboots and vanished instances, sharing
 //!   reconciliation, driver-root rediscovery;
 //! - `summary`: read-only views of the checkpoint for metrics and status
 //!   ([`CheckpointReader`], [`NodeDriver::checkpoint_summary`]).
 
+mod apply;
 mod execute;
 mod plan;
 mod recover;

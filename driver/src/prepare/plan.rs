@@ -14,7 +14,7 @@ use cleave_api::pool::ConsumableCapacity;
 
 use super::{NodeDriver, PrepareError, State};
 use crate::checkpoint::{DeviceKind, MigRecord, ShareRecord};
-use crate::model::{GpuInfo, MigState};
+use crate::model::{GpuInfo, MigState, Placement};
 use crate::sharing::{Capacity, takes_whole_device};
 
 /// What prepare will do for one device, decided before anything changes.
@@ -25,12 +25,74 @@ pub(super) struct PlannedDevice {
     pub(super) admin_access: bool,
     pub(super) request_names: Vec<String>,
     pub(super) gpu: GpuInfo,
-    /// Instance to use (static) or to create (on demand), if the device is a MIG instance.
-    pub(super) mig: Option<MigRecord>,
+    /// The MIG instance behind the device and what prepare does about it.
+    pub(super) mig: Option<MigPlan>,
     pub(super) config: Option<ResolvedConfig>,
     /// The share of the device the claim gets (an allocation result with a `shareID`);
     /// `None`: the claim has the device alone.
     pub(super) share: Option<ShareRecord>,
+}
+
+/// What prepare does for the MIG instance of a device, decided once by the plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum MigPlan {
+    /// An instance that existed before cleave prepared the device (static): used, never
+    /// destroyed.
+    Existing(MigRecord),
+    /// An on-demand instance this prepare creates (and unprepare destroys).
+    Create {
+        /// GPU-instance profile id.
+        profile_id: u32,
+        /// Profile name (`1g.10gb`).
+        profile_name: String,
+        /// Placement of the GPU instance.
+        placement: Placement,
+    },
+    /// The instance another share of the device holds (static or on demand): it serves
+    /// this share too; nothing is created.
+    Join(MigRecord),
+}
+
+impl MigPlan {
+    /// Placement of the GPU instance.
+    pub(super) fn placement(&self) -> Placement {
+        match self {
+            Self::Existing(m) | Self::Join(m) => m.placement,
+            Self::Create { placement, .. } => *placement,
+        }
+    }
+
+    /// The instance is cleave's (created for this or another share of the device):
+    /// prepare records an intent before it touches anything.
+    pub(super) fn is_cleaves(&self) -> bool {
+        match self {
+            Self::Create { .. } => true,
+            Self::Existing(_) => false,
+            Self::Join(m) => m.created_by_cleave,
+        }
+    }
+
+    /// The durable record of the instance as prepare first writes it: the one place where
+    /// the plan's shapes become the checkpoint's flags (`createdByCleave`, no UUID yet).
+    pub(super) fn record(&self) -> MigRecord {
+        match self {
+            Self::Existing(m) | Self::Join(m) => m.clone(),
+            Self::Create {
+                profile_id,
+                profile_name,
+                placement,
+            } => MigRecord {
+                profile_id: *profile_id,
+                profile_name: profile_name.clone(),
+                placement: *placement,
+                uuid: None,
+                gi_id: None,
+                ci_id: None,
+                created_by_cleave: true,
+                creating_in_boot: None,
+            },
+        }
+    }
 }
 
 /// The share an allocation result describes, from its `shareID` and `consumedCapacity`.
@@ -225,7 +287,7 @@ fn check_placement_free(
     uid: &str,
     device: &str,
     gpu: &GpuInfo,
-    mig: &MigRecord,
+    placement: Placement,
     planned: &[PlannedDevice],
     state: &State,
 ) -> Result<(), String> {
@@ -247,16 +309,20 @@ fn check_placement_free(
         .iter()
         .filter(|d| d.gpu.uuid == gpu.uuid && d.name != device)
         .filter_map(|d| {
-            d.mig
-                .as_ref()
-                .map(|m| (("this claim".to_owned(), uid), d.name.clone(), m.placement))
+            d.mig.as_ref().map(|m| {
+                (
+                    ("this claim".to_owned(), uid),
+                    d.name.clone(),
+                    m.placement(),
+                )
+            })
         });
-    for ((who, holder), other, placement) in others.chain(mine) {
-        if placement.overlaps(&mig.placement) {
+    for ((who, holder), other, held) in others.chain(mine) {
+        if held.overlaps(&placement) {
             tracing::debug!(device, holder, "MIG placement held by a claim");
             return Err(format!(
                 "placement start {} size {} overlaps MIG device {other} prepared for {who} on GPU {}",
-                mig.placement.start, mig.placement.size, gpu.uuid
+                placement.start, placement.size, gpu.uuid
             ));
         }
     }
@@ -458,12 +524,10 @@ impl NodeDriver {
         let (kind, mig) = self
             .plan_device(&name, gpu)
             .map_err(|r| unknown(&device, r))?;
-        let mig = joined.or(mig);
-        if let Some(m) = mig
-            .as_ref()
-            .filter(|m| m.created_by_cleave && m.uuid.is_none())
-        {
-            check_placement_free(uid, &device, gpu, m, planned, state).map_err(over_commit)?;
+        let mig = joined.map(MigPlan::Join).or(mig);
+        if let Some(MigPlan::Create { placement, .. }) = &mig {
+            check_placement_free(uid, &device, gpu, *placement, planned, state)
+                .map_err(over_commit)?;
         }
 
         let partial = ShareRecord::partial(share.as_ref()).is_some();
@@ -563,7 +627,7 @@ impl NodeDriver {
                             reason,
                         })?;
                 match mig {
-                    Some(m) if !m.created_by_cleave => Some(m),
+                    Some(m @ MigPlan::Existing(_)) => Some(m),
                     _ => {
                         return Err(PrepareError::ShareRefused {
                             claim: label.to_owned(),
@@ -746,7 +810,7 @@ impl NodeDriver {
         &self,
         name: &DeviceName,
         gpu: &GpuInfo,
-    ) -> Result<(DeviceKind, Option<MigRecord>), String> {
+    ) -> Result<(DeviceKind, Option<MigPlan>), String> {
         match name {
             DeviceName::Gpu { .. } => match &gpu.mig {
                 MigState::Enabled {
@@ -775,15 +839,10 @@ impl NodeDriver {
                     };
                     Ok((
                         DeviceKind::Gpu,
-                        Some(MigRecord {
+                        Some(MigPlan::Create {
                             profile_id: full.id,
                             profile_name: full.name.clone(),
                             placement,
-                            uuid: None,
-                            gi_id: None,
-                            ci_id: None,
-                            created_by_cleave: true,
-                            creating_in_boot: None,
                         }),
                     ))
                 }
@@ -816,7 +875,7 @@ impl NodeDriver {
                 {
                     return Ok((
                         DeviceKind::Mig,
-                        Some(MigRecord {
+                        Some(MigPlan::Existing(MigRecord {
                             profile_id: prof.id,
                             profile_name: prof.name.clone(),
                             placement,
@@ -825,7 +884,7 @@ impl NodeDriver {
                             ci_id: Some(inst.ci_id),
                             created_by_cleave: false,
                             creating_in_boot: None,
-                        }),
+                        })),
                     ));
                 }
                 if !self.config.dynamic_mig {
@@ -835,15 +894,10 @@ impl NodeDriver {
                 }
                 Ok((
                     DeviceKind::Mig,
-                    Some(MigRecord {
+                    Some(MigPlan::Create {
                         profile_id: prof.id,
                         profile_name: prof.name.clone(),
                         placement,
-                        uuid: None,
-                        gi_id: None,
-                        ci_id: None,
-                        created_by_cleave: true,
-                        creating_in_boot: None,
                     }),
                 ))
             }

@@ -63,18 +63,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use cleave_api::merge::ResolvedConfig;
-
-use super::{DriverView, NodeDriver, PrepareError, device_uuid, empty_inventory, time_slice_needs};
+use super::apply::ApplyPath;
+use super::{DriverView, NodeDriver, PrepareError, device_uuid, empty_inventory};
 use crate::backend::BackendError;
 use crate::cdi;
 use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, MigRecord};
 use crate::driver_root::{DeviceNeed, DriverFiles};
 use crate::model::NodeInventory;
-use crate::sharing::{
-    GpuFacts, SharingClaim, SharingDevice, SharingEdits, legacy_shared_daemon_key,
-    shared_daemon_key,
-};
+use crate::sharing::{GpuFacts, SharingDevice, legacy_shared_daemon_key, shared_daemon_key};
 
 /// Forgets the IDs of every MIG instance of a record, and any recreation intent (after a
 /// reboot none of them exists).
@@ -142,14 +138,7 @@ impl NodeDriver {
             .devices
             .iter()
             .filter_map(|r| {
-                let resolved: ResolvedConfig = match serde_json::from_value(r.config.clone()?) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(claim = %record.uid, device = %r.name, error = %e, "recorded config does not decode; no sharing");
-                        return None;
-                    }
-                };
-                let sharing = resolved.config.sharing()?.clone();
+                let sharing = r.config.as_ref()?.config.sharing()?.clone();
                 Some(SharingDevice {
                     device_name: r.name.clone(),
                     kind: r.kind,
@@ -399,28 +388,13 @@ impl NodeDriver {
         let Some(mut record) = data.claims.get(uid).cloned() else {
             return Ok(());
         };
-        let shared = self.recorded_sharing(&record, inventory);
-        let has_shares = record.devices.iter().any(|d| d.share.is_some());
-        if shared.is_empty() && !has_shares {
+        let has_sharing = record.devices.iter().any(|d| {
+            d.share.is_some() || d.config.as_ref().and_then(|c| c.config.sharing()).is_some()
+        });
+        if !has_sharing {
             return Ok(());
         }
-        let mut edits = SharingEdits::default();
-        if !shared.is_empty() {
-            let claim = SharingClaim {
-                uid,
-                namespace: &record.namespace,
-                name: &record.name,
-            };
-            edits = self
-                .sharing
-                .apply(&claim, &shared, &time_slice_needs(data))?;
-            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
-        }
-        let share_edits = self.apply_record_shares(&record, data, inventory)?;
-        edits.merge(share_edits);
-        self.write_cdi(uid, &record, &edits)?;
-        data.claims.insert(uid.to_owned(), record);
-        self.checkpoint.store(data)?;
+        self.apply(&ApplyPath::Refresh, &mut record, data, inventory)?;
         tracing::info!(claim = %uid, "rewrote the CDI spec of a claim whose sharing was restarted");
         Ok(())
     }
@@ -508,32 +482,13 @@ impl NodeDriver {
         data: &mut CheckpointData,
         inventory: &mut NodeInventory,
     ) -> Result<(), PrepareError> {
-        let uid = record.uid.clone();
-        self.recreate_migs(record, data)?;
-        let edits = self.reapply_sharing(record, data, inventory)?;
-        self.write_cdi(&uid, record, &edits)?;
-        // Device metadata: its CDI specs live in the CDI root (gone after a reboot) and a
-        // recreated MIG device has a new UUID, so rewrite it (the next generation).
-        if let Some(m) = self.metadata.get() {
-            let pod_claim_name = m.store.pod_claim_name(&record.namespace, &record.name);
-            self.write_metadata(m, pod_claim_name.as_deref(), record, data, inventory);
-        }
-
-        record.state = ClaimState::Prepared;
-        let previous = data.claims.insert(uid.clone(), record.clone());
-        if let Err(e) = self.checkpoint.store(data) {
-            if let Some(p) = previous {
-                data.claims.insert(uid, p);
-            }
-            return Err(e.into());
-        }
-        Ok(())
+        self.apply(&ApplyPath::Recreate, record, data, inventory)
     }
 
     /// Finds, or creates again, the MIG instance of each of the record's MIG devices and
     /// records its IDs; an instance of ours that changed is recorded at once, so that
     /// unprepare or a retry finds it by UUID.
-    fn recreate_migs(
+    pub(super) fn recreate_migs(
         &self,
         record: &mut ClaimRecord,
         data: &mut CheckpointData,
@@ -706,38 +661,6 @@ impl NodeDriver {
         tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
         list.push(inst.clone());
         Ok(inst)
-    }
-
-    /// Applies the record's sharing again (its own strategy, then its shares of devices)
-    /// and records the new sharing state: the CDI edits of both.
-    fn reapply_sharing(
-        &self,
-        record: &mut ClaimRecord,
-        data: &CheckpointData,
-        inventory: &mut NodeInventory,
-    ) -> Result<SharingEdits, PrepareError> {
-        let shared = self.recorded_sharing(record, inventory);
-        let mut edits = if shared.is_empty() {
-            SharingEdits::default()
-        } else {
-            let claim = SharingClaim {
-                uid: &record.uid,
-                namespace: &record.namespace,
-                name: &record.name,
-            };
-            let edits = self
-                .sharing
-                .apply(&claim, &shared, &time_slice_needs(data))?;
-            crate::fault::point("recreate.after_sharing_apply");
-            record.sharing = Some(edits.state.clone().unwrap_or(serde_json::json!({})));
-            edits
-        };
-        let share_edits = self.apply_record_shares(record, data, inventory)?;
-        if share_edits != SharingEdits::default() {
-            crate::fault::point("recreate.after_share_apply");
-        }
-        edits.merge(share_edits);
-        Ok(edits)
     }
 
     /// Destroys the bare GPU instance `gi_id` if it is there with `mig`'s profile and

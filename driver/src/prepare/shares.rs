@@ -3,7 +3,6 @@
 //! so that a strategy counts from the checkpoint and a restart never loses count.
 
 use cleave_api::config::{DeviceKind, SharingStrategy};
-use cleave_api::merge::ResolvedConfig;
 
 use crate::checkpoint::{self, CheckpointData};
 use crate::sharing::{ShareHolder, TimeSliceNeed};
@@ -30,23 +29,15 @@ pub fn share_holders(data: &CheckpointData) -> Vec<ShareHolder> {
 
 /// Every time slice the claims recorded in `data` ask for on whole GPUs (MIG devices have
 /// none of their own), from the effective config recorded with every device, so that a
-/// restart never loses count. Devices whose recorded config does not decode are skipped with
-/// a warning (they were written by this or an older release, so this does not happen).
+/// restart never loses count.
 pub fn time_slice_needs(data: &CheckpointData) -> Vec<TimeSliceNeed> {
     let mut needs = Vec::new();
     for claim in data.claims.values() {
         for device in &claim.devices {
             let is_whole =
                 device.kind == DeviceKind::Gpu && device.mig.is_none() && !device.admin_access;
-            let Some(raw) = device.config.as_ref().filter(|_| is_whole) else {
+            let Some(resolved) = device.config.as_ref().filter(|_| is_whole) else {
                 continue;
-            };
-            let resolved: ResolvedConfig = match serde_json::from_value(raw.clone()) {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::warn!(claim = %claim.uid, device = %device.name, error = %e, "recorded config does not decode");
-                    continue;
-                }
             };
             let Some(sharing) = resolved.config.sharing() else {
                 continue;
@@ -86,7 +77,7 @@ mod tests {
             gpu_uuid: gpu.into(),
             gpu_minor: 0,
             mig: None,
-            config,
+            config: config.map(|c| serde_json::from_value(c).unwrap()),
             cdi_device_ids: vec![],
             share: None,
         }
@@ -105,10 +96,6 @@ mod tests {
         for (uid, dev) in [
             ("a", device("GPU-1", Some(ts("Long")))),
             ("b", device("GPU-2", None)),
-            (
-                "c",
-                device("GPU-3", Some(serde_json::json!({"garbage": true}))),
-            ),
         ] {
             data.claims.insert(
                 uid.into(),

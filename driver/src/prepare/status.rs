@@ -178,10 +178,7 @@ pub(crate) fn report(
     inventory: &NodeInventory,
     mode: cleave_api::pool::ConsumableCapacity,
 ) -> ClaimStatusReport {
-    let sharing: Option<SharingState> = record
-        .sharing
-        .as_ref()
-        .and_then(|v| serde_json::from_value(v.clone()).ok());
+    let sharing = record.sharing.as_ref();
     let (ready, not_ready_reason) = match record.state {
         ClaimState::Prepared => (true, None),
         ClaimState::PrepareStarted => (false, Some("Preparing".to_owned())),
@@ -189,7 +186,7 @@ pub(crate) fn report(
     };
     let mut entries = Vec::new();
     for device in &record.devices {
-        let data = device_data(device, &record.namespace, sharing.as_ref(), inventory, mode);
+        let data = device_data(device, &record.namespace, sharing, inventory, mode);
         let share_ids: Vec<Option<String>> = match &device.share {
             None => vec![None],
             Some(s) => std::iter::once(&s.share_id)

@@ -92,11 +92,7 @@ pub(crate) fn summarize(data: &CheckpointData) -> CheckpointSummary {
                 },
                 devices: r.devices.iter().map(|d| d.name.clone()).collect(),
                 admin_access_devices: r.devices.iter().filter(|d| d.admin_access).count(),
-                sharing: r
-                    .sharing
-                    .as_ref()
-                    .and_then(|v| serde_json::from_value::<SharingState>(v.clone()).ok())
-                    .and_then(|s| s.strategy()),
+                sharing: r.sharing.as_ref().and_then(SharingState::strategy),
             })
             .collect(),
     }
@@ -168,11 +164,7 @@ pub(crate) fn claim_devices(
         .values()
         .filter(|r| r.state == ClaimState::Prepared)
     {
-        let state: Option<SharingState> = r
-            .sharing
-            .as_ref()
-            .and_then(|v| serde_json::from_value(v.clone()).ok());
-        let mps = state.as_ref().and_then(|s| s.mps.as_ref());
+        let mps = r.sharing.as_ref().and_then(|s| s.mps.as_ref());
         let pids: Vec<u32> = mps
             .and_then(|m| m.daemon.as_ref())
             .filter(|d| d.pod.is_none() && d.pid != 0)
@@ -219,7 +211,7 @@ pub(crate) fn claim_devices(
                 (false, true) => Holding::Mig,
                 (false, false) => Holding::Whole,
             };
-            let mut sharing = state.as_ref().and_then(SharingState::strategy);
+            let mut sharing = r.sharing.as_ref().and_then(SharingState::strategy);
             let mut allocated = allocated;
             // A capacity share was given what it consumed. One that consumed the whole device
             // (a claim that asked for no capacity) is served like the device alone; the others
@@ -310,7 +302,7 @@ mod tests {
                 creating_in_boot: None,
             }),
         )];
-        let mut state: SharingState = serde_json::from_value(mps_sharing_state("p")).unwrap();
+        let mut state = mps_sharing_state("p");
         if let Some(m) = state.mps.as_mut() {
             m.daemon = Some(crate::sharing::DaemonHandle::process(
                 4242,
@@ -318,11 +310,7 @@ mod tests {
                 "boot".into(),
             ));
         }
-        let mut mps = checkpoint_claim(
-            "p",
-            ClaimState::Prepared,
-            Some(serde_json::to_value(state).unwrap()),
-        );
+        let mut mps = checkpoint_claim("p", ClaimState::Prepared, Some(state));
         mps.devices = vec![device("gpu-1", 1, None)];
         // Being prepared, or waiting for recreation: not sampled.
         let mut started = checkpoint_claim("s", ClaimState::PrepareStarted, None);
@@ -398,11 +386,7 @@ mod tests {
             checkpoint_claim("a", ClaimState::Prepared, Some(mps_sharing_state("a"))),
             checkpoint_claim("b", ClaimState::Prepared, Some(mps_sharing_state("b"))),
             // Time-slicing only / no sharing: no daemon.
-            checkpoint_claim(
-                "c",
-                ClaimState::Prepared,
-                Some(serde_json::to_value(SharingState::default()).unwrap()),
-            ),
+            checkpoint_claim("c", ClaimState::Prepared, Some(SharingState::default())),
             checkpoint_claim("d", ClaimState::Prepared, None),
             // Not prepared (rolled back at start) or waiting for recreation: not running.
             checkpoint_claim(
@@ -411,12 +395,6 @@ mod tests {
                 Some(mps_sharing_state("e")),
             ),
             checkpoint_claim("f", ClaimState::NeedsRecreate, Some(mps_sharing_state("f"))),
-            // Unreadable sharing state: not counted.
-            checkpoint_claim(
-                "g",
-                ClaimState::Prepared,
-                Some(serde_json::json!({"mps": 7})),
-            ),
         ]);
         assert_eq!(summarize(&d).mps_daemons(), 2);
         assert_eq!(summarize(&CheckpointData::default()).mps_daemons(), 0);
@@ -427,16 +405,13 @@ mod tests {
         let mut ts = checkpoint_claim(
             "t",
             ClaimState::NeedsRecreate,
-            Some(
-                serde_json::to_value(SharingState {
-                    mps: None,
-                    time_slicing: vec![TimeSliceSetting {
-                        gpu_uuid: "GPU-1".into(),
-                        interval: cleave_api::config::TimeSliceInterval::Long,
-                    }],
-                })
-                .unwrap(),
-            ),
+            Some(SharingState {
+                mps: None,
+                time_slicing: vec![TimeSliceSetting {
+                    gpu_uuid: "GPU-1".into(),
+                    interval: cleave_api::config::TimeSliceInterval::Long,
+                }],
+            }),
         );
         ts.devices = [0, 1]
             .map(|minor| crate::checkpoint::DeviceRecord {

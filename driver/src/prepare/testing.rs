@@ -838,8 +838,8 @@ impl crate::backend::UsageSource for FakeUsage {
 }
 
 /// The sharing state a checkpoint records for a claim with its own MPS daemon (50 % of the
-/// threads on `GPU-0`, pipes under `/state/mps`), as JSON.
-pub fn mps_sharing_state(uid: &str) -> serde_json::Value {
+/// threads on `GPU-0`, pipes under `/state/mps`).
+pub fn mps_sharing_state(uid: &str) -> crate::sharing::SharingState {
     let record = crate::sharing::MpsRecord {
         spec: crate::sharing::DaemonSpec {
             claim_uid: uid.to_owned(),
@@ -854,18 +854,17 @@ pub fn mps_sharing_state(uid: &str) -> serde_json::Value {
         exclusive_gpus: Vec::new(),
         daemon: None,
     };
-    serde_json::to_value(crate::sharing::SharingState {
+    crate::sharing::SharingState {
         mps: Some(record),
         time_slicing: Vec::new(),
-    })
-    .unwrap()
+    }
 }
 
 /// A checkpoint record of claim `uid` (namespace `ns`, named after its UID) without devices.
 pub fn checkpoint_claim(
     uid: &str,
     state: crate::checkpoint::ClaimState,
-    sharing: Option<serde_json::Value>,
+    sharing: Option<crate::sharing::SharingState>,
 ) -> crate::checkpoint::ClaimRecord {
     crate::checkpoint::ClaimRecord {
         uid: uid.to_owned(),

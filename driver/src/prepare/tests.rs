@@ -14,8 +14,10 @@ use crate::cdi;
 use crate::checkpoint::{CHECKPOINT_FILE, ClaimRecord, DeviceKind};
 use crate::model::{GpuInfo, MigState, Placement};
 use crate::sharing::{
-    SharingClaim, SharingDevice, SharingEdits, SharingFailure, SharingHandler, TimeSliceNeed,
+    SharingClaim, SharingDevice, SharingEdits, SharingFailure, SharingHandler, SharingState,
+    TimeSliceNeed,
 };
+use cleave_api::config::SharingStrategy;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const UID_A: &str = "aaaaaaaa-0000-4000-8000-000000000001";
@@ -370,10 +372,21 @@ fn invalid_configs_fail_the_claim_and_change_nothing() {
     node.driver.prepare(&foreign).unwrap();
 }
 
+/// The state [`RecordingSharing`] hands back: a time slice on a GPU no test has.
+fn recording_state() -> SharingState {
+    SharingState {
+        mps: None,
+        time_slicing: vec![crate::sharing::TimeSliceSetting {
+            gpu_uuid: "GPU-recorded".into(),
+            interval: cleave_api::config::TimeSliceInterval::Short,
+        }],
+    }
+}
+
 #[derive(Default)]
 struct RecordingSharing {
     applied: Mutex<Vec<(String, Vec<String>)>>,
-    released: Mutex<Vec<(String, Option<serde_json::Value>)>>,
+    released: Mutex<Vec<(String, Option<SharingState>)>>,
 }
 
 impl SharingHandler for RecordingSharing {
@@ -388,7 +401,7 @@ impl SharingHandler for RecordingSharing {
             devices.iter().map(|d| d.uuid.clone()).collect(),
         ));
         let mut edits = SharingEdits {
-            state: Some(json!({"daemon": "mps-1"})),
+            state: Some(recording_state()),
             ..SharingEdits::default()
         };
         edits
@@ -401,7 +414,7 @@ impl SharingHandler for RecordingSharing {
     fn release(
         &self,
         claim_uid: &str,
-        state: Option<&serde_json::Value>,
+        state: Option<&SharingState>,
         _needs: &[TimeSliceNeed],
     ) -> Result<(), SharingFailure> {
         self.released
@@ -456,17 +469,23 @@ fn sharing_configs_are_merged_recorded_and_handed_to_the_handler() {
         .load()
         .unwrap();
     let record = &data.claims[UID_A];
-    assert_eq!(record.sharing, Some(json!({"daemon": "mps-1"})));
+    assert_eq!(record.sharing, Some(recording_state()));
     let shared = record.devices[0].config.as_ref().unwrap();
-    assert_eq!(shared["source"], "FromClaim");
-    assert_eq!(shared["config"]["sharing"]["strategy"], "MPS");
+    assert_eq!(shared.source, cleave_api::config::ConfigSource::FromClaim);
+    assert_eq!(
+        shared.config.sharing().unwrap().strategy,
+        SharingStrategy::Mps
+    );
     let solo = record.devices[1].config.as_ref().unwrap();
-    assert_eq!(solo["config"]["sharing"]["strategy"], "TimeSlicing");
+    assert_eq!(
+        solo.config.sharing().unwrap().strategy,
+        SharingStrategy::TimeSlicing
+    );
 
     driver.unprepare(UID_A).unwrap();
     assert_eq!(
         *sharing.released.lock().unwrap(),
-        [(UID_A.to_owned(), Some(json!({"daemon": "mps-1"})))]
+        [(UID_A.to_owned(), Some(recording_state()))]
     );
 }
 
@@ -1812,7 +1831,9 @@ fn admin_access_reaches_static_mig_devices_but_never_creates_one() {
         &as_admin(node_claim(UID_A, &[("static", "gpu-0-mig-3g20gb-4")]), 0),
     )
     .unwrap();
-    let mig = plan[0].mig.as_ref().unwrap();
+    let Some(super::plan::MigPlan::Existing(mig)) = &plan[0].mig else {
+        panic!("{:?}", plan[0].mig);
+    };
     assert!(plan[0].admin_access && !mig.created_by_cleave);
     assert_eq!(mig.uuid.as_deref(), Some(stat.uuid.as_str()));
 }
@@ -1938,7 +1959,9 @@ fn a_share_joins_the_mig_instance_of_another_share_of_its_device() {
         .unwrap()
         .creating_in_boot = Some("11111111-2222-3333-4444-555555555555".into());
     let plan = plan_of(&node, &share(UID_B, "s-2")).unwrap();
-    let mig = plan[0].mig.as_ref().unwrap();
+    let Some(super::plan::MigPlan::Join(mig)) = &plan[0].mig else {
+        panic!("{:?}", plan[0].mig);
+    };
     assert_eq!(mig.uuid, theirs.uuid);
     assert_eq!(mig.creating_in_boot, None);
     // The instance serves both shares: nothing more is created.

@@ -126,7 +126,7 @@ impl SharingManager {
             edits.claim_edits = self.client_edits(&record);
             state.mps = Some(record);
         }
-        edits.state = serde_json::to_value(&state).ok();
+        edits.state = Some(state);
         Ok(edits)
     }
 
@@ -137,14 +137,12 @@ impl SharingManager {
     pub fn release_claim(
         &self,
         claim_uid: &str,
-        state: Option<&serde_json::Value>,
+        state: Option<&SharingState>,
         needs: &[TimeSliceNeed],
     ) -> Result<(), SharingFailure> {
         crate::cdi::validate_claim_uid(claim_uid)?;
         let _ops = self.serialise();
-        let state: SharingState = state
-            .and_then(|v| serde_json::from_value(v.clone()).ok())
-            .unwrap_or_default();
+        let state = state.cloned().unwrap_or_default();
         self.release_daemon(claim_uid, state.mps.as_ref())?;
         self.release_timeslices(claim_uid, state.time_slicing, needs)
     }
@@ -164,7 +162,7 @@ impl SharingHandler for SharingManager {
     fn release(
         &self,
         claim_uid: &str,
-        state: Option<&serde_json::Value>,
+        state: Option<&SharingState>,
         needs: &[TimeSliceNeed],
     ) -> Result<(), SharingFailure> {
         self.release_claim(claim_uid, state, needs)

@@ -301,9 +301,8 @@ pub struct SharingEdits {
     pub claim_edits: ContainerEdits,
     /// Extra edits per device name.
     pub device_edits: BTreeMap<String, ContainerEdits>,
-    /// State to keep in the checkpoint and hand back to [`SharingHandler::release`]; from
-    /// [`SharingManager`], a [`SharingState`].
-    pub state: Option<serde_json::Value>,
+    /// State to keep in the checkpoint and hand back to [`SharingHandler::release`].
+    pub state: Option<SharingState>,
 }
 
 impl SharingEdits {
@@ -365,7 +364,7 @@ pub trait SharingHandler: Send + Sync {
     fn release(
         &self,
         claim_uid: &str,
-        state: Option<&serde_json::Value>,
+        state: Option<&SharingState>,
         needs: &[TimeSliceNeed],
     ) -> Result<(), SharingFailure>;
 
@@ -434,7 +433,7 @@ impl SharingHandler for NoopSharing {
     fn release(
         &self,
         _claim_uid: &str,
-        _state: Option<&serde_json::Value>,
+        _state: Option<&SharingState>,
         _needs: &[TimeSliceNeed],
     ) -> Result<(), SharingFailure> {
         Ok(())
