@@ -34,9 +34,9 @@
 //! differ from what earlier releases wrote, which the checksum (over the bytes as written)
 //! does not mind. A recorded config this release cannot decode (configs refuse unknown
 //! fields, so one a later release wrote with a field this one does not know), or a sharing
-//! state with a value it does not know, makes the file unreadable here, where earlier
-//! releases dropped that claim's sharing with a warning; a downgrade past such a change
-//! needs those claims unprepared first. Unknown fields of the sharing state are ignored.
+//! state with a value it does not know, is left out with a warning and the rest of the file
+//! loads, as earlier releases dropped that claim's sharing; the next write of the file then
+//! no longer holds it. Unknown fields of the sharing state are ignored.
 //!
 //! Recovery from a damaged file (bad checksum, truncated, not JSON, unknown version): the
 //! error names the path. Make sure no pod on the node still uses a claim of this driver (or
@@ -47,8 +47,8 @@
 //! administrator made: remove them with `nvidia-smi mig -dci` / `-dgi` if they are not in use.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::fs;
+use std::io;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -57,15 +57,17 @@ use sha2::{Digest, Sha256};
 
 use cleave_api::merge::ResolvedConfig;
 
+pub use crate::durable::{
+    DEFAULT_BOOT_ID_PATH, read_boot_id, write_file_atomic, write_file_atomic_mode,
+};
 use crate::model::Placement;
+pub use crate::sharing::ShareRecord;
 use crate::sharing::SharingState;
 
 /// File name of the checkpoint in the state directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
 /// Layout version written by this release.
 pub const FORMAT_VERSION: u32 = 1;
-/// Default file holding the kernel's boot ID.
-pub const DEFAULT_BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 /// How to recover from a damaged checkpoint; part of every corruption error.
 pub const RECOVERY: &str = "to recover: make sure no pod on this node still uses a claim of this driver, then run `cleave-kubelet-plugin checkpoint reset` (it moves the file aside; by hand: mv checkpoint.json checkpoint.json.corrupt); the plugin picks that up and starts with no prepared claims, and MIG instances it created for old claims must be removed with nvidia-smi if unused";
@@ -181,7 +183,11 @@ pub struct ClaimRecord {
     pub devices: Vec<DeviceRecord>,
     /// State of the claim's sharing strategy (e.g. MPS daemon), owned by the sharing handler;
     /// `Some` (possibly empty) once sharing was applied.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        deserialize_with = "lenient",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub sharing: Option<SharingState>,
 }
 
@@ -215,7 +221,11 @@ pub struct DeviceRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigRecord>,
     /// Effective opaque config applied to the device (as the config API encodes it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        deserialize_with = "lenient",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub config: Option<ResolvedConfig>,
     /// CDI device IDs handed to the kubelet.
     #[serde(default)]
@@ -226,49 +236,28 @@ pub struct DeviceRecord {
     pub share: Option<ShareRecord>,
 }
 
-/// One share of a device allocated with consumable capacity: several claims hold shares of
-/// one device, each with its own `shareID` (resource.k8s.io/v1
-/// `DeviceRequestAllocationResult.shareID`) and what it consumed (`consumedCapacity`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ShareRecord {
-    /// The allocation result's `shareID`.
-    #[serde(rename = "shareID")]
-    pub share_id: String,
-    /// Consumed `memory` in bytes, when the allocation names it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub memory_bytes: Option<u64>,
-    /// Consumed `multiprocessors`, when the allocation names it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub multiprocessors: Option<u32>,
-    /// The share consumed the whole device (what a claim that asks for no capacity gets):
-    /// the claim has the device alone, served as without consumable capacity.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub whole: bool,
-    /// Further `shareID`s of this device in the same claim (several requests placed on one
-    /// device); what they consumed is summed into this record, and they share its CDI device.
-    #[serde(
-        default,
-        rename = "moreShareIDs",
-        skip_serializing_if = "Vec::is_empty"
-    )]
-    pub more_share_ids: Vec<String>,
-    /// Stricter client thread percentage an MPS config of the claim asked for than what the
-    /// share consumed gives.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_thread_percentage: Option<u8>,
-    /// Stricter pinned-memory limit (bytes) an MPS config of the claim asked for than what
-    /// the share consumed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_memory_bytes: Option<u64>,
-}
-
-impl ShareRecord {
-    /// The share when it is a part of its device (its daemon and limits apply); `None` for a
-    /// share that consumed the whole device.
-    pub fn partial(share: Option<&ShareRecord>) -> Option<&ShareRecord> {
-        share.filter(|s| !s.whole)
-    }
+/// Decodes a typed value that a later release may have written in a shape this one cannot
+/// read (a config field or a sharing strategy it does not know) as `None`, with a warning,
+/// so that the rest of the checkpoint, every other claim included, still loads. What this
+/// release does with such a claim is what it does with one that has no config or sharing
+/// state: it serves and unprepares its devices and leaves that sharing alone.
+fn lenient<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::de::DeserializeOwned,
+{
+    let value = Option::<serde_json::Value>::deserialize(deserializer)?;
+    Ok(value.and_then(|v| match serde_json::from_value::<T>(v) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                value = std::any::type_name::<T>(),
+                "a checkpoint value this release cannot read (written by a later release?) is left out"
+            );
+            None
+        }
+    }))
 }
 
 /// The MIG instance of a device.
@@ -357,55 +346,6 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<CheckpointData, CheckpointErr
     }
     serde_json::from_str(envelope.data.get())
         .map_err(|e| corrupt(format!("data does not decode: {e}")))
-}
-
-/// Writes `bytes` to `path` atomically: `.<name>.tmp` in the same directory, fsync, rename,
-/// fsync of the directory. The temp name ends in neither `.json` nor `.yaml`, so CDI
-/// runtimes never read a half-written spec.
-pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    write_file_atomic_mode(path, bytes, 0o644)
-}
-
-/// [`write_file_atomic`] creating the file with permission bits `mode` (before umask).
-pub fn write_file_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let dir = path
-        .parent()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(".tmp");
-    let tmp = dir.join(tmp_name);
-    let result = (|| {
-        // A temp file left by a crash keeps its old mode: remove it first.
-        match fs::remove_file(&tmp) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-            _ => {}
-        }
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        drop(file);
-        crate::fault::point("file.before_rename");
-        fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
-}
-
-/// Reads the kernel boot ID (trimmed) from `path`.
-pub fn read_boot_id(path: &Path) -> io::Result<String> {
-    Ok(fs::read_to_string(path)?.trim().to_owned())
 }
 
 /// Loads and stores the checkpoint file.

@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod container_edits;
 pub mod device_health;
 pub mod driver_root;
+pub mod durable;
 pub mod fault;
 pub mod health;
 pub mod inspect;

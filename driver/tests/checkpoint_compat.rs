@@ -270,6 +270,42 @@ fn checkpoint_of_a_newer_release_with_extra_fields_loads() {
     assert_eq!(store.load().unwrap(), v1_data());
 }
 
+/// A config field or a sharing state shape this release does not know (a later release
+/// wrote them) leaves that value out and loads everything else: the file is never refused
+/// for it, as it was not before configs were typed.
+#[test]
+fn a_later_releases_config_or_sharing_state_is_left_out_not_fatal() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = CheckpointStore::in_dir(dir.path());
+    let data = v1_data();
+    let mut value = serde_json::to_value(&data).unwrap();
+    let (with_config, device) = data
+        .claims
+        .iter()
+        .find_map(|(uid, c)| {
+            let i = c.devices.iter().position(|d| d.config.is_some())?;
+            Some((uid.clone(), i))
+        })
+        .expect("a fixture claim with a config");
+    let with_sharing = data
+        .claims
+        .iter()
+        .find(|(_, c)| c.sharing.is_some())
+        .map(|(uid, _)| uid.clone())
+        .expect("a fixture claim with sharing state");
+    value["claims"][&with_config]["devices"][device]["config"]["config"]["futureConfigField"] =
+        json!(1);
+    value["claims"][&with_sharing]["sharing"] = json!(["a", "later", "shape"]);
+    let data_bytes = serde_json::to_vec(&value).unwrap();
+    std::fs::write(store.path(), checkpoint::wrap(&data_bytes)).unwrap();
+
+    let loaded = store.load().unwrap();
+    let mut expected = data.clone();
+    expected.claims.get_mut(&with_config).unwrap().devices[device].config = None;
+    expected.claims.get_mut(&with_sharing).unwrap().sharing = None;
+    assert_eq!(loaded, expected);
+}
+
 #[test]
 fn fixture_with_a_flipped_byte_is_reported_corrupt() {
     let bytes = std::fs::read(fixture_path()).unwrap();

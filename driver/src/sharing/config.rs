@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::checkpoint::DEFAULT_BOOT_ID_PATH;
+use crate::durable::DEFAULT_BOOT_ID_PATH;
 
 use super::mps;
 

@@ -14,7 +14,7 @@ use super::mps::{
     closed_parent, socket_path_too_long,
 };
 use super::process::{self, RunFailure};
-use crate::checkpoint::read_boot_id;
+use crate::durable::read_boot_id;
 
 /// Runs `nvidia-cuda-mps-control` as a host process: `-d` to start (the tool daemonizes and
 /// writes its PID into the pipe directory), no argument with commands on stdin to control.

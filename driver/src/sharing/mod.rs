@@ -56,7 +56,6 @@ use cleave_api::names::{DeviceName, profile_label};
 use serde::{Deserialize, Serialize};
 
 use crate::cdi::ContainerEdits;
-use crate::checkpoint::ShareRecord;
 use crate::model::{GpuInfo, MigState};
 
 pub use config::{
@@ -437,5 +436,50 @@ impl SharingHandler for NoopSharing {
         _needs: &[TimeSliceNeed],
     ) -> Result<(), SharingFailure> {
         Ok(())
+    }
+}
+
+/// One share of a device allocated with consumable capacity: several claims hold shares of
+/// one device, each with its own `shareID` (resource.k8s.io/v1
+/// `DeviceRequestAllocationResult.shareID`) and what it consumed (`consumedCapacity`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShareRecord {
+    /// The allocation result's `shareID`.
+    #[serde(rename = "shareID")]
+    pub share_id: String,
+    /// Consumed `memory` in bytes, when the allocation names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// Consumed `multiprocessors`, when the allocation names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multiprocessors: Option<u32>,
+    /// The share consumed the whole device (what a claim that asks for no capacity gets):
+    /// the claim has the device alone, served as without consumable capacity.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub whole: bool,
+    /// Further `shareID`s of this device in the same claim (several requests placed on one
+    /// device); what they consumed is summed into this record, and they share its CDI device.
+    #[serde(
+        default,
+        rename = "moreShareIDs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub more_share_ids: Vec<String>,
+    /// Stricter client thread percentage an MPS config of the claim asked for than what the
+    /// share consumed gives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_thread_percentage: Option<u8>,
+    /// Stricter pinned-memory limit (bytes) an MPS config of the claim asked for than what
+    /// the share consumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_memory_bytes: Option<u64>,
+}
+
+impl ShareRecord {
+    /// The share when it is a part of its device (its daemon and limits apply); `None` for a
+    /// share that consumed the whole device.
+    pub fn partial(share: Option<&ShareRecord>) -> Option<&ShareRecord> {
+        share.filter(|s| !s.whole)
     }
 }

@@ -31,7 +31,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::error::SharingFailure;
-use crate::checkpoint::write_file_atomic;
+use crate::durable::write_file_atomic;
 
 /// The first 32 hex digits of SHA-256 over `parts`, each followed by a 0 byte: names of
 /// daemon pods and labels that must be unique per node and daemon yet fit 63 bytes.
