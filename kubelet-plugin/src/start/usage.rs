@@ -48,41 +48,37 @@ fn claim_reference(claim: &ClaimRef) -> ObjectReference {
     }
 }
 
-/// Posts a Warning `ClaimIdle` Event for every notice until the monitor stops.
-fn spawn_idle_events(
-    events: EventReporter,
-    mut notices: tokio::sync::mpsc::UnboundedReceiver<IdleNotice>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        while let Some(n) = notices.recv().await {
-            events
-                .publish(
-                    &claim_reference(&n.claim),
-                    Severity::Warning,
-                    REASON_CLAIM_IDLE,
-                    "Monitor",
-                    &n.note,
-                )
-                .await;
-        }
-    })
+/// What a claim Event is about and says: the claim and the note.
+trait ClaimNotice: Send + 'static {
+    fn parts(&self) -> (&ClaimRef, &str);
 }
 
-/// Posts a Normal `ClaimOversized` Event for every notice until the monitor stops.
-fn spawn_oversized_events(
+impl ClaimNotice for IdleNotice {
+    fn parts(&self) -> (&ClaimRef, &str) {
+        (&self.claim, &self.note)
+    }
+}
+
+impl ClaimNotice for OversizedNotice {
+    fn parts(&self) -> (&ClaimRef, &str) {
+        (&self.claim, &self.note)
+    }
+}
+
+/// Posts an Event (`severity`, `reason`, `action`) about each notice's claim until the
+/// monitor stops: Warning `ClaimIdle` and Normal `ClaimOversized`.
+fn spawn_claim_events<N: ClaimNotice>(
     events: EventReporter,
-    mut notices: tokio::sync::mpsc::UnboundedReceiver<OversizedNotice>,
+    mut notices: tokio::sync::mpsc::UnboundedReceiver<N>,
+    severity: Severity,
+    reason: &'static str,
+    action: &'static str,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(n) = notices.recv().await {
+            let (claim, note) = n.parts();
             events
-                .publish(
-                    &claim_reference(&n.claim),
-                    Severity::Normal,
-                    REASON_CLAIM_OVERSIZED,
-                    "Recommend",
-                    &n.note,
-                )
+                .publish(&claim_reference(claim), severity, reason, action, note)
                 .await;
         }
     })
@@ -114,7 +110,13 @@ pub(super) fn start_usage(
     );
     let idle = args.usage.idle_events.then(|| {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        spawn_idle_events(events.clone(), rx);
+        spawn_claim_events(
+            events.clone(),
+            rx,
+            Severity::Warning,
+            REASON_CLAIM_IDLE,
+            "Monitor",
+        );
         tx
     });
     // This node's pods (`node_pods`): which consume each claim (a share's or MPS claim's
@@ -153,7 +155,13 @@ pub(super) fn start_usage(
             ),
             oversized: args.usage.rightsize_events.then(|| {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                spawn_oversized_events(events.clone(), rx);
+                spawn_claim_events(
+                    events.clone(),
+                    rx,
+                    Severity::Normal,
+                    REASON_CLAIM_OVERSIZED,
+                    "Recommend",
+                );
                 tx
             }),
             rightsize_metrics: metrics.map(|m| Arc::clone(&m.rightsize)),
