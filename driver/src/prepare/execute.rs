@@ -214,11 +214,7 @@ impl NodeDriver {
                     || (mps_shares && ShareRecord::partial(d.share.as_ref()).is_some())
             });
         if needs_intent {
-            state.data.claims.insert(uid.to_owned(), record.clone());
-            if let Err(e) = self.checkpoint.store(&state.data) {
-                state.data.claims.remove(uid);
-                return Err(e.into());
-            }
+            self.claims.put(&mut state.data, record.clone())?;
         }
 
         let pod_claim_name = claim
@@ -288,8 +284,7 @@ impl NodeDriver {
                 let record = record.clone();
                 self.release_record(&record, &state.data)?;
                 Self::forget_instances(&mut state.inventory, &record, &state.data);
-                state.data.claims.remove(uid);
-                self.checkpoint.store(&state.data)?;
+                self.claims.remove(&mut state.data, uid)?;
                 Ok(None)
             }
         }
@@ -337,9 +332,7 @@ impl NodeDriver {
         match self.release_record(&record, &state.data) {
             Ok(()) => {
                 Self::forget_instances(&mut state.inventory, &record, &state.data);
-                if state.data.claims.remove(&uid).is_some()
-                    && let Err(store_err) = self.checkpoint.store(&state.data)
-                {
+                if let Err(store_err) = self.claims.remove(&mut state.data, &uid) {
                     // The record stays on disk as PrepareStarted: start() or a later
                     // prepare of the claim rolls it back again (idempotently).
                     tracing::error!(error = %store_err, "recording the rollback");
@@ -351,7 +344,7 @@ impl NodeDriver {
                 let mut record = record;
                 record.state = ClaimState::PrepareStarted;
                 state.data.claims.insert(uid, record);
-                let _ = self.checkpoint.store(&state.data);
+                let _ = self.claims.store(&state.data);
             }
         }
     }
@@ -761,13 +754,11 @@ impl NodeDriver {
                         let st = &mut *state;
                         Self::forget_instances(&mut st.inventory, &record, &st.data);
                     }
-                    state.data.claims.remove(&record.uid);
-                    match self.checkpoint.store(&state.data) {
+                    match self.claims.remove(&mut state.data, &record.uid) {
                         Ok(()) => {
                             tracing::info!(claim = %record.uid, "finished an earlier rollback")
                         }
                         Err(e) => {
-                            state.data.claims.insert(record.uid.clone(), record.clone());
                             tracing::error!(claim = %record.uid, error = %e, "recording a finished rollback");
                         }
                     }
@@ -830,13 +821,9 @@ impl NodeDriver {
             let st = &mut *state;
             Self::forget_instances(&mut st.inventory, &record, &st.data);
         }
-        state.data.claims.remove(claim_uid);
-        if let Err(e) = self.checkpoint.store(&state.data) {
-            // Everything is released; keeping the record (now describing nothing that
-            // exists) lets a retry finish the bookkeeping.
-            state.data.claims.insert(claim_uid.to_owned(), record);
-            return Err(e.into());
-        }
+        // On a failed write the record stays (now describing nothing that exists), so
+        // that a retry finishes the bookkeeping.
+        self.claims.remove(&mut state.data, claim_uid)?;
         tracing::info!("unprepared");
         Ok(())
     }

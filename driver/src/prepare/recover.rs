@@ -64,7 +64,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use super::apply::ApplyPath;
-use super::{DriverView, NodeDriver, PrepareError, device_uuid, empty_inventory};
+use super::{DriverView, NodeDriver, PrepareError, device_uuid, store::State};
 use crate::backend::BackendError;
 use crate::cdi;
 use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, MigRecord};
@@ -187,7 +187,7 @@ impl NodeDriver {
         boot_id: String,
     ) -> Result<BTreeMap<String, String>, PrepareError> {
         // Discovered only if sharing needs GPU facts; start discovers again at its end.
-        let mut inventory = empty_inventory();
+        let mut inventory = State::empty().inventory;
         let rebooted = !data.boot_id.is_empty() && data.boot_id != boot_id;
         if rebooted {
             // MIG instances, MPS daemons and time slices do not survive a reboot, and the CDI
@@ -219,7 +219,7 @@ impl NodeDriver {
             self.mark_vanished(data);
         }
         data.boot_id = boot_id;
-        self.checkpoint.store(data)?;
+        self.claims.store(data)?;
 
         let half_done: Vec<String> = data
             .claims
@@ -242,7 +242,7 @@ impl NodeDriver {
                 Err(e) => tracing::error!(claim = %uid, error = %e, "rollback failed; kept"),
             }
         }
-        self.checkpoint.store(data)?;
+        self.claims.store(data)?;
 
         let pending: Vec<String> = data
             .claims
@@ -521,7 +521,7 @@ impl NodeDriver {
             }
             if changed && mig.created_by_cleave {
                 data.claims.insert(record.uid.clone(), record.clone());
-                self.checkpoint.store(data)?;
+                self.claims.store(data)?;
             }
         }
         Ok(())
@@ -625,7 +625,7 @@ impl NodeDriver {
                 m.creating_in_boot = Some(data.boot_id.clone());
             }
             data.claims.insert(uid.clone(), record.clone());
-            if let Err(e) = self.checkpoint.store(data) {
+            if let Err(e) = self.claims.store(data) {
                 // Not recorded and nothing created: no intent either.
                 if let Some(m) = data
                     .claims
@@ -651,7 +651,7 @@ impl NodeDriver {
                     m.creating_in_boot = None;
                 }
                 data.claims.insert(uid.clone(), record.clone());
-                if let Err(store_err) = self.checkpoint.store(data) {
+                if let Err(store_err) = self.claims.store(data) {
                     tracing::warn!(claim = %uid, error = %store_err, "recording a failed recreation");
                 }
                 return Err(recreate_error(label, &name, mig, e));

@@ -1,6 +1,6 @@
 //! Unit tests of the prepare state machine against the recording fake backend.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde_json::json;
 
@@ -11,7 +11,7 @@ use super::testing::{
 };
 use super::*;
 use crate::cdi;
-use crate::checkpoint::{CHECKPOINT_FILE, ClaimRecord, DeviceKind};
+use crate::checkpoint::{CHECKPOINT_FILE, CheckpointData, ClaimRecord, DeviceKind};
 use crate::model::{GpuInfo, MigState, Placement};
 use crate::sharing::{
     SharingClaim, SharingDevice, SharingEdits, SharingFailure, SharingHandler, SharingState,
