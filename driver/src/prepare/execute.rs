@@ -200,7 +200,7 @@ impl NodeDriver {
             return Ok(answered);
         }
 
-        let plan = self.plan(claim, &label, uid, &state)?;
+        let plan = self.planner.plan(claim, &label, uid, &state)?;
         let needs: Vec<DeviceNeed> = plan
             .iter()
             .map(|d| device_need(d.gpu.minor, d.mig.as_ref().map(MigPlan::record).as_ref()))

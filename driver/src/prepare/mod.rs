@@ -25,9 +25,10 @@
 //! - `mod.rs`: the types, [`NodeDriver`] with its start and its read-only accessors;
 //! - `store`: the claim store: the checkpoint file and the locked in-memory state, with
 //!   record writes that put memory back when the file cannot be written;
-//! - `plan`: decode the allocation, merge and validate configs, decide what to create
-//!   (changes nothing; a MIG device's instance is decided once as a `MigPlan`: existing,
-//!   to create, or joined from another share of the device);
+//! - `plan`: the `Planner`, which holds only the settings it reads: decode the allocation,
+//!   merge and validate configs, decide what to create (no backend, no I/O; a MIG device's
+//!   instance is decided once as a `MigPlan`: existing, to create, or joined from another
+//!   share of the device);
 //! - `apply`: the one apply step (MIG instances, sharing, CDI spec, device metadata, the
 //!   `Prepared` record) that prepare, recreation and the refresh of restarted sharing run,
 //!   each as an `ApplyPath`;
@@ -433,6 +434,8 @@ pub struct PendingRecreate {
 /// The node side of the driver: prepare/unprepare with durable state.
 pub struct NodeDriver {
     config: DriverConfig,
+    /// Decides what a prepare does, from the claim and the recorded state.
+    planner: plan::Planner,
     backend: Arc<dyn GpuBackend>,
     sharing: Arc<dyn SharingHandler>,
     /// Driver files and the CDI store built on their common edits; replaced when a claim
@@ -522,6 +525,7 @@ impl NodeDriver {
         let mut data = checkpoint.load()?;
 
         let driver = Self {
+            planner: plan::Planner::new(&config),
             config,
             backend,
             sharing,
