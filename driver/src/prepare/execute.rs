@@ -16,8 +16,6 @@
 //! `LeftBare` made nothing, so its rollback looks for nothing. While one exists, the pool
 //! publishes its placement as taken (`NodeDriver::bare_gpu_instances`).
 
-use std::collections::BTreeSet;
-
 use cleave_api::merge::base_request;
 use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -30,9 +28,7 @@ use super::{
 };
 use crate::backend::BackendError;
 use crate::cdi::{self, CdiDevice};
-use crate::checkpoint::{
-    CheckpointData, ClaimRecord, ClaimState, DeviceRecord, MigRecord, ShareRecord,
-};
+use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, DeviceRecord, ShareRecord};
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
 use crate::sharing::{
@@ -385,10 +381,7 @@ impl NodeDriver {
             else {
                 continue;
             };
-            let created = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
-                self.backend
-                    .create_mig(&d.gpu.uuid, *profile_id, *placement)
-            });
+            let created = self.mig.create(&d.gpu.uuid, *profile_id, *placement);
             let inst = match created {
                 Ok(inst) => inst,
                 Err(source) => {
@@ -617,7 +610,7 @@ impl NodeDriver {
                 tracing::info!(device = %d.name, mig = %uuid, "MIG device kept: other shares of it are prepared");
                 continue;
             }
-            self.destroy_owned(&record.uid, d, mig, &taken)?;
+            self.mig.destroy_owned(&record.uid, d, mig, &taken)?;
         }
         self.view()
             .cdi
@@ -641,95 +634,6 @@ impl NodeDriver {
             claim: record.uid.clone(),
             source,
         })?;
-        Ok(())
-    }
-
-    /// Destroys the instance cleave created for `device`, if it still exists. It is found by
-    /// its UUID, or (when prepare or recreation was interrupted before the UUID was recorded)
-    /// by profile and placement, never among `taken` (UUIDs recorded for claims); an instance
-    /// that is not ours (different UUID) is left alone.
-    pub(super) fn destroy_owned(
-        &self,
-        claim: &str,
-        device: &DeviceRecord,
-        mig: &MigRecord,
-        taken: &BTreeSet<String>,
-    ) -> Result<(), PrepareError> {
-        let err = |source| PrepareError::MigDestroy {
-            claim: claim.to_owned(),
-            device: device.name.clone(),
-            source,
-        };
-        let existing = match self.backend.list_mig(&device.gpu_uuid) {
-            Ok(list) => list,
-            // The GPU is gone (or NVML lost it): nothing of ours can be left on it.
-            Err(BackendError::GpuNotFound(_)) => return Ok(()),
-            Err(e) => return Err(err(e)),
-        };
-        let target = existing.iter().find(|i| match &mig.uuid {
-            Some(uuid) => &i.uuid == uuid,
-            None => {
-                i.profile_id == mig.profile_id
-                    && i.placement == mig.placement
-                    && !taken.contains(&i.uuid)
-            }
-        });
-        let Some(inst) = target else {
-            return self.destroy_bare(claim, device, mig);
-        };
-        crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
-            self.backend
-                .destroy_mig(&device.gpu_uuid, inst.gi_id, inst.ci_id)
-        })
-        .map_err(err)?;
-        crate::fault::point("release.after_mig_destroy");
-        tracing::info!(device = %device.name, mig = %inst.uuid, "destroyed MIG device");
-        Ok(())
-    }
-
-    /// The second half of [`Self::destroy_owned`]: no MIG device of ours is left, but the
-    /// GPU instance may be, without its compute instance (a crash or a failed rollback
-    /// between the two creates, or between the two destroys). It is ours when it has the
-    /// recorded profile and placement and, if an id was recorded, that GPU-instance id; it
-    /// is destroyed, and an error keeps the record so that the next prepare, unprepare or
-    /// start tries again.
-    pub(super) fn destroy_bare(
-        &self,
-        claim: &str,
-        device: &DeviceRecord,
-        mig: &MigRecord,
-    ) -> Result<(), PrepareError> {
-        let err = |source| PrepareError::MigDestroy {
-            claim: claim.to_owned(),
-            device: device.name.clone(),
-            source,
-        };
-        let bare = match self.backend.list_bare_gpu_instances(&device.gpu_uuid) {
-            Ok(list) => list,
-            Err(BackendError::GpuNotFound(_)) => return Ok(()),
-            Err(e) => return Err(err(e)),
-        };
-        let Some(gi) = bare.iter().find(|b| {
-            b.profile_id == mig.profile_id
-                && b.placement == mig.placement
-                && mig.gi_id.is_none_or(|id| id == b.gi_id)
-        }) else {
-            tracing::info!(device = %device.name, "MIG device already gone");
-            return Ok(());
-        };
-        tracing::warn!(
-            device = %device.name,
-            gi = gi.gi_id,
-            placement_start = gi.placement.start,
-            "found a GPU instance of ours without compute instance; destroying it"
-        );
-        crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
-            self.backend
-                .destroy_gpu_instance(&device.gpu_uuid, gi.gi_id)
-        })
-        .map_err(err)?;
-        crate::fault::point("release.after_mig_destroy");
-        tracing::info!(device = %device.name, gi = gi.gi_id, "destroyed bare GPU instance");
         Ok(())
     }
 

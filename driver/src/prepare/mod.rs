@@ -29,6 +29,7 @@
 //!   merge and validate configs, decide what to create (no backend, no I/O; a MIG device's
 //!   instance is decided once as a `MigPlan`: existing, to create, or joined from another
 //!   share of the device);
+//! - `mig`: `MigOps`, MIG create, destroy and bare-instance cleanup over the backend;
 //! - `apply`: the one apply step (MIG instances, sharing, CDI spec, device metadata, the
 //!   `Prepared` record) that prepare, recreation and the refresh of restarted sharing run,
 //!   each as an `ApplyPath`;
@@ -41,6 +42,7 @@
 
 mod apply;
 mod execute;
+mod mig;
 mod plan;
 mod recover;
 mod reset;
@@ -436,6 +438,8 @@ pub struct NodeDriver {
     config: DriverConfig,
     /// Decides what a prepare does, from the claim and the recorded state.
     planner: plan::Planner,
+    /// MIG create, destroy and bare-instance cleanup.
+    mig: mig::MigOps,
     backend: Arc<dyn GpuBackend>,
     sharing: Arc<dyn SharingHandler>,
     /// Driver files and the CDI store built on their common edits; replaced when a claim
@@ -526,6 +530,7 @@ impl NodeDriver {
 
         let driver = Self {
             planner: plan::Planner::new(&config),
+            mig: mig::MigOps::new(Arc::clone(&backend)),
             config,
             backend,
             sharing,

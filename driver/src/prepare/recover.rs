@@ -434,7 +434,9 @@ impl NodeDriver {
                     // unprepare look for it by placement and try again.
                     if mig.created_by_cleave
                         && let Some(gi_id) = mig.gi_id
-                        && !self.destroy_recorded_bare(&d.gpu_uuid, gi_id, mig, &d.name)
+                        && !self
+                            .mig
+                            .destroy_recorded_bare(&d.gpu_uuid, gi_id, mig, &d.name)
                     {
                         mig.creating_in_boot = Some(boot_id.clone());
                     }
@@ -617,7 +619,7 @@ impl NodeDriver {
             // An intent of this boot without an instance: a crash (or a failed rollback)
             // between the GPU instance and its compute instance may have left the GPU
             // instance bare. It is ours.
-            self.destroy_bare(&uid, &record.devices[i], mig)?;
+            self.mig.destroy_bare(&uid, &record.devices[i], mig)?;
         } else {
             // Intent first, so that a crash after the create leaves an instance the next
             // attempt recognises as ours.
@@ -661,51 +663,6 @@ impl NodeDriver {
         tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
         list.push(inst.clone());
         Ok(inst)
-    }
-
-    /// Destroys the bare GPU instance `gi_id` if it is there with `mig`'s profile and
-    /// placement. False when one is there and could not be destroyed (logged).
-    pub(super) fn destroy_recorded_bare(
-        &self,
-        gpu: &str,
-        gi_id: u32,
-        mig: &MigRecord,
-        device: &str,
-    ) -> bool {
-        if !self.bare_at(gpu, mig).contains(&gi_id) {
-            return true;
-        }
-        tracing::warn!(
-            device,
-            gi = gi_id,
-            "a MIG device of ours lost its compute instance; destroying its GPU instance"
-        );
-        match self.backend.destroy_gpu_instance(gpu, gi_id) {
-            Ok(()) => {
-                crate::fault::point("release.after_mig_destroy");
-                true
-            }
-            Err(e) => {
-                tracing::error!(device, gi = gi_id, error = %e, "destroying a GPU instance without compute instance");
-                false
-            }
-        }
-    }
-
-    /// Ids of the GPU instances without compute instance at exactly `mig`'s profile and
-    /// placement on `gpu` (none when they cannot be listed).
-    pub(super) fn bare_at(&self, gpu: &str, mig: &MigRecord) -> Vec<u32> {
-        match self.backend.list_bare_gpu_instances(gpu) {
-            Ok(list) => list
-                .iter()
-                .filter(|b| b.profile_id == mig.profile_id && b.placement == mig.placement)
-                .map(|b| b.gi_id)
-                .collect(),
-            Err(e) => {
-                tracing::warn!(gpu, error = %e, "listing GPU instances without compute instance");
-                Vec::new()
-            }
-        }
     }
 }
 
