@@ -78,8 +78,7 @@ impl NodeDriver {
             self.write_cdi(&uid, record, &edits)
         })?;
         if let ApplyPath::Refresh = path {
-            data.claims.insert(uid, record.clone());
-            self.checkpoint.store(data)?;
+            self.claims.put(data, record.clone())?;
             return Ok(());
         }
         // Device metadata (`--device-metadata`), after the CDI spec; it adds its CDI IDs to
@@ -100,14 +99,7 @@ impl NodeDriver {
 
         // Durable record, then the answer.
         record.state = ClaimState::Prepared;
-        let previous = data.claims.insert(uid.clone(), record.clone());
-        if let Err(e) = self.checkpoint.store(data) {
-            match previous {
-                Some(p) => data.claims.insert(uid, p),
-                None => data.claims.remove(&uid),
-            };
-            return Err(e.into());
-        }
+        self.claims.put(data, record.clone())?;
         Ok(())
     }
 

@@ -16,8 +16,6 @@
 //! `LeftBare` made nothing, so its rollback looks for nothing. While one exists, the pool
 //! publishes its placement as taken (`NodeDriver::bare_gpu_instances`).
 
-use std::collections::BTreeSet;
-
 use cleave_api::merge::base_request;
 use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -30,9 +28,7 @@ use super::{
 };
 use crate::backend::BackendError;
 use crate::cdi::{self, CdiDevice};
-use crate::checkpoint::{
-    CheckpointData, ClaimRecord, ClaimState, DeviceRecord, MigRecord, ShareRecord,
-};
+use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, DeviceRecord, ShareRecord};
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
 use crate::sharing::{
@@ -200,7 +196,7 @@ impl NodeDriver {
             return Ok(answered);
         }
 
-        let plan = self.plan(claim, &label, uid, &state)?;
+        let plan = self.planner.plan(claim, &label, uid, &state)?;
         let needs: Vec<DeviceNeed> = plan
             .iter()
             .map(|d| device_need(d.gpu.minor, d.mig.as_ref().map(MigPlan::record).as_ref()))
@@ -214,11 +210,7 @@ impl NodeDriver {
                     || (mps_shares && ShareRecord::partial(d.share.as_ref()).is_some())
             });
         if needs_intent {
-            state.data.claims.insert(uid.to_owned(), record.clone());
-            if let Err(e) = self.checkpoint.store(&state.data) {
-                state.data.claims.remove(uid);
-                return Err(e.into());
-            }
+            self.claims.put(&mut state.data, record.clone())?;
         }
 
         let pod_claim_name = claim
@@ -288,8 +280,7 @@ impl NodeDriver {
                 let record = record.clone();
                 self.release_record(&record, &state.data)?;
                 Self::forget_instances(&mut state.inventory, &record, &state.data);
-                state.data.claims.remove(uid);
-                self.checkpoint.store(&state.data)?;
+                self.claims.remove(&mut state.data, uid)?;
                 Ok(None)
             }
         }
@@ -337,9 +328,7 @@ impl NodeDriver {
         match self.release_record(&record, &state.data) {
             Ok(()) => {
                 Self::forget_instances(&mut state.inventory, &record, &state.data);
-                if state.data.claims.remove(&uid).is_some()
-                    && let Err(store_err) = self.checkpoint.store(&state.data)
-                {
+                if let Err(store_err) = self.claims.remove(&mut state.data, &uid) {
                     // The record stays on disk as PrepareStarted: start() or a later
                     // prepare of the claim rolls it back again (idempotently).
                     tracing::error!(error = %store_err, "recording the rollback");
@@ -351,7 +340,7 @@ impl NodeDriver {
                 let mut record = record;
                 record.state = ClaimState::PrepareStarted;
                 state.data.claims.insert(uid, record);
-                let _ = self.checkpoint.store(&state.data);
+                let _ = self.claims.store(&state.data);
             }
         }
     }
@@ -392,10 +381,7 @@ impl NodeDriver {
             else {
                 continue;
             };
-            let created = crate::timing::timed(crate::timing::step::MIG_CREATE, || {
-                self.backend
-                    .create_mig(&d.gpu.uuid, *profile_id, *placement)
-            });
+            let created = self.mig.create(&d.gpu.uuid, *profile_id, *placement);
             let inst = match created {
                 Ok(inst) => inst,
                 Err(source) => {
@@ -624,7 +610,7 @@ impl NodeDriver {
                 tracing::info!(device = %d.name, mig = %uuid, "MIG device kept: other shares of it are prepared");
                 continue;
             }
-            self.destroy_owned(&record.uid, d, mig, &taken)?;
+            self.mig.destroy_owned(&record.uid, d, mig, &taken)?;
         }
         self.view()
             .cdi
@@ -651,95 +637,6 @@ impl NodeDriver {
         Ok(())
     }
 
-    /// Destroys the instance cleave created for `device`, if it still exists. It is found by
-    /// its UUID, or (when prepare or recreation was interrupted before the UUID was recorded)
-    /// by profile and placement, never among `taken` (UUIDs recorded for claims); an instance
-    /// that is not ours (different UUID) is left alone.
-    pub(super) fn destroy_owned(
-        &self,
-        claim: &str,
-        device: &DeviceRecord,
-        mig: &MigRecord,
-        taken: &BTreeSet<String>,
-    ) -> Result<(), PrepareError> {
-        let err = |source| PrepareError::MigDestroy {
-            claim: claim.to_owned(),
-            device: device.name.clone(),
-            source,
-        };
-        let existing = match self.backend.list_mig(&device.gpu_uuid) {
-            Ok(list) => list,
-            // The GPU is gone (or NVML lost it): nothing of ours can be left on it.
-            Err(BackendError::GpuNotFound(_)) => return Ok(()),
-            Err(e) => return Err(err(e)),
-        };
-        let target = existing.iter().find(|i| match &mig.uuid {
-            Some(uuid) => &i.uuid == uuid,
-            None => {
-                i.profile_id == mig.profile_id
-                    && i.placement == mig.placement
-                    && !taken.contains(&i.uuid)
-            }
-        });
-        let Some(inst) = target else {
-            return self.destroy_bare(claim, device, mig);
-        };
-        crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
-            self.backend
-                .destroy_mig(&device.gpu_uuid, inst.gi_id, inst.ci_id)
-        })
-        .map_err(err)?;
-        crate::fault::point("release.after_mig_destroy");
-        tracing::info!(device = %device.name, mig = %inst.uuid, "destroyed MIG device");
-        Ok(())
-    }
-
-    /// The second half of [`Self::destroy_owned`]: no MIG device of ours is left, but the
-    /// GPU instance may be, without its compute instance (a crash or a failed rollback
-    /// between the two creates, or between the two destroys). It is ours when it has the
-    /// recorded profile and placement and, if an id was recorded, that GPU-instance id; it
-    /// is destroyed, and an error keeps the record so that the next prepare, unprepare or
-    /// start tries again.
-    pub(super) fn destroy_bare(
-        &self,
-        claim: &str,
-        device: &DeviceRecord,
-        mig: &MigRecord,
-    ) -> Result<(), PrepareError> {
-        let err = |source| PrepareError::MigDestroy {
-            claim: claim.to_owned(),
-            device: device.name.clone(),
-            source,
-        };
-        let bare = match self.backend.list_bare_gpu_instances(&device.gpu_uuid) {
-            Ok(list) => list,
-            Err(BackendError::GpuNotFound(_)) => return Ok(()),
-            Err(e) => return Err(err(e)),
-        };
-        let Some(gi) = bare.iter().find(|b| {
-            b.profile_id == mig.profile_id
-                && b.placement == mig.placement
-                && mig.gi_id.is_none_or(|id| id == b.gi_id)
-        }) else {
-            tracing::info!(device = %device.name, "MIG device already gone");
-            return Ok(());
-        };
-        tracing::warn!(
-            device = %device.name,
-            gi = gi.gi_id,
-            placement_start = gi.placement.start,
-            "found a GPU instance of ours without compute instance; destroying it"
-        );
-        crate::timing::timed(crate::timing::step::MIG_DESTROY, || {
-            self.backend
-                .destroy_gpu_instance(&device.gpu_uuid, gi.gi_id)
-        })
-        .map_err(err)?;
-        crate::fault::point("release.after_mig_destroy");
-        tracing::info!(device = %device.name, gi = gi.gi_id, "destroyed bare GPU instance");
-        Ok(())
-    }
-
     /// Finishes the rollbacks that failed before (records left `PrepareStarted` by another
     /// claim's prepare whose rollback could not destroy what it made, or by a crashed
     /// instance). Under the node lock no prepare is in flight, so every such record is a
@@ -761,13 +658,11 @@ impl NodeDriver {
                         let st = &mut *state;
                         Self::forget_instances(&mut st.inventory, &record, &st.data);
                     }
-                    state.data.claims.remove(&record.uid);
-                    match self.checkpoint.store(&state.data) {
+                    match self.claims.remove(&mut state.data, &record.uid) {
                         Ok(()) => {
                             tracing::info!(claim = %record.uid, "finished an earlier rollback")
                         }
                         Err(e) => {
-                            state.data.claims.insert(record.uid.clone(), record.clone());
                             tracing::error!(claim = %record.uid, error = %e, "recording a finished rollback");
                         }
                     }
@@ -830,13 +725,9 @@ impl NodeDriver {
             let st = &mut *state;
             Self::forget_instances(&mut st.inventory, &record, &st.data);
         }
-        state.data.claims.remove(claim_uid);
-        if let Err(e) = self.checkpoint.store(&state.data) {
-            // Everything is released; keeping the record (now describing nothing that
-            // exists) lets a retry finish the bookkeeping.
-            state.data.claims.insert(claim_uid.to_owned(), record);
-            return Err(e.into());
-        }
+        // On a failed write the record stays (now describing nothing that exists), so
+        // that a retry finishes the bookkeeping.
+        self.claims.remove(&mut state.data, claim_uid)?;
         tracing::info!("unprepared");
         Ok(())
     }

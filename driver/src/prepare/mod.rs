@@ -23,9 +23,13 @@
 //!
 //! The code is split by phase:
 //! - `mod.rs`: the types, [`NodeDriver`] with its start and its read-only accessors;
-//! - `plan`: decode the allocation, merge and validate configs, decide what to create
-//!   (changes nothing; a MIG device's instance is decided once as a `MigPlan`: existing,
-//!   to create, or joined from another share of the device);
+//! - `store`: the claim store: the checkpoint file and the locked in-memory state, with
+//!   record writes that put memory back when the file cannot be written;
+//! - `plan`: the `Planner`, which holds only the settings it reads: decode the allocation,
+//!   merge and validate configs, decide what to create (no backend, no I/O; a MIG device's
+//!   instance is decided once as a `MigPlan`: existing, to create, or joined from another
+//!   share of the device);
+//! - `mig`: `MigOps`, MIG create, destroy and bare-instance cleanup over the backend;
 //! - `apply`: the one apply step (MIG instances, sharing, CDI spec, device metadata, the
 //!   `Prepared` record) that prepare, recreation and the refresh of restarted sharing run,
 //!   each as an `ApplyPath`;
@@ -38,25 +42,27 @@
 
 mod apply;
 mod execute;
+mod mig;
 mod plan;
 mod recover;
 mod reset;
 mod shares;
 mod status;
+mod store;
 mod summary;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 
 use cleave_api::pool::ConsumableCapacity;
 
 use crate::backend::{BackendError, GpuBackend};
 use crate::cdi::{CdiError, CdiStore};
 use crate::checkpoint::{
-    self, CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceRecord, MigRecord,
+    self, CheckpointError, CheckpointStore, ClaimState, DeviceRecord, MigRecord,
 };
 use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootError};
 use crate::model::NodeInventory;
@@ -70,6 +76,7 @@ pub use status::{
     ClaimStatusReport, DeviceStatusData, DeviceStatusEntry, MigStatus, MpsStatus,
     STATUS_API_VERSION, STATUS_KIND, ShareStatus,
 };
+use store::{ClaimStore, State};
 pub use summary::{CheckpointReader, CheckpointSummary, RecordedClaim, RecordedState};
 
 /// Node driver settings (from the plugin's flags).
@@ -417,13 +424,6 @@ pub struct PreparedDevice {
 
 pub use crate::model::ClaimRef;
 
-struct State {
-    inventory: NodeInventory,
-    data: CheckpointData,
-    /// Last recreation error of `NeedsRecreate` claims, by UID (this process only).
-    recreate_errors: BTreeMap<String, String>,
-}
-
 /// A claim whose hardware state is waiting to be recreated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingRecreate {
@@ -436,13 +436,17 @@ pub struct PendingRecreate {
 /// The node side of the driver: prepare/unprepare with durable state.
 pub struct NodeDriver {
     config: DriverConfig,
+    /// Decides what a prepare does, from the claim and the recorded state.
+    planner: plan::Planner,
+    /// MIG create, destroy and bare-instance cleanup.
+    mig: mig::MigOps,
     backend: Arc<dyn GpuBackend>,
     sharing: Arc<dyn SharingHandler>,
     /// Driver files and the CDI store built on their common edits; replaced when a claim
     /// needs a file that was missing (a driver installed after start).
     files: std::sync::RwLock<Arc<DriverView>>,
-    checkpoint: CheckpointStore,
-    state: Mutex<State>,
+    /// The checkpoint and the in-memory state under its lock.
+    claims: ClaimStore,
     /// Device metadata files (`--device-metadata`): set once by
     /// [`NodeDriver::enable_device_metadata`], before the first prepare.
     metadata: std::sync::OnceLock<MetadataSettings>,
@@ -525,16 +529,13 @@ impl NodeDriver {
         let mut data = checkpoint.load()?;
 
         let driver = Self {
+            planner: plan::Planner::new(&config),
+            mig: mig::MigOps::new(Arc::clone(&backend)),
             config,
             backend,
             sharing,
             files: std::sync::RwLock::new(Arc::new(view)),
-            checkpoint,
-            state: Mutex::new(State {
-                inventory: empty_inventory(),
-                data: CheckpointData::default(),
-                recreate_errors: BTreeMap::new(),
-            }),
+            claims: ClaimStore::new(checkpoint, State::empty()),
             metadata: std::sync::OnceLock::new(),
         };
 
@@ -563,21 +564,14 @@ impl NodeDriver {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock leaves the state as consistent as the checkpoint.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.claims.lock()
     }
 
-    /// Takes the lock and re-reads the checkpoint, so that a second plugin instance on the
-    /// node (during a rolling update, both serialised by the shell's node lock) never has
-    /// its records overwritten from a stale copy. A read costs no fsync; when the file
-    /// changed under us, the inventory is rediscovered too (the other instance may have
-    /// created or destroyed MIG devices).
+    /// [`ClaimStore::lock_synced`]; when the file changed under us, the inventory is
+    /// rediscovered too (the other instance may have created or destroyed MIG devices).
     fn lock_synced(&self) -> Result<MutexGuard<'_, State>, PrepareError> {
-        let mut state = self.lock();
-        let on_disk = self.checkpoint.load()?;
-        if on_disk.claims != state.data.claims {
-            tracing::info!("checkpoint changed by another plugin instance; reloading");
-            state.data.claims = on_disk.claims;
+        let (mut state, changed) = self.claims.lock_synced()?;
+        if changed {
             match self.backend.inventory() {
                 Ok(inventory) => state.inventory = inventory,
                 Err(e) => tracing::warn!(error = %e, "rediscovering GPUs after reload"),
@@ -730,16 +724,6 @@ impl NodeDriver {
     /// The settings the driver runs with.
     pub fn config(&self) -> &DriverConfig {
         &self.config
-    }
-}
-
-/// An inventory with no GPU (before the first discovery).
-fn empty_inventory() -> NodeInventory {
-    NodeInventory {
-        driver_version: String::new(),
-        driver_semver: String::new(),
-        cuda_driver_semver: String::new(),
-        gpus: Vec::new(),
     }
 }
 

@@ -12,7 +12,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use cleave_api::config::SharingStrategy;
 use cleave_api::pool::ConsumableCapacity;
 
-use super::{NodeDriver, PrepareError, State};
+use super::{DriverConfig, PrepareError, State};
 use crate::checkpoint::{DeviceKind, MigRecord, ShareRecord};
 use crate::model::{GpuInfo, MigState, Placement};
 use crate::sharing::{Capacity, takes_whole_device};
@@ -378,7 +378,33 @@ pub(super) fn claim_label(claim: &ResourceClaim) -> String {
     )
 }
 
-impl NodeDriver {
+/// The planning of prepare: decodes a claim's allocation against the recorded state and
+/// decides per device what to do. Holds only the settings it reads; no backend, no I/O.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Planner {
+    /// DRA driver name: the allocation results that are ours.
+    driver_name: String,
+    /// Pool name (the node): the allocation results that are this node's.
+    pool_name: String,
+    /// How shares of one device are prepared (`Off` refuses them).
+    consumable_capacity: ConsumableCapacity,
+    /// Whether on-demand MIG placements may be created.
+    dynamic_mig: bool,
+}
+
+impl Planner {
+    /// The planner of a driver running with `config`.
+    pub(super) fn new(config: &DriverConfig) -> Self {
+        Self {
+            driver_name: config.driver_name.clone(),
+            pool_name: config.pool_name.clone(),
+            consumable_capacity: config.consumable_capacity,
+            dynamic_mig: config.dynamic_mig,
+        }
+    }
+}
+
+impl Planner {
     /// Checks the allocation and decides per device what to do; changes nothing.
     ///
     /// Every allocation is one cell of the sharing model (docs/sharing.md): a device is held
@@ -422,8 +448,8 @@ impl NodeDriver {
             .ok_or_else(|| PrepareError::NotAllocated {
                 claim: label.to_owned(),
             })?;
-        let driver = &self.config.driver_name;
-        let pool = &self.config.pool_name;
+        let driver = &self.driver_name;
+        let pool = &self.pool_name;
         let allocated = allocated_devices(results, driver, pool).map_err(|(device, reason)| {
             PrepareError::ShareRefused {
                 claim: label.to_owned(),
@@ -466,7 +492,7 @@ impl NodeDriver {
         let unknown = |device: &str, reason: String| PrepareError::UnknownDevice {
             claim: label.to_owned(),
             device: device.to_owned(),
-            pool: self.config.pool_name.clone(),
+            pool: self.pool_name.clone(),
             reason,
         };
         let over_commit = |what| PrepareError::OverCommit {
@@ -487,7 +513,7 @@ impl NodeDriver {
         let mut share = a.share;
         if let Some(s) = &share
             && !a.admin
-            && self.config.consumable_capacity == ConsumableCapacity::Off
+            && self.consumable_capacity == ConsumableCapacity::Off
         {
             return Err(PrepareError::ShareRefused {
                 claim: label.to_owned(),
@@ -558,7 +584,7 @@ impl NodeDriver {
         plan: &[PlannedDevice],
         label: &str,
     ) -> Result<(), PrepareError> {
-        if self.config.consumable_capacity != ConsumableCapacity::Mps {
+        if self.consumable_capacity != ConsumableCapacity::Mps {
             return Ok(());
         }
         let refuse = |device: &str, reason: String| PrepareError::ShareRefused {
@@ -623,7 +649,7 @@ impl NodeDriver {
                         .map_err(|reason| PrepareError::UnknownDevice {
                             claim: label.to_owned(),
                             device: device.to_owned(),
-                            pool: self.config.pool_name.clone(),
+                            pool: self.pool_name.clone(),
                             reason,
                         })?;
                 match mig {
@@ -747,7 +773,7 @@ impl NodeDriver {
         state: &State,
     ) -> Option<ResolvedConfig> {
         let sharing = config.config.sharing()?.clone();
-        let mode = self.config.consumable_capacity;
+        let mode = self.consumable_capacity;
         match (mode, sharing.strategy) {
             (ConsumableCapacity::TimeSlicing, SharingStrategy::TimeSlicing) => {
                 // The interval is the GPU's: the first share that asks sets it; a share
@@ -818,7 +844,7 @@ impl NodeDriver {
                     memory_slices,
                     ..
                 } => {
-                    if !self.config.dynamic_mig {
+                    if !self.dynamic_mig {
                         return Err(
                             "the GPU has MIG enabled and on-demand MIG is off; use its MIG devices"
                                 .into(),
@@ -887,7 +913,7 @@ impl NodeDriver {
                         })),
                     ));
                 }
-                if !self.config.dynamic_mig {
+                if !self.dynamic_mig {
                     return Err(
                         "no MIG instance exists at this placement and on-demand MIG is off".into(),
                     );
@@ -911,20 +937,20 @@ impl NodeDriver {
         claim: &ResourceClaim,
         label: &str,
     ) -> Result<BTreeMap<String, Option<ResolvedConfig>>, PrepareError> {
-        resolve_claim_configs(claim, &self.config.driver_name).map_err(|e| {
-            PrepareError::InvalidConfig {
-                claim: label.to_owned(),
-                message: e.to_string(),
-            }
+        resolve_claim_configs(claim, &self.driver_name).map_err(|e| PrepareError::InvalidConfig {
+            claim: label.to_owned(),
+            message: e.to_string(),
         })
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
     use serde_json::json;
+
+    use crate::prepare::testing::{inventory, node_claim, plain_gpu, with_config};
 
     fn result(v: serde_json::Value) -> DeviceRequestAllocationResult {
         let mut base = json!({"request": "r", "driver": "d", "pool": "p", "device": "gpu-0"});
@@ -1159,5 +1185,204 @@ mod tests {
         ));
         assert!(!gpu_has_instance(&mig_gpu(0), &inst.uuid));
         assert!(!gpu_has_instance(&plain_gpu(0), &inst.uuid));
+    }
+
+    // Plans against a recorded state, on the planner alone.
+
+    const UID_A: &str = "aaaaaaaa-0000-4000-8000-000000000001";
+    const DRIVER: &str = cleave_api::names::DRIVER_NAME;
+    const MPS_CONFIG: &str = r#"{"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 30}}}"#;
+
+    /// A planner for node `node-a` in `mode` (no on-demand MIG) and a state with `gpus` and
+    /// nothing prepared.
+    fn planner_on(gpus: Vec<GpuInfo>, mode: ConsumableCapacity) -> (Planner, State) {
+        let planner = Planner {
+            driver_name: DRIVER.into(),
+            pool_name: "node-a".into(),
+            consumable_capacity: mode,
+            dynamic_mig: false,
+        };
+        let state = State {
+            inventory: inventory(gpus),
+            ..State::empty()
+        };
+        (planner, state)
+    }
+
+    /// The plan of `claim` against `state`.
+    fn plan_of(planner: &Planner, state: &State, claim: &ResourceClaim) -> Planned {
+        let uid = claim.metadata.uid.as_deref().unwrap();
+        Planned(planner.plan(claim, &claim_label(claim), uid, state))
+    }
+
+    /// A plan or its refusal ([`PlannedDevice`] has no `Debug` for `Result::unwrap`).
+    struct Planned(Result<Vec<PlannedDevice>, PrepareError>);
+
+    impl Planned {
+        fn unwrap(self) -> Vec<PlannedDevice> {
+            self.0.unwrap_or_else(|e| panic!("refused: {e}"))
+        }
+
+        fn unwrap_err(self) -> PrepareError {
+            match self.0 {
+                Ok(plan) => panic!("planned {} devices", plan.len()),
+                Err(e) => e,
+            }
+        }
+    }
+
+    /// The claim's allocation result `index`, to edit.
+    fn result_mut(
+        claim: &mut ResourceClaim,
+        index: usize,
+    ) -> &mut k8s_openapi::api::resource::v1::DeviceRequestAllocationResult {
+        &mut claim
+            .status
+            .as_mut()
+            .and_then(|s| s.allocation.as_mut())
+            .and_then(|a| a.devices.as_mut())
+            .and_then(|d| d.results.as_mut())
+            .unwrap()[index]
+    }
+
+    /// Makes allocation result `index` the share `id` that consumed `consumed` (capacity, quantity).
+    pub(in crate::prepare) fn as_share(
+        mut claim: ResourceClaim,
+        index: usize,
+        id: &str,
+        consumed: &[(&str, &str)],
+    ) -> ResourceClaim {
+        let r = result_mut(&mut claim, index);
+        r.share_id = Some(id.to_owned());
+        r.consumed_capacity = Some(
+            consumed
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        (*k).to_owned(),
+                        k8s_openapi::apimachinery::pkg::api::resource::Quantity((*v).to_owned()),
+                    )
+                })
+                .collect(),
+        );
+        claim
+    }
+
+    /// Makes allocation result `index` one with admin access.
+    pub(in crate::prepare) fn as_admin(mut claim: ResourceClaim, index: usize) -> ResourceClaim {
+        result_mut(&mut claim, index).admin_access = Some(true);
+        claim
+    }
+
+    #[test]
+    fn a_share_that_consumed_the_whole_device_is_held_whole() {
+        let (planner, state) = planner_on(vec![plain_gpu(0)], ConsumableCapacity::TimeSlicing);
+        let claim = node_claim(UID_A, &[("part", "gpu-0")]);
+        let all = as_share(
+            claim.clone(),
+            0,
+            "s-1",
+            &[("memory", "24Gi"), ("multiprocessors", "58")],
+        );
+        let plan = plan_of(&planner, &state, &all).unwrap();
+        assert!(plan[0].share.as_ref().unwrap().whole);
+        let part = as_share(
+            claim,
+            0,
+            "s-1",
+            &[("memory", "2Gi"), ("multiprocessors", "58")],
+        );
+        let plan = plan_of(&planner, &state, &part).unwrap();
+        assert!(!plan[0].share.as_ref().unwrap().whole);
+        // A share with admin access is held as the whole device.
+        let plan = plan_of(&planner, &state, &as_admin(part, 0)).unwrap();
+        assert!(plan[0].share.as_ref().unwrap().whole);
+    }
+
+    #[test]
+    fn a_claim_with_partial_mps_shares_of_two_devices_is_refused() {
+        let gpus = vec![plain_gpu(0), plain_gpu(1)];
+        let (planner, state) = planner_on(gpus.clone(), ConsumableCapacity::Mps);
+        let one = as_share(
+            node_claim(UID_A, &[("a", "gpu-0"), ("b", "gpu-1")]),
+            0,
+            "s-1",
+            &[("memory", "1Gi")],
+        );
+        // One partial share (beside a whole device) is served.
+        let plan = plan_of(&planner, &state, &one).unwrap();
+        assert_eq!(plan.len(), 2);
+        let two = as_share(one, 1, "s-2", &[("memory", "1Gi")]);
+        let e = plan_of(&planner, &state, &two).unwrap_err();
+        assert!(
+            matches!(&e, PrepareError::ShareRefused { device, reason, .. }
+                if device == "gpu-1"
+                    && reason.contains("partial MPS shares of several devices (gpu-0, gpu-1)")),
+            "{e}"
+        );
+        // Shares that are not served by MPS daemons may span devices.
+        let (planner, state) = planner_on(gpus, ConsumableCapacity::TimeSlicing);
+        assert_eq!(plan_of(&planner, &state, &two).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn an_mps_share_beside_a_device_with_its_own_mps_daemon_is_refused() {
+        let (planner, state) =
+            planner_on(vec![plain_gpu(0), plain_gpu(1)], ConsumableCapacity::Mps);
+        let claim = as_share(
+            node_claim(UID_A, &[("part", "gpu-0"), ("solo", "gpu-1")]),
+            0,
+            "s-1",
+            &[("memory", "1Gi")],
+        );
+        let mps = with_config(
+            claim.clone(),
+            "FromClaim",
+            DRIVER,
+            &["solo"],
+            serde_json::from_str(MPS_CONFIG).unwrap(),
+        );
+        let e = plan_of(&planner, &state, &mps).unwrap_err();
+        assert!(
+            matches!(&e, PrepareError::ShareRefused { device, reason, .. }
+                if device == "gpu-0"
+                    && reason.contains("device gpu-1 with its own MPS daemon")),
+            "{e}"
+        );
+        // A whole device time-sliced beside the share has no daemon of its own.
+        let ts = with_config(
+            claim,
+            "FromClaim",
+            DRIVER,
+            &["solo"],
+            json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                   "sharing": {"strategy": "TimeSlicing"}}),
+        );
+        assert_eq!(plan_of(&planner, &state, &ts).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn an_mps_config_on_a_partial_share_becomes_its_client_limits() {
+        let (planner, state) = planner_on(vec![plain_gpu(0)], ConsumableCapacity::Mps);
+        let claim = with_config(
+            as_share(
+                node_claim(UID_A, &[("part", "gpu-0")]),
+                0,
+                "s-1",
+                &[("memory", "2Gi")],
+            ),
+            "FromClaim",
+            DRIVER,
+            &["part"],
+            serde_json::from_str(MPS_CONFIG).unwrap(),
+        );
+        let plan = plan_of(&planner, &state, &claim).unwrap();
+        assert_eq!(
+            plan[0].share.as_ref().unwrap().client_thread_percentage,
+            Some(30)
+        );
+        // Folded into the share: not applied again as the device's own config.
+        assert!(plan[0].config.is_none());
     }
 }

@@ -64,7 +64,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use super::apply::ApplyPath;
-use super::{DriverView, NodeDriver, PrepareError, device_uuid, empty_inventory};
+use super::{DriverView, NodeDriver, PrepareError, device_uuid, store::State};
 use crate::backend::BackendError;
 use crate::cdi;
 use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, MigRecord};
@@ -187,7 +187,7 @@ impl NodeDriver {
         boot_id: String,
     ) -> Result<BTreeMap<String, String>, PrepareError> {
         // Discovered only if sharing needs GPU facts; start discovers again at its end.
-        let mut inventory = empty_inventory();
+        let mut inventory = State::empty().inventory;
         let rebooted = !data.boot_id.is_empty() && data.boot_id != boot_id;
         if rebooted {
             // MIG instances, MPS daemons and time slices do not survive a reboot, and the CDI
@@ -219,7 +219,7 @@ impl NodeDriver {
             self.mark_vanished(data);
         }
         data.boot_id = boot_id;
-        self.checkpoint.store(data)?;
+        self.claims.store(data)?;
 
         let half_done: Vec<String> = data
             .claims
@@ -242,7 +242,7 @@ impl NodeDriver {
                 Err(e) => tracing::error!(claim = %uid, error = %e, "rollback failed; kept"),
             }
         }
-        self.checkpoint.store(data)?;
+        self.claims.store(data)?;
 
         let pending: Vec<String> = data
             .claims
@@ -434,7 +434,9 @@ impl NodeDriver {
                     // unprepare look for it by placement and try again.
                     if mig.created_by_cleave
                         && let Some(gi_id) = mig.gi_id
-                        && !self.destroy_recorded_bare(&d.gpu_uuid, gi_id, mig, &d.name)
+                        && !self
+                            .mig
+                            .destroy_recorded_bare(&d.gpu_uuid, gi_id, mig, &d.name)
                     {
                         mig.creating_in_boot = Some(boot_id.clone());
                     }
@@ -521,7 +523,7 @@ impl NodeDriver {
             }
             if changed && mig.created_by_cleave {
                 data.claims.insert(record.uid.clone(), record.clone());
-                self.checkpoint.store(data)?;
+                self.claims.store(data)?;
             }
         }
         Ok(())
@@ -617,7 +619,7 @@ impl NodeDriver {
             // An intent of this boot without an instance: a crash (or a failed rollback)
             // between the GPU instance and its compute instance may have left the GPU
             // instance bare. It is ours.
-            self.destroy_bare(&uid, &record.devices[i], mig)?;
+            self.mig.destroy_bare(&uid, &record.devices[i], mig)?;
         } else {
             // Intent first, so that a crash after the create leaves an instance the next
             // attempt recognises as ours.
@@ -625,7 +627,7 @@ impl NodeDriver {
                 m.creating_in_boot = Some(data.boot_id.clone());
             }
             data.claims.insert(uid.clone(), record.clone());
-            if let Err(e) = self.checkpoint.store(data) {
+            if let Err(e) = self.claims.store(data) {
                 // Not recorded and nothing created: no intent either.
                 if let Some(m) = data
                     .claims
@@ -651,7 +653,7 @@ impl NodeDriver {
                     m.creating_in_boot = None;
                 }
                 data.claims.insert(uid.clone(), record.clone());
-                if let Err(store_err) = self.checkpoint.store(data) {
+                if let Err(store_err) = self.claims.store(data) {
                     tracing::warn!(claim = %uid, error = %store_err, "recording a failed recreation");
                 }
                 return Err(recreate_error(label, &name, mig, e));
@@ -661,51 +663,6 @@ impl NodeDriver {
         tracing::info!(device = %name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "recreated MIG device");
         list.push(inst.clone());
         Ok(inst)
-    }
-
-    /// Destroys the bare GPU instance `gi_id` if it is there with `mig`'s profile and
-    /// placement. False when one is there and could not be destroyed (logged).
-    pub(super) fn destroy_recorded_bare(
-        &self,
-        gpu: &str,
-        gi_id: u32,
-        mig: &MigRecord,
-        device: &str,
-    ) -> bool {
-        if !self.bare_at(gpu, mig).contains(&gi_id) {
-            return true;
-        }
-        tracing::warn!(
-            device,
-            gi = gi_id,
-            "a MIG device of ours lost its compute instance; destroying its GPU instance"
-        );
-        match self.backend.destroy_gpu_instance(gpu, gi_id) {
-            Ok(()) => {
-                crate::fault::point("release.after_mig_destroy");
-                true
-            }
-            Err(e) => {
-                tracing::error!(device, gi = gi_id, error = %e, "destroying a GPU instance without compute instance");
-                false
-            }
-        }
-    }
-
-    /// Ids of the GPU instances without compute instance at exactly `mig`'s profile and
-    /// placement on `gpu` (none when they cannot be listed).
-    pub(super) fn bare_at(&self, gpu: &str, mig: &MigRecord) -> Vec<u32> {
-        match self.backend.list_bare_gpu_instances(gpu) {
-            Ok(list) => list
-                .iter()
-                .filter(|b| b.profile_id == mig.profile_id && b.placement == mig.placement)
-                .map(|b| b.gi_id)
-                .collect(),
-            Err(e) => {
-                tracing::warn!(gpu, error = %e, "listing GPU instances without compute instance");
-                Vec::new()
-            }
-        }
     }
 }
 

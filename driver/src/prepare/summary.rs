@@ -123,7 +123,7 @@ impl NodeDriver {
     /// What the checkpoint file records now (read without the state lock, so it never
     /// waits for a prepare in flight), or why it cannot be read.
     pub fn checkpoint_summary(&self) -> Result<CheckpointSummary, CheckpointError> {
-        self.checkpoint.load().map(|d| summarize(&d))
+        self.claims.load().map(|d| summarize(&d))
     }
 
     /// What this driver's state records now, kept in memory (no file read): what the

@@ -1,9 +1,10 @@
 //! Unit tests of the prepare state machine against the recording fake backend.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde_json::json;
 
+use super::plan::tests::{as_admin, as_share};
 use super::recover::forget_instances_of;
 use super::testing::{
     Call, FakeBackend, config_in, config_with_empty_root, gpu_uuid, inventory, mig_gpu, node_claim,
@@ -11,7 +12,7 @@ use super::testing::{
 };
 use super::*;
 use crate::cdi;
-use crate::checkpoint::{CHECKPOINT_FILE, ClaimRecord, DeviceKind};
+use crate::checkpoint::{CHECKPOINT_FILE, CheckpointData, ClaimRecord, DeviceKind};
 use crate::model::{GpuInfo, MigState, Placement};
 use crate::sharing::{
     SharingClaim, SharingDevice, SharingEdits, SharingFailure, SharingHandler, SharingState,
@@ -1570,55 +1571,13 @@ fn node_with_mode(dynamic: bool, gpus: Vec<GpuInfo>, mode: ConsumableCapacity) -
     Node { dir, fake, driver }
 }
 
-/// The claim's allocation result `index`, to edit.
-fn result_mut(
-    claim: &mut ResourceClaim,
-    index: usize,
-) -> &mut k8s_openapi::api::resource::v1::DeviceRequestAllocationResult {
-    &mut claim
-        .status
-        .as_mut()
-        .and_then(|s| s.allocation.as_mut())
-        .and_then(|a| a.devices.as_mut())
-        .and_then(|d| d.results.as_mut())
-        .unwrap()[index]
-}
-
-/// Makes allocation result `index` the share `id` that consumed `consumed` (capacity, quantity).
-fn as_share(
-    mut claim: ResourceClaim,
-    index: usize,
-    id: &str,
-    consumed: &[(&str, &str)],
-) -> ResourceClaim {
-    let r = result_mut(&mut claim, index);
-    r.share_id = Some(id.to_owned());
-    r.consumed_capacity = Some(
-        consumed
-            .iter()
-            .map(|(k, v)| {
-                (
-                    (*k).to_owned(),
-                    k8s_openapi::apimachinery::pkg::api::resource::Quantity((*v).to_owned()),
-                )
-            })
-            .collect(),
-    );
-    claim
-}
-
-/// Makes allocation result `index` one with admin access.
-fn as_admin(mut claim: ResourceClaim, index: usize) -> ResourceClaim {
-    result_mut(&mut claim, index).admin_access = Some(true);
-    claim
-}
-
 /// The plan of `claim` against the node's state now (nothing is prepared).
 fn plan_of(node: &Node, claim: &ResourceClaim) -> Planned {
     let uid = claim.metadata.uid.as_deref().unwrap();
     let state = node.driver.lock();
     Planned(
         node.driver
+            .planner
             .plan(claim, &plan::claim_label(claim), uid, &state),
     )
 }
@@ -1638,9 +1597,6 @@ impl Planned {
         }
     }
 }
-
-const MPS_CONFIG: &str = r#"{"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
-    "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 30}}}"#;
 
 #[test]
 fn a_share_on_a_node_with_consumable_capacity_off_is_refused() {
@@ -1664,120 +1620,6 @@ fn a_share_on_a_node_with_consumable_capacity_off_is_refused() {
     // A node that shares plans it.
     let node = node_with_mode(false, vec![plain_gpu(0)], ConsumableCapacity::TimeSlicing);
     plan_of(&node, &claim).unwrap();
-}
-
-#[test]
-fn a_share_that_consumed_the_whole_device_is_held_whole() {
-    let node = node_with_mode(false, vec![plain_gpu(0)], ConsumableCapacity::TimeSlicing);
-    let claim = node_claim(UID_A, &[("part", "gpu-0")]);
-    let all = as_share(
-        claim.clone(),
-        0,
-        "s-1",
-        &[("memory", "24Gi"), ("multiprocessors", "58")],
-    );
-    let plan = plan_of(&node, &all).unwrap();
-    assert!(plan[0].share.as_ref().unwrap().whole);
-    let part = as_share(
-        claim,
-        0,
-        "s-1",
-        &[("memory", "2Gi"), ("multiprocessors", "58")],
-    );
-    let plan = plan_of(&node, &part).unwrap();
-    assert!(!plan[0].share.as_ref().unwrap().whole);
-    // A share with admin access is held as the whole device.
-    let plan = plan_of(&node, &as_admin(part, 0)).unwrap();
-    assert!(plan[0].share.as_ref().unwrap().whole);
-}
-
-#[test]
-fn a_claim_with_partial_mps_shares_of_two_devices_is_refused() {
-    let gpus = vec![plain_gpu(0), plain_gpu(1)];
-    let node = node_with_mode(false, gpus.clone(), ConsumableCapacity::Mps);
-    let one = as_share(
-        node_claim(UID_A, &[("a", "gpu-0"), ("b", "gpu-1")]),
-        0,
-        "s-1",
-        &[("memory", "1Gi")],
-    );
-    // One partial share (beside a whole device) is served.
-    let plan = plan_of(&node, &one).unwrap();
-    assert_eq!(plan.len(), 2);
-    let two = as_share(one, 1, "s-2", &[("memory", "1Gi")]);
-    let e = plan_of(&node, &two).unwrap_err();
-    assert!(
-        matches!(&e, PrepareError::ShareRefused { device, reason, .. }
-            if device == "gpu-1"
-                && reason.contains("partial MPS shares of several devices (gpu-0, gpu-1)")),
-        "{e}"
-    );
-    // Shares that are not served by MPS daemons may span devices.
-    let node = node_with_mode(false, gpus, ConsumableCapacity::TimeSlicing);
-    assert_eq!(plan_of(&node, &two).unwrap().len(), 2);
-}
-
-#[test]
-fn an_mps_share_beside_a_device_with_its_own_mps_daemon_is_refused() {
-    let node = node_with_mode(
-        false,
-        vec![plain_gpu(0), plain_gpu(1)],
-        ConsumableCapacity::Mps,
-    );
-    let claim = as_share(
-        node_claim(UID_A, &[("part", "gpu-0"), ("solo", "gpu-1")]),
-        0,
-        "s-1",
-        &[("memory", "1Gi")],
-    );
-    let mps = with_config(
-        claim.clone(),
-        "FromClaim",
-        DRIVER,
-        &["solo"],
-        serde_json::from_str(MPS_CONFIG).unwrap(),
-    );
-    let e = plan_of(&node, &mps).unwrap_err();
-    assert!(
-        matches!(&e, PrepareError::ShareRefused { device, reason, .. }
-            if device == "gpu-0"
-                && reason.contains("device gpu-1 with its own MPS daemon")),
-        "{e}"
-    );
-    // A whole device time-sliced beside the share has no daemon of its own.
-    let ts = with_config(
-        claim,
-        "FromClaim",
-        DRIVER,
-        &["solo"],
-        json!({"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
-               "sharing": {"strategy": "TimeSlicing"}}),
-    );
-    assert_eq!(plan_of(&node, &ts).unwrap().len(), 2);
-}
-
-#[test]
-fn an_mps_config_on_a_partial_share_becomes_its_client_limits() {
-    let node = node_with_mode(false, vec![plain_gpu(0)], ConsumableCapacity::Mps);
-    let claim = with_config(
-        as_share(
-            node_claim(UID_A, &[("part", "gpu-0")]),
-            0,
-            "s-1",
-            &[("memory", "2Gi")],
-        ),
-        "FromClaim",
-        DRIVER,
-        &["part"],
-        serde_json::from_str(MPS_CONFIG).unwrap(),
-    );
-    let plan = plan_of(&node, &claim).unwrap();
-    assert_eq!(
-        plan[0].share.as_ref().unwrap().client_thread_percentage,
-        Some(30)
-    );
-    // Folded into the share: not applied again as the device's own config.
-    assert!(plan[0].config.is_none());
 }
 
 #[test]
