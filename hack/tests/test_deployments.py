@@ -97,6 +97,18 @@ NODE_PODS_SRC = ROOT / "kubelet-plugin" / "src" / "k8s" / "node_pods.rs"
 # The namespaced Role of the MPS pod launcher (release namespace only): (apiGroup, resource) -> verbs.
 MPS_POD_RBAC = {("", "pods"): {"get", "list", "watch", "create", "delete"}}
 MPS_POD_SRC = ROOT / "kubelet-plugin" / "src" / "k8s" / "mps_pod.rs"
+
+
+def start_src() -> str:
+    """The plugin's start-up code: start.rs and the files of start/."""
+    start = ROOT / "kubelet-plugin" / "src" / "start.rs"
+    return "\n".join(p.read_text() for p in [start, *sorted((start.parent / "start").glob("*.rs"))])
+
+
+def sharing_src() -> str:
+    """The driver's sharing core: every file of driver/src/sharing/."""
+    return "\n".join(p.read_text() for p in sorted((ROOT / "driver" / "src" / "sharing").glob("*.rs")))
+
 MPS_DOC = ROOT / "docs" / "mps.md"
 GRAFANA_DASHBOARD = ROOT / "deployments" / "grafana" / "cleave-dashboard.json"
 # The usage metrics the plugin exports: `USAGE_METRIC_NAMES` in the driver (the plugin
@@ -1498,7 +1510,7 @@ def admission_policy_keeps_each_plugin_to_its_own_nodes_slices() -> None:
     assert allowed(user, "node-a", "UPDATE", "node-a", pool="node-b") is False
     assert allowed(user, "node-a", "DELETE", "node-a", pool="old-name") is True
     # The pool the plugin publishes is named after its node (the policy relies on it).
-    assert "pool_name: args.node_name.clone()" in (ROOT / "kubelet-plugin" / "src" / "start.rs").read_text()
+    assert "pool_name: args.node_name.clone()" in start_src()
     assert "let pool_name = target.node;" in (ROOT / "controller" / "src" / "diff.rs").read_text()
     # Off, or without the chart's RBAC: no policy.
     for values in ({"nodeScopedSlices": {"enabled": False}}, {"rbac": {"create": False}}):
@@ -1629,7 +1641,7 @@ def admission_policy_keeps_claim_status_writes_to_own_node_and_entries() -> None
         assert needle in src, f"claim_status.rs lacks {needle!r}: check the claim status policy and this test"
     for needle in ("patch_status", "reserved_for =", "allocation ="):
         assert needle not in src, f"claim_status.rs has {needle!r}: check the claim status policy and this test"
-    assert "pool_name: args.node_name.clone()" in (ROOT / "kubelet-plugin" / "src" / "start.rs").read_text()
+    assert "pool_name: args.node_name.clone()" in start_src()
 
 
 @check
@@ -2110,7 +2122,7 @@ def operator_values_reach_the_plugin() -> None:
     assert f["--xid-unhealthy-duration"] == "300" and f["--lost-gpu-check-interval"] == "10"
     # The TaintMode values of args.rs are the schema's enum.
     text = ARGS_RS.read_text()
-    m = re.search(r"pub enum TaintMode \{(.*?)\n\}", text, re.S)
+    m = re.search(r"pub(?:\(crate\))? enum TaintMode \{(.*?)\n\}", text, re.S)
     assert m, "args.rs: no TaintMode"
     modes = {v.lower() for v in re.findall(r"^\s*(\w+),", m.group(1), re.M)}
     with helm.Chart.load(CHART) as chart:
@@ -2427,9 +2439,9 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
         assert not [o for o in render(v) if o["metadata"]["name"].endswith("node-scoped-mps-pods")], v
     # The sample pod is the code's: names, labels, command, flags, env and volumes of mps_pod.rs.
     src = MPS_POD_SRC.read_text()
-    start = (ROOT / "kubelet-plugin" / "src" / "start.rs").read_text()
+    start = start_src()
     assert '"/usr/bin/cleave-kubelet-plugin".to_owned(),\n                "mps-daemon"' in start, \
-        "start.rs no longer runs /usr/bin/cleave-kubelet-plugin mps-daemon in daemon pods: update the policy"
+        "start/ no longer runs /usr/bin/cleave-kubelet-plugin mps-daemon in daemon pods: update the policy"
     for needle in ('APP_NAME: &str = "cleave-mps"', f'CLAIM_LABEL: &str = "{DRIVER}/claim-uid"',
                    '"app.kubernetes.io/managed-by", "cleave-kubelet-plugin"', '"--driver-root=',
                    '"--lib-dir=', '"--mps-control-bin=', '"--multi-user"', "automount_service_account_token: Some(false)",
@@ -2437,7 +2449,7 @@ def admission_policy_keeps_mps_daemon_pods_to_their_node_and_shape() -> None:
         assert needle in src, f"kubelet-plugin/src/k8s/mps_pod.rs lacks {needle!r}: update the policy and this check"
     assert set(re.findall(r'env\("([A-Z_]+)"', src)) == {e["name"] for e in good["spec"]["containers"][0]["env"]}, \
         "mps_pod.rs sets other env variables than the policy admits"
-    sharing = (ROOT / "driver" / "src" / "sharing" / "mod.rs").read_text()
+    sharing = sharing_src()
     mps_rs = (ROOT / "driver" / "src" / "sharing" / "mps.rs").read_text()
     for text, needle in ((src, 'CONTAINER_NAME: &str = "mps-control-daemon"'), (src, 'POD_LOG_DIR: &str = "/var/log/nvidia-mps"'),
                          (src, 'POD_DRIVER_ROOT: &str = "/driver-root"'), (src, 'POD_SCRATCH_DIR: &str = "/run/cleave-mps"'),
