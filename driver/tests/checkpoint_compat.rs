@@ -11,13 +11,15 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use cleave_api::config::SharingStrategy;
+use cleave_api::config::{SharingStrategy, TimeSliceInterval};
 use cleave_driver::checkpoint::{
     self, CheckpointData, CheckpointError, CheckpointStore, ClaimRecord, ClaimState, DeviceKind,
     DeviceRecord, MigRecord, ShareRecord,
 };
 use cleave_driver::model::Placement;
-use cleave_driver::sharing::SharingState;
+use cleave_driver::sharing::{
+    DaemonHandle, DaemonPod, DaemonSpec, MpsRecord, PinnedLimit, SharingState, TimeSliceSetting,
+};
 use serde_json::json;
 
 fn fixture_path() -> PathBuf {
@@ -409,4 +411,220 @@ fn fixtures_encode_back_to_the_same_json() {
             path.display()
         );
     }
+}
+
+fn mps_fixture_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoint-v1-mps.json")
+}
+
+const MPS_PROCESS: &str = "1a4b2c1d-0000-4000-8000-00000000001a";
+const MPS_POD: &str = "1b4b2c1d-0000-4000-8000-00000000001b";
+const TIME_SLICED: &str = "1c4b2c1d-0000-4000-8000-00000000001c";
+const MPS_STARTED: &str = "1d4b2c1d-0000-4000-8000-00000000001d";
+const STATE_DIR: &str = "/var/lib/kubelet/plugins/gpu.cleave.dev";
+
+/// The daemon record layout 1 kept in the checkpoint for a per-claim MPS claim.
+fn v1_mps_record(
+    uid: &str,
+    pipe: &str,
+    devices: &[&str],
+    daemon: Option<DaemonHandle>,
+) -> MpsRecord {
+    MpsRecord {
+        spec: DaemonSpec {
+            claim_uid: uid.into(),
+            pipe_dir: format!("/run/cleave/{pipe}").into(),
+            log_dir: format!("{STATE_DIR}/mps/{uid}/log").into(),
+            visible_devices: devices.iter().map(|d| (*d).to_owned()).collect(),
+            multi_user: daemon.as_ref().is_some_and(|d| d.pod.is_some()),
+        },
+        host_pipe_dir: format!("/run/cleave/{pipe}").into(),
+        active_thread_percentage: 25,
+        pinned_limits: vec![PinnedLimit {
+            ordinal: 0,
+            uuid: devices[0].into(),
+            limit: "10G".into(),
+        }],
+        exclusive_gpus: devices
+            .iter()
+            .filter(|d| d.starts_with("GPU-"))
+            .map(|d| (*d).to_owned())
+            .collect(),
+        daemon,
+    }
+}
+
+/// What a release writing layout 1 records for MPS and time-slicing claims: the whole daemon
+/// record of a per-claim MPS claim (a host process, a daemon pod, one not started yet), and
+/// the time slices of a time-sliced claim.
+fn v1_mps_data() -> CheckpointData {
+    let cdi = |uid: &str, dev: &str| vec![format!("k8s.gpu.cleave.dev/claim={uid}-{dev}")];
+    let config = |sharing: serde_json::Value| {
+        Some(
+            serde_json::from_value(json!({
+                "index": 0,
+                "source": "FromClaim",
+                "config": {"apiVersion": "gpu.cleave.dev/v1alpha1", "kind": "GpuConfig",
+                           "sharing": sharing}
+            }))
+            .unwrap(),
+        )
+    };
+    let mps_config = json!({"strategy": "MPS", "mps": {"activeThreadPercentage": 25,
+                                                        "pinnedMemoryLimit": {"default": "10Gi"}}});
+    let gpu =
+        |name: &str, uuid: &str, minor: u32, sharing: serde_json::Value, uid: &str| DeviceRecord {
+            name: name.into(),
+            pool: "node-a".into(),
+            request_names: vec!["gpu".into()],
+            kind: DeviceKind::Gpu,
+            admin_access: false,
+            gpu_uuid: uuid.into(),
+            gpu_minor: minor,
+            mig: None,
+            config: config(sharing),
+            cdi_device_ids: cdi(uid, name),
+            share: None,
+        };
+    let claim = |uid: &str, name: &str, state, device, sharing| ClaimRecord {
+        uid: uid.into(),
+        namespace: "team-d".into(),
+        name: name.into(),
+        state,
+        devices: vec![device],
+        sharing: Some(sharing),
+    };
+    let mut claims = BTreeMap::new();
+    claims.insert(
+        MPS_PROCESS.to_owned(),
+        claim(
+            MPS_PROCESS,
+            "mps-process",
+            ClaimState::Prepared,
+            gpu("gpu-0", GPU0, 0, mps_config.clone(), MPS_PROCESS),
+            SharingState {
+                mps: Some(v1_mps_record(
+                    MPS_PROCESS,
+                    "3f9a0c1b2d4e5f60",
+                    &[GPU0],
+                    Some(DaemonHandle::process(
+                        4242,
+                        987_654,
+                        "3f0c6a5e-8d1b-4f7a-9e2c-5b4d3a2f1e0d".into(),
+                    )),
+                )),
+                time_slicing: Vec::new(),
+            },
+        ),
+    );
+    let mig = "MIG-7e0c5b33-4f60-4d8c-9e2f-3a4b5c6d7e8f";
+    let mut pod_daemon = DaemonHandle::process(0, 0, "3f0c6a5e-8d1b-4f7a-9e2c-5b4d3a2f1e0d".into());
+    pod_daemon.pod = Some(DaemonPod {
+        namespace: "cleave-system".into(),
+        name: "cleave-mps-1b4b2c1d".into(),
+        uid: "9a8b7c6d-0000-4000-8000-000000000099".into(),
+    });
+    pod_daemon.shm_host_dir =
+        Some("/var/lib/kubelet/pods/9a8b7c6d-0000-4000-8000-000000000099/volumes/kubernetes.io~empty-dir/shm".into());
+    claims.insert(
+        MPS_POD.to_owned(),
+        ClaimRecord {
+            uid: MPS_POD.into(),
+            namespace: "team-d".into(),
+            name: "mps-pod".into(),
+            state: ClaimState::Prepared,
+            devices: vec![DeviceRecord {
+                name: "gpu-1-mig-1g10gb-6".into(),
+                pool: "node-a".into(),
+                request_names: vec!["mig".into()],
+                kind: DeviceKind::Mig,
+                admin_access: false,
+                gpu_uuid: GPU1.into(),
+                gpu_minor: 1,
+                mig: Some(MigRecord {
+                    profile_id: 19,
+                    profile_name: "1g.10gb".into(),
+                    placement: Placement { start: 6, size: 1 },
+                    uuid: Some(mig.into()),
+                    gi_id: Some(13),
+                    ci_id: Some(0),
+                    created_by_cleave: true,
+                    creating_in_boot: None,
+                }),
+                config: config(mps_config.clone()),
+                cdi_device_ids: cdi(MPS_POD, "gpu-1-mig-1g10gb-6"),
+                share: None,
+            }],
+            sharing: Some(SharingState {
+                mps: Some(v1_mps_record(
+                    MPS_POD,
+                    "8c7d6e5f4a3b2c1d",
+                    &[mig],
+                    Some(pod_daemon),
+                )),
+                time_slicing: Vec::new(),
+            }),
+        },
+    );
+    claims.insert(
+        TIME_SLICED.to_owned(),
+        claim(
+            TIME_SLICED,
+            "time-sliced",
+            ClaimState::Prepared,
+            gpu(
+                "gpu-2",
+                "GPU-00000002-1111-4222-8333-444444444444",
+                2,
+                json!({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}),
+                TIME_SLICED,
+            ),
+            SharingState {
+                mps: None,
+                time_slicing: vec![TimeSliceSetting {
+                    gpu_uuid: "GPU-00000002-1111-4222-8333-444444444444".into(),
+                    interval: TimeSliceInterval::Long,
+                }],
+            },
+        ),
+    );
+    claims.insert(
+        MPS_STARTED.to_owned(),
+        claim(
+            MPS_STARTED,
+            "mps-restarting",
+            ClaimState::NeedsRecreate,
+            gpu(
+                "gpu-3",
+                "GPU-00000003-1111-4222-8333-444444444444",
+                3,
+                mps_config,
+                MPS_STARTED,
+            ),
+            SharingState {
+                mps: Some(v1_mps_record(
+                    MPS_STARTED,
+                    "0123456789abcdef",
+                    &["GPU-00000003-1111-4222-8333-444444444444"],
+                    None,
+                )),
+                time_slicing: Vec::new(),
+            },
+        ),
+    );
+    CheckpointData {
+        boot_id: "3f0c6a5e-8d1b-4f7a-9e2c-5b4d3a2f1e0d".into(),
+        claims,
+    }
+}
+
+#[test]
+fn v1_mps_fixture_loads() {
+    let path = mps_fixture_path();
+    if std::env::var_os("CLEAVE_REGENERATE_FIXTURES").is_some() {
+        std::fs::write(&path, checkpoint::encode(&v1_mps_data()).unwrap()).unwrap();
+    }
+    let bytes = std::fs::read(&path).unwrap();
+    let data = checkpoint::decode(&path, &bytes).unwrap();
+    assert_eq!(data, v1_mps_data());
 }
