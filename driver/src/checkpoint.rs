@@ -3,19 +3,29 @@
 //! File `<state dir>/checkpoint.json` (state dir = `<plugins dir>/<driver name>`):
 //!
 //! ```text
-//! {"version":1,"checksum":"sha256:<hex>","data":{ ... }}
+//! {"version":2,"checksum":"sha256:<hex>","data":{ ... }}
 //! ```
 //!
 //! The checksum covers the exact bytes of `data` as they were written, not a re-encoding of
 //! the decoded value. A later release that adds a field writes it into `data` and checksums
 //! what it wrote, and an older release verifies the same bytes and then ignores the field it
 //! does not know; new fields are `#[serde(default)]` so a newer release reads an older file.
-//! `version` changes only for incompatible layouts; a version this code does not know is an
-//! error rather than a guess. Writes are atomic: temp file in the same directory, fsync,
-//! rename, fsync of the directory.
+//! `version` changes only for incompatible layouts; a version this code does not know (0, or
+//! above [`FORMAT_VERSION`]) is an error rather than a guess. Writes are atomic: temp file in
+//! the same directory, fsync, rename, fsync of the directory.
 //!
-//! Additions to layout 1 since its first release (old files read unchanged): the claim state
-//! `NeedsRecreate` (a prepared claim whose hardware state is gone after a reboot or a
+//! Layouts this release reads (it writes layout 2):
+//! - **1**: a claim's sharing state held the whole record of its MPS daemon (`sharing.mps`:
+//!   spec, limits, pipe directory, PID), a copy of the daemon's `daemon.json` that drifted
+//!   from it when reconciliation restarted the daemon. It loads as layout 2 (the record
+//!   becomes its daemon's key, `spec.claimUid`; `v1`); the next write is layout 2.
+//! - **2**: the sharing state names the daemon by key only (`sharing.mpsDaemon`, the claim
+//!   UID); the daemon's one record is `mps/<key>/daemon.json` ([`crate::sharing::mps`]).
+//!   A release that reads only layout 1 refuses a layout-2 file as a newer layout
+//!   ([`CheckpointError::UnsupportedVersion`]); docs/install.md says how to downgrade.
+//!
+//! Additions to the layouts since their first release (old files read unchanged): the claim
+//! state `NeedsRecreate` (a prepared claim whose hardware state is gone after a reboot or a
 //! vanished instance, see [`crate::prepare`]). A release from before it rejects a file that
 //! holds a claim in that state as corrupt (unknown variant); such a claim exists only between
 //! a reboot and a successful recreation, so a downgrade in that window needs that claim
@@ -29,8 +39,8 @@
 //!
 //! The device record's `config` (the effective config, as the config API encodes it) and the
 //! claim's `sharing` (the sharing state the sharing seam defines) are decoded with the file
-//! as typed values; their JSON is what layout 1 always held (`checkpoint_compat` decodes the
-//! fixtures and encodes them back to the same value), only the order of their keys may
+//! as typed values; their JSON is what the layout always held (`checkpoint_compat` decodes
+//! the fixtures and encodes them back to the same value), only the order of their keys may
 //! differ from what earlier releases wrote, which the checksum (over the bytes as written)
 //! does not mind. A recorded config this release cannot decode (configs refuse unknown
 //! fields, so one a later release wrote with a field this one does not know), or a sharing
@@ -45,6 +55,8 @@
 //! `mv checkpoint.json checkpoint.json.corrupt`); the waiting plugin picks that up and starts
 //! with no prepared claims. MIG instances cleave created for old claims then look like instances an
 //! administrator made: remove them with `nvidia-smi mig -dci` / `-dgi` if they are not in use.
+
+mod v1;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -66,8 +78,8 @@ use crate::sharing::SharingState;
 
 /// File name of the checkpoint in the state directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
-/// Layout version written by this release.
-pub const FORMAT_VERSION: u32 = 1;
+/// Layout version written by this release (it reads 1 and 2; see the module docs).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// How to recover from a damaged checkpoint; part of every corruption error.
 pub const RECOVERY: &str = "to recover: make sure no pod on this node still uses a claim of this driver, then run `cleave-kubelet-plugin checkpoint reset` (it moves the file aside; by hand: mv checkpoint.json checkpoint.json.corrupt); the plugin picks that up and starts with no prepared claims, and MIG instances it created for old claims must be removed with nvidia-smi if unused";
@@ -344,8 +356,12 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<CheckpointData, CheckpointErr
             envelope.checksum
         )));
     }
-    serde_json::from_str(envelope.data.get())
-        .map_err(|e| corrupt(format!("data does not decode: {e}")))
+    let data = envelope.data.get();
+    let decoded = match envelope.version {
+        1 => v1::upgrade(data),
+        _ => serde_json::from_str(data),
+    };
+    decoded.map_err(|e| corrupt(format!("data does not decode: {e}")))
 }
 
 /// Loads and stores the checkpoint file.
@@ -555,15 +571,25 @@ mod tests {
             );
         }
 
-        let future = text.replacen("\"version\":1", "\"version\":2", 1);
+        // A later layout than this release writes: refused, although its checksum is right.
+        let current = format!("\"version\":{FORMAT_VERSION}");
+        assert!(text.starts_with(&format!("{{{current},")), "{text}");
+        let later = FORMAT_VERSION + 1;
+        let future = text.replacen(&current, &format!("\"version\":{later}"), 1);
         fs::write(store.path(), future).unwrap();
         let e = store.load().unwrap_err();
         assert!(
-            matches!(e, CheckpointError::UnsupportedVersion { version: 2, .. }),
+            matches!(e, CheckpointError::UnsupportedVersion { version, .. } if version == u64::from(later)),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains(&format!(
+                "has layout version {later}, this release reads up to {FORMAT_VERSION}"
+            )),
             "{e}"
         );
         // Version 0 never existed: refused as well, although its checksum is right.
-        let zero = text.replacen("\"version\":1", "\"version\":0", 1);
+        let zero = text.replacen(&current, "\"version\":0", 1);
         fs::write(store.path(), zero).unwrap();
         let e = store.load().unwrap_err();
         assert!(

@@ -977,9 +977,17 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
     );
     let mut recorded_pids = BTreeSet::new();
     for uid in &own_mps {
+        // The checkpoint names the claim's daemon (its key, the claim UID); the daemon's
+        // record, its `daemon.json`, says which process it is.
         let sharing: SharingState = data.claims[uid].sharing.clone().unwrap();
-        let pid = sharing.mps.unwrap().daemon.unwrap().pid;
-        recorded_pids.insert(pid);
+        check(
+            sharing.mps_daemon.as_deref() == Some(uid.as_str()),
+            format!("claim {uid} names daemon {:?}", sharing.mps_daemon),
+        );
+        let record = cleave_driver::sharing::daemon_record(&world.state(), uid)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{ctx}: daemon of claim {uid} has no record"));
+        recorded_pids.insert(record.daemon.unwrap().pid);
     }
     for key in &shared {
         let record = cleave_driver::sharing::mps::load_record(&world.state().join("mps").join(key))

@@ -512,7 +512,11 @@ fn damaged_checkpoint_refuses_start_with_path_and_recovery() {
             .replace("\"gpu-0-mig-1g10gb-0\"", "\"gpu-0-mig-1g10gb-1\"")
             .into_bytes(),
         "future-version" => text
-            .replacen("\"version\":1", "\"version\":9", 1)
+            .replacen(
+                &format!("\"version\":{}", cleave_driver::checkpoint::FORMAT_VERSION),
+                "\"version\":9",
+                1,
+            )
             .into_bytes(),
         other => panic!("{other}"),
     };

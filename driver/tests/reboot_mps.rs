@@ -23,7 +23,7 @@ use cleave_driver::checkpoint::{CheckpointStore, ClaimState};
 use cleave_driver::model::GpuInfo;
 use cleave_driver::prepare::testing::{FakeBackend, node_claim, with_config};
 use cleave_driver::prepare::{DriverConfig, NodeDriver};
-use cleave_driver::sharing::{SharingConfig, SharingManager, SharingState};
+use cleave_driver::sharing::{MpsRecord, SharingConfig, SharingManager, SharingState};
 use cleave_testkit::fake_tools::ToolNode;
 use cleave_testkit::gpu::{h100, h100_mig, inventory};
 use cleave_testkit::process::{alive, wait_dead};
@@ -104,8 +104,16 @@ impl World {
         data.claims[uid].sharing.clone().unwrap()
     }
 
+    /// The record of the daemon the claim's sharing state names (by key): its `daemon.json`.
+    fn daemon(&self, uid: &str) -> MpsRecord {
+        let key = self.sharing_state(uid).mps_daemon.unwrap();
+        cleave_driver::sharing::daemon_record(&self.state, &key)
+            .unwrap()
+            .unwrap()
+    }
+
     fn daemon_pid(&self, uid: &str) -> u32 {
-        self.sharing_state(uid).mps.unwrap().daemon.unwrap().pid
+        self.daemon(uid).daemon.unwrap().pid
     }
 
     fn spec_path(&self, uid: &str) -> PathBuf {
@@ -218,7 +226,7 @@ fn reboot_restarts_mps_daemons_and_sets_time_slices_again() {
         assert_ne!(old, new);
         assert!(alive(*new), "daemon {new} not running");
     }
-    let mig_daemon = world.sharing_state(MPS_MIG).mps.unwrap();
+    let mig_daemon = world.daemon(MPS_MIG);
     assert_eq!(
         mig_daemon.spec.visible_devices,
         std::slice::from_ref(&new_mig.uuid)

@@ -28,8 +28,8 @@ use cleave_driver::prepare::testing::{Call, FakeBackend, node_claim, with_config
 use cleave_driver::prepare::{DriverConfig, NodeDriver, PrepareError, Refusal, time_slice_needs};
 use cleave_driver::sharing::supervise::{SuperviseConfig, SuperviseOutcome, supervise};
 use cleave_driver::sharing::{
-    GpuFacts, SharingConfig, SharingDevice, SharingEdits, SharingFailure, SharingManager,
-    SharingState, TimeSliceNeed, legacy_shared_daemon_key,
+    GpuFacts, MpsRecord, SharingConfig, SharingDevice, SharingEdits, SharingFailure,
+    SharingManager, SharingState, TimeSliceNeed, legacy_shared_daemon_key,
 };
 use cleave_testkit::fake_tools::ToolNode;
 use cleave_testkit::process::{alive, wait_dead};
@@ -101,6 +101,18 @@ fn main() -> std::process::ExitCode {
         (
             "release_without_state_finds_the_daemon_on_disk",
             release_without_state_finds_the_daemon_on_disk,
+        ),
+        (
+            "release_with_a_missing_record_stops_what_the_launcher_finds",
+            release_with_a_missing_record_stops_what_the_launcher_finds,
+        ),
+        (
+            "unprepare_with_an_undecodable_record_fails_and_changes_nothing",
+            unprepare_with_an_undecodable_record_fails_and_changes_nothing,
+        ),
+        (
+            "checkpoint_names_the_daemon_and_a_restarted_one_is_seen_at_once",
+            checkpoint_names_the_daemon_and_a_restarted_one_is_seen_at_once,
         ),
         (
             "time_slicing_set_and_restored_with_refcount_from_checkpoint",
@@ -245,6 +257,29 @@ impl World {
         self.state.join("mps").join(claim)
     }
 
+    /// The record of the daemon a claim's sharing state names (by key), read where it is
+    /// kept: its `daemon.json`.
+    fn daemon(&self, edits: &SharingEdits) -> MpsRecord {
+        let key = state_of(edits).mps_daemon.unwrap();
+        cleave_driver::sharing::daemon_record(&self.state, &key)
+            .unwrap()
+            .unwrap()
+    }
+
+    fn daemon_pid(&self, edits: &SharingEdits) -> u32 {
+        self.daemon(edits).daemon.unwrap().pid
+    }
+
+    /// The PID its record gives the daemon `key`.
+    fn daemon_pid_of(&self, key: &str) -> u32 {
+        cleave_driver::sharing::daemon_record(&self.state, key)
+            .unwrap()
+            .unwrap()
+            .daemon
+            .unwrap()
+            .pid
+    }
+
     fn assert_nothing_left(&self) {
         for pid in self.started_pids() {
             assert!(
@@ -369,10 +404,6 @@ fn state_of(edits: &SharingEdits) -> SharingState {
     edits.state.clone().unwrap()
 }
 
-fn daemon_pid(edits: &SharingEdits) -> u32 {
-    state_of(edits).mps.unwrap().daemon.unwrap().pid
-}
-
 fn mode(path: &Path) -> u32 {
     std::fs::metadata(path).unwrap().permissions().mode() & 0o777
 }
@@ -443,7 +474,7 @@ fn two_claims_get_own_daemons_limits_and_edits() {
         .unwrap();
 
     // Two daemons, one per claim, each seeing only its claim's GPU.
-    let (pa, pb) = (daemon_pid(&a), daemon_pid(&b));
+    let (pa, pb) = (world.daemon_pid(&a), world.daemon_pid(&b));
     assert_ne!(pa, pb);
     assert!(alive(pa) && alive(pb));
     let starts: Vec<String> = world
@@ -579,6 +610,7 @@ fn repeated_apply_is_idempotent_and_changed_settings_restart() {
     );
 
     // Different settings for the same claim: the old daemon goes, a new one comes.
+    let old = world.daemon_pid(&first);
     let changed = m
         .apply_claim(
             "claim-a",
@@ -586,7 +618,7 @@ fn repeated_apply_is_idempotent_and_changed_settings_restart() {
             &world.needs(),
         )
         .unwrap();
-    let (old, new) = (daemon_pid(&first), daemon_pid(&changed));
+    let new = world.daemon_pid(&changed);
     assert_ne!(old, new);
     assert!(wait_dead(old, Duration::from_secs(5)));
     assert!(alive(new));
@@ -621,7 +653,7 @@ fn restart_refinds_live_daemons_and_stops_gone_claims() {
         (a, b)
         // The manager (the "plugin") goes away; the daemons must not.
     };
-    let (pa, pb) = (daemon_pid(&a), daemon_pid(&b));
+    let (pa, pb) = (world.daemon_pid(&a), world.daemon_pid(&b));
     assert!(alive(pa) && alive(pb), "daemons outlive the manager");
 
     let m = world.manager(&[]);
@@ -706,7 +738,7 @@ fn multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported() {
             &world.needs(),
         )
         .unwrap();
-    let record = state_of(&edits).mps.unwrap();
+    let record = world.daemon(&edits);
     assert!(record.spec.multi_user);
     assert!(
         world
@@ -727,7 +759,7 @@ fn multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported() {
             &world.needs(),
         )
         .unwrap();
-    assert!(!state_of(&edits).mps.unwrap().spec.multi_user);
+    assert!(!world.daemon(&edits).spec.multi_user);
     assert!(
         !world
             .mps_lines()
@@ -890,7 +922,7 @@ fn daemon_ignoring_quit_is_killed() {
             &world.needs(),
         )
         .unwrap();
-    let pid = daemon_pid(&edits);
+    let pid = world.daemon_pid(&edits);
     m.release_claim("claim-a", edits.state.as_ref(), &world.needs())
         .unwrap();
     assert!(world.commands("claim-a").contains(&"quit".to_owned()));
@@ -1027,7 +1059,7 @@ fn mig_device_gets_mps_without_compute_mode() {
         )
         .unwrap();
     assert!(world.smi_lines().is_empty(), "{:?}", world.smi_lines());
-    assert!(state_of(&edits).mps.unwrap().exclusive_gpus.is_empty());
+    assert!(world.daemon(&edits).exclusive_gpus.is_empty());
     m.release_claim("claim-w", edits.state.as_ref(), &world.needs())
         .unwrap();
     world.assert_nothing_left();
@@ -1045,7 +1077,7 @@ fn release_without_state_finds_the_daemon_on_disk() {
             &world.needs(),
         )
         .unwrap();
-    let pid = daemon_pid(&edits);
+    let pid = world.daemon_pid(&edits);
     let m2 = world.manager(&[]);
     m2.release_claim("claim-a", None, &world.needs()).unwrap();
     assert!(wait_dead(pid, Duration::from_secs(5)));
@@ -1074,6 +1106,170 @@ fn release_without_state_finds_the_daemon_on_disk() {
         std::thread::sleep(Duration::from_millis(10));
     }
     m2.release_claim("claim-b", None, &world.needs()).unwrap();
+    world.assert_nothing_left();
+}
+
+fn release_with_a_missing_record_stops_what_the_launcher_finds() {
+    // The checkpoint names the daemon, but its record (its one record) is gone: the daemon
+    // the launcher finds through its pid file is stopped and its directories removed. The
+    // compute mode it set was recorded nowhere else, so it is left as it is.
+    let world = World::new();
+    let m = world.manager(&[]);
+    let edits = m
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(50, None, json!({})))],
+            &world.needs(),
+        )
+        .unwrap();
+    let pid = world.daemon_pid(&edits);
+    std::fs::remove_file(world.claim_dir("claim-a").join("daemon.json")).unwrap();
+    m.release_claim("claim-a", edits.state.as_ref(), &world.needs())
+        .unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    assert!(world.commands("claim-a").contains(&"quit".to_owned()));
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("EXCLUSIVE_PROCESS")
+    );
+    world.assert_nothing_left();
+    // Again: nothing left to find, nothing to do.
+    m.release_claim("claim-a", edits.state.as_ref(), &world.needs())
+        .unwrap();
+}
+
+fn unprepare_with_an_undecodable_record_fails_and_changes_nothing() {
+    let world = World::new();
+    let uid = "0f1e2d3c-0000-4000-8000-0000000000e1";
+    let (driver, _manager) = start_driver(&world, &[]);
+    driver
+        .prepare(&mps_claim(uid, "gpu-0", 25, "10Gi"))
+        .unwrap();
+    let record = world.claim_dir(uid).join("daemon.json");
+    let pid = world.daemon_pid_of(uid);
+    std::fs::write(&record, b"{\"spec\": {\"claimUid\": ").unwrap();
+
+    // Unprepare fails loudly, naming the file and the fix; the claim stays recorded (the
+    // kubelet retries), the daemon runs, the GPU keeps its compute mode, the file is kept.
+    let err = driver.unprepare(uid).unwrap_err();
+    assert!(
+        matches!(&err, PrepareError::Sharing(SharingFailure::Release { claim, source })
+            if claim == uid
+                && matches!(&**source, SharingFailure::RecordUnreadable { path, .. } if *path == record)),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    for want in [
+        record.display().to_string().as_str(),
+        "does not decode",
+        "nvidia-smi -i <GPU UUID> -c DEFAULT",
+        "delete the file",
+    ] {
+        assert!(msg.contains(want), "{want}: {msg}");
+    }
+    assert_eq!(err.refusal(), Refusal::Sharing);
+    assert!(driver.prepared_claims().iter().any(|c| c.uid == uid));
+    let data = CheckpointStore::in_dir(&world.state).load().unwrap();
+    assert!(data.claims.contains_key(uid));
+    assert!(alive(pid));
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("EXCLUSIVE_PROCESS")
+    );
+    assert!(record.exists());
+    assert!(!world.commands(uid).contains(&"quit".to_owned()));
+
+    // The fix the message names: the compute mode set back by hand, the file deleted; the
+    // retry stops the daemon and removes the rest.
+    let config = world.config(&[]);
+    cleave_driver::sharing::NvidiaSmi::new(
+        &config.binaries.nvidia_smi,
+        config.extra_env.clone(),
+        Duration::from_secs(10),
+    )
+    .set_compute_mode(GPU_A, cleave_driver::sharing::ComputeMode::Default)
+    .unwrap();
+    std::fs::remove_file(&record).unwrap();
+    driver.unprepare(uid).unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    assert!(driver.prepared_claims().is_empty());
+    assert_eq!(
+        world.smi_setting(GPU_A, "computeMode").as_deref(),
+        Some("DEFAULT")
+    );
+    world.assert_nothing_left();
+}
+
+fn checkpoint_names_the_daemon_and_a_restarted_one_is_seen_at_once() {
+    let world = World::new();
+    let uid = "0f1e2d3c-0000-4000-8000-0000000000d1";
+    let (driver, manager) = start_driver(&world, &[]);
+    driver
+        .prepare(&mps_claim(uid, "gpu-0", 25, "10Gi"))
+        .unwrap();
+
+    // The checkpoint names the daemon by its key and holds nothing else of it: no PID,
+    // pipe directory or limits (they are in the daemon's record alone).
+    let path = world.state.join("checkpoint.json");
+    let before = std::fs::read(&path).unwrap();
+    let file: serde_json::Value = serde_json::from_slice(&before).unwrap();
+    assert_eq!(file["version"], 2);
+    assert_eq!(
+        file["data"]["claims"][uid]["sharing"],
+        json!({"mpsDaemon": uid})
+    );
+    let text = String::from_utf8(before.clone()).unwrap();
+    let record = cleave_driver::sharing::daemon_record(&world.state, uid)
+        .unwrap()
+        .unwrap();
+    let pipe = record.host_pipe_dir.display().to_string();
+    for copy in [
+        "\"pid\"",
+        "startTime",
+        "pipeDir",
+        "pinnedLimits",
+        "exclusiveGpus",
+        "\"10G\"",
+        pipe.as_str(),
+    ] {
+        assert!(!text.contains(copy), "checkpoint holds {copy}: {text}");
+    }
+    let pid = record.daemon.unwrap().pid;
+    assert!(alive(pid));
+    let status_daemon = |driver: &NodeDriver| {
+        let report = driver.claim_status(uid).unwrap();
+        let v = serde_json::to_value(&report.entries[0].data).unwrap();
+        assert_eq!(v["mps"]["activeThreadPercentage"], 25, "{v}");
+        assert_eq!(v["mps"]["pinnedMemoryLimit"], "10G", "{v}");
+        v["mps"]["daemon"].as_str().unwrap().to_owned()
+    };
+    let usage_pids = |driver: &NodeDriver| {
+        let devices = driver.claim_devices();
+        let d = devices.iter().find(|d| d.claim.uid == uid).unwrap();
+        d.pids.clone()
+    };
+    assert_eq!(status_daemon(&driver), format!("PID {pid}"));
+    assert_eq!(usage_pids(&driver), [pid]);
+
+    // The daemon dies; reconciliation alone starts it again (no refresh of the claim's
+    // record in between: the checkpoint stays byte for byte). Usage attribution and the
+    // status report see the new daemon at once.
+    Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(wait_dead(pid, Duration::from_secs(5)));
+    let report = manager.reconcile(&BTreeSet::from([uid.to_owned()]));
+    assert_eq!(report.restarted, [uid], "{report:?}");
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    let new_pid = world.daemon_pid_of(uid);
+    assert_ne!(new_pid, pid);
+    assert!(alive(new_pid));
+    assert_eq!(status_daemon(&driver), format!("PID {new_pid}"));
+    assert_eq!(usage_pids(&driver), [new_pid]);
+
+    driver.unprepare(uid).unwrap();
+    assert!(wait_dead(new_pid, Duration::from_secs(5)));
     world.assert_nothing_left();
 }
 
@@ -1332,10 +1528,11 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
         "{text}"
     );
 
-    // The checkpoint records the daemon.
+    // The checkpoint names the daemon; its record says which it is.
     let data = CheckpointStore::in_dir(&world.state).load().unwrap();
     let state = data.claims[uid].sharing.clone().unwrap();
-    let pid = state.mps.unwrap().daemon.unwrap().pid;
+    assert_eq!(state.mps_daemon.as_deref(), Some(uid));
+    let pid = world.daemon_pid_of(uid);
     assert!(alive(pid));
 
     // A claim the checkpoint no longer holds (its record was lost), with a daemon running.
@@ -1347,7 +1544,7 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
             &world.needs(),
         )
         .unwrap();
-    let orphan_pid = daemon_pid(&orphan_edits);
+    let orphan_pid = world.daemon_pid(&orphan_edits);
 
     // Plugin restart: start reconciles by itself; the live claim's daemon is kept, the
     // orphan's stopped.
@@ -1376,9 +1573,7 @@ fn node_driver_prepares_and_unprepares_mps_claims() {
     assert!(wait_dead(pid, Duration::from_secs(5)));
     let restarted = driver.reconcile_sharing().unwrap();
     assert_eq!(restarted.into_iter().collect::<Vec<_>>(), [uid]);
-    let data = CheckpointStore::in_dir(&world.state).load().unwrap();
-    let state = data.claims[uid].sharing.clone().unwrap();
-    let new_pid = state.mps.unwrap().daemon.unwrap().pid;
+    let new_pid = world.daemon_pid_of(uid);
     assert_ne!(new_pid, pid);
     assert!(alive(new_pid));
     assert_eq!(

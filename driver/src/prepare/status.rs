@@ -2,11 +2,13 @@
 //! `status.devices[].data` (resource.k8s.io/v1 `AllocatedDeviceStatus`, KEP-4817
 //! `keps/sig-node/4817-resource-claim-device-status`).
 //!
-//! Read-only: built from the checkpoint record of the claim and the inventory, never from
-//! the hardware, so it costs no NVML call and answers what prepare actually did (the MIG
-//! instance it created, the MPS limits it set and read back, the share's client limits it
-//! wrote into the CDI spec). The shell turns a [`ClaimStatusReport`] into API entries and
-//! adds the conditions; nothing here knows about the API server.
+//! Read-only: built from the checkpoint record of the claim, the record of its MPS daemon
+//! (`daemon.json`, which the checkpoint names by key: the daemon as it runs now, restarted or
+//! not) and the inventory, never from the hardware, so it costs no NVML call and answers what
+//! prepare actually did (the MIG instance it created, the MPS limits it set and read back,
+//! the share's client limits it wrote into the CDI spec). The shell turns a
+//! [`ClaimStatusReport`] into API entries and adds the conditions; nothing here knows about
+//! the API server.
 //!
 //! The data is versioned (`apiVersion: gpu.cleave.dev/v1alpha1`, `kind: DeviceStatus`);
 //! docs/attributes.md documents the schema. New fields are optional, so readers of an
@@ -17,7 +19,9 @@ use serde::Serialize;
 use super::NodeDriver;
 use crate::checkpoint::{ClaimRecord, ClaimState, DeviceRecord, ShareRecord};
 use crate::model::{ClaimRef, NodeInventory};
-use crate::sharing::{ShareDevice, SharingState, device_multiprocessors, shared_daemon_key};
+use crate::sharing::{
+    MpsRecord, ShareDevice, SharingState, device_multiprocessors, shared_daemon_key,
+};
 
 /// `apiVersion` of the status data.
 pub const STATUS_API_VERSION: &str = "gpu.cleave.dev/v1alpha1";
@@ -70,7 +74,8 @@ pub struct DeviceStatusData {
     /// The MIG instance behind the device.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigStatus>,
-    /// The claim's own MPS control daemon and the limits it was given.
+    /// The claim's own MPS control daemon and the limits it was given, as its record says
+    /// now; absent when that record cannot be read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mps: Option<MpsStatus>,
     /// The share of the device the claim holds (consumable capacity).
@@ -158,23 +163,32 @@ pub struct ShareStatus {
 }
 
 impl NodeDriver {
-    /// The status of the claim `uid` as the checkpoint records it; `None` when the claim is
-    /// not recorded (never prepared here, or unprepared). Reads the cached state (no file
-    /// read, no hardware call).
+    /// The status of the claim `uid` as the checkpoint records it, with its MPS daemon as
+    /// the daemon's record says now; `None` when the claim is not recorded (never prepared
+    /// here, or unprepared). Reads the cached state and, for an MPS claim, the daemon's
+    /// record (no checkpoint read, no hardware call).
     pub fn claim_status(&self, uid: &str) -> Option<ClaimStatusReport> {
         let state = self.lock();
         let record = state.data.claims.get(uid)?;
+        let daemon = record
+            .sharing
+            .as_ref()
+            .and_then(|s| s.mps_daemon.as_deref())
+            .and_then(|key| self.mps_daemon(key));
         Some(report(
             record,
+            daemon.as_ref(),
             &state.inventory,
             self.config.consumable_capacity,
         ))
     }
 }
 
-/// The report of one checkpoint record.
+/// The report of one checkpoint record; `daemon`: the record of the MPS daemon its sharing
+/// state names, when it could be read.
 pub(crate) fn report(
     record: &ClaimRecord,
+    daemon: Option<&MpsRecord>,
     inventory: &NodeInventory,
     mode: cleave_api::pool::ConsumableCapacity,
 ) -> ClaimStatusReport {
@@ -186,7 +200,7 @@ pub(crate) fn report(
     };
     let mut entries = Vec::new();
     for device in &record.devices {
-        let data = device_data(device, &record.namespace, sharing, inventory, mode);
+        let data = device_data(device, &record.namespace, sharing, daemon, inventory, mode);
         let share_ids: Vec<Option<String>> = match &device.share {
             None => vec![None],
             Some(s) => std::iter::once(&s.share_id)
@@ -224,6 +238,7 @@ fn device_data(
     device: &DeviceRecord,
     namespace: &str,
     sharing: Option<&SharingState>,
+    daemon: Option<&MpsRecord>,
     inventory: &NodeInventory,
     mode: cleave_api::pool::ConsumableCapacity,
 ) -> DeviceStatusData {
@@ -237,7 +252,7 @@ fn device_data(
         compute_instance_id: m.ci_id,
         created_for_claim: m.created_by_cleave,
     });
-    let mps = sharing.and_then(|s| s.mps.as_ref()).map(|r| MpsStatus {
+    let mps = daemon.map(|r| MpsStatus {
         daemon: r.daemon.as_ref().map(|d| d.describe()).unwrap_or_default(),
         active_thread_percentage: r.active_thread_percentage,
         pinned_memory_limit: r
@@ -364,6 +379,7 @@ mod tests {
     fn whole_gpu_names_its_uuid_and_is_ready() {
         let r = report(
             &record(vec![device("gpu-0")], ClaimState::Prepared),
+            None,
             &inventory(),
             ConsumableCapacity::Off,
         );
@@ -374,6 +390,34 @@ mod tests {
         assert_eq!(v["kind"], STATUS_KIND);
         assert_eq!(v["uuid"], "GPU-0");
         assert!(v.get("mig").is_none() && v.get("share").is_none(), "{v}");
+    }
+
+    /// The MPS entry comes from the daemon's record (what `claim_status` reads from its
+    /// `daemon.json`), not from the checkpoint, which names the daemon by key only.
+    #[test]
+    fn mps_status_is_the_daemon_records() {
+        let mut r = record(vec![device("gpu-0")], ClaimState::Prepared);
+        r.sharing = Some(crate::prepare::testing::mps_sharing_state("u"));
+        let mut daemon = crate::prepare::testing::mps_record("u");
+        daemon.pinned_limits = vec![crate::sharing::PinnedLimit {
+            ordinal: 0,
+            uuid: "GPU-0".into(),
+            limit: "8192M".into(),
+        }];
+        daemon.daemon = Some(crate::sharing::DaemonHandle::process(
+            31337,
+            5,
+            "boot".into(),
+        ));
+        let got = report(&r, Some(&daemon), &inventory(), ConsumableCapacity::Off);
+        let v = serde_json::to_value(&got.entries[0].data).unwrap_or_default();
+        assert_eq!(v["mps"]["daemon"], "PID 31337", "{v}");
+        assert_eq!(v["mps"]["activeThreadPercentage"], 50, "{v}");
+        assert_eq!(v["mps"]["pinnedMemoryLimit"], "8192M", "{v}");
+        // The record could not be read: no MPS entry rather than a guess.
+        let got = report(&r, None, &inventory(), ConsumableCapacity::Off);
+        let v = serde_json::to_value(&got.entries[0].data).unwrap_or_default();
+        assert!(v.get("mps").is_none(), "{v}");
     }
 
     #[test]
@@ -392,6 +436,7 @@ mod tests {
         });
         let r = report(
             &record(vec![d], ClaimState::PrepareStarted),
+            None,
             &inventory(),
             ConsumableCapacity::Off,
         );
@@ -418,6 +463,7 @@ mod tests {
         });
         let r = report(
             &record(vec![d], ClaimState::Prepared),
+            None,
             &inventory(),
             ConsumableCapacity::Mps,
         );

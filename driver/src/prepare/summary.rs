@@ -4,15 +4,18 @@
 //! [`CheckpointReader`] reads the file by state directory without the node driver's lock
 //! (the file is written atomically, so any read sees a whole version); the same summary
 //! comes from [`NodeDriver::checkpoint_summary`]. A read error is the checkpoint's health:
-//! it names the file and says what is wrong ([`CheckpointError`]).
+//! it names the file and says what is wrong ([`CheckpointError`]). What an MPS daemon is now
+//! (its PID, limits) is not in the checkpoint, which names it by key: it is read from the
+//! daemon's own record through the sharing seam ([`crate::sharing::daemon_record`]).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::NodeDriver;
 use cleave_api::SharingStrategy;
 
 use crate::checkpoint::{CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceKind};
-use crate::sharing::{Capacity, SharingState, takes_whole_device};
+use crate::sharing::{Capacity, MpsRecord, SharingState, daemon_record, takes_whole_device};
 
 /// Where a recorded claim is in its life on this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,23 +139,54 @@ impl NodeDriver {
 impl NodeDriver {
     /// The devices of the claims prepared by this instance, as the usage sampler needs
     /// them: identity, hardware, what was given, and for MPS claims the host PID of their
-    /// control daemon (started as a host process; a daemon in a pod has no host PID here,
-    /// so its activity stays not attributable). A capacity share carries its `shareID` and
-    /// what it consumed. Reads the cached state, never the file (the sampler calls this
-    /// every round).
+    /// control daemon as its record says now (started as a host process; a daemon in a pod
+    /// has no host PID here, so its activity stays not attributable). A capacity share
+    /// carries its `shareID` and what it consumed. Reads the cached state, never the
+    /// checkpoint file (the sampler calls this every round); only the daemon records of MPS
+    /// claims are read.
     pub fn claim_devices(&self) -> Vec<crate::usage::ClaimDevice> {
         let state = self.lock();
+        let daemons = state
+            .data
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::Prepared)
+            .filter_map(|r| r.sharing.as_ref()?.mps_daemon.as_deref())
+            .filter_map(|key| Some((key.to_owned(), self.mps_daemon(key)?)))
+            .collect();
         claim_devices(
             &state.data,
+            &daemons,
             &state.inventory,
             self.config.consumable_capacity,
         )
     }
+
+    /// The record of the MPS daemon `key` as it is now (`mps/<key>/daemon.json` under the
+    /// state directory); `None`, logged, when there is none or it cannot be read.
+    pub(super) fn mps_daemon(&self, key: &str) -> Option<MpsRecord> {
+        match daemon_record(&self.config.state_dir, key) {
+            Ok(Some(record)) => Some(record),
+            Ok(None) => {
+                tracing::debug!(
+                    daemon = key,
+                    "MPS daemon named by the checkpoint has no record"
+                );
+                None
+            }
+            Err(e) => {
+                tracing::debug!(daemon = key, error = %e, "reading the record of an MPS daemon");
+                None
+            }
+        }
+    }
 }
 
-/// [`NodeDriver::claim_devices`] over decoded data and an inventory.
+/// [`NodeDriver::claim_devices`] over decoded data, the records of the daemons its MPS
+/// claims name (by key) and an inventory.
 pub(crate) fn claim_devices(
     data: &CheckpointData,
+    daemons: &BTreeMap<String, MpsRecord>,
     inventory: &crate::model::NodeInventory,
     mode: cleave_api::pool::ConsumableCapacity,
 ) -> Vec<crate::usage::ClaimDevice> {
@@ -164,9 +198,9 @@ pub(crate) fn claim_devices(
         .values()
         .filter(|r| r.state == ClaimState::Prepared)
     {
-        let mps = r.sharing.as_ref().and_then(|s| s.mps.as_ref());
+        let mps = r.sharing.as_ref().and_then(|s| s.mps_daemon.as_deref());
         let pids: Vec<u32> = mps
-            .and_then(|m| m.daemon.as_ref())
+            .and_then(|key| daemons.get(key)?.daemon.as_ref())
             .filter(|d| d.pod.is_none() && d.pid != 0)
             .map(|d| vec![d.pid])
             .unwrap_or_default();
@@ -262,7 +296,9 @@ pub(crate) fn claim_devices(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prepare::testing::{checkpoint_claim, checkpoint_data, mps_sharing_state};
+    use crate::prepare::testing::{
+        checkpoint_claim, checkpoint_data, mps_record, mps_sharing_state,
+    };
     use crate::sharing::TimeSliceSetting;
 
     #[test]
@@ -302,22 +338,24 @@ mod tests {
                 creating_in_boot: None,
             }),
         )];
-        let mut state = mps_sharing_state("p");
-        if let Some(m) = state.mps.as_mut() {
-            m.daemon = Some(crate::sharing::DaemonHandle::process(
-                4242,
-                1,
-                "boot".into(),
-            ));
-        }
-        let mut mps = checkpoint_claim("p", ClaimState::Prepared, Some(state));
+        // The daemon's PID comes from its record, which the checkpoint names by key.
+        let mut record = mps_record("p");
+        record.daemon = Some(crate::sharing::DaemonHandle::process(
+            4242,
+            1,
+            "boot".into(),
+        ));
+        let daemons = BTreeMap::from([("p".to_owned(), record)]);
+        let mut mps = checkpoint_claim("p", ClaimState::Prepared, Some(mps_sharing_state("p")));
         mps.devices = vec![device("gpu-1", 1, None)];
         // Being prepared, or waiting for recreation: not sampled.
         let mut started = checkpoint_claim("s", ClaimState::PrepareStarted, None);
         started.devices = vec![device("gpu-1", 1, None)];
         let inv = inventory(vec![mig_gpu(0), plain_gpu(1)]);
+        let data = checkpoint_data(vec![mig, mps, started]);
         let got = claim_devices(
-            &checkpoint_data(vec![mig, mps, started]),
+            &data,
+            &daemons,
             &inv,
             cleave_api::pool::ConsumableCapacity::Off,
         );
@@ -343,6 +381,18 @@ mod tests {
         assert_eq!(p.allocated.memory_bytes, 24 << 30);
         assert_eq!(p.allocated.sms, Some(58));
         assert!(p.mig.is_none() && p.share_id.is_none());
+        // No record of the daemon (or none readable): still an MPS claim, no PID to
+        // attribute by.
+        let got = claim_devices(
+            &data,
+            &BTreeMap::new(),
+            &inv,
+            cleave_api::pool::ConsumableCapacity::Off,
+        );
+        assert_eq!(
+            (got[1].kind, got[1].pids.as_slice()),
+            (Holding::Mps, &[][..])
+        );
 
         // Capacity shares: given what they consumed; a share that consumed the whole device
         // (a claim that asked for no capacity) counts as the device alone.
@@ -360,6 +410,7 @@ mod tests {
         };
         let got = claim_devices(
             &checkpoint_data(vec![share("a", 10 << 30, 29), share("b", 24 << 30, 58)]),
+            &BTreeMap::new(),
             &inv,
             cleave_api::pool::ConsumableCapacity::Mps,
         );
@@ -406,7 +457,7 @@ mod tests {
             "t",
             ClaimState::NeedsRecreate,
             Some(SharingState {
-                mps: None,
+                mps_daemon: None,
                 time_slicing: vec![TimeSliceSetting {
                     gpu_uuid: "GPU-1".into(),
                     interval: cleave_api::config::TimeSliceInterval::Long,

@@ -837,10 +837,10 @@ impl crate::backend::UsageSource for FakeUsage {
     }
 }
 
-/// The sharing state a checkpoint records for a claim with its own MPS daemon (50 % of the
-/// threads on `GPU-0`, pipes under `/state/mps`).
-pub fn mps_sharing_state(uid: &str) -> crate::sharing::SharingState {
-    let record = crate::sharing::MpsRecord {
+/// The record of claim `uid`'s own MPS daemon (its `daemon.json`): 50 % of the threads on
+/// `GPU-0`, pipes under `/state/mps`, not started.
+pub fn mps_record(uid: &str) -> crate::sharing::MpsRecord {
+    crate::sharing::MpsRecord {
         spec: crate::sharing::DaemonSpec {
             claim_uid: uid.to_owned(),
             pipe_dir: "/state/mps/pipe".into(),
@@ -853,9 +853,14 @@ pub fn mps_sharing_state(uid: &str) -> crate::sharing::SharingState {
         pinned_limits: Vec::new(),
         exclusive_gpus: Vec::new(),
         daemon: None,
-    };
+    }
+}
+
+/// The sharing state a checkpoint records for a claim with its own MPS daemon: the daemon's
+/// key, the claim UID.
+pub fn mps_sharing_state(uid: &str) -> crate::sharing::SharingState {
     crate::sharing::SharingState {
-        mps: Some(record),
+        mps_daemon: Some(uid.to_owned()),
         time_slicing: Vec::new(),
     }
 }

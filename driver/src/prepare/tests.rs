@@ -376,7 +376,7 @@ fn invalid_configs_fail_the_claim_and_change_nothing() {
 /// The state [`RecordingSharing`] hands back: a time slice on a GPU no test has.
 fn recording_state() -> SharingState {
     SharingState {
-        mps: None,
+        mps_daemon: None,
         time_slicing: vec![crate::sharing::TimeSliceSetting {
             gpu_uuid: "GPU-recorded".into(),
             interval: cleave_api::config::TimeSliceInterval::Short,

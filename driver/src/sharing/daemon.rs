@@ -294,7 +294,7 @@ impl SharingManager {
     }
 
     /// Stops the daemon of `key` found by the launcher alone (no record: a start interrupted
-    /// before its first write, or a record that does not decode) and removes its directories.
+    /// before its first write, or a record deleted or unreadable) and removes its directories.
     pub(super) fn stop_unrecorded(&self, key: &str) -> Result<(), SharingFailure> {
         let spec = self.spec(key, Vec::new());
         if let Some(handle) = self.launcher.find(&spec) {
@@ -303,26 +303,14 @@ impl SharingManager {
         self.remove_daemon_dirs(key)
     }
 
-    /// Stops the daemon recorded under `mps/<key>` (or `fallback`, the record the checkpoint
-    /// kept, when the directory has none or it does not decode; or only found by the
-    /// launcher) and removes its directories. Idempotent.
-    pub(super) fn release_daemon(
-        &self,
-        key: &str,
-        fallback: Option<&MpsRecord>,
-    ) -> Result<(), SharingFailure> {
-        let dir = self.claim_dir(key);
-        let record = match mps::load_record(&dir) {
-            Ok(r) => r.or_else(|| fallback.cloned()),
-            Err(e) => {
-                tracing::warn!(daemon = key, error = %e, "daemon record unreadable; using the checkpoint's");
-                fallback.cloned()
-            }
-        };
-        match record {
+    /// Stops the daemon recorded under `mps/<key>` and removes its directories; with no
+    /// record there, stops what the launcher finds of it ([`Self::stop_unrecorded`]). A record
+    /// that does not decode fails the release ([`SharingFailure::RecordUnreadable`]): it is
+    /// the only record of the compute modes to restore. Idempotent.
+    pub(super) fn release_daemon(&self, key: &str) -> Result<(), SharingFailure> {
+        match mps::load_record(&self.claim_dir(key))? {
             Some(record) => self.stop_mps(&record),
-            None if dir.exists() => self.stop_unrecorded(key),
-            None => Ok(()),
+            None => self.stop_unrecorded(key),
         }
     }
 

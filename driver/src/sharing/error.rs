@@ -223,9 +223,20 @@ pub enum SharingFailure {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// A daemon record does not decode (or encode).
+    /// A daemon record does not encode (a bug).
     #[error("MPS daemon record {path}: {source}")]
     Record {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        source: serde_json::Error,
+    },
+    /// A daemon record does not decode. It is the one record of the daemon (its identity and
+    /// the compute modes to restore), so nothing is stopped or removed on a guess.
+    #[error(
+        "MPS daemon record {} does not decode ({source}); it is the only record of that daemon and of the GPUs it set to EXCLUSIVE_PROCESS, so nothing is stopped on a guess. To fix: restore the file; or set each whole GPU of the claim back with `nvidia-smi -i <GPU UUID> -c DEFAULT`, then delete the file: the next attempt (the kubelet retries unprepare) stops the daemon the launcher still finds and removes its directories", path.display()
+    )]
+    RecordUnreadable {
         /// The file.
         path: PathBuf,
         /// What is wrong.

@@ -124,16 +124,19 @@ impl SharingManager {
         } else {
             let record = self.apply_mps(claim_uid, &mps_devices)?;
             edits.claim_edits = self.client_edits(&record);
-            state.mps = Some(record);
+            // Only the key: the daemon's record is its `daemon.json`, kept current there.
+            state.mps_daemon = Some(record.spec.claim_uid);
         }
         edits.state = Some(state);
         Ok(edits)
     }
 
-    /// Undoes [`Self::apply_claim`]: stops the claim's daemon, restores compute modes and
-    /// time slices no other recorded claim needs, removes the claim's MPS directory.
-    /// Idempotent; works from the files on disk and the recorded `needs` when `state` is
-    /// missing (a prepare interrupted before its state was recorded).
+    /// Undoes [`Self::apply_claim`]: stops the claim's daemon (as its `daemon.json` records
+    /// it), restores compute modes and time slices no other recorded claim needs, removes the
+    /// claim's MPS directory. Idempotent; works from the files on disk and the recorded
+    /// `needs` when `state` is missing (a prepare interrupted before its state was recorded).
+    /// A daemon record that does not decode fails the release and changes nothing
+    /// ([`SharingFailure::RecordUnreadable`]).
     pub fn release_claim(
         &self,
         claim_uid: &str,
@@ -143,7 +146,12 @@ impl SharingManager {
         crate::cdi::validate_claim_uid(claim_uid)?;
         let _ops = self.serialise();
         let state = state.cloned().unwrap_or_default();
-        self.release_daemon(claim_uid, state.mps.as_ref())?;
+        // A per-claim daemon's key is the claim UID. It is looked for when the state names
+        // it (a missing record then leaves what the launcher finds), or when its directory
+        // exists (an interrupted prepare, or a claim whose state was not recorded).
+        if state.mps_daemon.is_some() || self.claim_dir(claim_uid).exists() {
+            self.release_daemon(claim_uid)?;
+        }
         self.release_timeslices(claim_uid, state.time_slicing, needs)
     }
 }

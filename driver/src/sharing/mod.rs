@@ -33,6 +33,8 @@
 //! host processes (local runs, tests); the kubelet plugin's pod launcher runs each in a pod
 //! whose entry point is [`supervise`]. Daemons outlive plugin restarts; `reconcile` re-finds
 //! them after one. The tools are found under the driver root or given ([`SharingBinaries`]).
+//! A daemon's one record is `daemon.json` in its directory: the checkpoint's [`SharingState`]
+//! names a claim's daemon by key only, and readers get the rest with [`daemon_record`].
 
 mod config;
 mod daemon;
@@ -67,6 +69,7 @@ pub use launcher::ProcessLauncher;
 pub use manager::SharingManager;
 pub use mps::{
     DaemonHandle, DaemonLauncher, DaemonPod, DaemonSpec, MpsRecord, MpsTimings, PinnedLimit,
+    daemon_record,
 };
 pub use reconcile::ReconcileReport;
 pub use shared::{legacy_shared_daemon_key, shared_daemon_key};
@@ -314,13 +317,17 @@ impl SharingEdits {
     }
 }
 
-/// What a claim's sharing state in the checkpoint holds.
+/// What a claim's sharing state in the checkpoint holds: which MPS daemon the claim uses (by
+/// key; the daemon's one record is its `daemon.json`, read with [`daemon_record`]) and the
+/// time slices set for it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SharingState {
-    /// The claim's MPS daemon.
+    /// The key of the claim's own MPS daemon, the name of its directory `mps/<key>` under
+    /// the state directory: the claim UID. Checkpoint layout 1 held the whole daemon record
+    /// here instead (`mps`); it loads as this key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mps: Option<MpsRecord>,
+    pub mps_daemon: Option<String>,
     /// Time slices set for the claim.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub time_slicing: Vec<TimeSliceSetting>,
@@ -329,7 +336,7 @@ pub struct SharingState {
 impl SharingState {
     /// The strategy the recorded state belongs to; `None` when nothing was set up.
     pub fn strategy(&self) -> Option<SharingStrategy> {
-        if self.mps.is_some() {
+        if self.mps_daemon.is_some() {
             Some(SharingStrategy::Mps)
         } else if !self.time_slicing.is_empty() {
             Some(SharingStrategy::TimeSlicing)
@@ -359,7 +366,9 @@ pub trait SharingHandler: Send + Sync {
         needs: &[TimeSliceNeed],
     ) -> Result<SharingEdits, SharingFailure>;
 
-    /// Undoes [`apply`](Self::apply) for the claim; `state` is what `apply` returned.
+    /// Undoes [`apply`](Self::apply) for the claim; `state` is what `apply` returned. A
+    /// daemon whose record does not decode is not stopped on a guess: the release fails
+    /// ([`SharingFailure::RecordUnreadable`], saying how to fix it) and is tried again.
     fn release(
         &self,
         claim_uid: &str,

@@ -2,11 +2,12 @@
 //! ([`DaemonLauncher`]; the host-process launcher is [`super::ProcessLauncher`]) and what is
 //! recorded about it ([`MpsRecord`]).
 //!
-//! Layout under the state directory (`<plugins dir>/<driver>`), one directory per claim:
+//! Layout under the state directory (`<plugins dir>/<driver>`), one directory per daemon:
 //!
 //! ```text
 //! mps/<claim UID>/            0700: no other host user reaches into it
-//! mps/<claim UID>/daemon.json the record: devices, limits, PID + start time + boot ID
+//! mps/<claim UID>/daemon.json the daemon's one record: devices, limits, pipe directory,
+//!                             GPUs in EXCLUSIVE_PROCESS, PID + start time + boot ID (or pod)
 //! mps/<claim UID>/pipe/       0711: CUDA_MPS_PIPE_DIRECTORY, bind-mounted into the claim's
 //!                             containers only (they run as any user and may traverse it;
 //!                             only root lists or changes it); with a pipe root it is
@@ -16,6 +17,13 @@
 //!                             namespace use (consumable capacity); its pipe goes to those
 //!                             shares' containers only
 //! ```
+//!
+//! What is recorded where: `daemon.json` is the only record of a daemon. The checkpoint's
+//! sharing state of a per-claim MPS claim names the daemon by its key (the claim UID) and
+//! nothing more; whoever wants its PID, limits or pipe directory (usage attribution, the
+//! claim's status, unprepare) reads `daemon.json` ([`daemon_record`]), so a daemon that
+//! reconciliation started again is seen with its new PID at once. Shared daemons are named
+//! by no checkpoint entry at all: their key follows from the device and namespace.
 //!
 //! The record is written before the daemon is launched and again once its PID is known, so
 //! a crash at any point leaves enough on disk to find and stop the daemon. The daemon is not
@@ -211,7 +219,7 @@ pub struct PinnedLimit {
     pub limit: String,
 }
 
-/// Everything known about a claim's MPS daemon; kept in `daemon.json` and in the checkpoint.
+/// Everything known about an MPS daemon: its one record, `daemon.json` in its directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MpsRecord {
@@ -423,13 +431,14 @@ pub fn closed_parent(dir: &Path) -> Option<PathBuf> {
         .map(Path::to_path_buf)
 }
 
-/// Reads a claim's record; `None` when there is none.
+/// Reads a daemon's record from its directory; `None` when there is none.
+/// [`SharingFailure::RecordUnreadable`] when it does not decode.
 pub fn load_record(claim_dir: &Path) -> Result<Option<MpsRecord>, SharingFailure> {
     let path = claim_dir.join(RECORD_FILE);
     match fs::read(&path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(Some)
-            .map_err(|source| SharingFailure::Record { path, source }),
+            .map_err(|source| SharingFailure::RecordUnreadable { path, source }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(SharingFailure::Io {
             op: "reading",
@@ -437,6 +446,14 @@ pub fn load_record(claim_dir: &Path) -> Result<Option<MpsRecord>, SharingFailure
             source,
         }),
     }
+}
+
+/// The record of daemon `key` (what a checkpoint's sharing state names: the claim UID of a
+/// per-claim daemon) under the state directory `state_dir`: `mps/<key>/daemon.json`, as it is
+/// now. `None` when there is none; a key that cannot name a directory is refused.
+pub fn daemon_record(state_dir: &Path, key: &str) -> Result<Option<MpsRecord>, SharingFailure> {
+    crate::cdi::validate_claim_uid(key)?;
+    load_record(&state_dir.join(MPS_DIR).join(key))
 }
 
 /// Writes a claim's record atomically.

@@ -6,7 +6,7 @@
 //! limits from what it consumed. Tenants of different namespaces never share an MPS server,
 //! pipe directory or `/dev/shm`.
 
-use super::mps::{DaemonHandle, MpsRecord};
+use super::mps::{self, DaemonHandle, MpsRecord};
 use super::{
     MPS_MIN_COMPUTE_CAPABILITY, ShareDevice, ShareHolder, SharingEdits, SharingFailure,
     SharingManager,
@@ -114,16 +114,34 @@ impl SharingManager {
                 .collect();
             if same_namespace.is_empty() {
                 let key = shared_daemon_key(&share.device_name, namespace);
-                self.release_daemon(&key, None)?;
+                self.release_shared_daemon(&key)?;
                 tracing::info!(claim = claim_uid, device = %share.device_name, namespace, "last share of the device in its namespace released; the namespace's MPS daemon is stopped");
             } else {
                 tracing::info!(claim = claim_uid, device = %share.device_name, others = ?same_namespace, "other shares of the namespace still use its MPS daemon of the device; kept");
             }
             if others.is_empty() {
-                self.release_daemon(&legacy_shared_daemon_key(&share.device_name), None)?;
+                self.release_shared_daemon(&legacy_shared_daemon_key(&share.device_name))?;
             }
         }
         Ok(())
+    }
+
+    /// Stops the shared daemon `key` when its directory exists. A shared daemon never
+    /// changes a compute mode, so one whose record cannot be read is stopped as the launcher
+    /// finds it, with a warning, rather than failing the release. Idempotent.
+    fn release_shared_daemon(&self, key: &str) -> Result<(), SharingFailure> {
+        let dir = self.claim_dir(key);
+        if !dir.exists() {
+            return Ok(());
+        }
+        let record = mps::load_record(&dir).unwrap_or_else(|e| {
+            tracing::warn!(daemon = key, error = %e, "shared daemon record unreadable; stopping what the launcher finds");
+            None
+        });
+        match record {
+            Some(record) => self.stop_mps(&record),
+            None => self.stop_unrecorded(key),
+        }
     }
 
     /// The shared daemon a share's device needs in `namespace`: multi-user, this device
