@@ -84,6 +84,20 @@ fn recorded(dirs: &NodeDirs, uid: &str) -> serde_json::Value {
     v["data"]["claims"][uid].clone()
 }
 
+/// The PID of the MPS daemon the claim's checkpoint entry names (by key), from the
+/// daemon's own record (`mps/<key>/daemon.json`).
+fn daemon_pid(dirs: &NodeDirs, uid: &str) -> u32 {
+    let key = recorded(dirs, uid)["sharing"]["mpsDaemon"]
+        .as_str()
+        .map(str::to_owned)
+        .expect("the MPS claim's daemon key");
+    cleave_driver::sharing::daemon_record(&dirs.state_dir(), &key)
+        .unwrap()
+        .and_then(|r| r.daemon)
+        .expect("the MPS claim's daemon PID")
+        .pid
+}
+
 fn mps_config() -> k8s_openapi::api::resource::v1::DeviceAllocationConfiguration {
     cleave_apiserver_standin::fixtures::opaque_config(
         "FromClaim",
@@ -157,9 +171,7 @@ async fn claims_show_their_scripted_usage_go_at_unprepare_and_idle_ones_are_told
     let gi = recorded(&dirs, "uid-mig")["devices"][0]["mig"]["giId"]
         .as_u64()
         .expect("the MIG claim's GPU instance id");
-    let daemon = recorded(&dirs, "uid-mps")["sharing"]["mps"]["daemon"]["pid"]
-        .as_u64()
-        .expect("the MPS claim's daemon PID");
+    let daemon = daemon_pid(&dirs, "uid-mps");
     std::fs::write(
         &control,
         format!(
@@ -634,9 +646,7 @@ async fn prometheus_scrapes_the_plugin_and_every_dashboard_query_answers() {
     let gi = recorded(&dirs, "uid-mig")["devices"][0]["mig"]["giId"]
         .as_u64()
         .unwrap();
-    let daemon = recorded(&dirs, "uid-mps")["sharing"]["mps"]["daemon"]["pid"]
-        .as_u64()
-        .unwrap();
+    let daemon = daemon_pid(&dirs, "uid-mps");
     std::fs::write(
         &control,
         format!(

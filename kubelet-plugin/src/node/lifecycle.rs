@@ -301,7 +301,10 @@ mod tests {
         let r = short_reason(&e);
         assert_eq!(
             r,
-            "/s/checkpoint.json has layout version 7, this release reads up to 1"
+            format!(
+                "/s/checkpoint.json has layout version 7, this release reads up to {}",
+                cleave_driver::checkpoint::FORMAT_VERSION
+            )
         );
         assert!(!r.contains("mv "), "{r}");
     }
