@@ -22,7 +22,7 @@ impl SharingManager {
     /// The short pipe directory of the daemon `key` under the pipe root, if one is set: its
     /// name is the first 16 hex digits of SHA-256 over the state directory and the key, so
     /// two drivers on one node never meet.
-    pub fn short_pipe_dir(&self, key: &str) -> Option<PathBuf> {
+    pub(crate) fn short_pipe_dir(&self, key: &str) -> Option<PathBuf> {
         let root = self.config.pipe_root.as_ref()?;
         Some(pipe_dir_under(root, &self.config.state_dir, key))
     }

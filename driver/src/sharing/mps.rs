@@ -76,7 +76,7 @@ pub struct DaemonSpec {
 
 impl DaemonSpec {
     /// The arguments that start the daemon: `-d`, and `-M` in multi-user mode.
-    pub fn start_args(&self) -> &'static [&'static str] {
+    pub(crate) fn start_args(&self) -> &'static [&'static str] {
         if self.multi_user {
             &["-d", "-M"]
         } else {
@@ -234,7 +234,7 @@ pub struct MpsRecord {
 
 impl MpsRecord {
     /// True if `other` asks for the same daemon (devices and limits).
-    pub fn same_settings(&self, other: &MpsRecord) -> bool {
+    pub(crate) fn same_settings(&self, other: &MpsRecord) -> bool {
         self.spec == other.spec
             && self.host_pipe_dir == other.host_pipe_dir
             && self.active_thread_percentage == other.active_thread_percentage
@@ -247,7 +247,7 @@ impl MpsRecord {
     /// <ordinal>` per limit, keyed by ordinal as they were set). The control UI exits 0 even
     /// when it rejects a command, and what a set prints on success is unverified, so the
     /// values are read back and compared ([`Self::check_limit_answer`]), never assumed.
-    pub fn limit_commands(&self) -> String {
+    pub(crate) fn limit_commands(&self) -> String {
         let mut input = format!(
             "set_default_active_thread_percentage {}\n",
             self.active_thread_percentage
@@ -273,7 +273,7 @@ impl MpsRecord {
     /// what the set commands printed (nothing, an acknowledgement, or an error such as
     /// `Invalid percentage, expected between (0.0, 100.0]`). `Err` says which value does not
     /// match, in the daemon's own words, with whatever the sets printed.
-    pub fn check_limit_answer(&self, answer: &str) -> Result<(), String> {
+    pub(crate) fn check_limit_answer(&self, answer: &str) -> Result<(), String> {
         let lines: Vec<&str> = answer
             .lines()
             .map(str::trim)
@@ -321,7 +321,7 @@ impl MpsRecord {
 
     /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for the clients: `0=8192M,1=10G`; `None` without
     /// limits.
-    pub fn client_memory_limit(&self) -> Option<String> {
+    pub(crate) fn client_memory_limit(&self) -> Option<String> {
         (!self.pinned_limits.is_empty()).then(|| {
             self.pinned_limits
                 .iter()
@@ -348,7 +348,7 @@ pub fn parse_percentage(answer: &str) -> Option<f64> {
 /// Formats a limit in bytes the way the control daemon takes it: whole GiB as `<n>G`,
 /// otherwise whole MiB (rounded down, never above what was asked) as `<n>M`; `None` below
 /// 1 MiB.
-pub fn format_limit(bytes: u64) -> Option<String> {
+pub(crate) fn format_limit(bytes: u64) -> Option<String> {
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
     if bytes < MIB {
@@ -361,7 +361,7 @@ pub fn format_limit(bytes: u64) -> Option<String> {
 }
 
 /// Bytes of a limit in the control daemon's syntax (`<n>G`, `<n>M`).
-pub fn parse_limit(text: &str) -> Option<u64> {
+pub(crate) fn parse_limit(text: &str) -> Option<u64> {
     let (number, shift) = if let Some(n) = text.strip_suffix('G') {
         (n, 30)
     } else {
@@ -404,7 +404,7 @@ pub const PIPE_DIR_MODE: u32 = 0o711;
 pub const CLAIM_DIR_MODE: u32 = 0o700;
 
 /// `Some(length)` when `<pipe_dir>/<socket>` is too long to be a unix socket path.
-pub fn socket_path_too_long(pipe_dir: &Path, socket: &str) -> Option<usize> {
+pub(crate) fn socket_path_too_long(pipe_dir: &Path, socket: &str) -> Option<usize> {
     let len = pipe_dir.join(socket).as_os_str().len();
     (len > MAX_SOCKET_PATH).then_some(len)
 }
@@ -413,7 +413,7 @@ pub fn socket_path_too_long(pipe_dir: &Path, socket: &str) -> Option<usize> {
 /// (no `x` for others): an MPS server started for a non-root client runs with that client's
 /// UID and must traverse every parent of the pipe directory, else it fails to start and the
 /// client waits (bottlerocket-os/bottlerocket#4673). `None` when all are traversable.
-pub fn closed_parent(dir: &Path) -> Option<PathBuf> {
+pub(crate) fn closed_parent(dir: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::MetadataExt;
     let mut chain: Vec<&Path> = dir.ancestors().collect();
     chain.reverse();
@@ -440,7 +440,7 @@ pub fn load_record(claim_dir: &Path) -> Result<Option<MpsRecord>, SharingFailure
 }
 
 /// Writes a claim's record atomically.
-pub fn store_record(claim_dir: &Path, record: &MpsRecord) -> Result<(), SharingFailure> {
+pub(crate) fn store_record(claim_dir: &Path, record: &MpsRecord) -> Result<(), SharingFailure> {
     let path = claim_dir.join(RECORD_FILE);
     let bytes = serde_json::to_vec_pretty(record).map_err(|source| SharingFailure::Record {
         path: path.clone(),
