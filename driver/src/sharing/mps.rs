@@ -268,6 +268,19 @@ impl MpsRecord {
         input
     }
 
+    /// The queries of [`Self::limit_commands`] alone: what a running daemon is asked to
+    /// show that it still holds the recorded limits (one set before a crash may be missing).
+    pub(crate) fn limit_queries(&self) -> String {
+        let mut input = String::from(READY_QUERY);
+        for l in &self.pinned_limits {
+            input.push_str(&format!(
+                "get_default_device_pinned_mem_limit {}\n",
+                l.ordinal
+            ));
+        }
+        input
+    }
+
     /// Checks the daemon's answer to [`Self::limit_commands`]. Each query answers one line,
     /// so the answers are the last `1 + limits` non-empty lines; anything before them is
     /// what the set commands printed (nothing, an acknowledgement, or an error such as
