@@ -8,19 +8,21 @@
 //!   of prepared claims; [`driver_root`]: driver files.
 //! - [`health`]: device health events; [`usage`]: per-claim usage sampling and idle claims.
 
+#![warn(unreachable_pub)]
+
 pub mod backend;
 pub mod cdi;
 pub mod checkpoint;
-pub mod container_edits;
+pub(crate) mod container_edits;
 pub mod device_health;
 pub mod driver_root;
-pub mod durable;
+pub(crate) mod durable;
 pub mod fault;
 pub mod health;
 pub mod inspect;
-pub mod metadata;
+pub(crate) mod metadata;
 pub mod model;
-pub mod numa;
+pub(crate) mod numa;
 pub mod nvml;
 pub mod pool;
 pub mod prepare;

@@ -88,7 +88,7 @@ pub enum MetadataError {
 
 /// The claim a metadata file describes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClaimRef {
+pub(crate) struct ClaimRef {
     /// Namespace.
     pub namespace: String,
     /// Name.
@@ -117,7 +117,7 @@ pub(crate) struct MetadataDevice {
 impl MetadataDevice {
     /// A device with `attributes` as published in the ResourceSlice (names without a
     /// domain are the driver's).
-    pub fn new(
+    pub(crate) fn new(
         driver: &str,
         pool: &str,
         name: &str,
@@ -192,7 +192,7 @@ fn gone(e: &io::Error) -> bool {
 }
 
 /// `<request>` of `<request>/<subrequest>`.
-pub fn base_request(request: &str) -> &str {
+pub(crate) fn base_request(request: &str) -> &str {
     request.split_once('/').map_or(request, |(base, _)| base)
 }
 
@@ -241,7 +241,7 @@ pub(crate) struct MetadataStore {
 impl MetadataStore {
     /// A store for `driver_name`, with host files under `<data_dir>/dra-device-metadata` and
     /// specs in `cdi_root`.
-    pub fn new(
+    pub(crate) fn new(
         driver_name: impl Into<String>,
         data_dir: impl Into<PathBuf>,
         cdi_root: impl Into<PathBuf>,
@@ -254,7 +254,7 @@ impl MetadataStore {
     }
 
     /// `<data dir>/dra-device-metadata`.
-    pub fn host_root(&self) -> PathBuf {
+    pub(crate) fn host_root(&self) -> PathBuf {
         self.data_dir.join(HOST_DIR)
     }
 
@@ -332,7 +332,7 @@ impl MetadataStore {
     }
 
     /// The file's content for `generation`.
-    pub fn render(
+    pub(crate) fn render(
         claim: &ClaimRef,
         request: &RequestMetadata,
         generation: i64,
@@ -357,7 +357,7 @@ impl MetadataStore {
     /// Writes a request's metadata file (generation 1, or one more than the file already
     /// there) and then its CDI spec; returns the CDI device ID to add to the request's
     /// first device.
-    pub fn write(
+    pub(crate) fn write(
         &self,
         claim: &ClaimRef,
         request: &RequestMetadata,
@@ -495,7 +495,10 @@ impl MetadataStore {
 
     /// At start: removes the metadata of every claim not in `recorded` (`(namespace, name,
     /// uid)` of the claims the checkpoint holds). Returns how many specs and directories went.
-    pub fn sweep(&self, recorded: &[(String, String, String)]) -> Result<usize, MetadataError> {
+    pub(crate) fn sweep(
+        &self,
+        recorded: &[(String, String, String)],
+    ) -> Result<usize, MetadataError> {
         let uids: BTreeSet<&str> = recorded.iter().map(|(_, _, u)| u.as_str()).collect();
         let dirs: BTreeSet<String> = recorded
             .iter()

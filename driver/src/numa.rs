@@ -17,7 +17,7 @@ pub(crate) const MAX_NUMA_NODE: u32 = 1023;
 
 /// The NUMA node of the PCI device `bus_id` (`0000:53:00.0`) under `sysfs_root`; `None`
 /// when sysfs does not have the device, says `-1`, or holds something else.
-pub fn numa_node(sysfs_root: &Path, bus_id: &str) -> Option<u32> {
+pub(crate) fn numa_node(sysfs_root: &Path, bus_id: &str) -> Option<u32> {
     let path = sysfs_root
         .join("bus/pci/devices")
         .join(bus_id)
@@ -27,7 +27,7 @@ pub fn numa_node(sysfs_root: &Path, bus_id: &str) -> Option<u32> {
 }
 
 /// The value of a `numa_node` file: a node id, or `None` for `-1` and anything unreadable.
-pub fn parse(text: &str) -> Option<u32> {
+pub(crate) fn parse(text: &str) -> Option<u32> {
     let value: i64 = text.trim().parse().ok()?;
     u32::try_from(value).ok().filter(|n| *n <= MAX_NUMA_NODE)
 }

@@ -297,6 +297,9 @@ enum Action {
     PrepareAfterCrash,
     /// All claims prepared by `setup`; the first one is unprepared, the others stay.
     UnprepareFirst,
+    /// All claims prepared by `setup`, then every MPS daemon killed: start restarts them
+    /// and refreshes the claims (the refresh apply path), then the kubelet replays prepare.
+    PrepareAfterDaemonsDied,
 }
 
 struct Scenario {
@@ -470,6 +473,20 @@ const SCENARIOS: &[Scenario] = &[
         name: "unprepare-admin-access-beside-mps",
         claims: &[ADMIN, MPS_WHOLE],
         action: Action::UnprepareFirst,
+        env: &[("MOCK_NVML_MIG", "off")],
+        capacity: ConsumableCapacity::Mps,
+    },
+    Scenario {
+        name: "refresh-mps-after-its-daemon-died",
+        claims: &[MPS],
+        action: Action::PrepareAfterDaemonsDied,
+        env: &[],
+        capacity: ConsumableCapacity::Mps,
+    },
+    Scenario {
+        name: "refresh-shares-after-their-daemon-died",
+        claims: &[SHARE_A, SHARE_B],
+        action: Action::PrepareAfterDaemonsDied,
         env: &[("MOCK_NVML_MIG", "off")],
         capacity: ConsumableCapacity::Mps,
     },
@@ -775,7 +792,10 @@ fn child(role: &str) {
         ("setup", _) => prepare_all(),
         (
             "act" | "replay",
-            Action::Prepare | Action::PrepareAfterReboot | Action::PrepareAfterCrash,
+            Action::Prepare
+            | Action::PrepareAfterReboot
+            | Action::PrepareAfterCrash
+            | Action::PrepareAfterDaemonsDied,
         ) => prepare_all(),
         ("act" | "replay", Action::Unprepare) => unprepare_all(),
         ("act" | "replay", Action::UnprepareFirst) => {
@@ -788,6 +808,30 @@ fn child(role: &str) {
 
 // ---------------------------------------------------------------------------------------
 // Invariants
+
+/// PIDs of the daemons the fake started that later received a limit set on their pipe
+/// directory (the fake records `start pid=<pid> pipe=<dir> ...` and `cmd pipe=<dir> <cmd>`).
+fn configured_daemons(lines: &[String]) -> BTreeSet<u32> {
+    let mut latest: BTreeMap<String, u32> = BTreeMap::new();
+    let mut configured = BTreeSet::new();
+    for line in lines {
+        if let Some(rest) = line.strip_prefix("start pid=") {
+            let mut fields = rest.split(' ');
+            let pid = fields.next().and_then(|p| p.parse().ok());
+            let pipe = fields.next().and_then(|p| p.strip_prefix("pipe="));
+            if let (Some(pid), Some(pipe)) = (pid, pipe) {
+                latest.insert(pipe.to_owned(), pid);
+            }
+        } else if let Some(rest) = line.strip_prefix("cmd pipe=")
+            && let Some((pipe, cmd)) = rest.split_once(' ')
+            && cmd.starts_with("set_default_active_thread_percentage ")
+            && let Some(pid) = latest.get(pipe)
+        {
+            configured.insert(*pid);
+        }
+    }
+    configured
+}
 
 /// Checks that hardware, daemons, CDI root and checkpoint agree with `expected` (claim
 /// UIDs that must be prepared). Returns the number of invariants checked.
@@ -1041,6 +1085,15 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         running == recorded_pids,
         format!("running MPS daemons {running:?} != recorded {recorded_pids:?}"),
     );
+    // Every running daemon got its limits after it started: one a crash left before its
+    // limits were set is never kept as it is.
+    let configured = configured_daemons(&world.tools.files.mps_lines());
+    for pid in &running {
+        check(
+            configured.contains(pid),
+            format!("MPS daemon {pid} runs without ever having its limits set"),
+        );
+    }
 
     // Compute modes: EXCLUSIVE_PROCESS exactly on whole GPUs of prepared per-claim MPS
     // claims (shares leave it alone: several namespaces' daemons may share a GPU).
@@ -1125,9 +1178,10 @@ fn new_world(base: &Path, name: &str, s: &Scenario) -> World {
 
 fn prepared_after(s: &Scenario) -> BTreeSet<&'static str> {
     match s.action {
-        Action::Prepare | Action::PrepareAfterReboot | Action::PrepareAfterCrash => {
-            s.claims.iter().copied().collect()
-        }
+        Action::Prepare
+        | Action::PrepareAfterReboot
+        | Action::PrepareAfterCrash
+        | Action::PrepareAfterDaemonsDied => s.claims.iter().copied().collect(),
         Action::Unprepare => BTreeSet::new(),
         Action::UnprepareFirst => s.claims[1..].iter().copied().collect(),
     }
@@ -1136,9 +1190,20 @@ fn prepared_after(s: &Scenario) -> BTreeSet<&'static str> {
 fn before_act(world: &World, s: &Scenario) {
     if matches!(
         s.action,
-        Action::Unprepare | Action::UnprepareFirst | Action::PrepareAfterReboot
+        Action::Unprepare
+            | Action::UnprepareFirst
+            | Action::PrepareAfterReboot
+            | Action::PrepareAfterDaemonsDied
     ) {
         world.run_ok("setup", s.name);
+    }
+    if s.action == Action::PrepareAfterDaemonsDied {
+        assert!(
+            !world.started_pids().is_empty(),
+            "{}: setup started no MPS daemon",
+            s.name
+        );
+        world.kill_daemons();
     }
     if s.action == Action::PrepareAfterReboot {
         world.reboot();
@@ -1314,6 +1379,8 @@ fn run_harness() -> bool {
         "prepare.after_share_apply",
         "release.after_share_release",
         "recreate.after_share_apply",
+        "refresh.after_sharing_apply",
+        "refresh.after_share_apply",
     ];
     let missing: Vec<&str> = required
         .iter()

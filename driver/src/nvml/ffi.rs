@@ -21,7 +21,7 @@ use nvml_wrapper_sys::bindings::{
 };
 
 /// `NVML_SUCCESS`.
-pub const SUCCESS: u32 = 0;
+pub(super) const SUCCESS: u32 = 0;
 /// `NVML_ERROR_INVALID_ARGUMENT`.
 pub(crate) const ERROR_INVALID_ARGUMENT: u32 = 2;
 /// `NVML_ERROR_NOT_SUPPORTED`.
@@ -198,7 +198,7 @@ pub(crate) fn possible_placements(
 
 /// The GPU instances of profile `profile_id` that exist now; `max` bounds the buffer
 /// (the profile's instance count).
-pub fn gpu_instances<'n>(
+pub(super) fn gpu_instances<'n>(
     device: &Device<'n>,
     profile_id: u32,
     max: u32,
@@ -257,7 +257,7 @@ pub(crate) fn create_gpu_instance_with_placement<'n>(
 
 impl<'n> GpuInstance<'n> {
     /// `nvmlGpuInstanceGetInfo`.
-    pub fn info(&self, nvml: &'n Nvml) -> RawResult<GpuInstanceInfo> {
+    pub(super) fn info(&self, nvml: &'n Nvml) -> RawResult<GpuInstanceInfo> {
         let f = sym!(nvml, nvmlGpuInstanceGetInfo);
         // SAFETY: all-zero is a valid value of this plain C struct (null device pointer).
         let mut info: nvmlGpuInstanceInfo_t = unsafe { mem::zeroed() };
@@ -273,7 +273,7 @@ impl<'n> GpuInstance<'n> {
     }
 
     /// `nvmlGpuInstanceDestroy`.
-    pub fn destroy(self, nvml: &'n Nvml) -> RawResult<()> {
+    pub(super) fn destroy(self, nvml: &'n Nvml) -> RawResult<()> {
         let f = sym!(nvml, nvmlGpuInstanceDestroy);
         // SAFETY: the handle came from NVML; NVML validates it and reports stale handles.
         let code = unsafe { f(self.raw) };
@@ -340,7 +340,7 @@ impl<'n> GpuInstance<'n> {
 
 impl<'n> ComputeInstance<'n> {
     /// The compute instance id (`nvmlComputeInstanceGetInfo_v2`).
-    pub fn id(&self, nvml: &'n Nvml) -> RawResult<u32> {
+    pub(super) fn id(&self, nvml: &'n Nvml) -> RawResult<u32> {
         let f = sym!(nvml, nvmlComputeInstanceGetInfo_v2);
         let call = "nvmlComputeInstanceGetInfo_v2";
         // SAFETY: all-zero is a valid value of this plain C struct (null pointers).
@@ -352,7 +352,7 @@ impl<'n> ComputeInstance<'n> {
     }
 
     /// `nvmlComputeInstanceDestroy`.
-    pub fn destroy(self, nvml: &'n Nvml) -> RawResult<()> {
+    pub(super) fn destroy(self, nvml: &'n Nvml) -> RawResult<()> {
         let f = sym!(nvml, nvmlComputeInstanceDestroy);
         // SAFETY: the handle came from NVML; NVML validates it and reports stale handles.
         let code = unsafe { f(self.raw) };

@@ -37,7 +37,7 @@ impl ApplyPath<'_> {
                 Some(("prepare.after_sharing_apply", "prepare.after_share_apply"))
             }
             Self::Recreate => Some(("recreate.after_sharing_apply", "recreate.after_share_apply")),
-            Self::Refresh => None,
+            Self::Refresh => Some(("refresh.after_sharing_apply", "refresh.after_share_apply")),
         }
     }
 

@@ -58,7 +58,7 @@ pub enum Call {
 
 impl Call {
     /// True for calls that change the hardware.
-    pub fn is_mutation(&self) -> bool {
+    pub(crate) fn is_mutation(&self) -> bool {
         matches!(self, Self::CreateMig { .. } | Self::DestroyMig { .. })
     }
 }
@@ -349,7 +349,7 @@ fn profile(
 }
 
 /// The A100-SXM4-40GB GPU-instance profiles (docs/hardware-sources.md, "MIG profile tables").
-pub fn a100_40gb_profiles() -> Vec<MigProfile> {
+pub(crate) fn a100_40gb_profiles() -> Vec<MigProfile> {
     vec![
         profile(19, "1g.5gb", 1, 7, 4864, 14, 1, &[0, 1, 2, 3, 4, 5, 6]),
         profile(20, "1g.5gb+me", 1, 1, 4864, 14, 1, &[0, 1, 2, 3, 4, 5, 6]),
@@ -379,7 +379,7 @@ pub fn mig_gpu(minor: u32) -> GpuInfo {
 }
 
 /// The mock NVML library's product `key` (`h100-80gb`, `a100-40gb`, `l4`, ...).
-pub fn mock_product(key: &str) -> &'static mock_nvml::fixtures::Product {
+pub(crate) fn mock_product(key: &str) -> &'static mock_nvml::fixtures::Product {
     mock_nvml::fixtures::product(key).unwrap_or_else(|| panic!("no mock product {key}"))
 }
 
@@ -462,7 +462,7 @@ pub fn inventory(gpus: Vec<GpuInfo>) -> NodeInventory {
 /// A node driver configuration with every path inside `dir` and a driver root laid out
 /// like an Ubuntu host with GPUs of minors 0..8 (device nodes, libraries, soname links).
 #[cfg(test)]
-pub fn config_in(dir: &Path, dynamic_mig: bool) -> DriverConfig {
+pub(crate) fn config_in(dir: &Path, dynamic_mig: bool) -> DriverConfig {
     let config = config_with_empty_root(dir, dynamic_mig);
     mock_nvml::driver_root::DriverRootFixture::with_minors(0..8)
         .lay_out(&config.driver_root.root)

@@ -22,7 +22,7 @@ impl SharingManager {
     /// The short pipe directory of the daemon `key` under the pipe root, if one is set: its
     /// name is the first 16 hex digits of SHA-256 over the state directory and the key, so
     /// two drivers on one node never meet.
-    pub fn short_pipe_dir(&self, key: &str) -> Option<PathBuf> {
+    pub(crate) fn short_pipe_dir(&self, key: &str) -> Option<PathBuf> {
         let root = self.config.pipe_root.as_ref()?;
         Some(pipe_dir_under(root, &self.config.state_dir, key))
     }
@@ -80,11 +80,22 @@ impl SharingManager {
         base.join(mps::MPS_DIR).join(claim_uid).join("pipe")
     }
 
-    /// True if the daemon of `spec` answers the readiness query right now.
-    pub(super) fn answers(&self, spec: &DaemonSpec) -> bool {
-        self.launcher
-            .control(spec, mps::READY_QUERY, self.config.command_timeout)
-            .is_ok_and(|a| mps::parse_percentage(&a).is_some())
+    /// True if the daemon of `record` runs, answers right now and holds the recorded
+    /// limits. A daemon that answers without them was launched by a start that crashed
+    /// before it set them; it must not be kept as it is.
+    pub(super) fn holds_limits(&self, record: &MpsRecord) -> bool {
+        let Some(handle) = &record.daemon else {
+            return false;
+        };
+        self.launcher.is_running(handle)
+            && self
+                .launcher
+                .control(
+                    &record.spec,
+                    &record.limit_queries(),
+                    self.config.command_timeout,
+                )
+                .is_ok_and(|a| record.check_limit_answer(&a).is_ok())
     }
 
     /// Starts (or finds running with the same settings) the daemon of `plan`.
@@ -92,13 +103,7 @@ impl SharingManager {
         let started = Instant::now();
         let dir = self.claim_dir(&record.spec.claim_uid);
         if let Some(existing) = mps::load_record(&dir).ok().flatten() {
-            if existing.same_settings(&record)
-                && existing
-                    .daemon
-                    .as_ref()
-                    .is_some_and(|h| self.launcher.is_running(h))
-                && self.answers(&existing.spec)
-            {
+            if existing.same_settings(&record) && self.holds_limits(&existing) {
                 tracing::debug!(claim = %record.spec.claim_uid, "MPS daemon already runs with these settings");
                 return Ok(existing);
             }

@@ -69,7 +69,7 @@ impl ProcessLauncher {
 
 /// Why a `-d` call that exited non-zero failed, with a hint for multi-user mode (a release
 /// whose control daemon has no `-M` refuses it; the 550 binary carries no such switch).
-pub fn start_refused(spec: &DaemonSpec, status: &std::process::ExitStatus) -> String {
+pub(super) fn start_refused(spec: &DaemonSpec, status: &std::process::ExitStatus) -> String {
     let args = spec.start_args().join(" ");
     if spec.multi_user {
         format!(

@@ -183,7 +183,7 @@ pub struct ShareDevice {
 impl ShareDevice {
     /// The pinned-memory limit of the share's clients: what it consumed, or the claim's
     /// stricter MPS limit.
-    pub fn memory_limit_bytes(&self) -> Option<u64> {
+    pub(crate) fn memory_limit_bytes(&self) -> Option<u64> {
         match (self.memory_bytes, self.client_memory_bytes) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -206,7 +206,7 @@ impl ShareDevice {
 
     /// True when the share consumed the whole device ([`takes_whole_device`]); false when
     /// the device's size is unknown.
-    pub fn takes_whole_device(&self) -> bool {
+    pub(crate) fn takes_whole_device(&self) -> bool {
         let device = Capacity {
             memory_bytes: self.gpu.as_ref().and_then(|g| g.device_memory_bytes),
             multiprocessors: self.device_multiprocessors,
@@ -233,7 +233,7 @@ pub struct Capacity {
 
 impl Capacity {
     /// What the recorded share consumed.
-    pub fn consumed_by(share: &ShareRecord) -> Self {
+    pub(crate) fn consumed_by(share: &ShareRecord) -> Self {
         Self {
             memory_bytes: share.memory_bytes,
             multiprocessors: share.multiprocessors,
@@ -246,7 +246,7 @@ impl Capacity {
 /// allocates to a claim that asks for no capacity. Such a share is served like a device
 /// allocated whole: no MPS daemon, no limits, measured as the device alone. False when any
 /// of the four sizes is unknown.
-pub fn takes_whole_device(used: Capacity, device: Capacity) -> bool {
+pub(crate) fn takes_whole_device(used: Capacity, device: Capacity) -> bool {
     match (
         used.memory_bytes,
         device.memory_bytes.map(|b| (b >> 20) << 20),
@@ -271,7 +271,7 @@ pub struct ShareHolder {
 
 /// Streaming multiprocessors of the device `device_name` on `gpu`: its MIG profile's for a
 /// MIG device, else the GPU's.
-pub fn device_multiprocessors(gpu: &GpuInfo, device_name: &str) -> Option<u32> {
+pub(crate) fn device_multiprocessors(gpu: &GpuInfo, device_name: &str) -> Option<u32> {
     match device_name.parse::<DeviceName>() {
         Ok(DeviceName::Mig { profile, .. }) => match &gpu.mig {
             MigState::Enabled { profiles, .. } => profiles

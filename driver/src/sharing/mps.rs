@@ -84,7 +84,7 @@ pub struct DaemonSpec {
 
 impl DaemonSpec {
     /// The arguments that start the daemon: `-d`, and `-M` in multi-user mode.
-    pub fn start_args(&self) -> &'static [&'static str] {
+    pub(crate) fn start_args(&self) -> &'static [&'static str] {
         if self.multi_user {
             &["-d", "-M"]
         } else {
@@ -242,7 +242,7 @@ pub struct MpsRecord {
 
 impl MpsRecord {
     /// True if `other` asks for the same daemon (devices and limits).
-    pub fn same_settings(&self, other: &MpsRecord) -> bool {
+    pub(crate) fn same_settings(&self, other: &MpsRecord) -> bool {
         self.spec == other.spec
             && self.host_pipe_dir == other.host_pipe_dir
             && self.active_thread_percentage == other.active_thread_percentage
@@ -255,7 +255,7 @@ impl MpsRecord {
     /// <ordinal>` per limit, keyed by ordinal as they were set). The control UI exits 0 even
     /// when it rejects a command, and what a set prints on success is unverified, so the
     /// values are read back and compared ([`Self::check_limit_answer`]), never assumed.
-    pub fn limit_commands(&self) -> String {
+    pub(crate) fn limit_commands(&self) -> String {
         let mut input = format!(
             "set_default_active_thread_percentage {}\n",
             self.active_thread_percentage
@@ -276,12 +276,25 @@ impl MpsRecord {
         input
     }
 
+    /// The queries of [`Self::limit_commands`] alone: what a running daemon is asked to
+    /// show that it still holds the recorded limits (one set before a crash may be missing).
+    pub(crate) fn limit_queries(&self) -> String {
+        let mut input = String::from(READY_QUERY);
+        for l in &self.pinned_limits {
+            input.push_str(&format!(
+                "get_default_device_pinned_mem_limit {}\n",
+                l.ordinal
+            ));
+        }
+        input
+    }
+
     /// Checks the daemon's answer to [`Self::limit_commands`]. Each query answers one line,
     /// so the answers are the last `1 + limits` non-empty lines; anything before them is
     /// what the set commands printed (nothing, an acknowledgement, or an error such as
     /// `Invalid percentage, expected between (0.0, 100.0]`). `Err` says which value does not
     /// match, in the daemon's own words, with whatever the sets printed.
-    pub fn check_limit_answer(&self, answer: &str) -> Result<(), String> {
+    pub(crate) fn check_limit_answer(&self, answer: &str) -> Result<(), String> {
         let lines: Vec<&str> = answer
             .lines()
             .map(str::trim)
@@ -329,7 +342,7 @@ impl MpsRecord {
 
     /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for the clients: `0=8192M,1=10G`; `None` without
     /// limits.
-    pub fn client_memory_limit(&self) -> Option<String> {
+    pub(crate) fn client_memory_limit(&self) -> Option<String> {
         (!self.pinned_limits.is_empty()).then(|| {
             self.pinned_limits
                 .iter()
@@ -356,7 +369,7 @@ pub fn parse_percentage(answer: &str) -> Option<f64> {
 /// Formats a limit in bytes the way the control daemon takes it: whole GiB as `<n>G`,
 /// otherwise whole MiB (rounded down, never above what was asked) as `<n>M`; `None` below
 /// 1 MiB.
-pub fn format_limit(bytes: u64) -> Option<String> {
+pub(crate) fn format_limit(bytes: u64) -> Option<String> {
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
     if bytes < MIB {
@@ -369,7 +382,7 @@ pub fn format_limit(bytes: u64) -> Option<String> {
 }
 
 /// Bytes of a limit in the control daemon's syntax (`<n>G`, `<n>M`).
-pub fn parse_limit(text: &str) -> Option<u64> {
+pub(crate) fn parse_limit(text: &str) -> Option<u64> {
     let (number, shift) = if let Some(n) = text.strip_suffix('G') {
         (n, 30)
     } else {
@@ -412,7 +425,7 @@ pub const PIPE_DIR_MODE: u32 = 0o711;
 pub const CLAIM_DIR_MODE: u32 = 0o700;
 
 /// `Some(length)` when `<pipe_dir>/<socket>` is too long to be a unix socket path.
-pub fn socket_path_too_long(pipe_dir: &Path, socket: &str) -> Option<usize> {
+pub(crate) fn socket_path_too_long(pipe_dir: &Path, socket: &str) -> Option<usize> {
     let len = pipe_dir.join(socket).as_os_str().len();
     (len > MAX_SOCKET_PATH).then_some(len)
 }
@@ -421,7 +434,7 @@ pub fn socket_path_too_long(pipe_dir: &Path, socket: &str) -> Option<usize> {
 /// (no `x` for others): an MPS server started for a non-root client runs with that client's
 /// UID and must traverse every parent of the pipe directory, else it fails to start and the
 /// client waits (bottlerocket-os/bottlerocket#4673). `None` when all are traversable.
-pub fn closed_parent(dir: &Path) -> Option<PathBuf> {
+pub(crate) fn closed_parent(dir: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::MetadataExt;
     let mut chain: Vec<&Path> = dir.ancestors().collect();
     chain.reverse();
@@ -457,7 +470,7 @@ pub fn daemon_record(state_dir: &Path, key: &str) -> Result<Option<MpsRecord>, S
 }
 
 /// Writes a claim's record atomically.
-pub fn store_record(claim_dir: &Path, record: &MpsRecord) -> Result<(), SharingFailure> {
+pub(crate) fn store_record(claim_dir: &Path, record: &MpsRecord) -> Result<(), SharingFailure> {
     let path = claim_dir.join(RECORD_FILE);
     let bytes = serde_json::to_vec_pretty(record).map_err(|source| SharingFailure::Record {
         path: path.clone(),

@@ -86,14 +86,17 @@ impl SharingManager {
     }
 
     fn keep_or_restart(&self, dir: &Path, mut record: MpsRecord) -> Result<bool, SharingFailure> {
-        if let Some(handle) = &record.daemon
-            && self.launcher.is_running(handle)
-            && self.answers(&record.spec)
-        {
+        if self.holds_limits(&record) {
             return Ok(false);
         }
-        tracing::info!(claim = %record.spec.claim_uid, "MPS daemon of a live claim is gone; starting it again");
-        record.daemon = None;
+        tracing::info!(claim = %record.spec.claim_uid, "MPS daemon of a live claim is gone or lacks its limits; starting it again");
+        // Whatever still runs for this daemon is stopped first: the recorded one when it
+        // runs without its limits, and one a restart launched before a crash kept its handle
+        // from the record (found by the launcher: its pid file, its pod).
+        let found = self.launcher.find(&record.spec);
+        for handle in record.daemon.take().into_iter().chain(found) {
+            self.stop_daemon(&record.spec, &handle)?;
+        }
         self.ensure_pipe_root()?;
         mps::create_dirs(dir, &record.spec)?;
         for gpu in &record.exclusive_gpus {

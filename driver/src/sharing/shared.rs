@@ -52,7 +52,7 @@ impl SharingManager {
     /// client limits. On failure nothing this
     /// call started is left running (a daemon other shares were using was not answering, so
     /// it is started again or stopped). `holders`: every recorded share (for the log).
-    pub fn apply_shares_of(
+    pub(crate) fn apply_shares_of(
         &self,
         claim_uid: &str,
         namespace: &str,
@@ -93,7 +93,7 @@ impl SharingManager {
     /// that namespace in `holders` holds a share of the device. A daemon an earlier release
     /// started for the shares of every namespace ([`legacy_shared_daemon_key`]) is stopped
     /// with the last share of the device. Idempotent.
-    pub fn release_shares_of(
+    pub(crate) fn release_shares_of(
         &self,
         claim_uid: &str,
         namespace: &str,

@@ -63,7 +63,7 @@ pub enum SuperviseOutcome {
 
 /// Links the NVIDIA libraries under `driver_root` into `lib_dir` (first found per file name,
 /// absolute link targets resolved inside the driver root) and returns how many it linked.
-pub fn link_libraries(driver_root: &Path, lib_dir: &Path) -> Result<usize, SharingFailure> {
+pub(crate) fn link_libraries(driver_root: &Path, lib_dir: &Path) -> Result<usize, SharingFailure> {
     let io = |op: &'static str, path: &Path| {
         let path = path.to_owned();
         move |source| SharingFailure::Io { op, path, source }

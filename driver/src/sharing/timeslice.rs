@@ -110,7 +110,7 @@ impl NvidiaSmi {
     /// `nvidia-smi compute-policy -i <gpu> --set-timeslice <n>`. Exit status 3 or `Not
     /// Supported` in the output: [`SharingFailure::TimeSliceNotSupported`], except for
     /// `Default` (logged; the GPU runs its default slice anyway).
-    pub fn set_timeslice(
+    pub(crate) fn set_timeslice(
         &self,
         gpu_uuid: &str,
         interval: TimeSliceInterval,
@@ -155,7 +155,7 @@ impl SmiOutput {
 
 /// `nvidia-smi` exit status for "operation not available on target device" (man page,
 /// RETURN VALUE).
-pub const EXIT_NOT_SUPPORTED: i32 = 3;
+pub(super) const EXIT_NOT_SUPPORTED: i32 = 3;
 
 /// A time slice set on a whole GPU for a claim (kept in the claim's sharing state).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -7,6 +7,7 @@
 //! the profile is passed as `MOCK_NVML_PROFILE`, set before any thread starts.
 #![allow(unsafe_code)]
 
+mod claims;
 mod recommend_try;
 mod usage_try;
 

@@ -15,10 +15,9 @@ use anyhow::Context as _;
 use cleave_driver::backend::GpuBackend as _;
 use cleave_driver::model::{MigState, NodeInventory, Placement};
 use cleave_driver::rightsize::{NodeModes, RightsizePolicy, WindowConfig};
-use cleave_driver::usage::{
-    Allocation, ClaimDevice, ClaimRef, Holding, IdlePolicy, MigRef, SharingStrategy,
-};
+use cleave_driver::usage::{ClaimDevice, Holding, IdlePolicy};
 
+use super::claims::MockClaim;
 use crate::metrics::Metrics;
 use crate::node::usage::UsageRounds;
 use crate::node::usage::recommend::{RightsizeConfig, Rightsizer};
@@ -219,72 +218,30 @@ fn scripted_mig(
         .create_mig(&gpu.uuid, profile.id, placement)
         .with_context(|| format!("creating a {want} instance on the mock"))?;
     taken.entry(g).or_default().push(placement);
-    Ok((
-        g,
-        mig.gi_id,
-        ClaimDevice {
-            claim: ClaimRef {
-                uid: format!("uid-{}", s.name),
-                namespace: s.ns.into(),
-                name: s.name.into(),
-            },
-            device: format!(
-                "gpu-{}-mig-{}-{}",
-                gpu.minor,
-                profile.name.replace(['.', '+'], ""),
-                placement.start
-            ),
-            kind: Holding::Mig,
-            sharing: None,
-            share_id: None,
-            gpu_uuid: gpu.uuid.clone(),
-            mig: Some(MigRef {
-                uuid: mig.uuid.clone(),
-                gi: mig.gi_id,
-                ci: mig.ci_id,
-            }),
-            allocated: Allocation {
-                memory_bytes: profile.memory_mib << 20,
-                sms: Some(profile.multiprocessors),
-                mig_profile: Some(profile.name.clone()),
-            },
-            pids: Vec::new(),
-            pods: Vec::new(),
-        },
-    ))
+    let claim = MockClaim {
+        namespace: s.ns,
+        name: s.name,
+        kind: Holding::Mig,
+        pids: Vec::new(),
+    };
+    Ok((g, mig.gi_id, claim.on_mig(gpu, &profile, &mig)))
 }
 
 /// A whole-GPU claim device for `s` on `gpu`; an MPS claim's daemon runs as `pid`, except
 /// a pod-run one (no host PID in the record).
 fn scripted_whole(gpu: &cleave_driver::model::GpuInfo, s: &Scripted, pid: u32) -> ClaimDevice {
-    ClaimDevice {
-        claim: ClaimRef {
-            uid: format!("uid-{}", s.name),
-            namespace: s.ns.into(),
-            name: s.name.into(),
-        },
-        device: format!("gpu-{}", gpu.minor),
+    let pids = if s.kind == Holding::Mps && !s.name.ends_with("-pod") {
+        vec![pid]
+    } else {
+        Vec::new()
+    };
+    MockClaim {
+        namespace: s.ns,
+        name: s.name,
         kind: s.kind,
-        sharing: if s.kind == Holding::Mps {
-            Some(SharingStrategy::Mps)
-        } else {
-            None
-        },
-        share_id: None,
-        gpu_uuid: gpu.uuid.clone(),
-        mig: None,
-        allocated: Allocation {
-            memory_bytes: gpu.memory_bytes,
-            sms: gpu.multiprocessors,
-            mig_profile: None,
-        },
-        pids: if s.kind == Holding::Mps && !s.name.ends_with("-pod") {
-            vec![pid]
-        } else {
-            Vec::new()
-        },
-        pods: Vec::new(),
+        pids,
     }
+    .on_gpu(gpu)
 }
 
 /// The mock control script of round `i`: every scripted claim's memory and activity.

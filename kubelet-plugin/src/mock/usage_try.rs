@@ -14,10 +14,9 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context as _;
 use cleave_driver::backend::GpuBackend as _;
 use cleave_driver::model::Placement;
-use cleave_driver::usage::{
-    Allocation, ClaimDevice, ClaimRef, Holding, IdlePolicy, MigRef, SharingStrategy,
-};
+use cleave_driver::usage::{ClaimDevice, Holding, IdlePolicy};
 
+use super::claims::MockClaim;
 use super::set_env;
 use crate::metrics::Metrics;
 use crate::node::usage::UsageRounds;
@@ -166,42 +165,17 @@ fn mock_claims(
                 let _ = writeln!(script, "gpm {g} {} {act} {}", mig.gi_id, act / 2.0);
             }
         }
-        devices.push(ClaimDevice {
-            claim: ClaimRef {
-                uid: format!("uid-{name}"),
-                namespace: ns.into(),
-                name: name.into(),
-            },
-            device: format!(
-                "gpu-{g}-mig-{}-{}",
-                profile.name.replace('.', ""),
-                mig.placement.start
-            ),
+        let claim = MockClaim {
+            namespace: ns,
+            name,
             kind,
-            sharing: if kind == Holding::Mps {
-                Some(SharingStrategy::Mps)
-            } else {
-                None
-            },
-            share_id: None,
-            gpu_uuid: gpu.uuid.clone(),
-            mig: Some(MigRef {
-                uuid: mig.uuid.clone(),
-                gi: mig.gi_id,
-                ci: mig.ci_id,
-            }),
-            allocated: Allocation {
-                memory_bytes: profile.memory_mib << 20,
-                sms: Some(profile.multiprocessors),
-                mig_profile: Some(profile.name.clone()),
-            },
             pids: if kind == Holding::Mps {
                 vec![pid]
             } else {
                 Vec::new()
             },
-            pods: Vec::new(),
-        });
+        };
+        devices.push(claim.on_mig(gpu, profile, &mig));
     }
     Ok((devices, script))
 }
