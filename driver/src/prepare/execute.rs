@@ -406,9 +406,7 @@ impl NodeDriver {
             };
             crate::fault::point("prepare.after_mig_create");
             if let Some(m) = record.devices[i].mig.as_mut() {
-                m.uuid = Some(inst.uuid.clone());
-                m.gi_id = Some(inst.gi_id);
-                m.ci_id = Some(inst.ci_id);
+                m.record_instance(&inst);
             }
             tracing::info!(device = %d.name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "created MIG device");
             if let Some(gpu) = inventory.gpus.iter_mut().find(|g| g.uuid == d.gpu.uuid)
@@ -490,7 +488,7 @@ impl NodeDriver {
             .chain(std::iter::once(&*record))
             .flat_map(|r| &r.devices)
             .filter_map(|d| d.mig.as_ref())
-            .filter(|m| m.created_by_cleave)
+            .filter(|m| m.is_cleaves())
             .filter_map(|m| m.uuid.clone())
             .collect();
         let pool = crate::pool::build_pool(
@@ -596,11 +594,11 @@ impl NodeDriver {
         }
         let taken = data.mig_uuids_with(record);
         for d in record.devices.iter().rev() {
-            let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
+            let Some(mig) = d.mig.as_ref().filter(|m| m.is_cleaves()) else {
                 continue;
             };
-            let by_placement = record.state == ClaimState::PrepareStarted
-                || mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str());
+            let by_placement =
+                record.state == ClaimState::PrepareStarted || mig.intent_of(&data.boot_id);
             if mig.uuid.is_none() && !by_placement {
                 continue;
             }
@@ -685,7 +683,7 @@ impl NodeDriver {
             let Some(uuid) = d
                 .mig
                 .as_ref()
-                .filter(|m| m.created_by_cleave)
+                .filter(|m| m.is_cleaves())
                 .and_then(|m| m.uuid.as_ref())
                 .filter(|u| !held_elsewhere(data, &record.uid, u))
             else {

@@ -61,11 +61,7 @@ impl MigOps {
         };
         let target = existing.iter().find(|i| match &mig.uuid {
             Some(uuid) => &i.uuid == uuid,
-            None => {
-                i.profile_id == mig.profile_id
-                    && i.placement == mig.placement
-                    && !taken.contains(&i.uuid)
-            }
+            None => mig.is_at(i.profile_id, i.placement) && !taken.contains(&i.uuid),
         });
         let Some(inst) = target else {
             return self.destroy_bare(claim, device, mig);
@@ -103,9 +99,7 @@ impl MigOps {
             Err(e) => return Err(err(e)),
         };
         let Some(gi) = bare.iter().find(|b| {
-            b.profile_id == mig.profile_id
-                && b.placement == mig.placement
-                && mig.gi_id.is_none_or(|id| id == b.gi_id)
+            mig.is_at(b.profile_id, b.placement) && mig.gi_id.is_none_or(|id| id == b.gi_id)
         }) else {
             tracing::info!(device = %device.name, "MIG device already gone");
             return Ok(());
@@ -161,7 +155,7 @@ impl MigOps {
         match self.backend.list_bare_gpu_instances(gpu) {
             Ok(list) => list
                 .iter()
-                .filter(|b| b.profile_id == mig.profile_id && b.placement == mig.placement)
+                .filter(|b| mig.is_at(b.profile_id, b.placement))
                 .map(|b| b.gi_id)
                 .collect(),
             Err(e) => {

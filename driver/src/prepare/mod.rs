@@ -699,7 +699,7 @@ impl NodeDriver {
             .values()
             .flat_map(|r| &r.devices)
             .filter_map(|d| d.mig.as_ref())
-            .filter(|m| m.created_by_cleave)
+            .filter(|m| m.is_cleaves())
             .filter_map(|m| m.uuid.clone())
             .collect()
     }

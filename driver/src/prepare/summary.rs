@@ -11,7 +11,9 @@ use std::path::Path;
 use super::NodeDriver;
 use cleave_api::SharingStrategy;
 
-use crate::checkpoint::{CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceKind};
+use crate::checkpoint::{
+    CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceKind, MigRecord,
+};
 use crate::sharing::{Capacity, SharingState, takes_whole_device};
 
 /// Where a recorded claim is in its life on this node.
@@ -172,13 +174,15 @@ pub(crate) fn claim_devices(
             .unwrap_or_default();
         for d in &r.devices {
             let gpu = inventory.gpus.iter().find(|g| g.uuid == d.gpu_uuid);
-            let mig = d.mig.as_ref().and_then(|m| {
-                Some(MigRef {
-                    uuid: m.uuid.clone()?,
-                    gi: m.gi_id?,
-                    ci: m.ci_id?,
-                })
-            });
+            let mig = d
+                .mig
+                .as_ref()
+                .and_then(MigRecord::instance)
+                .map(|i| MigRef {
+                    uuid: i.uuid,
+                    gi: i.gi_id,
+                    ci: i.ci_id,
+                });
             let profile = d.mig.as_ref().and_then(|m| {
                 let profiles = match &gpu?.mig {
                     MigState::Enabled { profiles, .. } | MigState::Disabled { profiles } => {
