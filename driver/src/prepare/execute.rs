@@ -201,7 +201,7 @@ impl NodeDriver {
             .iter()
             .map(|d| device_need(d.gpu.minor, d.mig.as_ref().map(MigPlan::record).as_ref()))
             .collect();
-        self.view_for(&label, &needs)?;
+        self.files.view_for(&label, &needs)?;
         let mut record = self.new_record(claim, uid, &plan);
         let mps_shares = self.config.consumable_capacity == ConsumableCapacity::Mps;
         let needs_intent = record.sharing.is_some()
@@ -431,7 +431,7 @@ impl NodeDriver {
             .map(|r| device_need(r.gpu_minor, r.mig.as_ref()))
             .collect();
         let label = format!("{}/{}", record.namespace, record.name);
-        let view = self.view_for(&label, &needs)?;
+        let view = self.files.view_for(&label, &needs)?;
         let devices: Vec<CdiDevice> = record
             .devices
             .iter()
@@ -610,7 +610,8 @@ impl NodeDriver {
             }
             self.mig.destroy_owned(&record.uid, d, mig, &taken)?;
         }
-        self.view()
+        self.files
+            .view()
             .cdi
             .remove_claim_spec(&record.uid)
             .map_err(|source| PrepareError::Cdi {
@@ -709,7 +710,8 @@ impl NodeDriver {
         let _enter = span.enter();
         let mut state = self.lock_synced()?;
         let Some(record) = state.data.claims.get(claim_uid).cloned() else {
-            self.view()
+            self.files
+                .view()
                 .cdi
                 .remove_claim_spec(claim_uid)
                 .map_err(|source| PrepareError::Cdi {

@@ -42,6 +42,7 @@
 
 mod apply;
 mod execute;
+mod files;
 mod mig;
 mod plan;
 mod recover;
@@ -60,7 +61,7 @@ use std::sync::{Arc, MutexGuard};
 use cleave_api::pool::ConsumableCapacity;
 
 use crate::backend::{BackendError, GpuBackend};
-use crate::cdi::{CdiError, CdiStore};
+use crate::cdi::CdiError;
 use crate::checkpoint::{
     self, CheckpointError, CheckpointStore, ClaimState, DeviceRecord, MigRecord,
 };
@@ -444,7 +445,7 @@ pub struct NodeDriver {
     sharing: Arc<dyn SharingHandler>,
     /// Driver files and the CDI store built on their common edits; replaced when a claim
     /// needs a file that was missing (a driver installed after start).
-    files: std::sync::RwLock<Arc<DriverView>>,
+    files: files::Files,
     /// The checkpoint and the in-memory state under its lock.
     claims: ClaimStore,
     /// Device metadata files (`--device-metadata`): set once by
@@ -464,26 +465,6 @@ impl std::fmt::Debug for NodeDriver {
         f.debug_struct("NodeDriver")
             .field("config", &self.config)
             .finish_non_exhaustive()
-    }
-}
-
-/// The driver files found last and the CDI store that adds their common edits.
-#[derive(Debug)]
-struct DriverView {
-    files: Arc<DriverFiles>,
-    cdi: CdiStore,
-}
-
-impl DriverView {
-    fn new(files: DriverFiles, config: &DriverConfig) -> Self {
-        let cdi = CdiStore::new(
-            &config.cdi_root,
-            files.common_edits(config.cdi_hook.as_deref()),
-        );
-        Self {
-            files: Arc::new(files),
-            cdi,
-        }
     }
 }
 
@@ -517,8 +498,7 @@ impl NodeDriver {
                     source,
                 })?;
         }
-        let files = DriverFiles::discover(&config.driver_root)?;
-        let view = DriverView::new(files, &config);
+        let files = files::Files::discover(&config)?;
         let checkpoint = CheckpointStore::in_dir(&config.state_dir);
         let boot_id = checkpoint::read_boot_id(&config.boot_id_path).map_err(|source| {
             PrepareError::BootId {
@@ -534,7 +514,7 @@ impl NodeDriver {
             config,
             backend,
             sharing,
-            files: std::sync::RwLock::new(Arc::new(view)),
+            files,
             claims: ClaimStore::new(checkpoint, State::empty()),
             metadata: std::sync::OnceLock::new(),
         };
@@ -552,15 +532,6 @@ impl NodeDriver {
             state.recreate_errors = recreate_errors;
         }
         Ok(driver)
-    }
-
-    fn view(&self) -> Arc<DriverView> {
-        Arc::clone(
-            &self
-                .files
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        )
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -718,7 +689,22 @@ impl NodeDriver {
 
     /// The driver files found last (at start, or when a claim needed a missing one).
     pub fn driver_files(&self) -> Arc<DriverFiles> {
-        Arc::clone(&self.view().files)
+        Arc::clone(&self.files.view().files)
+    }
+
+    /// When NVML sees GPUs but the driver root holds no driver files at all (a wrong
+    /// `--driver-root`, or a driver container still installing): the error saying so.
+    /// Claims are refused meanwhile (naming the files); the shell keeps the node from
+    /// being offered.
+    pub fn missing_driver(&self) -> Option<PrepareError> {
+        let gpus = self.lock_for_view().inventory.gpus.len();
+        self.files.missing_driver(gpus)
+    }
+
+    /// Looks at the driver root again (for [`Self::missing_driver`] to clear once the
+    /// driver is installed).
+    pub fn rediscover_driver_files(&self) -> Result<(), PrepareError> {
+        self.files.rediscover().map(drop)
     }
 
     /// The settings the driver runs with.

@@ -61,14 +61,11 @@
 //! (and destroyed at unprepare) as cleave's.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 
 use super::apply::ApplyPath;
-use super::{DriverView, NodeDriver, PrepareError, device_uuid, store::State};
+use super::{NodeDriver, PrepareError, device_uuid, store::State};
 use crate::backend::BackendError;
-use crate::cdi;
 use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, MigRecord};
-use crate::driver_root::{DeviceNeed, DriverFiles};
 use crate::model::NodeInventory;
 use crate::sharing::{GpuFacts, SharingDevice, legacy_shared_daemon_key, shared_daemon_key};
 
@@ -263,7 +260,7 @@ impl NodeDriver {
             }
         }
 
-        self.sweep_cdi_root(data);
+        super::files::sweep_cdi_root(&self.config.cdi_root, data);
         let live = live_sharing(data);
         let restarted = self.sharing.reconcile(&live);
         for uid in claims_of_restarted(data, &restarted) {
@@ -272,90 +269,6 @@ impl NodeDriver {
             }
         }
         Ok(recreate_errors)
-    }
-
-    /// The driver files for a claim with these devices. When something they need is
-    /// missing the driver root is looked at again (the driver may have been installed, or
-    /// its nodes created, since the last look); what is still missing fails the claim.
-    pub(super) fn view_for(
-        &self,
-        claim: &str,
-        needs: &[DeviceNeed],
-    ) -> Result<Arc<DriverView>, PrepareError> {
-        let view = self.view();
-        if view.files.missing_for(needs).is_empty() {
-            return Ok(view);
-        }
-        let files = DriverFiles::discover(&self.config.driver_root)?;
-        let missing = files.missing_for(needs);
-        let fresh = Arc::new(DriverView::new(files, &self.config));
-        *self
-            .files
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::clone(&fresh);
-        if missing.is_empty() {
-            tracing::info!(root = %fresh.files.root.display(), "driver files a claim needs appeared since the driver root was last examined");
-            return Ok(fresh);
-        }
-        Err(PrepareError::MissingDriverFiles {
-            claim: claim.to_owned(),
-            root: fresh.files.root.clone(),
-            dev_dir: fresh.files.dev_dir.clone(),
-            missing,
-        })
-    }
-
-    /// When NVML sees GPUs but the driver root holds no driver files at all (a wrong
-    /// `--driver-root`, or a driver container still installing): the error saying so.
-    /// Claims are refused meanwhile (naming the files); the shell keeps the node from
-    /// being offered.
-    pub fn missing_driver(&self) -> Option<PrepareError> {
-        let view = self.view();
-        let gpus = self.lock_for_view().inventory.gpus.len();
-        (gpus > 0 && view.files.holds_no_driver()).then(|| PrepareError::NoDriverFiles {
-            root: view.files.root.clone(),
-            dev_dir: view.files.dev_dir.clone(),
-            gpus,
-        })
-    }
-
-    /// Looks at the driver root again (for [`Self::missing_driver`] to clear once the
-    /// driver is installed).
-    pub fn rediscover_driver_files(&self) -> Result<(), PrepareError> {
-        let files = DriverFiles::discover(&self.config.driver_root)?;
-        *self
-            .files
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) =
-            Arc::new(DriverView::new(files, &self.config));
-        Ok(())
-    }
-
-    /// Removes spec files (and temp files) of this driver's kind whose claim is not recorded.
-    pub(super) fn sweep_cdi_root(&self, data: &CheckpointData) {
-        let prefix = cdi::spec_file_name("");
-        let prefix = prefix.trim_end_matches(".json");
-        let Ok(entries) = std::fs::read_dir(&self.config.cdi_root) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let stale = if let Some(uid) = name
-                .strip_prefix(prefix)
-                .and_then(|rest| rest.strip_suffix(".json"))
-            {
-                !data.claims.contains_key(uid)
-            } else {
-                name.starts_with(&format!(".{prefix}")) && name.ends_with(".tmp")
-            };
-            if stale {
-                tracing::info!(file = %name, "removing CDI spec of an unrecorded claim");
-                if let Err(e) = std::fs::remove_file(entry.path()) {
-                    tracing::warn!(file = %name, error = %e, "removing stale CDI spec");
-                }
-            }
-        }
     }
 
     /// Checks the sharing set-up of the recorded claims now, as at start: MPS daemons of
@@ -471,7 +384,7 @@ impl NodeDriver {
                 r.state = ClaimState::NeedsRecreate;
             }
             tracing::warn!(claim = %uid, error = %e, "recreation failed");
-            if let Err(cdi_err) = self.view().cdi.remove_claim_spec(uid) {
+            if let Err(cdi_err) = self.files.view().cdi.remove_claim_spec(uid) {
                 tracing::warn!(claim = %uid, error = %cdi_err, "removing the CDI spec of a claim waiting for recreation");
             }
         }
