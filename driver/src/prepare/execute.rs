@@ -20,7 +20,7 @@ use cleave_api::merge::base_request;
 use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
-use super::apply::ApplyPath;
+use super::apply::{ApplyPath, gpu_facts};
 use super::plan::{MigPlan, PlannedDevice, claim_label};
 use super::{
     NodeDriver, PrepareError, PreparedClaim, PreparedDevice, State, device_need, device_uuid,
@@ -147,7 +147,7 @@ impl NodeDriver {
                 s.device_multiprocessors = device_multiprocessors(&d.gpu, &d.name);
                 continue;
             }
-            s.gpu = self.gpu_facts(inventory, &s.gpu_uuid, &s.device_name);
+            s.gpu = gpu_facts(&*self.backend, inventory, &s.gpu_uuid, &s.device_name);
             s.device_multiprocessors = inventory
                 .gpus
                 .iter()

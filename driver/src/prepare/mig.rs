@@ -1,9 +1,8 @@
-//! MIG operations over the backend: create an on-demand instance, destroy the instance a
-//! claim created (found by UUID, else by profile and placement), and clean up GPU instances
-//! left without their compute instance. Prepare's creates and every destroy of a claim's
-//! instance go through [`MigOps`] (recreation after a reboot still calls the backend itself);
-//! it reads no checkpoint and changes no record: the caller decides from the records what to
-//! create or destroy.
+//! MIG operations over the backend: list a GPU's instances, create an instance, destroy the
+//! instance a claim created (found by UUID, else by profile and placement), and clean up GPU
+//! instances left without their compute instance. Every MIG call of prepare, unprepare and
+//! recovery goes through [`MigOps`]; it reads no checkpoint and changes no record: the caller
+//! decides from the records what to create or destroy.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -22,6 +21,11 @@ impl MigOps {
     /// Operations over `backend`.
     pub(super) fn new(backend: Arc<dyn GpuBackend>) -> Self {
         Self { backend }
+    }
+
+    /// The MIG devices on `gpu` now.
+    pub(super) fn list(&self, gpu: &str) -> Result<Vec<MigInstance>, BackendError> {
+        self.backend.list_mig(gpu)
     }
 
     /// Creates a MIG device (GPU instance and compute instance) with profile `profile_id` at

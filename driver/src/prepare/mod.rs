@@ -21,22 +21,28 @@
 //! UUID first, so a reused GPU-instance ID is never destroyed by mistake), deletes the CDI
 //! spec and drops the record; an unknown claim succeeds.
 //!
-//! The code is split by phase:
-//! - `mod.rs`: the types, [`NodeDriver`] with its start and its read-only accessors;
+//! [`NodeDriver`] is a façade: each part below is its own type with its own tests, and the
+//! façade runs the sequences over them. The code is split by phase:
+//! - `mod.rs`: the types, [`NodeDriver`] with its start (the recovery sequence: `Recovery`,
+//!   the rollback of interrupted prepares, recreation, the CDI sweep, sharing reconciliation,
+//!   also run later by [`NodeDriver::reconcile_sharing`]) and its read-only accessors;
 //! - `store`: the claim store: the checkpoint file and the locked in-memory state, with
 //!   record writes that put memory back when the file cannot be written;
 //! - `plan`: the `Planner`, which holds only the settings it reads: decode the allocation,
 //!   merge and validate configs, decide what to create (no backend, no I/O; a MIG device's
 //!   instance is decided once as a `MigPlan`: existing, to create, or joined from another
 //!   share of the device);
-//! - `mig`: `MigOps`, MIG create, destroy and bare-instance cleanup over the backend;
+//! - `mig`: `MigOps`, every MIG call (list, create, destroy, bare-instance cleanup) over the
+//!   backend;
+//! - `recover`: `Recovery`, the MIG side of recovery over `MigOps` and the claim store alone:
+//!   what a reboot does to the records, vanished instances, finding, adopting or creating
+//!   again a record's instances (its module docs give the whole discipline);
 //! - `apply`: the one apply step (MIG instances, sharing, CDI spec, device metadata, the
 //!   `Prepared` record) that prepare, recreation and the refresh of restarted sharing run,
 //!   each as an `ApplyPath`;
 //! - `execute`: prepare's intent record and on-demand MIG create, rollback, unprepare;
-//! - `recover`: what start and later calls do to bring the node back in line with the
-//!   checkpoint: interrupted prepares, reboots and vanished instances, sharing
-//!   reconciliation, driver-root rediscovery;
+//! - `files`: the driver files and the CDI store on their common edits, looked at again when
+//!   a claim needs a missing file; the sweep of CDI specs of unrecorded claims;
 //! - `summary`: read-only views of the checkpoint for metrics and status
 //!   ([`CheckpointReader`], [`NodeDriver::checkpoint_summary`]).
 
@@ -63,7 +69,7 @@ use cleave_api::pool::ConsumableCapacity;
 use crate::backend::{BackendError, GpuBackend};
 use crate::cdi::CdiError;
 use crate::checkpoint::{
-    self, CheckpointError, CheckpointStore, ClaimState, DeviceRecord, MigRecord,
+    self, CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceRecord, MigRecord,
 };
 use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootError};
 use crate::model::NodeInventory;
@@ -71,6 +77,7 @@ use crate::sharing::{NoopSharing, SharingFailure, SharingHandler};
 
 /// Where the plugin and its tests find a shared daemon's name (the sharing seam defines it).
 pub use crate::sharing::shared_daemon_key;
+use recover::{Recovery, claims_in, claims_of_restarted, live_sharing};
 pub use reset::{ResetError, ResetOptions, ResetOutcome, reset_checkpoint, short_reason};
 pub use shares::{share_holders, time_slice_needs};
 pub use status::{
@@ -532,6 +539,76 @@ impl NodeDriver {
             state.recreate_errors = recreate_errors;
         }
         Ok(driver)
+    }
+
+    /// Start's recovery, in order: brings the records in line with this boot and stores
+    /// the boot ID ([`Recovery::at_start`]); rolls back interrupted prepares; recreates
+    /// `NeedsRecreate` claims (best effort, errors returned by claim UID); sweeps CDI files
+    /// of unrecorded claims; reconciles sharing of the live claims.
+    fn recover_at_start(
+        &self,
+        data: &mut CheckpointData,
+        boot_id: String,
+    ) -> Result<BTreeMap<String, String>, PrepareError> {
+        // Discovered only if sharing needs GPU facts; start discovers again at its end.
+        let mut inventory = State::empty().inventory;
+        Recovery::new(&self.mig, &self.claims).at_start(data, boot_id)?;
+
+        for uid in claims_in(data, ClaimState::PrepareStarted) {
+            let Some(record) = data.claims.get(&uid).cloned() else {
+                continue;
+            };
+            tracing::info!(claim = %uid, "rolling back an interrupted prepare");
+            match self.release_record(&record, data) {
+                Ok(()) => {
+                    crate::fault::point("start.after_rollback");
+                    data.claims.remove(&uid);
+                }
+                // Keep serving: the record stays (its devices count as busy) and the next
+                // prepare or unprepare of the claim retries the rollback.
+                Err(e) => tracing::error!(claim = %uid, error = %e, "rollback failed; kept"),
+            }
+        }
+        self.claims.store(data)?;
+
+        let mut recreate_errors = BTreeMap::new();
+        for uid in claims_in(data, ClaimState::NeedsRecreate) {
+            match self.recreate(&uid, data, &mut inventory) {
+                Ok(()) => {
+                    tracing::info!(claim = %uid, "recreated the hardware state of a prepared claim")
+                }
+                Err(e) => {
+                    tracing::error!(claim = %uid, error = %e, "recreating a prepared claim failed; retried at its next prepare");
+                    recreate_errors.insert(uid, e.to_string());
+                }
+            }
+        }
+
+        files::sweep_cdi_root(&self.config.cdi_root, data);
+        let restarted = self.sharing.reconcile(&live_sharing(data));
+        for uid in claims_of_restarted(data, &restarted) {
+            if let Err(e) = self.refresh_sharing(&uid, data, &mut inventory) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+            }
+        }
+        Ok(recreate_errors)
+    }
+
+    /// Checks the sharing set-up of the recorded claims now, as at start: MPS daemons of
+    /// live claims that died are started again (and their CDI specs rewritten), daemons of
+    /// claims that are gone are stopped. Returns the claims whose sharing was restarted.
+    /// Call it like prepare: under the node lock, from a blocking thread.
+    pub fn reconcile_sharing(&self) -> Result<BTreeSet<String>, PrepareError> {
+        let mut state = self.lock_synced()?;
+        let live = live_sharing(&state.data);
+        let restarted = claims_of_restarted(&state.data, &self.sharing.reconcile(&live));
+        for uid in &restarted {
+            let state = &mut *state;
+            if let Err(e) = self.refresh_sharing(uid, &mut state.data, &mut state.inventory) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+            }
+        }
+        Ok(restarted)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -133,9 +133,7 @@ impl NodeDriver {
     pub fn prepared_summary(&self) -> CheckpointSummary {
         summarize(&self.lock().data)
     }
-}
 
-impl NodeDriver {
     /// The devices of the claims prepared by this instance, as the usage sampler needs
     /// them: identity, hardware, what was given, and for MPS claims the host PID of their
     /// control daemon (started as a host process; a daemon in a pod has no host PID here,
