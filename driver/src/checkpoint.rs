@@ -303,6 +303,80 @@ pub struct MigRecord {
     pub creating_in_boot: Option<String>,
 }
 
+/// The IDs of a MIG instance a record holds as existing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceIds {
+    /// `MIG-...` UUID.
+    pub uuid: String,
+    /// GPU instance id.
+    pub gi_id: u32,
+    /// Compute instance id.
+    pub ci_id: u32,
+}
+
+/// Typed reading of the record's flags, so that callers ask what a record means (ours? an
+/// intent of this boot? at this placement?) rather than compare its fields.
+impl MigRecord {
+    /// The instance recorded as existing: its UUID and both IDs, once it was created or
+    /// found in the boot the checkpoint names; `None` before that, or once forgotten.
+    pub fn instance(&self) -> Option<InstanceIds> {
+        Some(InstanceIds {
+            uuid: self.uuid.clone()?,
+            gi_id: self.gi_id?,
+            ci_id: self.ci_id?,
+        })
+    }
+
+    /// Whether cleave created the instance for the claim: it destroys it at unprepare and
+    /// creates it again after a reboot. A static instance (false) is never touched.
+    pub fn is_cleaves(&self) -> bool {
+        self.created_by_cleave
+    }
+
+    /// Whether an instance of profile `profile_id` at `placement` is at exactly the
+    /// recorded profile and placement.
+    pub fn is_at(&self, profile_id: u32, placement: Placement) -> bool {
+        self.profile_id == profile_id && self.placement == placement
+    }
+
+    /// Whether a recreation intent of boot `boot` is recorded: an unrecorded instance at the
+    /// recorded profile and placement in that boot may be the one a crash left.
+    pub fn intent_of(&self, boot: &str) -> bool {
+        self.creating_in_boot.as_deref() == Some(boot)
+    }
+
+    /// Whether a recreation intent of any boot is recorded.
+    pub fn has_intent(&self) -> bool {
+        self.creating_in_boot.is_some()
+    }
+
+    /// Records the intent to create the instance again in boot `boot`.
+    pub fn record_intent(&mut self, boot: &str) {
+        self.creating_in_boot = Some(boot.to_owned());
+    }
+
+    /// Drops the recreation intent.
+    pub fn clear_intent(&mut self) {
+        self.creating_in_boot = None;
+    }
+
+    /// Records `instance` as the device's instance; an intent is fulfilled by it.
+    pub fn record_instance(&mut self, instance: &crate::model::MigInstance) {
+        self.uuid = Some(instance.uuid.clone());
+        self.gi_id = Some(instance.gi_id);
+        self.ci_id = Some(instance.ci_id);
+        self.creating_in_boot = None;
+    }
+
+    /// Forgets the instance's UUID and IDs (it is gone, or after a reboot they may name
+    /// someone else's instance); the intent stays as it is.
+    pub fn forget_instance(&mut self) {
+        self.uuid = None;
+        self.gi_id = None;
+        self.ci_id = None;
+    }
+}
+
 #[derive(Deserialize)]
 struct Envelope<'a> {
     version: u64,
@@ -452,6 +526,55 @@ impl CheckpointStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mig_record_reads_as_what_it_means() {
+        let mut m = MigRecord {
+            profile_id: 19,
+            profile_name: "1g.5gb".into(),
+            placement: Placement { start: 3, size: 1 },
+            uuid: None,
+            gi_id: Some(9),
+            ci_id: None,
+            created_by_cleave: true,
+            creating_in_boot: None,
+        };
+        assert!(m.is_cleaves());
+        assert!(m.is_at(19, Placement { start: 3, size: 1 }));
+        assert!(!m.is_at(19, Placement { start: 4, size: 1 }) && !m.is_at(20, m.placement));
+        assert_eq!(m.instance(), None, "a bare GPU instance id is no instance");
+
+        m.record_intent("boot-2");
+        assert!(m.has_intent() && m.intent_of("boot-2") && !m.intent_of("boot-1"));
+        let inst = crate::model::MigInstance {
+            uuid: "MIG-x".into(),
+            profile_id: 19,
+            profile_name: "1g.5gb".into(),
+            gi_id: 11,
+            ci_id: 0,
+            placement: m.placement,
+        };
+        m.record_instance(&inst);
+        assert!(!m.has_intent(), "the instance fulfils the intent");
+        assert_eq!(
+            m.instance(),
+            Some(InstanceIds {
+                uuid: "MIG-x".into(),
+                gi_id: 11,
+                ci_id: 0
+            })
+        );
+
+        m.record_intent("boot-2");
+        m.forget_instance();
+        assert_eq!((m.uuid.as_deref(), m.gi_id, m.ci_id), (None, None, None));
+        assert!(
+            m.intent_of("boot-2"),
+            "forgetting the instance keeps the intent"
+        );
+        m.clear_intent();
+        assert!(!m.has_intent());
+    }
 
     /// Only a missing file is an empty checkpoint: a file that cannot be read is an error
     /// naming it, never a node with no claims (which would leak every prepared claim).

@@ -1,10 +1,13 @@
 //! The one apply step of a claim: its MIG instances, its sharing (own strategy, then its
 //! shares of devices), its CDI spec, its device metadata and its durable record. Prepare,
-//! recreation (after a reboot or a vanished instance) and the refresh of a restarted sharing
-//! set-up all run it; [`ApplyPath`] says what differs between them.
+//! recreation (after a reboot or a vanished instance: [`NodeDriver::recreate`]) and the
+//! refresh of a restarted sharing set-up ([`NodeDriver::refresh_sharing`]) all run it;
+//! [`ApplyPath`] says what differs between them.
 
 use super::plan::PlannedDevice;
+use super::recover::Recovery;
 use super::{NodeDriver, PrepareError, device_uuid, time_slice_needs};
+use crate::backend::GpuBackend;
 use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState};
 use crate::model::NodeInventory;
 use crate::sharing::{GpuFacts, SharingClaim, SharingDevice, SharingEdits};
@@ -66,12 +69,14 @@ impl NodeDriver {
             ApplyPath::Prepare { label, plan, .. } => {
                 self.create_planned_migs(label, plan, record, inventory)?;
             }
-            ApplyPath::Recreate => self.recreate_migs(record, data)?,
+            ApplyPath::Recreate => {
+                Recovery::new(&self.mig, &self.claims).recreate_migs(record, data)?
+            }
             ApplyPath::Refresh => {}
         }
         let shared = match path {
             ApplyPath::Prepare { plan, .. } => planned_sharing(plan, record),
-            _ => self.recorded_sharing(record, inventory),
+            _ => recorded_sharing(&*self.backend, record, inventory),
         };
         let edits = self.apply_sharing(path, record, &shared, data, inventory)?;
         path.timed(crate::timing::step::CDI_WRITE, || {
@@ -100,6 +105,55 @@ impl NodeDriver {
         // Durable record, then the answer.
         record.state = ClaimState::Prepared;
         self.claims.put(data, record.clone())?;
+        Ok(())
+    }
+
+    /// Recreates the hardware state of the `NeedsRecreate` claim `uid` (see
+    /// `recover`'s module docs) and records it `Prepared`. On failure the claim stays
+    /// `NeedsRecreate` with what was created recorded, and its CDI spec is removed.
+    pub(super) fn recreate(
+        &self,
+        uid: &str,
+        data: &mut CheckpointData,
+        inventory: &mut NodeInventory,
+    ) -> Result<(), PrepareError> {
+        let Some(mut record) = data.claims.get(uid).cloned() else {
+            return Ok(());
+        };
+        let result = self.apply(&ApplyPath::Recreate, &mut record, data, inventory);
+        if let Err(e) = &result {
+            if let Some(r) = data.claims.get_mut(uid) {
+                r.state = ClaimState::NeedsRecreate;
+            }
+            tracing::warn!(claim = %uid, error = %e, "recreation failed");
+            if let Err(cdi_err) = self.files.view().cdi.remove_claim_spec(uid) {
+                tracing::warn!(claim = %uid, error = %cdi_err, "removing the CDI spec of a claim waiting for recreation");
+            }
+        }
+        result
+    }
+
+    /// After the sharing of a prepared claim was started again (its MPS daemon had died):
+    /// takes the sharing edits of now (a restarted daemon pod has a new `/dev/shm`), records
+    /// them and rewrites the claim's CDI spec, so that containers started from now on use
+    /// the new daemon.
+    pub(super) fn refresh_sharing(
+        &self,
+        uid: &str,
+        data: &mut CheckpointData,
+        inventory: &mut NodeInventory,
+    ) -> Result<(), PrepareError> {
+        let Some(mut record) = data.claims.get(uid).cloned() else {
+            return Ok(());
+        };
+        let has_sharing = record.devices.iter().any(|d| {
+            d.share.is_some() || d.config.as_ref().and_then(|c| c.config.sharing()).is_some()
+        });
+        if !has_sharing {
+            return Ok(());
+        }
+        self.apply(&ApplyPath::Refresh, &mut record, data, inventory)?;
+        tracing::info!(claim = %uid, "rewrote the CDI spec of a claim whose sharing was restarted");
         Ok(())
     }
 
@@ -162,4 +216,53 @@ fn planned_sharing(plan: &[PlannedDevice], record: &ClaimRecord) -> Vec<SharingD
             })
         })
         .collect()
+}
+
+/// The sharing devices of a record, from the effective configs it recorded, with the facts
+/// of their GPUs from `inventory` (see [`gpu_facts`]).
+fn recorded_sharing(
+    backend: &dyn GpuBackend,
+    record: &ClaimRecord,
+    inventory: &mut NodeInventory,
+) -> Vec<SharingDevice> {
+    record
+        .devices
+        .iter()
+        .filter_map(|r| {
+            let sharing = r.config.as_ref()?.config.sharing()?.clone();
+            Some(SharingDevice {
+                device_name: r.name.clone(),
+                kind: r.kind,
+                uuid: device_uuid(r),
+                gpu_uuid: r.gpu_uuid.clone(),
+                gpu: gpu_facts(backend, inventory, &r.gpu_uuid, &r.name),
+                sharing,
+            })
+        })
+        .collect()
+}
+
+/// The facts of GPU `gpu_uuid` for `device`, from `inventory`. A GPU the inventory lacks
+/// (at start it is not discovered yet) is looked for in a fresh discovery through
+/// `backend`, which then replaces `inventory`; `None` when it is not there either.
+pub(super) fn gpu_facts(
+    backend: &dyn GpuBackend,
+    inventory: &mut NodeInventory,
+    gpu_uuid: &str,
+    device: &str,
+) -> Option<GpuFacts> {
+    let find = |inv: &NodeInventory| {
+        inv.gpus
+            .iter()
+            .find(|g| g.uuid == gpu_uuid)
+            .map(|g| GpuFacts::of(g, device))
+    };
+    if let Some(facts) = find(inventory) {
+        return Some(facts);
+    }
+    match backend.inventory() {
+        Ok(fresh) => *inventory = fresh,
+        Err(e) => tracing::warn!(error = %e, "rediscovering GPUs for sharing"),
+    }
+    find(inventory)
 }

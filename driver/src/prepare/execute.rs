@@ -20,7 +20,7 @@ use cleave_api::merge::base_request;
 use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
-use super::apply::ApplyPath;
+use super::apply::{ApplyPath, gpu_facts};
 use super::plan::{MigPlan, PlannedDevice, claim_label};
 use super::{
     NodeDriver, PrepareError, PreparedClaim, PreparedDevice, State, device_need, device_uuid,
@@ -147,7 +147,7 @@ impl NodeDriver {
                 s.device_multiprocessors = device_multiprocessors(&d.gpu, &d.name);
                 continue;
             }
-            s.gpu = self.gpu_facts(inventory, &s.gpu_uuid, &s.device_name);
+            s.gpu = gpu_facts(&*self.backend, inventory, &s.gpu_uuid, &s.device_name);
             s.device_multiprocessors = inventory
                 .gpus
                 .iter()
@@ -201,7 +201,7 @@ impl NodeDriver {
             .iter()
             .map(|d| device_need(d.gpu.minor, d.mig.as_ref().map(MigPlan::record).as_ref()))
             .collect();
-        self.view_for(&label, &needs)?;
+        self.files.view_for(&label, &needs)?;
         let mut record = self.new_record(claim, uid, &plan);
         let mps_shares = self.config.consumable_capacity == ConsumableCapacity::Mps;
         let needs_intent = record.sharing.is_some()
@@ -406,9 +406,7 @@ impl NodeDriver {
             };
             crate::fault::point("prepare.after_mig_create");
             if let Some(m) = record.devices[i].mig.as_mut() {
-                m.uuid = Some(inst.uuid.clone());
-                m.gi_id = Some(inst.gi_id);
-                m.ci_id = Some(inst.ci_id);
+                m.record_instance(&inst);
             }
             tracing::info!(device = %d.name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "created MIG device");
             if let Some(gpu) = inventory.gpus.iter_mut().find(|g| g.uuid == d.gpu.uuid)
@@ -433,7 +431,7 @@ impl NodeDriver {
             .map(|r| device_need(r.gpu_minor, r.mig.as_ref()))
             .collect();
         let label = format!("{}/{}", record.namespace, record.name);
-        let view = self.view_for(&label, &needs)?;
+        let view = self.files.view_for(&label, &needs)?;
         let devices: Vec<CdiDevice> = record
             .devices
             .iter()
@@ -490,7 +488,7 @@ impl NodeDriver {
             .chain(std::iter::once(&*record))
             .flat_map(|r| &r.devices)
             .filter_map(|d| d.mig.as_ref())
-            .filter(|m| m.created_by_cleave)
+            .filter(|m| m.is_cleaves())
             .filter_map(|m| m.uuid.clone())
             .collect();
         let pool = crate::pool::build_pool(
@@ -596,11 +594,11 @@ impl NodeDriver {
         }
         let taken = data.mig_uuids_with(record);
         for d in record.devices.iter().rev() {
-            let Some(mig) = d.mig.as_ref().filter(|m| m.created_by_cleave) else {
+            let Some(mig) = d.mig.as_ref().filter(|m| m.is_cleaves()) else {
                 continue;
             };
-            let by_placement = record.state == ClaimState::PrepareStarted
-                || mig.creating_in_boot.as_deref() == Some(data.boot_id.as_str());
+            let by_placement =
+                record.state == ClaimState::PrepareStarted || mig.intent_of(&data.boot_id);
             if mig.uuid.is_none() && !by_placement {
                 continue;
             }
@@ -612,7 +610,8 @@ impl NodeDriver {
             }
             self.mig.destroy_owned(&record.uid, d, mig, &taken)?;
         }
-        self.view()
+        self.files
+            .view()
             .cdi
             .remove_claim_spec(&record.uid)
             .map_err(|source| PrepareError::Cdi {
@@ -685,7 +684,7 @@ impl NodeDriver {
             let Some(uuid) = d
                 .mig
                 .as_ref()
-                .filter(|m| m.created_by_cleave)
+                .filter(|m| m.is_cleaves())
                 .and_then(|m| m.uuid.as_ref())
                 .filter(|u| !held_elsewhere(data, &record.uid, u))
             else {
@@ -711,7 +710,8 @@ impl NodeDriver {
         let _enter = span.enter();
         let mut state = self.lock_synced()?;
         let Some(record) = state.data.claims.get(claim_uid).cloned() else {
-            self.view()
+            self.files
+                .view()
                 .cdi
                 .remove_claim_spec(claim_uid)
                 .map_err(|source| PrepareError::Cdi {

@@ -1,9 +1,8 @@
-//! MIG operations over the backend: create an on-demand instance, destroy the instance a
-//! claim created (found by UUID, else by profile and placement), and clean up GPU instances
-//! left without their compute instance. Prepare's creates and every destroy of a claim's
-//! instance go through [`MigOps`] (recreation after a reboot still calls the backend itself);
-//! it reads no checkpoint and changes no record: the caller decides from the records what to
-//! create or destroy.
+//! MIG operations over the backend: list a GPU's instances, create an instance, destroy the
+//! instance a claim created (found by UUID, else by profile and placement), and clean up GPU
+//! instances left without their compute instance. Every MIG call of prepare, unprepare and
+//! recovery goes through [`MigOps`]; it reads no checkpoint and changes no record: the caller
+//! decides from the records what to create or destroy.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -22,6 +21,11 @@ impl MigOps {
     /// Operations over `backend`.
     pub(super) fn new(backend: Arc<dyn GpuBackend>) -> Self {
         Self { backend }
+    }
+
+    /// The MIG devices on `gpu` now.
+    pub(super) fn list(&self, gpu: &str) -> Result<Vec<MigInstance>, BackendError> {
+        self.backend.list_mig(gpu)
     }
 
     /// Creates a MIG device (GPU instance and compute instance) with profile `profile_id` at
@@ -61,11 +65,7 @@ impl MigOps {
         };
         let target = existing.iter().find(|i| match &mig.uuid {
             Some(uuid) => &i.uuid == uuid,
-            None => {
-                i.profile_id == mig.profile_id
-                    && i.placement == mig.placement
-                    && !taken.contains(&i.uuid)
-            }
+            None => mig.is_at(i.profile_id, i.placement) && !taken.contains(&i.uuid),
         });
         let Some(inst) = target else {
             return self.destroy_bare(claim, device, mig);
@@ -103,9 +103,7 @@ impl MigOps {
             Err(e) => return Err(err(e)),
         };
         let Some(gi) = bare.iter().find(|b| {
-            b.profile_id == mig.profile_id
-                && b.placement == mig.placement
-                && mig.gi_id.is_none_or(|id| id == b.gi_id)
+            mig.is_at(b.profile_id, b.placement) && mig.gi_id.is_none_or(|id| id == b.gi_id)
         }) else {
             tracing::info!(device = %device.name, "MIG device already gone");
             return Ok(());
@@ -161,7 +159,7 @@ impl MigOps {
         match self.backend.list_bare_gpu_instances(gpu) {
             Ok(list) => list
                 .iter()
-                .filter(|b| b.profile_id == mig.profile_id && b.placement == mig.placement)
+                .filter(|b| mig.is_at(b.profile_id, b.placement))
                 .map(|b| b.gi_id)
                 .collect(),
             Err(e) => {

@@ -21,27 +21,34 @@
 //! UUID first, so a reused GPU-instance ID is never destroyed by mistake), deletes the CDI
 //! spec and drops the record; an unknown claim succeeds.
 //!
-//! The code is split by phase:
-//! - `mod.rs`: the types, [`NodeDriver`] with its start and its read-only accessors;
+//! [`NodeDriver`] is a façade: each part below is its own type with its own tests, and the
+//! façade runs the sequences over them. The code is split by phase:
+//! - `mod.rs`: the types, [`NodeDriver`] with its start (the recovery sequence: `Recovery`,
+//!   the rollback of interrupted prepares, recreation, the CDI sweep, sharing reconciliation,
+//!   also run later by [`NodeDriver::reconcile_sharing`]) and its read-only accessors;
 //! - `store`: the claim store: the checkpoint file and the locked in-memory state, with
 //!   record writes that put memory back when the file cannot be written;
 //! - `plan`: the `Planner`, which holds only the settings it reads: decode the allocation,
 //!   merge and validate configs, decide what to create (no backend, no I/O; a MIG device's
 //!   instance is decided once as a `MigPlan`: existing, to create, or joined from another
 //!   share of the device);
-//! - `mig`: `MigOps`, MIG create, destroy and bare-instance cleanup over the backend;
+//! - `mig`: `MigOps`, every MIG call (list, create, destroy, bare-instance cleanup) over the
+//!   backend;
+//! - `recover`: `Recovery`, the MIG side of recovery over `MigOps` and the claim store alone:
+//!   what a reboot does to the records, vanished instances, finding, adopting or creating
+//!   again a record's instances (its module docs give the whole discipline);
 //! - `apply`: the one apply step (MIG instances, sharing, CDI spec, device metadata, the
 //!   `Prepared` record) that prepare, recreation and the refresh of restarted sharing run,
 //!   each as an `ApplyPath`;
 //! - `execute`: prepare's intent record and on-demand MIG create, rollback, unprepare;
-//! - `recover`: what start and later calls do to bring the node back in line with the
-//!   checkpoint: interrupted prepares, reboots and vanished instances, sharing
-//!   reconciliation, driver-root rediscovery;
+//! - `files`: the driver files and the CDI store on their common edits, looked at again when
+//!   a claim needs a missing file; the sweep of CDI specs of unrecorded claims;
 //! - `summary`: read-only views of the checkpoint for metrics and status
 //!   ([`CheckpointReader`], [`NodeDriver::checkpoint_summary`]).
 
 mod apply;
 mod execute;
+mod files;
 mod mig;
 mod plan;
 mod recover;
@@ -60,9 +67,9 @@ use std::sync::{Arc, MutexGuard};
 use cleave_api::pool::ConsumableCapacity;
 
 use crate::backend::{BackendError, GpuBackend};
-use crate::cdi::{CdiError, CdiStore};
+use crate::cdi::CdiError;
 use crate::checkpoint::{
-    self, CheckpointError, CheckpointStore, ClaimState, DeviceRecord, MigRecord,
+    self, CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceRecord, MigRecord,
 };
 use crate::driver_root::{DeviceNeed, DriverFiles, DriverRootConfig, DriverRootError};
 use crate::model::NodeInventory;
@@ -70,6 +77,7 @@ use crate::sharing::{NoopSharing, SharingFailure, SharingHandler};
 
 /// Where the plugin and its tests find a shared daemon's name (the sharing seam defines it).
 pub use crate::sharing::shared_daemon_key;
+use recover::{Recovery, claims_in, claims_of_restarted, live_sharing};
 pub use reset::{ResetError, ResetOptions, ResetOutcome, reset_checkpoint, short_reason};
 pub use shares::{share_holders, time_slice_needs};
 pub use status::{
@@ -444,7 +452,7 @@ pub struct NodeDriver {
     sharing: Arc<dyn SharingHandler>,
     /// Driver files and the CDI store built on their common edits; replaced when a claim
     /// needs a file that was missing (a driver installed after start).
-    files: std::sync::RwLock<Arc<DriverView>>,
+    files: files::Files,
     /// The checkpoint and the in-memory state under its lock.
     claims: ClaimStore,
     /// Device metadata files (`--device-metadata`): set once by
@@ -464,26 +472,6 @@ impl std::fmt::Debug for NodeDriver {
         f.debug_struct("NodeDriver")
             .field("config", &self.config)
             .finish_non_exhaustive()
-    }
-}
-
-/// The driver files found last and the CDI store that adds their common edits.
-#[derive(Debug)]
-struct DriverView {
-    files: Arc<DriverFiles>,
-    cdi: CdiStore,
-}
-
-impl DriverView {
-    fn new(files: DriverFiles, config: &DriverConfig) -> Self {
-        let cdi = CdiStore::new(
-            &config.cdi_root,
-            files.common_edits(config.cdi_hook.as_deref()),
-        );
-        Self {
-            files: Arc::new(files),
-            cdi,
-        }
     }
 }
 
@@ -517,8 +505,7 @@ impl NodeDriver {
                     source,
                 })?;
         }
-        let files = DriverFiles::discover(&config.driver_root)?;
-        let view = DriverView::new(files, &config);
+        let files = files::Files::discover(&config)?;
         let checkpoint = CheckpointStore::in_dir(&config.state_dir);
         let boot_id = checkpoint::read_boot_id(&config.boot_id_path).map_err(|source| {
             PrepareError::BootId {
@@ -534,7 +521,7 @@ impl NodeDriver {
             config,
             backend,
             sharing,
-            files: std::sync::RwLock::new(Arc::new(view)),
+            files,
             claims: ClaimStore::new(checkpoint, State::empty()),
             metadata: std::sync::OnceLock::new(),
         };
@@ -554,13 +541,74 @@ impl NodeDriver {
         Ok(driver)
     }
 
-    fn view(&self) -> Arc<DriverView> {
-        Arc::clone(
-            &self
-                .files
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        )
+    /// Start's recovery, in order: brings the records in line with this boot and stores
+    /// the boot ID ([`Recovery::at_start`]); rolls back interrupted prepares; recreates
+    /// `NeedsRecreate` claims (best effort, errors returned by claim UID); sweeps CDI files
+    /// of unrecorded claims; reconciles sharing of the live claims.
+    fn recover_at_start(
+        &self,
+        data: &mut CheckpointData,
+        boot_id: String,
+    ) -> Result<BTreeMap<String, String>, PrepareError> {
+        // Discovered only if sharing needs GPU facts; start discovers again at its end.
+        let mut inventory = State::empty().inventory;
+        Recovery::new(&self.mig, &self.claims).at_start(data, boot_id)?;
+
+        for uid in claims_in(data, ClaimState::PrepareStarted) {
+            let Some(record) = data.claims.get(&uid).cloned() else {
+                continue;
+            };
+            tracing::info!(claim = %uid, "rolling back an interrupted prepare");
+            match self.release_record(&record, data) {
+                Ok(()) => {
+                    crate::fault::point("start.after_rollback");
+                    data.claims.remove(&uid);
+                }
+                // Keep serving: the record stays (its devices count as busy) and the next
+                // prepare or unprepare of the claim retries the rollback.
+                Err(e) => tracing::error!(claim = %uid, error = %e, "rollback failed; kept"),
+            }
+        }
+        self.claims.store(data)?;
+
+        let mut recreate_errors = BTreeMap::new();
+        for uid in claims_in(data, ClaimState::NeedsRecreate) {
+            match self.recreate(&uid, data, &mut inventory) {
+                Ok(()) => {
+                    tracing::info!(claim = %uid, "recreated the hardware state of a prepared claim")
+                }
+                Err(e) => {
+                    tracing::error!(claim = %uid, error = %e, "recreating a prepared claim failed; retried at its next prepare");
+                    recreate_errors.insert(uid, e.to_string());
+                }
+            }
+        }
+
+        files::sweep_cdi_root(&self.config.cdi_root, data);
+        let restarted = self.sharing.reconcile(&live_sharing(data));
+        for uid in claims_of_restarted(data, &restarted) {
+            if let Err(e) = self.refresh_sharing(&uid, data, &mut inventory) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+            }
+        }
+        Ok(recreate_errors)
+    }
+
+    /// Checks the sharing set-up of the recorded claims now, as at start: MPS daemons of
+    /// live claims that died are started again (and their CDI specs rewritten), daemons of
+    /// claims that are gone are stopped. Returns the claims whose sharing was restarted.
+    /// Call it like prepare: under the node lock, from a blocking thread.
+    pub fn reconcile_sharing(&self) -> Result<BTreeSet<String>, PrepareError> {
+        let mut state = self.lock_synced()?;
+        let live = live_sharing(&state.data);
+        let restarted = claims_of_restarted(&state.data, &self.sharing.reconcile(&live));
+        for uid in &restarted {
+            let state = &mut *state;
+            if let Err(e) = self.refresh_sharing(uid, &mut state.data, &mut state.inventory) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+            }
+        }
+        Ok(restarted)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -699,7 +747,7 @@ impl NodeDriver {
             .values()
             .flat_map(|r| &r.devices)
             .filter_map(|d| d.mig.as_ref())
-            .filter(|m| m.created_by_cleave)
+            .filter(|m| m.is_cleaves())
             .filter_map(|m| m.uuid.clone())
             .collect()
     }
@@ -718,7 +766,22 @@ impl NodeDriver {
 
     /// The driver files found last (at start, or when a claim needed a missing one).
     pub fn driver_files(&self) -> Arc<DriverFiles> {
-        Arc::clone(&self.view().files)
+        Arc::clone(&self.files.view().files)
+    }
+
+    /// When NVML sees GPUs but the driver root holds no driver files at all (a wrong
+    /// `--driver-root`, or a driver container still installing): the error saying so.
+    /// Claims are refused meanwhile (naming the files); the shell keeps the node from
+    /// being offered.
+    pub fn missing_driver(&self) -> Option<PrepareError> {
+        let gpus = self.lock_for_view().inventory.gpus.len();
+        self.files.missing_driver(gpus)
+    }
+
+    /// Looks at the driver root again (for [`Self::missing_driver`] to clear once the
+    /// driver is installed).
+    pub fn rediscover_driver_files(&self) -> Result<(), PrepareError> {
+        self.files.rediscover().map(drop)
     }
 
     /// The settings the driver runs with.

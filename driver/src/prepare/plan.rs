@@ -68,7 +68,7 @@ impl MigPlan {
         match self {
             Self::Create { .. } => true,
             Self::Existing(_) => false,
-            Self::Join(m) => m.created_by_cleave,
+            Self::Join(m) => m.is_cleaves(),
         }
     }
 

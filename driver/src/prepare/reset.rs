@@ -202,7 +202,7 @@ fn describe(data: &CheckpointData) -> (String, Vec<String>, Vec<String>, Vec<Str
         ));
         abandoned.push(format!("{}/{} uid {}", c.namespace, c.name, c.uid));
         for d in &c.devices {
-            if let Some(m) = d.mig.as_ref().filter(|m| m.created_by_cleave) {
+            if let Some(m) = d.mig.as_ref().filter(|m| m.is_cleaves()) {
                 left.push(format!(
                     "MIG instance {} {} at placement {} on GPU {} (GI {}, CI {}): destroy it with nvidia-smi once unused",
                     m.uuid.as_deref().unwrap_or("(no UUID recorded)"),

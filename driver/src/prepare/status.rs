@@ -250,7 +250,7 @@ fn device_data(
         placement_size: m.placement.size,
         gpu_instance_id: m.gi_id,
         compute_instance_id: m.ci_id,
-        created_for_claim: m.created_by_cleave,
+        created_for_claim: m.is_cleaves(),
     });
     let mps = daemon.map(|r| MpsStatus {
         daemon: r.daemon.as_ref().map(|d| d.describe()).unwrap_or_default(),

@@ -14,7 +14,9 @@ use std::path::Path;
 use super::NodeDriver;
 use cleave_api::SharingStrategy;
 
-use crate::checkpoint::{CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceKind};
+use crate::checkpoint::{
+    CheckpointData, CheckpointError, CheckpointStore, ClaimState, DeviceKind, MigRecord,
+};
 use crate::sharing::{Capacity, MpsRecord, SharingState, daemon_record, takes_whole_device};
 
 /// Where a recorded claim is in its life on this node.
@@ -134,9 +136,7 @@ impl NodeDriver {
     pub fn prepared_summary(&self) -> CheckpointSummary {
         summarize(&self.lock().data)
     }
-}
 
-impl NodeDriver {
     /// The devices of the claims prepared by this instance, as the usage sampler needs
     /// them: identity, hardware, what was given, and for MPS claims the host PID of their
     /// control daemon as its record says now (started as a host process; a daemon in a pod
@@ -206,13 +206,15 @@ pub(crate) fn claim_devices(
             .unwrap_or_default();
         for d in &r.devices {
             let gpu = inventory.gpus.iter().find(|g| g.uuid == d.gpu_uuid);
-            let mig = d.mig.as_ref().and_then(|m| {
-                Some(MigRef {
-                    uuid: m.uuid.clone()?,
-                    gi: m.gi_id?,
-                    ci: m.ci_id?,
-                })
-            });
+            let mig = d
+                .mig
+                .as_ref()
+                .and_then(MigRecord::instance)
+                .map(|i| MigRef {
+                    uuid: i.uuid,
+                    gi: i.gi_id,
+                    ci: i.ci_id,
+                });
             let profile = d.mig.as_ref().and_then(|m| {
                 let profiles = match &gpu?.mig {
                     MigState::Enabled { profiles, .. } | MigState::Disabled { profiles } => {
