@@ -1020,6 +1020,9 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         format!("MPS pipe directories {pipes:?} != {want_pipes:?}"),
     );
     let mut recorded_pids = BTreeSet::new();
+    // Daemons whose limits differ from the daemon's defaults (100 %, no pinned limit):
+    // only a set gives them, so each must have received one.
+    let mut limited_pids = BTreeSet::new();
     for uid in &own_mps {
         // The checkpoint names the claim's daemon (its key, the claim UID); the daemon's
         // record, its `daemon.json`, says which process it is.
@@ -1031,7 +1034,17 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         let record = cleave_driver::sharing::daemon_record(&world.state(), uid)
             .unwrap()
             .unwrap_or_else(|| panic!("{ctx}: daemon of claim {uid} has no record"));
-        recorded_pids.insert(record.daemon.unwrap().pid);
+        // Every per-claim MPS claim here asks 25 %.
+        check(
+            record.active_thread_percentage == 25,
+            format!(
+                "daemon of claim {uid} records {} %, not 25",
+                record.active_thread_percentage
+            ),
+        );
+        let pid = record.daemon.unwrap().pid;
+        recorded_pids.insert(pid);
+        limited_pids.insert(pid);
     }
     for key in &shared {
         let record = cleave_driver::sharing::mps::load_record(&world.state().join("mps").join(key))
@@ -1085,10 +1098,11 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         running == recorded_pids,
         format!("running MPS daemons {running:?} != recorded {recorded_pids:?}"),
     );
-    // Every running daemon got its limits after it started: one a crash left before its
-    // limits were set is never kept as it is.
+    // Every running daemon with limits of its own got them after it started: one a crash
+    // left before its limits were set is never kept as it is. (A shared daemon runs with
+    // the defaults, which an unconfigured daemon holds too.)
     let configured = configured_daemons(&world.tools.files.mps_lines());
-    for pid in &running {
+    for pid in running.intersection(&limited_pids) {
         check(
             configured.contains(pid),
             format!("MPS daemon {pid} runs without ever having its limits set"),
