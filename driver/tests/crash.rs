@@ -1019,6 +1019,14 @@ fn check_invariants(world: &World, expected: &BTreeSet<&str>, ctx: &str) -> usiz
         pipes == want_pipes,
         format!("MPS pipe directories {pipes:?} != {want_pipes:?}"),
     );
+    // Every restarted daemon's clients had their specs rewritten: no marker is left.
+    for key in &want_mps {
+        let marker = world.state().join("mps").join(key).join("clients-stale");
+        check(
+            !marker.exists(),
+            format!("clients of MPS daemon {key} never refreshed after its restart"),
+        );
+    }
     let mut recorded_pids = BTreeSet::new();
     // Daemons whose limits differ from the daemon's defaults (100 %, no pinned limit):
     // only a set gives them, so each must have received one.

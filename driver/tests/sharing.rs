@@ -69,6 +69,10 @@ fn main() -> std::process::ExitCode {
             "restart_refinds_live_daemons_and_stops_gone_claims",
             restart_refinds_live_daemons_and_stops_gone_claims,
         ),
+        (
+            "a_restart_is_reported_until_its_clients_are_refreshed",
+            a_restart_is_reported_until_its_clients_are_refreshed,
+        ),
         ("failed_start_leaves_nothing", failed_start_leaves_nothing),
         (
             "multi_user_mode_starts_with_m_and_fails_clearly_where_unsupported",
@@ -697,6 +701,53 @@ fn restart_refinds_live_daemons_and_stops_gone_claims() {
     // Nothing live any more: everything goes.
     let report = m.reconcile(&BTreeSet::new());
     assert_eq!(report.stopped, ["claim-a"]);
+    world.assert_nothing_left();
+}
+
+/// A daemon restarted by reconciliation stays reported as restarted (its clients' CDI
+/// specs must be rewritten: a restarted daemon pod has a new `/dev/shm`) until the driver
+/// says they were, so a crash between the restart and the rewrite loses nothing; it is
+/// never launched a second time for that.
+fn a_restart_is_reported_until_its_clients_are_refreshed() {
+    let world = World::new();
+    let m = world.manager(&[]);
+    let a = m
+        .apply_claim(
+            "claim-a",
+            &[whole(0, GPU_A, mps(30, Some("4Gi"), json!({})))],
+            &world.needs(),
+        )
+        .unwrap();
+    let first = world.daemon_pid(&a);
+    Command::new("kill")
+        .args(["-9", &first.to_string()])
+        .status()
+        .unwrap();
+    assert!(wait_dead(first, Duration::from_secs(5)));
+    let live: BTreeSet<String> = ["claim-a".to_owned()].into();
+    let marker = world.claim_dir("claim-a").join("clients-stale");
+
+    let report = m.reconcile(&live);
+    assert_eq!(report.restarted, ["claim-a"], "{report:?}");
+    assert!(marker.exists());
+    let launched = world.started_pids().len();
+    // The plugin died before it rewrote the claim's spec: the next check reports the
+    // daemon again, and keeps it running as it is.
+    let report = m.reconcile(&live);
+    assert_eq!(report.restarted, ["claim-a"], "{report:?}");
+    assert_eq!(
+        world.started_pids().len(),
+        launched,
+        "relaunched a running daemon"
+    );
+
+    m.clients_refreshed(&live);
+    assert!(!marker.exists());
+    let report = m.reconcile(&live);
+    assert_eq!(report.kept, ["claim-a"], "{report:?}");
+    assert!(report.restarted.is_empty(), "{report:?}");
+    m.release_claim("claim-a", a.state.as_ref(), &world.needs())
+        .unwrap();
     world.assert_nothing_left();
 }
 

@@ -586,12 +586,38 @@ impl NodeDriver {
 
         files::sweep_cdi_root(&self.config.cdi_root, data);
         let restarted = self.sharing.reconcile(&live_sharing(data));
-        for uid in claims_of_restarted(data, &restarted) {
-            if let Err(e) = self.refresh_sharing(&uid, data, &mut inventory) {
-                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
+        self.refresh_restarted(&restarted, data, &mut inventory);
+        Ok(recreate_errors)
+    }
+
+    /// Rewrites the CDI specs of the claims that use the sharing `restarted` by
+    /// reconciliation, then tells the sharing handler which of those set-ups have every
+    /// client refreshed (a set-up with a failed claim is reported again next time). Returns
+    /// the claims refreshed.
+    fn refresh_restarted(
+        &self,
+        restarted: &BTreeSet<String>,
+        data: &mut CheckpointData,
+        inventory: &mut NodeInventory,
+    ) -> BTreeSet<String> {
+        let claims = claims_of_restarted(data, restarted);
+        let mut failed = BTreeSet::new();
+        for uid in &claims {
+            if let Err(e) = self.refresh_sharing(uid, data, inventory) {
+                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted; retried at the next check");
+                failed.insert(uid.clone());
             }
         }
-        Ok(recreate_errors)
+        let done: BTreeSet<String> = restarted
+            .iter()
+            .filter(|key| {
+                let one = BTreeSet::from([(*key).clone()]);
+                claims_of_restarted(data, &one).is_disjoint(&failed)
+            })
+            .cloned()
+            .collect();
+        self.sharing.clients_refreshed(&done);
+        claims
     }
 
     /// Checks the sharing set-up of the recorded claims now, as at start: MPS daemons of
@@ -601,14 +627,9 @@ impl NodeDriver {
     pub fn reconcile_sharing(&self) -> Result<BTreeSet<String>, PrepareError> {
         let mut state = self.lock_synced()?;
         let live = live_sharing(&state.data);
-        let restarted = claims_of_restarted(&state.data, &self.sharing.reconcile(&live));
-        for uid in &restarted {
-            let state = &mut *state;
-            if let Err(e) = self.refresh_sharing(uid, &mut state.data, &mut state.inventory) {
-                tracing::error!(claim = %uid, error = %e, "rewriting the CDI spec of a claim whose sharing was restarted");
-            }
-        }
-        Ok(restarted)
+        let restarted = self.sharing.reconcile(&live);
+        let state = &mut *state;
+        Ok(self.refresh_restarted(&restarted, &mut state.data, &mut state.inventory))
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

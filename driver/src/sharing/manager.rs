@@ -197,6 +197,10 @@ impl SharingHandler for SharingManager {
             .map_err(|e| e.releasing(claim.uid))
     }
 
+    fn clients_refreshed(&self, keys: &BTreeSet<String>) {
+        SharingManager::clients_refreshed(self, keys);
+    }
+
     fn reconcile(&self, live_claims: &BTreeSet<String>) -> BTreeSet<String> {
         let report = SharingManager::reconcile(self, live_claims);
         if report.restarted.is_empty() && report.stopped.is_empty() && report.failed.is_empty() {

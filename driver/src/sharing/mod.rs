@@ -386,6 +386,12 @@ pub trait SharingHandler: Send + Sync {
         BTreeSet::new()
     }
 
+    /// Called after the driver rewrote the CDI specs of every claim that uses the sharing
+    /// `keys` reported by [`reconcile`](Self::reconcile); until then `reconcile` keeps
+    /// reporting them (a crash between a restart and the rewrite loses nothing). Default:
+    /// nothing to do.
+    fn clients_refreshed(&self, _keys: &BTreeSet<String>) {}
+
     /// Enforces the claim's `shares` (consumable capacity, mode `mps`): the shared daemon
     /// of each device runs (started if this is the first share), and the edits give each
     /// share's device its client limits. `holders`: every share the checkpoint records (the

@@ -59,6 +59,11 @@ pub fn name_hash(parts: &[&str]) -> String {
 pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
 /// The record of a claim's daemon, in the claim's MPS directory.
 pub const RECORD_FILE: &str = "daemon.json";
+/// Present in a daemon's directory from the moment reconciliation starts the daemon again
+/// until the driver has rewritten the CDI specs of its clients (a restarted daemon pod has
+/// a new `/dev/shm`): a crash in between leaves it, and the next reconciliation reports
+/// the daemon as restarted again.
+pub(crate) const CLIENTS_STALE_FILE: &str = "clients-stale";
 /// Directory under the state directory holding one directory per MPS claim.
 pub const MPS_DIR: &str = "mps";
 /// Where containers see the pipe directory (and what their `CUDA_MPS_PIPE_DIRECTORY` says).

@@ -8,6 +8,7 @@ use std::path::Path;
 use super::mps::{self, MpsRecord};
 use super::timeslice::ComputeMode;
 use super::{SharingFailure, SharingManager};
+use crate::durable::write_file_atomic;
 
 /// What [`SharingManager::reconcile`] did, by claim UID.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -60,7 +61,10 @@ impl SharingManager {
             let result = if live_claims.contains(&uid) {
                 match record {
                     Some(record) => self.keep_or_restart(&dir, record).map(|restarted| {
-                        if restarted {
+                        // A daemon restarted by an earlier reconciliation whose clients'
+                        // specs were never rewritten (a crash came between) counts as
+                        // restarted until they are.
+                        if restarted || dir.join(mps::CLIENTS_STALE_FILE).exists() {
                             report.restarted.push(uid.clone());
                         } else {
                             report.kept.push(uid.clone());
@@ -85,6 +89,27 @@ impl SharingManager {
         report
     }
 
+    /// The CDI specs of every client of the daemons `keys` were rewritten after their
+    /// restart: their [`mps::CLIENTS_STALE_FILE`] markers go.
+    pub fn clients_refreshed(&self, keys: &BTreeSet<String>) {
+        let _ops = self.serialise();
+        for key in keys
+            .iter()
+            .filter(|k| crate::cdi::validate_claim_uid(k).is_ok())
+        {
+            let marker = self.claim_dir(key).join(mps::CLIENTS_STALE_FILE);
+            match std::fs::remove_file(&marker) {
+                Ok(()) => {
+                    tracing::debug!(daemon = %key, "clients of a restarted MPS daemon refreshed")
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(file = %marker.display(), error = %e, "removing the marker of a refreshed MPS daemon; its clients are refreshed again at the next check")
+                }
+            }
+        }
+    }
+
     fn keep_or_restart(&self, dir: &Path, mut record: MpsRecord) -> Result<bool, SharingFailure> {
         if self.holds_limits(&record) {
             return Ok(false);
@@ -99,6 +124,12 @@ impl SharingManager {
         }
         self.ensure_pipe_root()?;
         mps::create_dirs(dir, &record.spec)?;
+        let stale = dir.join(mps::CLIENTS_STALE_FILE);
+        write_file_atomic(&stale, b"").map_err(|source| SharingFailure::Io {
+            op: "writing",
+            path: stale,
+            source,
+        })?;
         for gpu in &record.exclusive_gpus {
             self.smi
                 .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)?;
