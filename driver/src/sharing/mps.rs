@@ -13,6 +13,8 @@
 //!                             only root lists or changes it); with a pipe root it is
 //!                             `<pipe root, 0711>/<16 hex digits>` instead
 //! mps/<claim UID>/log/        1777: CUDA_MPS_LOG_DIRECTORY (control.log, server.log)
+//! mps/<claim UID>/clients-stale  from a restart by reconciliation until the driver has
+//!                             rewritten the CDI specs of the daemon's clients
 //! mps/shared-<device>-<hash>/ the same for the daemon the shares of one device and one
 //!                             namespace use (consumable capacity); its pipe goes to those
 //!                             shares' containers only
