@@ -2,15 +2,20 @@
 //! shares of devices), its CDI spec, its device metadata and its durable record. Prepare,
 //! recreation (after a reboot or a vanished instance: [`NodeDriver::recreate`]) and the
 //! refresh of a restarted sharing set-up ([`NodeDriver::refresh_sharing`]) all run it;
-//! [`ApplyPath`] says what differs between them.
+//! [`ApplyPath`] says what differs between them. The CDI spec and the device metadata are
+//! written by `cdi_spec`.
 
-use super::plan::PlannedDevice;
+use cleave_api::pool::ConsumableCapacity;
+
+use super::plan::{MigPlan, PlannedDevice};
 use super::recover::Recovery;
-use super::{NodeDriver, PrepareError, device_uuid, time_slice_needs};
-use crate::backend::GpuBackend;
-use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState};
-use crate::model::NodeInventory;
-use crate::sharing::{GpuFacts, SharingClaim, SharingDevice, SharingEdits};
+use super::{NodeDriver, PrepareError, device_uuid, share_holders, time_slice_needs};
+use crate::backend::{BackendError, GpuBackend};
+use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, ShareRecord};
+use crate::model::{MigState, NodeInventory};
+use crate::sharing::{
+    GpuFacts, ShareDevice, SharingClaim, SharingDevice, SharingEdits, device_multiprocessors,
+};
 
 /// Which path applies a claim, and what it does differently.
 pub(super) enum ApplyPath<'a> {
@@ -157,6 +162,61 @@ impl NodeDriver {
         Ok(())
     }
 
+    /// Step 3: creates the plan's on-demand MIG instances (not those another share of the
+    /// device holds), recording each in `record` and the inventory.
+    fn create_planned_migs(
+        &self,
+        label: &str,
+        plan: &[PlannedDevice],
+        record: &mut ClaimRecord,
+        inventory: &mut NodeInventory,
+    ) -> Result<(), PrepareError> {
+        for (i, d) in plan.iter().enumerate() {
+            let Some(MigPlan::Create {
+                profile_id,
+                placement,
+                ..
+            }) = &d.mig
+            else {
+                continue;
+            };
+            let created = self.mig.create(&d.gpu.uuid, *profile_id, *placement);
+            let inst = match created {
+                Ok(inst) => inst,
+                Err(source) => {
+                    // Tell the rollback what exists: only a GPU instance the backend could
+                    // not destroy (then by its id), else nothing, so that it never takes
+                    // an instance someone else holds at this placement (the usual cause
+                    // of the failure) for ours.
+                    match &source {
+                        BackendError::LeftBare { gi_id, .. } => {
+                            if let Some(m) = record.devices[i].mig.as_mut() {
+                                m.gi_id = *gi_id;
+                            }
+                        }
+                        _ => record.devices[i].mig = None,
+                    }
+                    return Err(PrepareError::MigCreate {
+                        claim: label.to_owned(),
+                        device: d.name.clone(),
+                        source,
+                    });
+                }
+            };
+            crate::fault::point("prepare.after_mig_create");
+            if let Some(m) = record.devices[i].mig.as_mut() {
+                m.record_instance(&inst);
+            }
+            tracing::info!(device = %d.name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "created MIG device");
+            if let Some(gpu) = inventory.gpus.iter_mut().find(|g| g.uuid == d.gpu.uuid)
+                && let MigState::Enabled { instances, .. } = &mut gpu.mig
+            {
+                instances.push(inst);
+            }
+        }
+        Ok(())
+    }
+
     /// Applies the devices' own sharing configs (`shared`) and the claim's shares of
     /// devices, recording the sharing state in `record`; the CDI edits of both.
     fn apply_sharing(
@@ -197,6 +257,64 @@ impl NodeDriver {
         }
         edits.merge(share_edits);
         Ok(edits)
+    }
+
+    /// Enforces the record's shares when consumable capacity is `mps` (the shared daemon of
+    /// each device runs; the edits carry each share's client limits); nothing otherwise.
+    /// The GPU facts of a device prepare planned come from `plan`; others (recreation,
+    /// refresh) are looked up in `inventory`.
+    fn apply_record_shares(
+        &self,
+        record: &ClaimRecord,
+        data: &CheckpointData,
+        inventory: &mut NodeInventory,
+        plan: Option<&[PlannedDevice]>,
+    ) -> Result<SharingEdits, PrepareError> {
+        if self.config.consumable_capacity != ConsumableCapacity::Mps {
+            return Ok(SharingEdits::default());
+        }
+        let mut shares = record_shares(record);
+        if shares.is_empty() {
+            return Ok(SharingEdits::default());
+        }
+        for s in &mut shares {
+            // Prepare planned the device with its GPU: its facts come from there.
+            if let Some(d) = plan
+                .into_iter()
+                .flatten()
+                .find(|d| d.name == s.device_name && d.gpu.uuid == s.gpu_uuid)
+            {
+                s.gpu = Some(GpuFacts::of(&d.gpu, &d.name));
+                s.device_multiprocessors = device_multiprocessors(&d.gpu, &d.name);
+                continue;
+            }
+            s.gpu = gpu_facts(&*self.backend, inventory, &s.gpu_uuid, &s.device_name);
+            s.device_multiprocessors = inventory
+                .gpus
+                .iter()
+                .find(|g| g.uuid == s.gpu_uuid)
+                .and_then(|g| device_multiprocessors(g, &s.device_name));
+        }
+        // A share of the whole device (a claim that asked for no capacity) has the device
+        // alone, as without sharing: no daemon, no limits.
+        shares.retain(|s| {
+            let whole = s.takes_whole_device();
+            if whole {
+                tracing::info!(claim = %record.uid, device = %s.device_name, share = %s.share_id, "share consumed the whole device; used without MPS");
+            }
+            !whole
+        });
+        if shares.is_empty() {
+            return Ok(SharingEdits::default());
+        }
+        let claim = SharingClaim {
+            uid: &record.uid,
+            namespace: &record.namespace,
+            name: &record.name,
+        };
+        Ok(self
+            .sharing
+            .apply_shares(&claim, &shares, &share_holders(data))?)
     }
 }
 
@@ -242,10 +360,34 @@ fn recorded_sharing(
         .collect()
 }
 
+/// The shares a record holds, without GPU facts (enough to release them).
+pub(super) fn record_shares(record: &ClaimRecord) -> Vec<ShareDevice> {
+    record
+        .devices
+        .iter()
+        .filter(|d| !d.admin_access)
+        .filter_map(|d| {
+            let s = ShareRecord::partial(d.share.as_ref())?;
+            Some(ShareDevice {
+                device_name: d.name.clone(),
+                uuid: device_uuid(d),
+                gpu_uuid: d.gpu_uuid.clone(),
+                gpu: None,
+                device_multiprocessors: None,
+                share_id: s.share_id.clone(),
+                memory_bytes: s.memory_bytes,
+                multiprocessors: s.multiprocessors,
+                client_thread_percentage: s.client_thread_percentage,
+                client_memory_bytes: s.client_memory_bytes,
+            })
+        })
+        .collect()
+}
+
 /// The facts of GPU `gpu_uuid` for `device`, from `inventory`. A GPU the inventory lacks
 /// (at start it is not discovered yet) is looked for in a fresh discovery through
 /// `backend`, which then replaces `inventory`; `None` when it is not there either.
-pub(super) fn gpu_facts(
+fn gpu_facts(
     backend: &dyn GpuBackend,
     inventory: &mut NodeInventory,
     gpu_uuid: &str,

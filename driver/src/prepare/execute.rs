@@ -1,7 +1,8 @@
-//! Phase 2 of prepare, and unprepare: execute. Records the intent, creates on-demand MIG
-//! instances, applies sharing, writes the claim's CDI spec and its `Prepared` record; a
-//! failure rolls back what the claim created ([`NodeDriver::release_record`]). Unprepare
-//! is the same release followed by dropping the record.
+//! Phase 2 of prepare, and unprepare: execute. Records the intent, then runs the apply step
+//! ([`NodeDriver::apply`]: on-demand MIG instances, sharing, the claim's CDI spec and its
+//! `Prepared` record); a failure rolls back what the claim created
+//! ([`NodeDriver::release_record`]). Unprepare is the same release followed by dropping the
+//! record. Calls go one way: this module calls `apply`, which calls nothing here.
 //!
 //! # GPU instances without compute instance
 //!
@@ -15,25 +16,26 @@
 //! recreation (whose intent marks the placement as ours). A create that failed without
 //! `LeftBare` made nothing, so its rollback looks for nothing. While one exists, the pool
 //! publishes its placement as taken (`NodeDriver::bare_gpu_instances`).
+//!
+//! [`BackendError::LeftBare`]: crate::backend::BackendError::LeftBare
+//! [`GpuBackend::list_bare_gpu_instances`]: crate::backend::GpuBackend::list_bare_gpu_instances
 
 use cleave_api::merge::base_request;
 use cleave_api::pool::ConsumableCapacity;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
-use super::apply::{ApplyPath, gpu_facts};
+use super::apply::{ApplyPath, record_shares};
+use super::cdi_spec::cdi_name;
 use super::plan::{MigPlan, PlannedDevice, claim_label};
 use super::{
-    NodeDriver, PrepareError, PreparedClaim, PreparedDevice, State, device_need, device_uuid,
-    share_holders, time_slice_needs,
+    NodeDriver, PrepareError, PreparedClaim, PreparedDevice, State, device_need, share_holders,
+    time_slice_needs,
 };
-use crate::backend::BackendError;
-use crate::cdi::{self, CdiDevice};
+use crate::cdi;
 use crate::checkpoint::{CheckpointData, ClaimRecord, ClaimState, DeviceRecord, ShareRecord};
 use crate::driver_root::DeviceNeed;
 use crate::model::{MigState, NodeInventory};
-use crate::sharing::{
-    GpuFacts, ShareDevice, SharingClaim, SharingEdits, SharingState, device_multiprocessors,
-};
+use crate::sharing::{SharingClaim, SharingState};
 
 /// The kubelet answer for a recorded claim.
 pub(super) fn answer(record: &ClaimRecord) -> PreparedClaim {
@@ -73,39 +75,6 @@ pub(super) fn answer(record: &ClaimRecord) -> PreparedClaim {
     }
 }
 
-/// CDI device name (the device part) of a record: the device name, with the share for a
-/// share.
-pub(super) fn cdi_name(device: &str, share: Option<&crate::checkpoint::ShareRecord>) -> String {
-    match share {
-        Some(s) => cdi::share_device_name(device, &s.share_id),
-        None => device.to_owned(),
-    }
-}
-
-/// The shares a record holds, without GPU facts (enough to release them).
-pub(super) fn record_shares(record: &ClaimRecord) -> Vec<ShareDevice> {
-    record
-        .devices
-        .iter()
-        .filter(|d| !d.admin_access)
-        .filter_map(|d| {
-            let s = ShareRecord::partial(d.share.as_ref())?;
-            Some(ShareDevice {
-                device_name: d.name.clone(),
-                uuid: device_uuid(d),
-                gpu_uuid: d.gpu_uuid.clone(),
-                gpu: None,
-                device_multiprocessors: None,
-                share_id: s.share_id.clone(),
-                memory_bytes: s.memory_bytes,
-                multiprocessors: s.multiprocessors,
-                client_thread_percentage: s.client_thread_percentage,
-                client_memory_bytes: s.client_memory_bytes,
-            })
-        })
-        .collect()
-}
-
 /// Whether a claim other than `uid` records the MIG device `uuid` (another share of it):
 /// then it is not destroyed with `uid`'s record.
 pub(super) fn held_elsewhere(data: &CheckpointData, uid: &str, uuid: &str) -> bool {
@@ -118,64 +87,6 @@ pub(super) fn held_elsewhere(data: &CheckpointData, uid: &str, uuid: &str) -> bo
 }
 
 impl NodeDriver {
-    /// Enforces the record's shares when consumable capacity is `mps` (the shared daemon of
-    /// each device runs; the edits carry each share's client limits); nothing otherwise.
-    /// The GPU facts of a device prepare planned come from `plan`; others (recreation,
-    /// refresh) are looked up in `inventory`.
-    pub(super) fn apply_record_shares(
-        &self,
-        record: &ClaimRecord,
-        data: &CheckpointData,
-        inventory: &mut NodeInventory,
-        plan: Option<&[PlannedDevice]>,
-    ) -> Result<SharingEdits, PrepareError> {
-        if self.config.consumable_capacity != ConsumableCapacity::Mps {
-            return Ok(SharingEdits::default());
-        }
-        let mut shares = record_shares(record);
-        if shares.is_empty() {
-            return Ok(SharingEdits::default());
-        }
-        for s in &mut shares {
-            // Prepare planned the device with its GPU: its facts come from there.
-            if let Some(d) = plan
-                .into_iter()
-                .flatten()
-                .find(|d| d.name == s.device_name && d.gpu.uuid == s.gpu_uuid)
-            {
-                s.gpu = Some(GpuFacts::of(&d.gpu, &d.name));
-                s.device_multiprocessors = device_multiprocessors(&d.gpu, &d.name);
-                continue;
-            }
-            s.gpu = gpu_facts(&*self.backend, inventory, &s.gpu_uuid, &s.device_name);
-            s.device_multiprocessors = inventory
-                .gpus
-                .iter()
-                .find(|g| g.uuid == s.gpu_uuid)
-                .and_then(|g| device_multiprocessors(g, &s.device_name));
-        }
-        // A share of the whole device (a claim that asked for no capacity) has the device
-        // alone, as without sharing: no daemon, no limits.
-        shares.retain(|s| {
-            let whole = s.takes_whole_device();
-            if whole {
-                tracing::info!(claim = %record.uid, device = %s.device_name, share = %s.share_id, "share consumed the whole device; used without MPS");
-            }
-            !whole
-        });
-        if shares.is_empty() {
-            return Ok(SharingEdits::default());
-        }
-        let claim = SharingClaim {
-            uid: &record.uid,
-            namespace: &record.namespace,
-            name: &record.name,
-        };
-        Ok(self
-            .sharing
-            .apply_shares(&claim, &shares, &share_holders(data))?)
-    }
-
     /// Prepares a claim (see the module docs). Idempotent for a prepared claim.
     pub fn prepare(&self, claim: &ResourceClaim) -> Result<PreparedClaim, PrepareError> {
         let label = claim_label(claim);
@@ -361,203 +272,6 @@ impl NodeDriver {
             pod_claim_name,
         };
         self.apply(&path, record, &mut state.data, &mut state.inventory)
-    }
-
-    /// Step 3: creates the plan's on-demand MIG instances (not those another share of the
-    /// device holds), recording each in `record` and the inventory.
-    pub(super) fn create_planned_migs(
-        &self,
-        label: &str,
-        plan: &[PlannedDevice],
-        record: &mut ClaimRecord,
-        inventory: &mut NodeInventory,
-    ) -> Result<(), PrepareError> {
-        for (i, d) in plan.iter().enumerate() {
-            let Some(MigPlan::Create {
-                profile_id,
-                placement,
-                ..
-            }) = &d.mig
-            else {
-                continue;
-            };
-            let created = self.mig.create(&d.gpu.uuid, *profile_id, *placement);
-            let inst = match created {
-                Ok(inst) => inst,
-                Err(source) => {
-                    // Tell the rollback what exists: only a GPU instance the backend could
-                    // not destroy (then by its id), else nothing, so that it never takes
-                    // an instance someone else holds at this placement (the usual cause
-                    // of the failure) for ours.
-                    match &source {
-                        BackendError::LeftBare { gi_id, .. } => {
-                            if let Some(m) = record.devices[i].mig.as_mut() {
-                                m.gi_id = *gi_id;
-                            }
-                        }
-                        _ => record.devices[i].mig = None,
-                    }
-                    return Err(PrepareError::MigCreate {
-                        claim: label.to_owned(),
-                        device: d.name.clone(),
-                        source,
-                    });
-                }
-            };
-            crate::fault::point("prepare.after_mig_create");
-            if let Some(m) = record.devices[i].mig.as_mut() {
-                m.record_instance(&inst);
-            }
-            tracing::info!(device = %d.name, mig = %inst.uuid, gi = inst.gi_id, ci = inst.ci_id, "created MIG device");
-            if let Some(gpu) = inventory.gpus.iter_mut().find(|g| g.uuid == d.gpu.uuid)
-                && let MigState::Enabled { instances, .. } = &mut gpu.mig
-            {
-                instances.push(inst);
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes the claim's CDI spec from its record and the sharing edits.
-    pub(super) fn write_cdi(
-        &self,
-        uid: &str,
-        record: &ClaimRecord,
-        edits: &SharingEdits,
-    ) -> Result<(), PrepareError> {
-        let needs: Vec<DeviceNeed> = record
-            .devices
-            .iter()
-            .map(|r| device_need(r.gpu_minor, r.mig.as_ref()))
-            .collect();
-        let label = format!("{}/{}", record.namespace, record.name);
-        let view = self.files.view_for(&label, &needs)?;
-        let devices: Vec<CdiDevice> = record
-            .devices
-            .iter()
-            .map(|r| {
-                let mut device_edits = match (&r.mig, r.kind) {
-                    (Some(m), _) => cdi::mig_device_edits(
-                        &view.files,
-                        &r.name,
-                        &device_uuid(r),
-                        r.gpu_minor,
-                        m.gi_id.unwrap_or_default(),
-                        m.ci_id.unwrap_or_default(),
-                    ),
-                    (None, _) => {
-                        cdi::gpu_device_edits(&view.files, &r.name, &r.gpu_uuid, r.gpu_minor)
-                    }
-                };
-                if let Some(extra) = edits.device_edits.get(&r.name) {
-                    device_edits.extend(extra);
-                }
-                CdiDevice {
-                    device_name: cdi_name(&r.name, r.share.as_ref()),
-                    edits: device_edits,
-                }
-            })
-            .collect();
-        view.cdi
-            .write_claim_spec(uid, &devices, &edits.claim_edits)
-            .map_err(|source| PrepareError::Cdi {
-                claim: uid.to_owned(),
-                source,
-            })?;
-        Ok(())
-    }
-
-    /// Writes a device metadata file and its CDI spec for each request of `record`
-    /// ([`crate::metadata`]) and adds each spec's CDI ID to the request's first device.
-    /// Each device lists the attributes the pool publishes for it, plus `uuid` (the MIG
-    /// device's for a MIG device, created at prepare or not) and, for a MIG device,
-    /// `parentUUID`. A request whose write fails is logged and served without metadata.
-    pub(super) fn write_metadata(
-        &self,
-        m: &super::MetadataSettings,
-        pod_claim_name: Option<&str>,
-        record: &mut ClaimRecord,
-        data: &crate::checkpoint::CheckpointData,
-        inventory: &NodeInventory,
-    ) {
-        use cleave_api::names::attr;
-        use k8s_openapi::api::resource::v1::DeviceAttribute;
-        let owned_instances = data
-            .claims
-            .values()
-            .chain(std::iter::once(&*record))
-            .flat_map(|r| &r.devices)
-            .filter_map(|d| d.mig.as_ref())
-            .filter(|m| m.is_cleaves())
-            .filter_map(|m| m.uuid.clone())
-            .collect();
-        let pool = crate::pool::build_pool(
-            inventory,
-            &crate::pool::PoolOptions {
-                owned_instances,
-                ..m.pool.clone()
-            },
-        );
-        let claim = crate::metadata::ClaimRef {
-            namespace: record.namespace.clone(),
-            name: record.name.clone(),
-            uid: record.uid.clone(),
-            pod_claim_name: pod_claim_name.map(str::to_owned),
-        };
-        // Requests in order of first appearance: (name as allocated, device indexes).
-        let mut requests: Vec<(String, Vec<usize>)> = Vec::new();
-        for (i, d) in record.devices.iter().enumerate() {
-            for r in &d.request_names {
-                let base = base_request(r);
-                match requests.iter_mut().find(|(n, _)| base_request(n) == base) {
-                    Some((_, idx)) if !idx.contains(&i) => idx.push(i),
-                    Some(_) => {}
-                    None => requests.push((r.clone(), vec![i])),
-                }
-            }
-        }
-        let string = |v: &str| DeviceAttribute {
-            string: Some(v.to_owned()),
-            ..Default::default()
-        };
-        for (name, idx) in requests {
-            let devices = idx
-                .iter()
-                .map(|&i| {
-                    let d = &record.devices[i];
-                    let mut attrs = pool
-                        .devices()
-                        .find(|p| p.name == d.name)
-                        .and_then(|p| p.attributes.clone())
-                        .unwrap_or_default();
-                    attrs.insert(attr::UUID.to_owned(), string(&device_uuid(d)));
-                    if d.mig.is_some() {
-                        attrs.insert(attr::PARENT_UUID.to_owned(), string(&d.gpu_uuid));
-                    }
-                    crate::metadata::MetadataDevice::new(
-                        &self.config.driver_name,
-                        &d.pool,
-                        &d.name,
-                        attrs,
-                    )
-                })
-                .collect();
-            let request = crate::metadata::RequestMetadata {
-                name: name.clone(),
-                devices,
-            };
-            match m.store.write(&claim, &request) {
-                Ok(id) => {
-                    let first = &mut record.devices[idx[0]];
-                    if !first.cdi_device_ids.contains(&id) {
-                        first.cdi_device_ids.push(id);
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(request = %name, error = %e, "device metadata not written; the claim is served without it");
-                }
-            }
-        }
     }
 
     /// Undoes everything a record describes, except the checkpoint entry: sharing, MIG

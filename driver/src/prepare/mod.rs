@@ -39,14 +39,19 @@
 //!   again a record's instances (its module docs give the whole discipline);
 //! - `apply`: the one apply step (MIG instances, sharing, CDI spec, device metadata, the
 //!   `Prepared` record) that prepare, recreation and the refresh of restarted sharing run,
-//!   each as an `ApplyPath`;
-//! - `execute`: prepare's intent record and on-demand MIG create, rollback, unprepare;
+//!   each as an `ApplyPath`; it creates prepare's on-demand MIG instances and applies the
+//!   claim's sharing and shares itself;
+//! - `cdi_spec`: what the apply step writes besides the hardware state: the claim's CDI spec
+//!   and its device metadata (called from `apply` only, and `cdi_name` from `execute`);
+//! - `execute`: prepare (intent record, then the apply step), rollback, unprepare; it calls
+//!   `apply`, never the other way round;
 //! - `files`: the driver files and the CDI store on their common edits, looked at again when
 //!   a claim needs a missing file; the sweep of CDI specs of unrecorded claims;
 //! - `summary`: read-only views of the checkpoint for metrics and status
 //!   ([`CheckpointReader`], [`NodeDriver::checkpoint_summary`]).
 
 mod apply;
+mod cdi_spec;
 mod execute;
 mod files;
 mod mig;
