@@ -11,6 +11,7 @@ use super::testing::{
     plain_gpu, with_config,
 };
 use super::*;
+use crate::backend::BackendError;
 use crate::cdi;
 use crate::checkpoint::{CHECKPOINT_FILE, CheckpointData, ClaimRecord, DeviceKind};
 use crate::model::{GpuInfo, MigState, Placement};
