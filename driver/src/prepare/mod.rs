@@ -23,9 +23,10 @@
 //!
 //! [`NodeDriver`] is a façade: each part below is its own type with its own tests, and the
 //! façade runs the sequences over them. The code is split by phase:
-//! - `mod.rs`: the types (errors apart), [`NodeDriver`] with its start (the recovery sequence: `Recovery`,
-//!   the rollback of interrupted prepares, recreation, the CDI sweep, sharing reconciliation,
-//!   also run later by [`NodeDriver::reconcile_sharing`]) and its read-only accessors;
+//! - `mod.rs`: the types (errors apart), [`NodeDriver`] with its start (the recovery
+//!   sequence: `Recovery`, the rollback of interrupted prepares, recreation, the CDI sweep,
+//!   sharing reconciliation, also run later by [`NodeDriver::reconcile_sharing`]) and its
+//!   read-only accessors;
 //! - `store`: the claim store: the checkpoint file and the locked in-memory state, with
 //!   record writes that put memory back when the file cannot be written;
 //! - `plan`: the `Planner`, which holds only the settings it reads: decode the allocation,
@@ -42,7 +43,8 @@
 //!   each as an `ApplyPath`; it creates prepare's on-demand MIG instances and applies the
 //!   claim's sharing and shares itself;
 //! - `cdi_spec`: what the apply step writes besides the hardware state: the claim's CDI spec
-//!   and its device metadata (called from `apply` only, and `cdi_name` from `execute`);
+//!   and its device metadata, written from `apply` only (`execute` uses just `cdi_name`, for
+//!   the CDI IDs it records);
 //! - `execute`: prepare (intent record, then the apply step), rollback, unprepare; it calls
 //!   `apply`, never the other way round;
 //! - `error`: [`PrepareError`] and [`Refusal`] (re-exported here);
