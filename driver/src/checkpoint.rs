@@ -329,39 +329,39 @@ impl MigRecord {
 
     /// Whether cleave created the instance for the claim: it destroys it at unprepare and
     /// creates it again after a reboot. A static instance (false) is never touched.
-    pub fn is_cleaves(&self) -> bool {
+    pub(crate) fn is_cleaves(&self) -> bool {
         self.created_by_cleave
     }
 
     /// Whether an instance of profile `profile_id` at `placement` is at exactly the
     /// recorded profile and placement.
-    pub fn is_at(&self, profile_id: u32, placement: Placement) -> bool {
+    pub(crate) fn is_at(&self, profile_id: u32, placement: Placement) -> bool {
         self.profile_id == profile_id && self.placement == placement
     }
 
     /// Whether a recreation intent of boot `boot` is recorded: an unrecorded instance at the
     /// recorded profile and placement in that boot may be the one a crash left.
-    pub fn intent_of(&self, boot: &str) -> bool {
+    pub(crate) fn intent_of(&self, boot: &str) -> bool {
         self.creating_in_boot.as_deref() == Some(boot)
     }
 
     /// Whether a recreation intent of any boot is recorded.
-    pub fn has_intent(&self) -> bool {
+    pub(crate) fn has_intent(&self) -> bool {
         self.creating_in_boot.is_some()
     }
 
     /// Records the intent to create the instance again in boot `boot`.
-    pub fn record_intent(&mut self, boot: &str) {
+    pub(crate) fn record_intent(&mut self, boot: &str) {
         self.creating_in_boot = Some(boot.to_owned());
     }
 
     /// Drops the recreation intent.
-    pub fn clear_intent(&mut self) {
+    pub(crate) fn clear_intent(&mut self) {
         self.creating_in_boot = None;
     }
 
     /// Records `instance` as the device's instance; an intent is fulfilled by it.
-    pub fn record_instance(&mut self, instance: &crate::model::MigInstance) {
+    pub(crate) fn record_instance(&mut self, instance: &crate::model::MigInstance) {
         self.uuid = Some(instance.uuid.clone());
         self.gi_id = Some(instance.gi_id);
         self.ci_id = Some(instance.ci_id);
@@ -370,7 +370,7 @@ impl MigRecord {
 
     /// Forgets the instance's UUID and IDs (it is gone, or after a reboot they may name
     /// someone else's instance); the intent stays as it is.
-    pub fn forget_instance(&mut self) {
+    pub(crate) fn forget_instance(&mut self) {
         self.uuid = None;
         self.gi_id = None;
         self.ci_id = None;
