@@ -273,13 +273,7 @@ impl MpsRecord {
                 l.ordinal, l.limit
             ));
         }
-        input.push_str(READY_QUERY);
-        for l in &self.pinned_limits {
-            input.push_str(&format!(
-                "get_default_device_pinned_mem_limit {}\n",
-                l.ordinal
-            ));
-        }
+        input.push_str(&self.limit_queries());
         input
     }
 
