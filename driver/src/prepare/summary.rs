@@ -145,15 +145,22 @@ impl NodeDriver {
     /// checkpoint file (the sampler calls this every round); only the daemon records of MPS
     /// claims are read.
     pub fn claim_devices(&self) -> Vec<crate::usage::ClaimDevice> {
-        let state = self.lock();
-        let daemons = state
+        // The daemon records are read without the node lock, so that a prepare never
+        // waits on them; a claim prepared in between is sampled without its daemon's PID
+        // this round.
+        let keys: Vec<String> = self
+            .lock()
             .data
             .claims
             .values()
             .filter(|r| r.state == ClaimState::Prepared)
-            .filter_map(|r| r.sharing.as_ref()?.mps_daemon.as_deref())
-            .filter_map(|key| Some((key.to_owned(), self.mps_daemon(key)?)))
+            .filter_map(|r| r.sharing.as_ref()?.mps_daemon.clone())
             .collect();
+        let daemons = keys
+            .into_iter()
+            .filter_map(|key| Some((key.clone(), self.mps_daemon(&key)?)))
+            .collect();
+        let state = self.lock();
         claim_devices(
             &state.data,
             &daemons,
